@@ -1,0 +1,35 @@
+# Two commands for a new user: `make demo` and `make test`. Both install what they need into
+# .venv in the checkout. The CPU torch wheel is pinned here (it lies on this project's machines'
+# disks); pyproject keeps a wide range so users keep their own CUDA build.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+TORCH   ?= torch==2.13.0
+STAMP   := $(VENV)/.installed
+# GPU machines carry their own torch and take no downloads: test-gpu runs on the system python.
+GPU_PY  ?= python3
+
+.PHONY: install test test-gpu demo bench-io clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e '.[test,plot]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not gpu" tests
+
+test-gpu:
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -m gpu tests
+
+demo: $(STAMP)
+	$(VENV)/bin/tierzero bench-io --dir runs/demo-io --size 256MiB
+
+bench-io: $(STAMP)
+	$(VENV)/bin/tierzero bench-io --dir runs/bench-io --size 1GiB
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,36 @@
+"""The `tierzero` command: train | estimate | bench-io | export | tune.
+
+Each subcommand lives in the module that owns its work; this file only parses and dispatches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _bench_io(argv: list[str]) -> int:
+    from io_engine import bench
+
+    return bench.main(argv)
+
+
+_COMMANDS = {
+    "bench-io": (_bench_io, "sweep io_engine block size x threads against fio on a directory"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="tierzero", description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=sorted(_COMMANDS),
+                        help="; ".join(f"{k}: {v[1]}" for k, v in sorted(_COMMANDS.items())))
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    args = parser.parse_args(argv[:1])
+    return _COMMANDS[args.command][0](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

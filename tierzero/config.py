@@ -1,0 +1,250 @@
+"""tierzero's configuration: frozen, keyword-only dataclasses, validated on construction.
+
+Sizes are ints (bytes) or strings such as "8GiB", "512MB", "1.5GiB". Tiers are the strings
+"device", "host" and "nvme". A Config is read from TOML or JSON with `Config.from_file(path)`
+and chosen from the machine with `Config.auto(model)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+TierName = Literal["device", "host", "nvme"]
+TIER_NAMES: tuple[str, ...] = ("device", "host", "nvme")
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
+    "ti": 1024**4, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | str, *, what: str = "size") -> int:
+    """Bytes from an int or a string like "8GiB", "512MB", "4096"; ValueError otherwise."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what}: expected a byte count such as 4096 or '8GiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{what}: expected a non-negative byte count, got {value}")
+        return value
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ValueError(
+                f"{what}: expected a byte count such as 4096, '512MiB' or '8GiB' "
+                f"(units B, KB/KiB, MB/MiB, GB/GiB, TB/TiB), got {value!r}")
+        return int(float(m.group(1)) * _UNITS[unit])
+    raise ValueError(f"{what}: expected an int or a string such as '8GiB', got {type(value).__name__}")
+
+
+def format_size(nbytes: int | float) -> str:
+    """Human-readable binary size: 1536 -> '1.5 KiB'."""
+    n = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _check_choice(what: str, value: Any, choices: tuple[Any, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{what}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class IOConfig:
+    """Settings of the io_engine used for the NVMe tier (`tierzero bench-io` prints the best)."""
+
+    threads: int = 4
+    """Worker threads issuing preadv/pwritev calls concurrently."""
+    block_size: int | str = "4MiB"
+    """Large requests are split into pieces of this size, served concurrently."""
+    direct: Literal["auto", True, False] = "auto"
+    """O_DIRECT: "auto" uses it where the file system and alignment allow."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.threads, int) or self.threads < 1:
+            raise ValueError(f"io.threads: expected an int >= 1, got {self.threads!r}")
+        bs = parse_size(self.block_size, what="io.block_size")
+        if bs < 4096 or bs % 4096:
+            raise ValueError(f"io.block_size: expected a multiple of 4096 bytes, got {bs}")
+        object.__setattr__(self, "block_size", bs)
+        _check_choice("io.direct", self.direct, ("auto", True, False))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefetchConfig:
+    """How far ahead of compute blocks are fetched, from the trace recorded in the first step."""
+
+    policy: Literal["none", "lookahead", "bytes"] = "lookahead"
+    """none: fetch on demand; lookahead: the next `depth` blocks; bytes: as many upcoming blocks
+    as fit `reserve` bytes of the device budget."""
+    depth: int = 2
+    """Blocks fetched ahead to the device tier with policy "lookahead"."""
+    reserve: int | str = 0
+    """Bytes of the device budget set aside for prefetched blocks with policy "bytes"
+    (0 = half the device budget)."""
+    nvme_depth: int = 4
+    """Blocks read ahead from NVMe into host staging (further ahead than device copies)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("prefetch.policy", self.policy, ("none", "lookahead", "bytes"))
+        for name in ("depth", "nvme_depth"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"prefetch.{name}: expected an int >= 0, got {v!r}")
+        object.__setattr__(self, "reserve", parse_size(self.reserve, what="prefetch.reserve"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """Where training state lives and how it moves. See DESIGN.md "Placement"."""
+
+    device_budget: int | str = "4GiB"
+    """Bytes of the device tier (GPU memory, or the CPU standing in for it without CUDA)."""
+    host_budget: int | str = "16GiB"
+    """Bytes of the host tier (pinned memory with CUDA, page-aligned memory otherwise)."""
+    nvme_dir: str | os.PathLike[str] | None = None
+    """Folder for swap files (one subfolder per rank); its parent must exist. Required when any
+    state is placed on "nvme"."""
+    nvme_budget: int | str = "256GiB"
+    """Bytes of swap space per rank, preallocated as needed."""
+    params: TierName = "host"
+    """Home tier of the parameter shards (compute dtype)."""
+    grads: TierName = "host"
+    """Tier of the fp32 gradient shards."""
+    optimizer_states: TierName = "host"
+    """Tier of fp32 master weights and optimizer moments."""
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype of parameters on the device: "auto" = bfloat16 with CUDA, float32 without."""
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    """Prefetch policy (see PrefetchConfig)."""
+    io: IOConfig = field(default_factory=IOConfig)
+    """io_engine settings for the NVMe tier."""
+    checksums: bool = True
+    """Record a checksum of every NVMe write and verify it on read."""
+    block_classes: tuple[str, ...] = ()
+    """Class names of modules that form blocks; empty = the repeated children (transformer
+    layers) found automatically."""
+    min_block_bytes: int | str = 0
+    """Blocks smaller than this are merged with their neighbour (0 = never merge)."""
+    collective_timeout_s: float = 300.0
+    """Seconds a collective may wait for other ranks before the run fails instead of hanging."""
+
+    def __post_init__(self) -> None:
+        for name in ("device_budget", "host_budget", "nvme_budget", "min_block_bytes"):
+            object.__setattr__(self, name, parse_size(getattr(self, name), what=name))
+        for name in ("params", "grads", "optimizer_states"):
+            _check_choice(name, getattr(self, name), TIER_NAMES)
+        _check_choice("compute_dtype", self.compute_dtype, ("auto", "float32", "bfloat16", "float16"))
+        if isinstance(self.prefetch, Mapping):
+            object.__setattr__(self, "prefetch", PrefetchConfig(**self.prefetch))
+        if isinstance(self.io, Mapping):
+            object.__setattr__(self, "io", IOConfig(**self.io))
+        if not isinstance(self.prefetch, PrefetchConfig):
+            raise ValueError(f"prefetch: expected a PrefetchConfig or a mapping, got {self.prefetch!r}")
+        if not isinstance(self.io, IOConfig):
+            raise ValueError(f"io: expected an IOConfig or a mapping, got {self.io!r}")
+        object.__setattr__(self, "block_classes", tuple(self.block_classes))
+        if self.collective_timeout_s <= 0:
+            raise ValueError(f"collective_timeout_s: expected > 0, got {self.collective_timeout_s}")
+        if self.uses_nvme and self.nvme_dir is None:
+            raise ValueError(
+                "nvme_dir: some state is placed on 'nvme' "
+                f"(params={self.params!r}, grads={self.grads!r}, "
+                f"optimizer_states={self.optimizer_states!r}) but nvme_dir is not set; "
+                "give nvme_dir='/path/on/nvme' or place that state on 'host'")
+        if self.nvme_dir is not None:
+            object.__setattr__(self, "nvme_dir", os.fspath(self.nvme_dir))
+
+    @property
+    def uses_nvme(self) -> bool:
+        return "nvme" in (self.params, self.grads, self.optimizer_states)
+
+    def budget(self, tier: str) -> int:
+        """Budget in bytes of a tier named "device", "host" or "nvme"."""
+        _check_choice("tier", tier, TIER_NAMES)
+        return getattr(self, f"{tier}_budget")
+
+    def replace(self, **changes: Any) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Config":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown config keys {unknown}; known keys are {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> "Config":
+        """Read a Config from a .toml or .json file (a [tierzero] table in TOML is also accepted)."""
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"config file {str(p)!r} does not exist")
+        if p.suffix == ".json":
+            data = json.loads(p.read_text())
+        elif p.suffix == ".toml":
+            try:
+                import tomllib
+            except ModuleNotFoundError as e:  # Python 3.10
+                raise ValueError("reading TOML needs Python >= 3.11; use a .json config") from e
+            data = tomllib.loads(p.read_text())
+            data = data.get("tierzero", data)
+        else:
+            raise ValueError(f"config file {str(p)!r}: expected a .toml or .json file")
+        return cls.from_dict(data)
+
+    @classmethod
+    def auto(cls, model: Any = None, *, nvme_dir: str | os.PathLike[str] | None = None,
+             headroom: float = 0.8, **overrides: Any) -> "Config":
+        """Pick budgets and placement from free GPU memory (torch), RAM (psutil) and free disk.
+
+        Parameters go to the device tier's home only when the whole training state fits there;
+        otherwise state moves down to host, then to NVMe (when nvme_dir is given).
+        """
+        import psutil
+        import torch
+
+        if torch.cuda.is_available():
+            free, _ = torch.cuda.mem_get_info()
+            device_budget = int(free * headroom)
+        else:
+            device_budget = int(psutil.virtual_memory().available * headroom * 0.25)
+        host_budget = int(psutil.virtual_memory().available * headroom * 0.5)
+        state = 0
+        if model is not None:
+            n = sum(p.numel() for p in model.parameters())
+            state = n * (2 + 4 + 12)  # compute-dtype params, fp32 grads, fp32 master + 2 moments
+        params = grads = optim = "host"
+        nvme_budget: int | str = cls.nvme_budget
+        if nvme_dir is not None:
+            import shutil
+            parent = Path(nvme_dir)
+            while not parent.exists() and parent != parent.parent:
+                parent = parent.parent
+            nvme_budget = int(shutil.disk_usage(parent).free * headroom)
+            if state > host_budget:
+                optim = "nvme"
+            if state > 2 * host_budget:
+                params = "nvme"
+        kw: dict[str, Any] = dict(device_budget=device_budget, host_budget=host_budget,
+                                  nvme_dir=nvme_dir, nvme_budget=nvme_budget, params=params,
+                                  grads=grads, optimizer_states=optim)
+        kw.update(overrides)
+        return cls(**kw)
