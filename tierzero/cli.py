@@ -15,8 +15,22 @@ def _bench_io(argv: list[str]) -> int:
     return bench.main(argv)
 
 
+def _train(argv: list[str]) -> int:
+    from tierzero import train
+
+    return train.main(argv)
+
+
+def _estimate(argv: list[str]) -> int:
+    from tierzero import estimate
+
+    return estimate.main(argv)
+
+
 _COMMANDS = {
+    "estimate": (_estimate, "bytes per tier for a built-in model and a config"),
     "bench-io": (_bench_io, "sweep io_engine block size x threads against fio on a directory"),
+    "train": (_train, "train a built-in GPT with tiered state into a run folder"),
 }
 
 
