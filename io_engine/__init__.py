@@ -1,0 +1,16 @@
+"""io_engine: asynchronous file IO into any buffer, with O_DIRECT, a thread pool and checksums.
+
+No torch at its core: buffers are anything with the buffer protocol (numpy arrays, memoryview,
+bytearray, mmap; for a CPU torch tensor pass `t.numpy()` / `t.view(torch.uint8).numpy()`).
+"""
+
+from .buffers import PAGE, aligned_empty
+from .checksum import checksum
+from .engine import IOEngine
+from .errors import IOEngineError
+from .files import PreallocatedFile
+from .future import IOFuture
+from .sizes import format_size, parse_size
+
+__all__ = ["IOEngine", "IOFuture", "IOEngineError", "PreallocatedFile", "aligned_empty", "checksum",
+           "parse_size", "format_size", "PAGE"]
