@@ -1,0 +1,291 @@
+"""The NVMe tier: swap files of one rank, an extent allocator, checksummed IO through io_engine.
+
+Layout: nvme_dir/rank{r}/run-<time>-<pid>-<random>/ holds this run's chunk files and a `.lock`
+file flock'ed for the run's lifetime, so two runs (or two ranks) never share a file and a
+cleanup tool can tell a live run's folder from a crashed one's. Space grows in preallocated
+chunk files (at least CHUNK_BYTES, or one tensor's size if larger) up to the NVMe budget;
+extents are 4 KiB aligned, allocated first-fit and coalesced on free. A tensor takes one extent
+when a hole fits it, else pieces of the largest holes (a `SwapRegion`), so free space left in
+the tails of chunk files is never lost to fragmentation. All IO goes through
+io_engine (O_DIRECT when possible) from page-aligned host buffers; with checksums on, every
+write records the xxh3 of the bytes written and every read verifies it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import fcntl
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from io_engine import IOEngine, IOFuture, PreallocatedFile
+from tierzero.config import IOConfig
+from tierzero.tiers import ALIGNMENT, Budget, round_up
+
+CHUNK_BYTES = 1 << 30
+"""Swap space is added in files of this size (or one extent's size, when larger)."""
+
+
+class ChecksumError(OSError):
+    """Bytes read back from a swap file differ from the bytes written there."""
+
+
+class Extent(NamedTuple):
+    """A 4 KiB-aligned byte range of one chunk file."""
+
+    chunk: int
+    offset: int
+    length: int
+
+
+def write_extent(engine: IOEngine, file: PreallocatedFile, buf: np.ndarray, offset: int, *,
+                 checksum: bool) -> IOFuture:
+    """The one place swap bytes are written (module level so tests can patch it)."""
+    return engine.pwrite(file, buf, offset, checksum=checksum)
+
+
+def read_extent(engine: IOEngine, file: PreallocatedFile, buf: np.ndarray, offset: int, *,
+                checksum: bool) -> IOFuture:
+    """The one place swap bytes are read (module level so tests can patch it)."""
+    return engine.pread(file, buf, offset, checksum=checksum)
+
+
+class SwapRegion(NamedTuple):
+    """Where one tensor's bytes live in the swap files: usually one extent, sometimes pieces."""
+
+    extents: tuple[Extent, ...]
+    length: int
+
+
+class ExtentAllocator:
+    """First-fit allocation of aligned extents over a set of chunks, coalescing on free.
+
+    Pure bookkeeping (no IO): per chunk a sorted list of free (offset, length) holes.
+    """
+
+    def __init__(self, alignment: int = ALIGNMENT) -> None:
+        self.alignment = alignment
+        self._sizes: dict[int, int] = {}
+        self._holes: dict[int, list[tuple[int, int]]] = {}
+        self._next_chunk = 0
+        self.used_bytes = 0
+
+    @property
+    def capacity(self) -> int:
+        return sum(self._sizes.values())
+
+    def chunks(self) -> dict[int, int]:
+        return dict(self._sizes)
+
+    def add_chunk(self, size: int) -> int:
+        assert size > 0 and size % self.alignment == 0, size
+        chunk = self._next_chunk
+        self._next_chunk += 1
+        self._sizes[chunk] = size
+        self._holes[chunk] = [(0, size)]
+        return chunk
+
+    def remove_chunk(self, chunk: int) -> None:
+        assert self.is_empty(chunk), f"chunk {chunk} still holds extents"
+        del self._sizes[chunk], self._holes[chunk]
+
+    def is_empty(self, chunk: int) -> bool:
+        return self._holes[chunk] == [(0, self._sizes[chunk])]
+
+    def alloc(self, nbytes: int) -> Extent | None:
+        """The first hole that fits `nbytes` (rounded up to the alignment), or None."""
+        length = round_up(max(nbytes, 1), self.alignment)
+        for chunk, holes in self._holes.items():
+            for i, (off, size) in enumerate(holes):
+                if size >= length:
+                    return self._take(chunk, i, length)
+        return None
+
+    def alloc_largest(self, max_bytes: int) -> Extent | None:
+        """Up to `max_bytes` (aligned) from the start of the largest hole, or None when full."""
+        best = max(((size, chunk, i) for chunk, holes in self._holes.items()
+                    for i, (_, size) in enumerate(holes)), default=None)
+        if best is None:
+            return None
+        size, chunk, i = best
+        return self._take(chunk, i, min(size, round_up(max_bytes, self.alignment)))
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity - self.used_bytes
+
+    def _take(self, chunk: int, i: int, length: int) -> Extent:
+        holes = self._holes[chunk]
+        off, size = holes[i]
+        if size == length:
+            del holes[i]
+        else:
+            holes[i] = (off + length, size - length)
+        self.used_bytes += length
+        return Extent(chunk, off, length)
+
+    def free(self, ext: Extent) -> None:
+        holes = self._holes[ext.chunk]
+        i = bisect.bisect_left(holes, (ext.offset, 0))
+        assert i == len(holes) or holes[i][0] >= ext.offset + ext.length, f"double free of {ext}"
+        assert i == 0 or sum(holes[i - 1]) <= ext.offset, f"double free of {ext}"
+        start, end = ext.offset, ext.offset + ext.length
+        if i < len(holes) and holes[i][0] == end:  # merge with the hole after
+            end = sum(holes.pop(i))
+        if i > 0 and sum(holes[i - 1]) == start:  # merge with the hole before
+            i -= 1
+            start = holes.pop(i)[0]
+        holes.insert(i, (start, end - start))
+        self.used_bytes -= ext.length
+
+    def __repr__(self) -> str:
+        return f"ExtentAllocator(chunks={len(self._sizes)}, used={self.used_bytes}, capacity={self.capacity})"
+
+
+class SwapSpace:
+    """This run's swap files on one rank: extents reserved from the NVMe budget, checksummed IO.
+
+    Not thread-safe for allocation (the placement manager allocates under its lock); `write` and
+    `read` are blocking, thread-safe, and meant for the manager's worker threads.
+    """
+
+    def __init__(self, nvme_dir: str | os.PathLike[str], rank: int, budget: Budget, io: IOConfig, *,
+                 checksums: bool = True, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.budget = budget
+        self.checksums = checksums
+        self.chunk_bytes = round_up(chunk_bytes)
+        base = Path(nvme_dir)
+        if not base.is_dir():
+            if not base.parent.is_dir():
+                raise FileNotFoundError(
+                    f"nvme_dir {str(base)!r}: its parent folder {str(base.parent)!r} does not exist; "
+                    "give nvme_dir inside an existing folder on the NVMe drive")
+            base.mkdir(exist_ok=True)
+        rank_dir = base / f"rank{rank}"
+        rank_dir.mkdir(exist_ok=True)
+        self.run_dir = rank_dir / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.run_dir.mkdir()
+        self._lock_file = open(self.run_dir / ".lock", "w")
+        fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self.engine = IOEngine(threads=io.threads, block_size=io.block_size, direct=io.direct)
+        self.allocator = ExtentAllocator()
+        self._files: dict[int, PreallocatedFile] = {}
+        self._checksums: dict[tuple[int, int], int] = {}
+        self._closed = False
+
+    @property
+    def file_bytes(self) -> int:
+        return self.allocator.capacity
+
+    def try_alloc(self, nbytes: int) -> SwapRegion | None:
+        """A region for `nbytes` reserved from the NVMe budget, growing the swap files as needed;
+        None when the budget has no room."""
+        length = round_up(max(nbytes, 1))
+        if not self.budget.try_reserve(length):
+            return None
+        try:
+            ext = self.allocator.alloc(length)
+            if ext is None and self.budget.limit - self.file_bytes >= length:
+                self._grow(min(max(self.chunk_bytes, length), self.budget.limit - self.file_bytes))
+                ext = self.allocator.alloc(length)
+            if ext is not None:
+                return SwapRegion((ext,), length)
+            # No hole fits: use the budget's last room, then take pieces of the largest holes.
+            # The reservation guarantees holes + room >= length.
+            if self.allocator.free_bytes < length:
+                self._grow(self.budget.limit - self.file_bytes)
+            pieces = []
+            while sum(e.length for e in pieces) < length:
+                piece = self.allocator.alloc_largest(length - sum(e.length for e in pieces))
+                assert piece is not None, (self.allocator, length)
+                pieces.append(piece)
+            return SwapRegion(tuple(pieces), length)
+        except BaseException:
+            self.budget.release(length)
+            raise
+
+    def free(self, region: SwapRegion) -> None:
+        for ext in region.extents:
+            self._checksums.pop((ext.chunk, ext.offset), None)
+            self.allocator.free(ext)
+        self.budget.release(region.length)
+
+    def write(self, region: SwapRegion, buf: np.ndarray, name: str) -> None:
+        """Write buf[:region.length] (page-aligned) to the region; blocking."""
+        futures = [write_extent(self.engine, self._files[e.chunk], piece, e.offset, checksum=self.checksums)
+                   for e, piece in self._pieces(region, buf)]
+        for e, fut in zip(region.extents, futures):
+            _result(fut, f"writing tensor {name!r} to NVMe")
+            if self.checksums:
+                self._checksums[(e.chunk, e.offset)] = fut.checksum
+
+    def read(self, region: SwapRegion, buf: np.ndarray, name: str) -> None:
+        """Read the region into buf[:region.length] and verify its checksums; blocking."""
+        futures = [read_extent(self.engine, self._files[e.chunk], piece, e.offset, checksum=self.checksums)
+                   for e, piece in self._pieces(region, buf)]
+        for fut in futures:
+            _result(fut, f"reading tensor {name!r} from NVMe")
+        for e, fut in zip(region.extents, futures):
+            expected = self._checksums.get((e.chunk, e.offset)) if self.checksums else None
+            if expected is not None and fut.checksum != expected:
+                raise ChecksumError(
+                    f"checksum mismatch reading tensor {name!r} from {self._files[e.chunk].path} at "
+                    f"offset {e.offset} ({e.length} bytes): wrote xxh3 {expected:#018x}, read back "
+                    f"{fut.checksum:#018x}; the swap file was modified or the drive returned bad data")
+
+    def path(self, region: SwapRegion) -> str:
+        """The file holding the region's first byte."""
+        return str(self._files[region.extents[0].chunk].path)
+
+    def close(self) -> None:
+        """Close the engine and remove this run's swap files and folder; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.engine.close()
+        for f in self._files.values():
+            f.close()
+            os.unlink(f.path)
+        self._files.clear()
+        fcntl.flock(self._lock_file, fcntl.LOCK_UN)
+        self._lock_file.close()
+        (self.run_dir / ".lock").unlink(missing_ok=True)
+        self.run_dir.rmdir()
+
+    def _grow(self, size: int) -> None:
+        size -= size % ALIGNMENT
+        if size <= 0:
+            return
+        chunk = self.allocator.add_chunk(size)
+        try:
+            self._files[chunk] = PreallocatedFile(str(self.run_dir / f"swap{chunk:04d}.bin"), size)
+        except BaseException:
+            self.allocator.remove_chunk(chunk)
+            raise
+
+    def _pieces(self, region: SwapRegion, buf: np.ndarray) -> list[tuple[Extent, np.ndarray]]:
+        if buf.nbytes < region.length:
+            raise ValueError(f"swap IO: buffer of {buf.nbytes} bytes is smaller than the region's {region.length}")
+        out, start = [], 0
+        for e in region.extents:
+            out.append((e, buf[start: start + e.length]))
+            start += e.length
+        return out
+
+    def __repr__(self) -> str:
+        return f"SwapSpace({str(self.run_dir)!r}, files={len(self._files)}, {self.allocator!r})"
+
+
+def _result(fut: IOFuture, what: str) -> int:
+    """fut.result(), with the tensor named on the error (io_engine's names path, offset, errno)."""
+    try:
+        return fut.result()
+    except OSError as e:
+        if hasattr(e, "add_note"):
+            e.add_note(f"tierzero: while {what}")
+        raise

@@ -1,0 +1,135 @@
+"""What moved where and when: move events, stall time, per-tier bytes over time, Chrome traces.
+
+The placement manager reports every finished move (`record_move`), every wait of a caller of
+acquire (`record_stall`), every change of a tier's reserved bytes (`on_bytes`, a budget hook) and
+whether an acquire found its data already there or on its way (`record_prefetch`). Counters of
+the current step are returned and cleared by `reset_step()`; `write_chrome_trace(path)` writes
+the whole run for chrome://tracing or https://ui.perfetto.dev.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+TIERS = ("device", "host", "nvme")
+MAX_EVENTS = 1_000_000
+"""Moves and timeline points kept per run (the oldest are dropped past this)."""
+
+
+class MoveEvent(NamedTuple):
+    """One finished copy of a tensor between two tiers (times from time.perf_counter())."""
+
+    tensor: str
+    src: str
+    dst: str
+    nbytes: int
+    start: float
+    end: float
+
+
+@dataclass
+class StepStats:
+    """Counters of one step, as returned by `Telemetry.reset_step()` (tiers keyed by name)."""
+
+    stall_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIERS, 0.0))
+    """Seconds callers of acquire() waited for data, by the tier they acquired on."""
+    bytes_moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    """Bytes copied toward each tier."""
+    prefetch_hits: int = 0
+    """Acquires that found their copy resident or already in flight."""
+    prefetch_misses: int = 0
+    """Acquires that had to start the copy themselves."""
+
+
+class Telemetry:
+    """Move events, stalls, prefetch hits and per-tier bytes of one PlacementManager."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.t0 = time.perf_counter()
+        self.moves: deque[MoveEvent] = deque(maxlen=MAX_EVENTS)
+        self.timeline: dict[str, deque[tuple[float, int]]] = {t: deque(maxlen=MAX_EVENTS) for t in TIERS}
+        """Per tier, (time, reserved bytes) after every change."""
+        self.stall_s: dict[str, float] = dict.fromkeys(TIERS, 0.0)
+        """Seconds callers of acquire() waited, by destination tier, over the whole run."""
+        self.bytes_moved: dict[str, int] = dict.fromkeys(TIERS, 0)
+        self.current: dict[str, int] = dict.fromkeys(TIERS, 0)
+        self.peak: dict[str, int] = dict.fromkeys(TIERS, 0)
+        self.prefetch_hits = 0
+        self.prefetch_misses = 0
+        self._step = StepStats()
+
+    def on_bytes(self, tier: str, used: int) -> None:
+        """Budget hook: a tier's reserved bytes changed."""
+        tier = str(tier)
+        with self._lock:
+            self.current[tier] = used
+            self.peak[tier] = max(self.peak[tier], used)
+            self.timeline[tier].append((time.perf_counter(), used))
+
+    def record_move(self, tensor: str, src: str, dst: str, nbytes: int, start: float, end: float) -> None:
+        src, dst = str(src), str(dst)
+        with self._lock:
+            self.moves.append(MoveEvent(tensor, src, dst, nbytes, start, end))
+            self.bytes_moved[dst] += nbytes
+            self._step.bytes_moved[dst] += nbytes
+
+    def record_stall(self, tier: str, seconds: float) -> None:
+        tier = str(tier)
+        with self._lock:
+            self.stall_s[tier] += seconds
+            self._step.stall_s[tier] += seconds
+
+    def record_prefetch(self, hit: bool) -> None:
+        with self._lock:
+            if hit:
+                self.prefetch_hits += 1
+                self._step.prefetch_hits += 1
+            else:
+                self.prefetch_misses += 1
+                self._step.prefetch_misses += 1
+
+    def reset_step(self) -> StepStats:
+        """Return this step's counters and start counting the next step."""
+        with self._lock:
+            step, self._step = self._step, StepStats()
+        return step
+
+    def chrome_trace(self) -> dict:
+        """The run as a Chrome trace: one track per copy direction, one counter per tier."""
+        with self._lock:
+            moves = list(self.moves)
+            timeline = {t: list(v) for t, v in self.timeline.items()}
+        pid = os.getpid()
+        us = lambda t: (t - self.t0) * 1e6  # noqa: E731 - trace times are microseconds from start
+        tracks: dict[str, int] = {}
+        events: list[dict] = [{"ph": "M", "pid": pid, "name": "process_name", "args": {"name": "tierzero"}}]
+        for m in moves:
+            track = f"{m.src} -> {m.dst}"
+            if track not in tracks:
+                tracks[track] = len(tracks) + 1
+                events.append({"ph": "M", "pid": pid, "tid": tracks[track], "name": "thread_name",
+                               "args": {"name": track}})
+            events.append({"ph": "X", "pid": pid, "tid": tracks[track], "name": m.tensor, "cat": "move",
+                           "ts": us(m.start), "dur": max(us(m.end) - us(m.start), 0.001),
+                           "args": {"bytes": m.nbytes}})
+        for tier, points in timeline.items():
+            for t, used in points:
+                events.append({"ph": "C", "pid": pid, "name": f"{tier} bytes", "ts": us(t),
+                               "args": {"bytes": used}})
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def write_chrome_trace(self, path: str | os.PathLike[str]) -> None:
+        """Write the Chrome trace JSON (open in https://ui.perfetto.dev or chrome://tracing)."""
+        with open(path, "w") as f:
+            json.dump(self.chrome_trace(), f)
+
+    def __repr__(self) -> str:
+        return (f"Telemetry(moves={len(self.moves)}, stall_s={self.stall_s}, "
+                f"peak={self.peak}, prefetch hits/misses={self.prefetch_hits}/{self.prefetch_misses})")
