@@ -1,0 +1,141 @@
+"""tz.AdamW / tz.SGD / tz.clip_grad_norm_ against torch, state dicts, schedulers, bad input."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import tierzero as tz
+from tierzero import runtime
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(13, 13) for _ in range(3))
+        self.head = nn.Linear(13, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.head(x).square().mean()
+
+
+def pair(**cfg: Any) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    tz.wrap(model, tz.Config(device_budget="1MiB", host_budget="64MiB", compute_dtype="float32", **cfg))
+    return model, ref
+
+
+def backward(model: nn.Module, ref: nn.Module, seed: int) -> None:
+    x = torch.randn(4, 13, generator=torch.Generator().manual_seed(seed))
+    model(x).backward()
+    ref(x).backward()
+
+
+def close(model: nn.Module) -> None:
+    pm = runtime.placement_manager(model)
+    assert pm.peak_bytes("device") <= pm.budget("device")
+    runtime.close(model)
+
+
+def assert_same(model: nn.Module, ref: nn.Module) -> None:
+    sd = model.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], v, rtol=1e-6, atol=0, msg=k)
+
+
+def test_sgd_without_momentum_and_zero_grad_to_zeros() -> None:
+    model, ref = pair()
+    opt, ropt = tz.SGD(model, lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        backward(model, ref, step)
+        opt.step()
+        ropt.step()
+        opt.zero_grad(set_to_none=False)
+        ropt.zero_grad(set_to_none=False)
+    assert_same(model, ref)
+    close(model)
+
+
+def test_clip_returns_total_norm_and_scales_lazily() -> None:
+    model, ref = pair()
+    backward(model, ref, 0)
+    norm = tz.clip_grad_norm_(model, 1e-3)
+    rnorm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3)
+    assert norm.dtype == torch.float32 and torch.equal(norm, rnorm)
+    # A second clip sees the scaled gradients, as torch's would.
+    torch.testing.assert_close(tz.clip_grad_norm_(model, 1.0),
+                               torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0), rtol=1e-6, atol=0)
+    # Accumulating more gradient after clipping applies the pending scale first.
+    backward(model, ref, 1)
+    torch.testing.assert_close(tz.clip_grad_norm_(model, 1.0),
+                               torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0), rtol=1e-6, atol=0)
+    close(model)
+
+
+def test_state_dict_roundtrip_continues_identically(tmp_path: Any) -> None:
+    model, ref = pair(optimizer_states="nvme", nvme_dir=str(tmp_path))
+    opt, ropt = tz.AdamW(model, lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    backward(model, ref, 0)
+    opt.step()
+    ropt.step()
+    opt.zero_grad()
+    ropt.zero_grad()
+    saved = opt.state_dict()
+    assert saved["state"]["layers.0"]["step"] == 1 and saved["param_groups"][0]["lr"] == 1e-2
+    model_sd = model.state_dict()
+    # Train on, then restore the model and optimizer and take the same step again.
+    model(torch.randn(4, 13)).backward()
+    opt.step()
+    opt.zero_grad()
+    model.load_state_dict(model_sd)
+    opt.load_state_dict(saved)
+    backward(model, ref, 1)
+    opt.step()
+    ropt.step()
+    assert_same(model, ref)
+    close(model)
+
+
+def test_scheduler_changes_the_lr_used() -> None:
+    model, ref = pair()
+    opt, ropt = tz.AdamW(model, lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
+    rsched = torch.optim.lr_scheduler.StepLR(ropt, step_size=1, gamma=0.1)
+    for step in range(3):
+        backward(model, ref, step)
+        opt.step()
+        ropt.step()
+        sched.step()
+        rsched.step()
+        opt.zero_grad()
+        ropt.zero_grad()
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-5)
+    assert_same(model, ref)
+    close(model)
+
+
+def test_bad_arguments_are_clear_errors() -> None:
+    model, _ = pair()
+    with pytest.raises(ValueError, match="betas in"):
+        tz.AdamW(model, betas=(0.9, 1.5))
+    with pytest.raises(ValueError, match="SGD: expected lr"):
+        tz.SGD(model, lr=-1.0)
+    with pytest.raises(ValueError, match="not wrapped by tierzero"):
+        tz.AdamW(Net())
+    for p in model.parameters():
+        p.requires_grad_(False)
+    close(model)
+    torch.manual_seed(0)
+    frozen = Net().requires_grad_(False)
+    tz.wrap(frozen, tz.Config(device_budget="1MiB", compute_dtype="float32"))
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        tz.AdamW(frozen)
+    close(frozen)

@@ -1,0 +1,518 @@
+"""Blocks of a wrapped model: the unit that is fetched to the device, computed on, released.
+
+Levels, the way FSDP2 splits them:
+
+- `FlatParam` owns one flat tensor in the placement manager (a block's trainable parameters,
+  or its frozen ones) and the nn.Parameters that view it. Its `ParamState` says what those
+  parameters hold; only `install()` / `uninstall()` change it. It also owns the tensor's fp32
+  gradient (and master weights, for the optimizer) in the placement manager.
+- `Block` groups the FlatParams of some modules, counts holds (forward calls, backward calls,
+  recomputation) and runs the hooks: fetch before forward, release after it, fetch again before
+  backward (a hook on the outputs' gradients), accumulate gradients and release after backward
+  (`RegisterPostBackward` on the inputs).
+- `StepContext` is what blocks share: the placement manager, the prefetcher, the phase of the
+  step and which blocks are held. The root state (runtime.py) owns it.
+
+Parameters are never replaced: each stays the same nn.Parameter object, and its `.data` is set
+to a view into the device copy while held, and to a one-element zero-stride placeholder of the
+same shape, dtype and device otherwise. Autograd saves parameters (leaves) by reference, so a
+backward sees whatever `.data` holds then: the copy the pre-backward hook fetched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable, Iterator, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from tierzero.prefetch import Prefetcher, TraceEvent, Unit
+from tierzero.sharding import FlatLayout, all_gather_flat, reduce_scatter_flat
+from tierzero.tiers import Tier
+
+
+class ParamState(Enum):
+    """What a FlatParam's nn.Parameters hold.
+
+    FREE     one-element zero-stride placeholders with the right shape: no device memory.
+    HELD     views into the flat tensor's pinned device copy: its bytes on the device tier.
+    SCRATCH  full CPU tensors that load_state_dict copies into: the block's bytes in CPU memory
+             outside every budget, only while a load runs.
+    """
+
+    FREE = "free"
+    HELD = "held"
+    SCRATCH = "scratch"
+
+
+class Phase(Enum):
+    """Where a wrapped model is in its step: blocks forwarded during BACKWARD are recomputed."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+def staging_tier(home: Tier) -> Tier:
+    """Where a tensor homed on `home` is worked on by the CPU: NVMe bytes go through host."""
+    return Tier.HOST if home is Tier.NVME else home
+
+
+@dataclass
+class StepContext:
+    """State shared by every block of one wrapped model."""
+
+    pm: Any
+    compute_dtype: torch.dtype
+    grad_tier: Tier
+    master_tier: Tier
+    rank: int = 0
+    group: Any = None
+    prefetcher: Prefetcher | None = None
+    phase: Phase = Phase.IDLE
+    held: dict[str, "Block"] = field(default_factory=dict)
+    callback_queued: bool = False
+    device_home_bytes: int = 0
+    """Bytes of tensors homed on the device tier (not available for fetched copies)."""
+    end_backward: Callable[[], None] | None = None
+    """The root state's final callback of a backward pass."""
+    held_storage: dict[int, "FlatParam"] = field(default_factory=dict)
+    """data_ptr of the device copy -> FlatParam, for every HELD flat tensor."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.pm.device
+
+    def register(self, name: str, data: torch.Tensor, home: Tier, *, dtype: torch.dtype | None = None) -> None:
+        """Register a tensor in the placement manager (the one place the runtime does)."""
+        rec = self.pm.register(name, data, home, dtype=dtype)
+        if home is Tier.DEVICE:
+            self.device_home_bytes += rec.nbytes
+
+    def begin_backward(self) -> None:
+        """First pre-backward hook of a backward pass: queue the final callback once."""
+        self.phase = Phase.BACKWARD
+        if not self.callback_queued and self.end_backward is not None:
+            self.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+
+    def device_room(self) -> int:
+        held = sum(b.nbytes for b in self.held.values())
+        return self.pm.budget(Tier.DEVICE) - self.device_home_bytes - held
+
+
+class FlatParam:
+    """One flat tensor of a block and the nn.Parameters that view it (see module docstring)."""
+
+    def __init__(self, name: str, params: list[nn.Parameter], layout: FlatLayout,
+                 orig_dtypes: list[torch.dtype], ctx: StepContext, home: Tier) -> None:
+        self.name = name
+        self.params = params
+        self.layout = layout
+        self.orig_dtypes = orig_dtypes
+        self.ctx = ctx
+        self.home = home
+        self.trainable = params[0].requires_grad
+        assert all(p.requires_grad == self.trainable for p in params), name
+        self.param_name = f"{name}.param" if self.trainable else f"{name}.frozen"
+        self.grad_name = f"{name}.grad"
+        self.master_name = f"{name}.master"
+        self.has_master = False
+        self.grad_empty = True
+        """set_to_none semantics: no gradient since the last zero_grad()."""
+        self.grad_scale: torch.Tensor | None = None
+        """A factor (clip_grad_norm_) not yet applied to the stored gradient."""
+        self._placeholders = [torch.zeros((), dtype=ctx.compute_dtype, device=ctx.device).expand(s.shape)
+                              for s in layout.slots]
+        self._device: torch.Tensor | None = None
+        """The device copy the parameters view while HELD."""
+        self._state = ParamState.FREE
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.padded_numel * self.ctx.compute_dtype.itemsize
+
+    # ----------------------------------------------------------------------------- setup
+
+    def register(self, values: list[torch.Tensor]) -> None:
+        """Put the parameters' values into the placement manager; the parameters become
+        placeholders. Trainable ones get an fp32 gradient (and, when the compute dtype is
+        narrower than fp32, fp32 master weights made from these full-precision values)."""
+        ctx = self.ctx
+        flat = self.layout.flatten(values, dtype=torch.float32, device="cpu")
+        ctx.register(self.param_name, flat, self.home, dtype=ctx.compute_dtype)
+        if self.trainable:
+            ctx.register(self.grad_name, torch.zeros(self.layout.shard_numel), ctx.grad_tier)
+            if ctx.compute_dtype != torch.float32:
+                ctx.register(self.master_name, flat, ctx.master_tier)
+                self.has_master = True
+        self.uninstall()
+
+    def ensure_master(self) -> None:
+        """fp32 master weights, made from the parameters when the compute dtype is fp32."""
+        if not self.has_master:
+            self.ctx.register(self.master_name, self.ctx.pm.read(self.param_name).float(), self.ctx.master_tier)
+            self.has_master = True
+
+    # ------------------------------------------------------------------------- transitions
+
+    def install(self, flat: torch.Tensor) -> None:
+        """FREE -> HELD: the parameters view the device copy `flat`."""
+        assert self._state is ParamState.FREE, (self.name, self._state)
+        for p, view in zip(self.params, self.layout.views(flat)):
+            p.data = view
+        self._device = flat
+        self.ctx.held_storage[flat.untyped_storage().data_ptr()] = self
+        self._state = ParamState.HELD
+
+    def saved_view(self, saved: "SavedView") -> torch.Tensor:
+        """A tensor saved for backward as a view of this flat tensor's device copy, rebuilt on the
+        copy held now."""
+        if self._state is not ParamState.HELD:
+            raise RuntimeError(
+                f"tierzero: backward needs parameters of {self.name!r} but the block is not fetched; "
+                "a second backward through the same graph (retain_graph=True) is not supported")
+        assert self._device is not None
+        return self._device.as_strided(saved.size, saved.stride, saved.offset)
+
+    def install_scratch(self, values: list[torch.Tensor]) -> None:
+        """FREE -> SCRATCH: the parameters hold `values` (full CPU tensors) for a state-dict load."""
+        if self._state is not ParamState.FREE:
+            raise RuntimeError(f"{self.name}: load_state_dict while the block is in use "
+                               f"({self._state.value}); load between training steps")
+        for p, v in zip(self.params, values):
+            p.data = v
+        self._state = ParamState.SCRATCH
+
+    def uninstall(self) -> None:
+        """HELD / SCRATCH -> FREE: the parameters become placeholders again."""
+        for p, ph in zip(self.params, self._placeholders):
+            p.data = ph
+        if self._device is not None:
+            del self.ctx.held_storage[self._device.untyped_storage().data_ptr()]
+            self._device = None
+        self._state = ParamState.FREE
+
+    def fetch(self) -> None:
+        flat = self.ctx.pm.acquire(self.param_name, Tier.DEVICE)
+        self.install(all_gather_flat(flat, self.layout, self.ctx.group))
+
+    def free(self) -> None:
+        self.uninstall()
+        self.ctx.pm.release(self.param_name, Tier.DEVICE)
+
+    # ---------------------------------------------------------------------------- gradients
+
+    def accumulate_grad(self) -> None:
+        """Move the parameters' .grad into the flat fp32 gradient; idempotent (no .grad: no-op)."""
+        if not self.trainable:
+            return
+        grads = [p.grad for p in self.params]
+        if all(g is None for g in grads):
+            return
+        for p in self.params:
+            p.grad = None  # frees the device copy as soon as it is accumulated
+        with torch.profiler.record_function(f"tierzero::accumulate_grad {self.name}"):
+            full = self.layout.flatten(grads, dtype=torch.float32, device=self.ctx.device)
+            shard = reduce_scatter_flat(full, self.layout, self.ctx.group)
+            with self.grad(writable=True, apply_scale=False) as buf:
+                if self.grad_empty:
+                    buf.copy_(shard)
+                else:
+                    if self.grad_scale is not None:
+                        buf.mul_(self.grad_scale)
+                    buf.add_(shard.to(buf.device))
+            self.grad_scale = None
+            self.grad_empty = False
+
+    @contextlib.contextmanager
+    def grad(self, *, writable: bool = False, apply_scale: bool = True) -> Iterator[torch.Tensor]:
+        """The fp32 gradient shard on the CPU-side tier; with apply_scale, a pending clip factor
+        is applied to a copy (the stored gradient keeps it pending)."""
+        tier = staging_tier(self.ctx.pm.records[self.grad_name].home)
+        buf = self.ctx.pm.acquire(self.grad_name, tier)
+        try:
+            if apply_scale and self.grad_scale is not None:
+                yield buf * self.grad_scale
+            else:
+                yield buf
+        finally:
+            self.ctx.pm.release(self.grad_name, tier, dirty=writable)
+
+    def scale_grad(self, factor: torch.Tensor) -> None:
+        if not self.grad_empty:
+            self.grad_scale = factor if self.grad_scale is None else self.grad_scale * factor
+
+    def clear_grad(self, *, set_to_none: bool = True) -> None:
+        """Forget the gradient (set_to_none) or make it zeros."""
+        for p in self.params:
+            p.grad = None
+        self.grad_scale = None
+        self.grad_empty = set_to_none
+        if not set_to_none and self.trainable:
+            with self.grad(writable=True, apply_scale=False) as buf:
+                buf.zero_()
+
+    # ---------------------------------------------------------------------------- full values
+
+    def read_full(self) -> list[torch.Tensor]:
+        """Current values as CPU tensors in the parameters' original dtypes (from the fp32
+        master weights when there are any)."""
+        pm = self.ctx.pm
+        flat = pm.read(self.master_name if self.has_master else self.param_name)
+        flat = all_gather_flat(flat, self.layout, self.ctx.group)
+        return [v.to(dt, copy=True) for v, dt in zip(self.layout.views(flat), self.orig_dtypes)]
+
+    def write_full(self, values: list[torch.Tensor]) -> None:
+        """Overwrite the values (parameters and master weights)."""
+        flat = self.layout.flatten(values, dtype=torch.float32, device="cpu")
+        self.ctx.pm.store(self.param_name, flat.to(self.ctx.compute_dtype))
+        if self.has_master:
+            self.ctx.pm.store(self.master_name, flat)
+
+    def __repr__(self) -> str:
+        return f"FlatParam({self.param_name!r}, {self.layout}, {self._state.value})"
+
+
+class SavedView(NamedTuple):
+    """A tensor saved for backward that views a held flat tensor's device copy."""
+
+    flat: FlatParam
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+class _Outer(NamedTuple):
+    """A tensor packed by the saved-tensor hooks that were active outside the model's forward."""
+
+    unpack: Callable[[Any], torch.Tensor]
+    packed: Any
+
+
+class SavedParamViews:
+    """Saved-tensor hooks active during the root module's forward.
+
+    Autograd saves parameters that are leaves by reference (backward reads their current .data),
+    but ops also save views of them (F.linear saves weight.t() for its backward). Those would
+    keep the forward's device copy alive until backward, or read a reused buffer. Instead a
+    saved tensor whose storage is a held block's device copy is packed as (flat, size, stride,
+    offset) and rebuilt from the copy the pre-backward hook fetched. Other tensors go to the
+    hooks that were active outside the forward (e.g. torch.autograd.graph.save_on_cpu), or are
+    saved as they are; activation checkpointing installs its own hooks inside, which win.
+    """
+
+    def __init__(self, ctx: StepContext) -> None:
+        self.ctx = ctx
+        self._context: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._outer: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
+
+    def enter(self) -> None:
+        self.exit()
+        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        self._outer = top(False) if top is not None else None
+        self._context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._context.__enter__()
+
+    def exit(self) -> None:
+        if self._context is not None:
+            self._context.__exit__(None, None, None)
+            self._context = None
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        flat = None
+        if t.device == self.ctx.device and self.ctx.held_storage:
+            try:
+                flat = self.ctx.held_storage.get(t.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):  # tensors without storage (subclasses)
+                flat = None
+        if flat is not None and t.dtype == self.ctx.compute_dtype:
+            return SavedView(flat, t.size(), t.stride(), t.storage_offset())
+        if self._outer is not None:
+            pack, unpack = self._outer
+            return _Outer(unpack, pack(t))
+        return t
+
+    @staticmethod
+    def _unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, SavedView):
+            return packed.flat.saved_view(packed)
+        if isinstance(packed, _Outer):
+            return packed.unpack(packed.packed)
+        return packed
+
+
+class RegisterPostBackward(torch.autograd.Function):
+    """Identity on a block call's inputs whose backward runs once their gradients are computed,
+    i.e. after the block's backward: the block's post-backward."""
+
+    @staticmethod
+    def forward(ctx: Any, call: "_Call", *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.call = call
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.call.block.post_backward(ctx.call)
+        return (None, *grads)
+
+
+@dataclass(eq=False)
+class _Call:
+    """One forward call of a block that autograd may run backward through."""
+
+    block: "Block"
+    pre_backward_done: bool = False
+    """The block was fetched for this call's backward (from the start for a recompute)."""
+    post_backward_done: bool = False
+    recompute: bool = False
+    """A forward run again in backward (activation checkpointing)."""
+
+    @property
+    def holds_backward(self) -> bool:
+        """This call holds the block for backward until its post-backward."""
+        return self.pre_backward_done and not self.post_backward_done
+
+
+class Block:
+    """The FlatParams of some modules, fetched and released together (see module docstring)."""
+
+    def __init__(self, name: str, modules: list[nn.Module], flats: list[FlatParam], ctx: StepContext) -> None:
+        self.name = name
+        self.modules = modules
+        self.flats = flats
+        self.ctx = ctx
+        self.unit = Unit(name, tuple(f.param_name for f in flats), sum(f.nbytes for f in flats),
+                         any(f.home is Tier.NVME for f in flats))
+        self._holds = 0
+        self._calls: list[_Call] = []
+        """Forward calls whose backward may still come (swept by the final callback)."""
+        self._running: list[_Call] = []
+        """Calls between their pre- and post-forward hooks."""
+        self._handles: list[Any] = []
+
+    @property
+    def nbytes(self) -> int:
+        return self.unit.nbytes
+
+    def register_hooks(self) -> None:
+        for module in self.modules:
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._post_forward))
+
+    # ------------------------------------------------------------------------------ holds
+
+    def hold(self, phase: str) -> None:
+        """Fetch on the first hold; nested holds (recompute, repeated calls) share the copy."""
+        self._holds += 1
+        if self._holds > 1 or not self.flats:
+            return
+        ctx = self.ctx
+        ctx.held[self.name] = self
+        with torch.profiler.record_function(f"tierzero::fetch {self.name}"):
+            if ctx.prefetcher is not None:
+                ctx.prefetcher.on_fetch(TraceEvent(phase, self.name), ctx.held.keys())
+            for flat in self.flats:
+                flat.fetch()
+
+    def unhold(self) -> None:
+        assert self._holds > 0, f"{self.name}: release without a hold"
+        self._holds -= 1
+        if self._holds == 0 and self.flats:
+            with torch.profiler.record_function(f"tierzero::release {self.name}"):
+                for flat in self.flats:
+                    flat.free()
+            del self.ctx.held[self.name]
+
+    def begin_iteration(self) -> None:
+        """A new forward from the root: release holds an interrupted step left, forget calls
+        whose backward never came."""
+        while self._holds:
+            self.unhold()
+        self._running.clear()
+        self._calls = [c for c in self._calls if c.holds_backward]
+
+    # ------------------------------------------------------------------------------ hooks
+    # A forward call (grad enabled) becomes a _Call: RegisterPostBackward on its inputs, a
+    # pre-backward hook on its outputs. A forward run again inside backward (activation
+    # checkpointing) is a call that holds the block from the start: non-reentrant checkpointing
+    # may stop it early (no post-forward hook) and reentrant checkpointing backpropagates through
+    # it, so its hold ends at the block's next post-backward, not at its post-forward.
+
+    def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        recompute = self.ctx.phase is Phase.BACKWARD
+        self.hold("recompute" if recompute else "forward")
+        if not torch.is_grad_enabled():
+            return None
+        call = _Call(self, pre_backward_done=recompute, recompute=recompute)
+        self._calls.append(call)
+        if not recompute:
+            self._running.append(call)
+        flat, spec = tree_flatten((args, kwargs))
+        idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not idx:
+            return None
+        outs = RegisterPostBackward.apply(call, *(flat[i] for i in idx))
+        for i, t in zip(idx, outs):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
+    def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if self.ctx.phase is Phase.BACKWARD:
+            if not torch.is_grad_enabled():
+                self.unhold()  # a recompute without autograd: nothing comes back for it
+            return None
+        self.unhold()
+        if not torch.is_grad_enabled():
+            return None
+        call = self._running.pop()
+        hook = self._make_pre_backward(call)
+        for t in output_tensors(output):
+            if t.requires_grad:
+                t.register_hook(hook)
+        return None
+
+    def _make_pre_backward(self, call: _Call) -> Callable[[torch.Tensor], None]:
+        def pre_backward(grad: torch.Tensor) -> None:
+            if call.pre_backward_done:
+                return
+            call.pre_backward_done = True
+            if call not in self._calls:
+                self._calls.append(call)
+            self.ctx.begin_backward()
+            self.hold("backward")
+        return pre_backward
+
+    def post_backward(self, call: _Call | None = None) -> None:
+        """Accumulate gradients; release the backward hold of `call` and of every recompute of
+        this block (call None: of every call, at the end of backward). Idempotent."""
+        done = [c for c in self._calls if c.holds_backward and (call is None or c is call or c.recompute)]
+        if call is not None and call.holds_backward and call not in done:
+            done.append(call)
+        for flat in self.flats:
+            flat.accumulate_grad()
+        for c in done:
+            c.post_backward_done = True
+            self.unhold()
+        if call is None:
+            self._calls.clear()
+
+    def __repr__(self) -> str:
+        return f"Block({self.name!r}, {len(self.flats)} flat tensors, {self.nbytes} bytes, holds={self._holds})"
+
+
+def output_tensors(obj: Any) -> list[torch.Tensor]:
+    """Tensors inside an output: tuples, lists, dicts, namedtuples and dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if dataclass_fields := getattr(obj, "__dataclass_fields__", None):
+        return [t for name in dataclass_fields for t in output_tensors(getattr(obj, name))]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in output_tensors(v)]
+    if isinstance(obj, (tuple, list)):
+        return [t for v in obj for t in output_tensors(v)]
+    return []

@@ -1,0 +1,213 @@
+"""Tiered optimizers and gradient clipping over a wrapped model's flat fp32 gradients.
+
+tz.AdamW / tz.SGD are torch.optim.Optimizer subclasses (param_groups with "lr" and friends, so
+torch's LR schedulers work) whose state lives in the placement manager on
+`config.optimizer_states`: fp32 master weights (owned by the runtime's FlatParam) and the
+moments, one flat tensor of each per block. A step walks the blocks in order, streaming each
+block's gradient, master weights and moments to the CPU (the next block's reads start while
+this one updates; dirty releases write back asynchronously), updates them with torch's math in
+fp32, and stores the new compute-dtype parameters on their home tier. The parameters' `.grad`
+are not used; `zero_grad()` clears the flat gradients. One param group, holding every
+trainable parameter of the model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from tierzero import runtime
+from tierzero.blocks import FlatParam, staging_tier
+
+
+class _TieredOptimizer(torch.optim.Optimizer):
+    """The block-by-block step shared by AdamW and SGD; subclasses give the update math."""
+
+    state_kinds: tuple[str, ...] = ()
+    """Flat fp32 state tensors per block besides the master weights (zeros at the start)."""
+
+    def __init__(self, model: nn.Module, defaults: dict[str, Any]) -> None:
+        self._model_state = runtime.state_of(model)
+        self._flats = self._model_state.flat_params(trainable=True)
+        params = [p for flat in self._flats for p in flat.params]
+        if not params:
+            raise ValueError(f"{type(self).__name__}: the model has no trainable parameters "
+                             "(requires_grad=True); nothing to optimize")
+        super().__init__(params, defaults)
+        ctx = self._model_state.ctx
+        self._steps: dict[FlatParam, int] = {}
+        for flat in self._flats:
+            flat.ensure_master()
+            for kind in self.state_kinds:
+                name = self._state_name(flat, kind)
+                if name not in ctx.pm.records:
+                    ctx.register(name, torch.zeros(flat.layout.shard_numel), ctx.master_tier)
+            self._steps[flat] = 0
+
+    @staticmethod
+    def _state_name(flat: FlatParam, kind: str) -> str:
+        return f"{flat.name}.{kind}"
+
+    def _names(self, flat: FlatParam) -> list[str]:
+        return [flat.master_name, *(self._state_name(flat, k) for k in self.state_kinds)]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if len(self.param_groups) != 1:
+            raise ValueError(f"{type(self).__name__} supports one param group, got {len(self.param_groups)}")
+        group = self.param_groups[0]
+        todo = [f for f in self._flats if not f.grad_empty]
+        for i, flat in enumerate(todo):
+            if i + 1 < len(todo):
+                self._prefetch(todo[i + 1])
+            self._steps[flat] += 1
+            with torch.profiler.record_function(f"tierzero::optimizer_step {flat.name}"):
+                self._step_flat(flat, group)
+        return loss
+
+    def _prefetch(self, flat: FlatParam) -> None:
+        pm = self._model_state.pm
+        for name in (flat.grad_name, *self._names(flat)):
+            pm.prefetch(name, staging_tier(pm.records[name].home))
+
+    def _step_flat(self, flat: FlatParam, group: dict[str, Any]) -> None:
+        pm = self._model_state.pm
+        names = self._names(flat)
+        tiers = [staging_tier(pm.records[n].home) for n in names]
+        with flat.grad() as grad:
+            tensors = [pm.acquire(n, t) for n, t in zip(names, tiers)]
+            try:
+                self._update(group, self._steps[flat], grad, *tensors)
+                pm.store(flat.param_name, tensors[0].to(self._model_state.ctx.compute_dtype))
+            finally:
+                for n, t in zip(names, tiers):
+                    pm.release(n, t, dirty=True)
+
+    def _update(self, group: dict[str, Any], step: int, grad: torch.Tensor, param: torch.Tensor,
+                *states: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for flat in self._flats:
+            flat.clear_grad(set_to_none=set_to_none)
+
+    # ------------------------------------------------------------------------- state dicts
+
+    def state_dict(self) -> dict[str, Any]:
+        """param_groups as torch packs them; "state" maps each block to its step count and its
+        fp32 master weights and moments (full CPU tensors)."""
+        sd = super().state_dict()
+        pm = self._model_state.pm
+        sd["state"] = {flat.name: {"step": self._steps[flat],
+                                   **{n.rsplit(".", 1)[1]: pm.read(n) for n in self._names(flat)}}
+                       for flat in self._flats}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"optimizer state has {len(saved_groups)} param groups, expected "
+                             f"{len(self.param_groups)}")
+        for group, saved in zip(self.param_groups, saved_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        pm = self._model_state.pm
+        by_name = {flat.name: flat for flat in self._flats}
+        unknown = sorted(set(state_dict["state"]) - set(by_name))
+        if unknown:
+            raise ValueError(f"optimizer state for unknown blocks {unknown}; this model's blocks are "
+                             f"{sorted(by_name)}")
+        for name, entry in state_dict["state"].items():
+            flat = by_name[name]
+            self._steps[flat] = int(entry["step"])
+            for n in self._names(flat):
+                pm.store(n, entry[n.rsplit(".", 1)[1]])
+            pm.store(flat.param_name, entry["master"].to(self._model_state.ctx.compute_dtype))
+
+
+class AdamW(_TieredOptimizer):
+    """torch.optim.AdamW's math (decoupled weight decay, bias correction) on tiered fp32 state."""
+
+    state_kinds = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, model: nn.Module, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01) -> None:
+        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"AdamW: expected lr, eps, weight_decay >= 0 and betas in [0, 1), got "
+                             f"lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
+        super().__init__(model, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    def _update(self, group: dict[str, Any], step: int, grad: torch.Tensor, param: torch.Tensor,
+                *states: torch.Tensor) -> None:
+        exp_avg, exp_avg_sq = states
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        if wd != 0:
+            param.mul_(1 - lr * wd)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        bias_correction1 = 1 - beta1 ** step
+        bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        param.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
+
+
+class SGD(_TieredOptimizer):
+    """torch.optim.SGD's math (momentum, weight decay; no dampening or Nesterov)."""
+
+    state_kinds = ("momentum",)
+
+    def __init__(self, model: nn.Module, lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
+        if lr < 0 or momentum < 0 or weight_decay < 0:
+            raise ValueError(f"SGD: expected lr, momentum, weight_decay >= 0, got lr={lr}, "
+                             f"momentum={momentum}, weight_decay={weight_decay}")
+        if momentum == 0:
+            self.state_kinds = ()
+        super().__init__(model, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
+
+    def _update(self, group: dict[str, Any], step: int, grad: torch.Tensor, param: torch.Tensor,
+                *states: torch.Tensor) -> None:
+        if group["weight_decay"] != 0:
+            grad = grad.add(param, alpha=group["weight_decay"])
+        if states:
+            (buf,) = states
+            if step == 1:
+                buf.copy_(grad)
+            else:
+                buf.mul_(group["momentum"]).add_(grad)
+            grad = buf
+        param.add_(grad, alpha=-group["lr"])
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ over a wrapped model's flat gradients: returns the total
+    norm (fp32) and scales the gradients by min(1, max_norm / (norm + 1e-6)) (applied lazily,
+    when the optimizer or the next backward reads them)."""
+    state = runtime.state_of(model)
+    flats = [f for f in state.flat_params(trainable=True) if not f.grad_empty]
+    if not flats:
+        return torch.tensor(0.0)
+    pm = state.pm
+    norms: dict[tuple[FlatParam, int], torch.Tensor] = {}
+    for i, flat in enumerate(flats):
+        if i + 1 < len(flats):
+            pm.prefetch(flats[i + 1].grad_name, staging_tier(pm.records[flats[i + 1].grad_name].home))
+        with flat.grad() as g:
+            for j, s in enumerate(flat.layout.slots):
+                norms[flat, j] = torch.linalg.vector_norm(g[s.offset:s.offset + s.numel], norm_type)
+    # The norm of the per-parameter norms in the model's parameter order, as torch computes it:
+    # the same bits as torch.nn.utils.clip_grad_norm_(model.parameters()).
+    total = torch.linalg.vector_norm(torch.stack([norms[k] for k in state.param_order if k in norms]), norm_type)
+    if error_if_nonfinite and (total.isnan() or total.isinf()):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite "
+                           f"({total.item()}); pass error_if_nonfinite=False to clip anyway")
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    for flat in flats:
+        flat.scale_grad(coef)
+    return total

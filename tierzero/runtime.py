@@ -1,0 +1,425 @@
+"""`tz.wrap(model, config)`: transparent tiered training of an unchanged nn.Module.
+
+Phases of one training step, once wrapped:
+
+1. wrap (once): parameters are grouped into blocks (the repeated children, e.g. transformer
+   layers, plus a root block for everything else and for parameters shared between blocks);
+   each block's parameters are packed into flat tensors registered with the placement manager
+   on `config.params` in the compute dtype, with fp32 gradients on `config.grads`; the
+   parameters become placeholders; hooks are registered once.
+2. forward: the root's pre-hook starts an iteration of the prefetcher; each block's pre-hook
+   fetches it to the device (the prefetcher starts copies of the blocks ahead per the trace) and
+   points its parameters at the device copy; its post-hook releases it and hooks its outputs.
+3. backward: the hook on a block's outputs fetches it again; after the block's backward
+   (`RegisterPostBackward` on its inputs) the parameters' .grad are added into the flat fp32
+   gradient and released; a final callback per backward sweeps up what is left (the root
+   block, blocks whose inputs needed no gradient) and ends the prefetcher's iteration.
+4. step: tz.AdamW / tz.SGD / tz.clip_grad_norm_ (optim.py) read the flat gradients, update
+   fp32 master weights block by block, and store the new parameters on their home tier.
+
+The parameters' `.grad` stay None: gradients live in the flat fp32 gradients, which the
+clip function and the optimizers read and `optimizer.zero_grad()` clears. Outside a block's
+forward and backward its parameters hold no data (a zero-stride placeholder of the right shape
+and dtype): read values with `model.state_dict()` or `tz.full_state_dict(model)`, write them
+with `model.load_state_dict()`. During the root's forward, tensors autograd saves that view a
+block's device copy are saved as references into the block (blocks.SavedParamViews), so the
+copy is really freed after the forward and rebuilt for backward.
+
+Limits: blocks run outside the root module's forward are fetched but their saved views are not
+managed; a second backward through one graph (retain_graph=True) is not supported; the
+optimizers take one param group.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from tierzero.blocks import Block, FlatParam, Phase, SavedParamViews, StepContext, output_tensors
+from tierzero.config import Config, format_size
+from tierzero.prefetch import Prefetcher, policy_from_config
+from tierzero.sharding import FlatLayout, world
+from tierzero.telemetry import StepStats
+from tierzero.tiers import Tier
+
+ROOT = "root"
+"""Name of the root block in the placement manager (its tensors are "root.param", ...)."""
+
+_STATES: "weakref.WeakKeyDictionary[nn.Module, TieredState]" = weakref.WeakKeyDictionary()
+"""Side table: wrapped root module -> its state."""
+_OWNED: "weakref.WeakKeyDictionary[nn.Module, nn.Module]" = weakref.WeakKeyDictionary()
+"""Side table: every submodule of a wrapped model -> its root (to refuse wrapping twice)."""
+
+
+class TieredState:
+    """The root state of a wrapped model: placement manager, blocks, prefetcher, root hooks."""
+
+    def __init__(self, model: nn.Module, config: Config, ctx: StepContext, blocks: list[Block]) -> None:
+        self.model = model
+        self.config = config
+        self.ctx = ctx
+        self.blocks = blocks
+        """Non-root blocks in model order, then the root block."""
+        self._flat_of: dict[int, tuple[FlatParam, int]] = {
+            id(p): (flat, i) for b in blocks for flat in b.flats for i, p in enumerate(flat.params)}
+        """id(parameter) -> (its FlatParam, its index there)."""
+        self.param_order = [self._flat_of[id(p)] for p in model.parameters()]
+        """(FlatParam, index) of each parameter in model.parameters() order."""
+        self._handles: list[Any] = []
+        self._saved_views = SavedParamViews(ctx)
+
+    @property
+    def pm(self) -> Any:
+        return self.ctx.pm
+
+    def flat_params(self, *, trainable: bool | None = None) -> list[FlatParam]:
+        return [f for b in self.blocks for f in b.flats if trainable is None or f.trainable == trainable]
+
+    def register_hooks(self) -> None:
+        for block in self.blocks:
+            block.register_hooks()
+            self._register_state_dict_hooks(block)
+        self._handles.append(self.model.register_forward_pre_hook(self._root_pre_forward, prepend=True))
+        self._handles.append(self.model.register_forward_hook(self._root_post_forward, always_call=True))
+        self.ctx.end_backward = self._end_backward
+
+    # ------------------------------------------------------------------------ step lifecycle
+
+    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self.ctx.phase is Phase.BACKWARD:
+            return
+        for block in self.blocks:
+            block.begin_iteration()
+        grad = torch.is_grad_enabled()
+        self.ctx.phase = Phase.FORWARD if grad else Phase.IDLE
+        assert self.ctx.prefetcher is not None
+        self.ctx.prefetcher.begin((grad, module.training))
+        if grad:
+            self._saved_views.enter()
+
+    def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Runs even when the forward raised (always_call)."""
+        if self.ctx.phase is Phase.BACKWARD:
+            return
+        self._saved_views.exit()
+        if not torch.is_grad_enabled() or not any(t.requires_grad for t in output_tensors(output)):
+            self.ctx.phase = Phase.IDLE
+            self.ctx.prefetcher.end()  # type: ignore[union-attr]
+
+    def _end_backward(self) -> None:
+        """Final callback of a backward pass (queued by the first pre-backward hook)."""
+        with torch.profiler.record_function("tierzero::end_backward"):
+            for block in self.blocks:
+                block.post_backward(None)
+            self.ctx.callback_queued = False
+            self.ctx.phase = Phase.IDLE
+            self.ctx.prefetcher.end()  # type: ignore[union-attr]
+
+    # --------------------------------------------------------------------------- state dicts
+
+    def _register_state_dict_hooks(self, block: Block) -> None:
+        for module in block.modules:
+            params = [p for p in _unique(module.parameters()) if self._flat_of.get(id(p), (None,))[0] in block.flats]
+            if not params:
+                continue
+            ids = {id(p) for p in params}
+            flats = list(dict.fromkeys(self._flat_of[i][0] for i in ids))
+            self._handles += [
+                module.register_state_dict_post_hook(
+                    lambda m, sd, prefix, meta, ids=ids: self._save_hook(m, sd, prefix, ids)),
+                module.register_load_state_dict_pre_hook(
+                    lambda m, sd, prefix, meta, *rest, flats=flats: self._load_pre_hook(meta, flats)),
+                module.register_load_state_dict_post_hook(
+                    lambda m, incompatible, flats=flats: self._load_post_hook(flats)),
+            ]
+
+    def _save_hook(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, ids: set[int]) -> None:
+        cache: dict[FlatParam, list[torch.Tensor]] = {}
+        for name, p in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
+            if id(p) in ids and name in state_dict:
+                flat, i = self._flat_of[id(p)]
+                if flat not in cache:
+                    cache[flat] = flat.read_full()
+                state_dict[name] = cache[flat][i]
+
+    def _load_pre_hook(self, local_metadata: dict[str, Any], flats: list[FlatParam]) -> None:
+        if local_metadata.get("assign_to_params_buffers", False):
+            raise ValueError("load_state_dict(assign=True) would replace the parameters of a "
+                             "tierzero-wrapped model; load with assign=False (the default)")
+        for flat in flats:
+            flat.install_scratch(flat.read_full())
+
+    def _load_post_hook(self, flats: list[FlatParam]) -> None:
+        for flat in flats:
+            flat.write_full([p.data for p in flat.params])
+            flat.uninstall()
+
+    def __repr__(self) -> str:
+        return (f"TieredState({type(self.model).__name__}, {len(self.blocks)} blocks, "
+                f"phase={self.ctx.phase.value}, {self.pm!r})")
+
+
+# ------------------------------------------------------------------------------- public API
+
+
+def wrap(model: nn.Module, config: Config, *, process_group: Any = None) -> nn.Module:
+    """Make `model` train with its state on tiers (see the module docstring); returns `model`.
+
+    Raises ValueError for a model already wrapped, an unknown `config.block_classes` name, a
+    device budget too small for the largest block plus the prefetch reserve, or meta-device
+    parameters in a module without `reset_parameters()`.
+    """
+    from tierzero.placement import PlacementManager
+
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"wrap: expected an nn.Module, got {type(model).__name__}")
+    if any(m in _OWNED for m in model.modules()):
+        raise ValueError(f"wrap: {type(model).__name__} is or contains part of a tierzero-wrapped model; "
+                         "wrap a model once (wrap the root module only)")
+    rank, world_size = world(process_group)
+    if world_size > 1:
+        raise ValueError(f"wrap: world size {world_size}: ZeRO-3 across ranks is not implemented yet; "
+                         "run one process (torchrun --nproc-per-node 1) or process_group=None")
+    _check_meta(model)
+    groups = _group_modules(model, config)
+    owner = _assign_params(model, groups)
+    pm = PlacementManager(config, rank=rank)
+    try:
+        ctx = StepContext(pm=pm, compute_dtype=_compute_dtype(config, pm.device),
+                          grad_tier=Tier(config.grads), master_tier=Tier(config.optimizer_states),
+                          rank=rank, group=process_group)
+        specs = _block_specs(model, groups, owner)
+        _check_device_budget(config, specs, ctx.compute_dtype, world_size)
+        blocks = [_build_block(name, modules, params, ctx, Tier(config.params), world_size)
+                  for name, modules, params in specs]
+    except BaseException:
+        pm.close()
+        raise
+    for module in model.modules():
+        for key, buf in module._buffers.items():
+            if buf is not None and buf.device != pm.device:
+                module._buffers[key] = buf.to(pm.device)
+    state = TieredState(model, config, ctx, blocks)
+    ctx.prefetcher = Prefetcher(pm, [b.unit for b in blocks if b.flats], policy_from_config(config),
+                                nvme_depth=config.prefetch.nvme_depth, device_room=ctx.device_room)
+    pm.set_eviction_policy(ctx.prefetcher)
+    state.register_hooks()
+    _STATES[model] = state
+    for m in model.modules():
+        _OWNED[m] = model
+    return model
+
+
+def state_of(model: nn.Module) -> TieredState:
+    """The tierzero state of a wrapped model; ValueError if it is not wrapped."""
+    state = _STATES.get(model)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} is not wrapped by tierzero; call tz.wrap(model, config) first")
+    return state
+
+
+def placement_manager(model: nn.Module) -> Any:
+    """The PlacementManager holding a wrapped model's state (budgets, peaks, telemetry)."""
+    return state_of(model).pm
+
+
+def step_stats(model: nn.Module) -> StepStats:
+    """This step's stall seconds and bytes moved per tier and prefetch hits/misses, since the
+    previous call (call it once per training step)."""
+    return state_of(model).pm.telemetry.reset_step()
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's full state dict as CPU tensors (parameters in their original dtypes), for export."""
+    state_of(model)
+    return {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+
+
+def close(model: nn.Module) -> None:
+    """Free the model's tiered state (swap files, host memory, threads); the model cannot run
+    afterwards. Idempotent."""
+    state_of(model).pm.close()
+
+
+# ------------------------------------------------------------------------------ grouping
+
+
+def _unique(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+    return list({id(p): p for p in params}.values())
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in _unique(module.parameters()))
+
+
+def _group_modules(model: nn.Module, config: Config) -> list[list[tuple[str, nn.Module]]]:
+    """Module groups, one per non-root block, in model order."""
+    if config.block_classes:
+        wanted = set(config.block_classes)
+        present = {type(m).__name__ for m in model.modules()}
+        unknown = sorted(wanted - present)
+        if unknown:
+            with_params = sorted({type(m).__name__ for m in model.modules() if m._parameters})
+            raise ValueError(
+                f"block_classes: no module of class {unknown} in {type(model).__name__}; classes in "
+                f"this model: {sorted(present)} (with parameters of their own: {with_params}); "
+                "give class names from that list, or block_classes=() to find the repeated layers")
+        found: list[tuple[str, nn.Module]] = []
+
+        def walk(prefix: str, module: nn.Module) -> None:
+            for name, child in module.named_children():
+                fqn = f"{prefix}{name}"
+                if type(child).__name__ in wanted:
+                    found.append((fqn, child))
+                else:
+                    walk(f"{fqn}.", child)
+
+        walk("", model)
+    else:
+        found = _repeated_children(model)
+    groups = [[item] for item in found if _numel(item[1])]
+    if config.min_block_bytes and groups:
+        merged: list[list[tuple[str, nn.Module]]] = [groups[0]]
+        for group in groups[1:]:
+            if sum(_numel(m) for _, m in merged[-1]) * 4 < config.min_block_bytes:
+                merged[-1] = merged[-1] + group
+            else:
+                merged.append(group)
+        groups = merged
+    return groups
+
+
+def _repeated_children(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Children of the ModuleList/Sequential with the most parameters whose children that have
+    parameters are all of one class (transformer layers, an MLP stack); [] when there is none."""
+    best: tuple[int, list[tuple[str, nn.Module]]] = (0, [])
+    for fqn, module in model.named_modules():
+        if module is model or not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        kids = [(f"{fqn}.{n}", c) for n, c in module.named_children() if _numel(c)]
+        if len(kids) >= 2 and len({type(c) for _, c in kids}) == 1:
+            size = _numel(module)
+            if size > best[0]:
+                best = (size, kids)
+    return best[1]
+
+
+def _assign_params(model: nn.Module, groups: list[list[tuple[str, nn.Module]]]) -> dict[int, int]:
+    """id(parameter) -> index of its block; -1 for the root (outside every block, or shared
+    between blocks: tied weights belong to the root, used by both)."""
+    owner: dict[int, int] = {}
+    for i, group in enumerate(groups):
+        for _, module in group:
+            for p in _unique(module.parameters()):
+                owner[id(p)] = i if owner.get(id(p), i) == i else -1
+    return owner
+
+
+BlockSpec = tuple[str, list[nn.Module], list[tuple[str, nn.Parameter]]]
+
+
+def _block_specs(model: nn.Module, groups: list[list[tuple[str, nn.Module]]], owner: dict[int, int]) -> list[BlockSpec]:
+    """(name, modules, [(fqn, parameter)]) per block: the groups in order, then the root."""
+    params: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(groups) + 1)]
+    for fqn, p in model.named_parameters():
+        params[owner.get(id(p), -1)].append((fqn, p))
+    specs: list[BlockSpec] = []
+    for group, ps in zip(groups, params):
+        name = group[0][0] if len(group) == 1 else f"{group[0][0]}+{len(group) - 1}"
+        specs.append((name, [m for _, m in group], ps))
+    specs.append((ROOT, [model], params[-1]))
+    return specs
+
+
+def _compute_dtype(config: Config, device: torch.device) -> torch.dtype:
+    if config.compute_dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, config.compute_dtype)
+
+
+def _padded_bytes(params: list[tuple[str, nn.Parameter]], dtype: torch.dtype, world_size: int) -> int:
+    total = 0
+    for trainable in (True, False):
+        ps = [(f, p) for f, p in params if p.requires_grad == trainable]
+        if ps:
+            layout = FlatLayout.build([f for f, _ in ps], [p.shape for _, p in ps], world_size,
+                                      itemsize=dtype.itemsize)
+            total += layout.padded_numel * dtype.itemsize
+    return total
+
+
+def _check_device_budget(config: Config, specs: list[BlockSpec], dtype: torch.dtype, world_size: int) -> None:
+    if config.params == "device":
+        return  # every block lives on the device; the placement manager checks the total
+    sizes = {name: _padded_bytes(ps, dtype, world_size) for name, _, ps in specs}
+    root = sizes.pop(ROOT)
+    largest_name, largest = max(sizes.items(), key=lambda kv: kv[1], default=("(none)", 0))
+    reserve = config.prefetch.reserve if config.prefetch.policy == "bytes" else 0
+    need = root + largest + reserve
+    if config.device_budget < need:
+        raise ValueError(
+            f"device_budget {format_size(config.device_budget)} ({config.device_budget} bytes) is smaller "
+            f"than the root block ({format_size(root)}) plus the largest block {largest_name!r} "
+            f"({format_size(largest)}) plus the prefetch reserve ({format_size(reserve)}) = "
+            f"{format_size(need)} ({need} bytes) that must be on the device at once; raise "
+            f"device_budget to at least {need} bytes, lower prefetch.reserve, or split the model into "
+            "smaller blocks with config.block_classes")
+
+
+def _build_block(name: str, modules: list[nn.Module], params: list[tuple[str, nn.Parameter]],
+                 ctx: StepContext, home: Tier, world_size: int) -> Block:
+    flats = []
+    for trainable in (True, False):
+        ps = [(fqn, p) for fqn, p in params if p.requires_grad == trainable]
+        if not ps:
+            continue
+        _materialize([p for _, p in ps], modules, ctx.device)
+        layout = FlatLayout.build([f for f, _ in ps], [p.shape for _, p in ps], world_size,
+                                  itemsize=ctx.compute_dtype.itemsize)
+        flat = FlatParam(name, [p for _, p in ps], layout, [p.dtype for _, p in ps], ctx, home)
+        flat.register([p.detach() for _, p in ps])
+        flats.append(flat)
+    return Block(name, modules, flats, ctx)
+
+
+# ------------------------------------------------------------------------ meta-device models
+
+
+def _check_meta(model: nn.Module) -> None:
+    missing = [f"{fqn or type(model).__name__} ({type(m).__name__})" for fqn, m in model.named_modules()
+               if _has_meta(m) and not callable(getattr(m, "reset_parameters", None))]
+    if missing:
+        raise ValueError(
+            f"wrap: the model has parameters or buffers on the meta device in modules without "
+            f"reset_parameters(): {missing[:6]}{' ...' if len(missing) > 6 else ''}; give those modules "
+            "a reset_parameters() method that initialises their tensors, or build the model on a real "
+            "device")
+
+
+def _has_meta(module: nn.Module) -> bool:
+    tensors = list(module._parameters.values()) + list(module._buffers.values())
+    return any(t is not None and t.is_meta for t in tensors)
+
+
+def _materialize(params: list[nn.Parameter], modules: list[nn.Module], device: torch.device) -> None:
+    """Give meta parameters real memory (same Parameter objects) and initialise them with their
+    module's reset_parameters(); modules are materialised whole, once, when first needed."""
+    if not any(p.is_meta for p in params):
+        return
+    wanted = {id(p) for p in params if p.is_meta}
+    for root in modules:
+        for module in root.modules():
+            if not _has_meta(module) or not any(id(p) in wanted for p in module._parameters.values() if p is not None):
+                continue
+            for key, p in module._parameters.items():
+                if p is not None and p.is_meta:
+                    torch.utils.swap_tensors(p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
+                                                             requires_grad=p.requires_grad))
+            for key, b in module._buffers.items():
+                if b is not None and b.is_meta:
+                    module._buffers[key] = torch.empty(b.shape, dtype=b.dtype, device=device)
+            with torch.no_grad():
+                module.reset_parameters()
