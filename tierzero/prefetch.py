@@ -117,13 +117,17 @@ class Prefetcher:
     """Records traces, issues prefetches from them, and orders eviction victims by next use."""
 
     def __init__(self, pm: object, units: Sequence[Unit], policy: PrefetchPolicy, *,
-                 nvme_depth: int, device_room: Callable[[], int]) -> None:
+                 nvme_depth: int, device_room: Callable[[], int],
+                 fetch_ahead: Callable[[Unit], object] | None = None) -> None:
         self.pm = pm
         self.units = {u.name: u for u in units}
         self.policy = policy
         self.nvme_depth = nvme_depth
         self.device_room = device_room
         """Bytes of the device budget not taken by homes and held units."""
+        self.fetch_ahead = fetch_ahead or (lambda unit: prefetch_unit(pm, unit, Tier.DEVICE))
+        """Starts bringing a unit to the device (the runtime's block prefetch: a copy, or an
+        all-gather across ranks)."""
         self._unit_of = {t: u.name for u in units for t in u.tensors}
         self._traces: dict[Hashable, tuple[TraceEvent, ...]] = {}
         self._uses: dict[Hashable, dict[str, list[int]]] = {}
@@ -194,7 +198,7 @@ class Prefetcher:
 
     def _issue(self, it: _Iteration, held: set[str]) -> None:
         for unit in self.policy.select(self._upcoming(it, held), self.device_room()):
-            prefetch_unit(self.pm, unit, Tier.DEVICE)
+            self.fetch_ahead(unit)
         if self.nvme_depth:
             ahead = [u for u in _take(self._upcoming(it, held), self.nvme_depth) if u.nvme]
             for unit in ahead:
