@@ -126,7 +126,8 @@ class TieredState:
             if not params:
                 continue
             ids = {id(p) for p in params}
-            flats = list(dict.fromkeys(self._flat_of[i][0] for i in ids))
+            # in parameter order: every rank gathers the same flat tensors in the same order
+            flats = list(dict.fromkeys(self._flat_of[id(p)][0] for p in params))
             self._handles += [
                 module.register_state_dict_post_hook(
                     lambda m, sd, prefix, meta, ids=ids: self._save_hook(m, sd, prefix, ids)),
