@@ -103,7 +103,7 @@ def train_rank(rank: int, world_size: int, init_file: str, out_dir: str) -> None
         result = {"losses": losses, "norms": norms, "home_bytes": homes,
                   "nvme_used": pm.bytes_used("nvme"), "device_peak": pm.peak_bytes("device"),
                   "device_budget": pm.budget("device"), "full_keys": sorted(full),
-                  "state_dict_keys": sorted(sd)}
+                  "state_dict_keys": sorted(sd), "gathered": dict(runtime.state_of(model).ctx.gathered)}
         torch.save({"result": result, "state": full}, os.path.join(out_dir, f"rank{rank}.pt"))
         runtime.close(model)
     finally:
@@ -156,6 +156,11 @@ def test_parity_and_tier_bytes(tmp_path: Path, world_size: int, one_process: dic
                                    msg=lambda m: f"rank {r}: global gradient norms: {m}")
         assert res["device_peak"] <= res["device_budget"], (r, res["device_peak"], res["device_budget"])
         assert res["state_dict_keys"] == keys, r
+        # After the first step records the trace, the prefetcher starts the all-gathers ahead: of
+        # 16 flat-tensor fetches a step, only the root's at the start of forward and the last
+        # block's at the start of backward (released after its forward) are left on demand.
+        gathered = res["gathered"]
+        assert gathered == {"ahead": 12 * (STEPS - 1), "on_demand": 16 + 4 * (STEPS - 1)}, (r, gathered)
         # each rank holds ~1/N of the one-process state (padding to N x 16 elements per flat tensor)
         for tier in ("host", "nvme"):
             whole = one_process["home_bytes"][tier]

@@ -106,7 +106,10 @@ class StepContext:
     held_storage: dict[int, "FlatParam"] = field(default_factory=dict)
     """data_ptr of the device copy -> FlatParam, for every HELD flat tensor."""
     gathers: dict["FlatParam", PendingGather] = field(default_factory=dict)
-    """All-gathers started ahead of their block's fetch (world size > 1), in issue order."""
+    """All-gathers started ahead of their block's fetch (world size > 1), in issue order; they
+    are always among the blocks the prefetcher chose last, so they fit the device room."""
+    gathered: dict[str, int] = field(default_factory=lambda: {"ahead": 0, "on_demand": 0})
+    """Fetches at world size > 1 whose all-gather the prefetcher started ahead / that started it."""
 
     @property
     def device(self) -> torch.device:
@@ -126,8 +129,23 @@ class StepContext:
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
 
     def device_room(self) -> int:
-        held = sum(b.nbytes for b in self.held.values()) + sum(f.nbytes for f in self.gathers)
+        held = sum(b.nbytes for b in self.held.values())
         return self.pm.budget(Tier.DEVICE) - self.device_home_bytes - held
+
+    def gather_ahead(self, blocks: list["Block"]) -> None:
+        """The prefetcher's choice at world size > 1: start the all-gathers of `blocks`, drop
+        those started earlier for blocks neither chosen now nor held (so what is in flight
+        always fits the room the choice was made in). Every rank makes the same choice."""
+        keep = {b.name for b in blocks} | set(self.held)
+        for flat in [f for f in self.gathers if f.name not in keep]:
+            flat.discard_gather()
+        for block in blocks:
+            block.gather_ahead()
+
+    def discard_gathers(self) -> None:
+        """Drop every all-gather started ahead (a new iteration starts from a clean slate)."""
+        for flat in list(self.gathers):
+            flat.discard_gather()
 
 
 class FlatParam:
@@ -235,17 +253,18 @@ class FlatParam:
             self._device = None
         self._state = ParamState.FREE
 
-    def prefetch(self) -> None:
-        """Start bringing the full tensor to the device: the shard's copy at world size 1, the
-        all-gather (after the shard's copy) at world size > 1."""
-        if self.ctx.world_size == 1:
-            self.ctx.pm.prefetch(self.param_name, Tier.DEVICE)
-        elif self._state is ParamState.FREE and self not in self.ctx.gathers:
+    def gather_ahead(self) -> None:
+        """Start the all-gather of the full tensor (world size > 1) unless fetched or started."""
+        assert self.ctx.world_size > 1, self.name
+        if self._state is ParamState.FREE and self not in self.ctx.gathers:
             self.ctx.gathers[self] = self._start_gather()
 
     def fetch(self) -> None:
         """FREE -> HELD on the full tensor, gathered ahead by prefetch() or now."""
-        pending = self.ctx.gathers.pop(self, None) or self._start_gather()
+        pending = self.ctx.gathers.pop(self, None)
+        if self.ctx.world_size > 1:
+            self.ctx.gathered["ahead" if pending is not None else "on_demand"] += 1
+        pending = pending or self._start_gather()
         self._finish_gather(pending)
         self._fetched = pending
         self.install(pending.full)
@@ -501,11 +520,11 @@ class Block:
     def nbytes(self) -> int:
         return self.unit.nbytes
 
-    def prefetch(self) -> None:
-        """Start fetching ahead (the prefetcher's call, from the trace)."""
-        with torch.profiler.record_function(f"tierzero::prefetch {self.name}"):
+    def gather_ahead(self) -> None:
+        """Start the all-gathers of this block's flat tensors (the prefetcher's choice)."""
+        with torch.profiler.record_function(f"tierzero::gather_ahead {self.name}"):
             for flat in self.flats:
-                flat.prefetch()
+                flat.gather_ahead()
 
     def register_hooks(self) -> None:
         for module in self.modules:

@@ -118,16 +118,19 @@ class Prefetcher:
 
     def __init__(self, pm: object, units: Sequence[Unit], policy: PrefetchPolicy, *,
                  nvme_depth: int, device_room: Callable[[], int],
-                 fetch_ahead: Callable[[Unit], object] | None = None) -> None:
+                 fetch_ahead: Callable[[list[Unit]], object] | None = None, device_wraps: bool = True) -> None:
         self.pm = pm
         self.units = {u.name: u for u in units}
         self.policy = policy
         self.nvme_depth = nvme_depth
         self.device_room = device_room
         """Bytes of the device budget not taken by homes and held units."""
-        self.fetch_ahead = fetch_ahead or (lambda unit: prefetch_unit(pm, unit, Tier.DEVICE))
-        """Starts bringing a unit to the device (the runtime's block prefetch: a copy, or an
-        all-gather across ranks)."""
+        self.fetch_ahead = fetch_ahead or (lambda units: [prefetch_unit(pm, u, Tier.DEVICE) for u in units])
+        """Starts bringing the units the policy chose to the device (the runtime's block
+        prefetch: copies, or all-gathers across ranks)."""
+        self.device_wraps = device_wraps
+        """Device prefetches look past the end of an iteration into the next one (False where
+        what they bring cannot outlive the optimizer step: blocks all-gathered across ranks)."""
         self._unit_of = {t: u.name for u in units for t in u.tensors}
         self._traces: dict[Hashable, tuple[TraceEvent, ...]] = {}
         self._uses: dict[Hashable, dict[str, list[int]]] = {}
@@ -185,20 +188,19 @@ class Prefetcher:
 
     # ----------------------------------------------------------------------------- prefetch
 
-    def _upcoming(self, it: _Iteration, exclude: set[str]) -> Iterable[Unit]:
-        """Distinct units in trace order from the current position, wrapping around."""
+    def _upcoming(self, it: _Iteration, exclude: set[str], *, wrap: bool = True) -> Iterable[Unit]:
+        """Distinct units in trace order from the current position, wrapping around (or not)."""
         assert it.trace is not None
         seen = set(exclude)
         n = len(it.trace)
-        for i in range(n):
+        for i in range(n if wrap else max(0, n - it.pos)):
             name = it.trace[(it.pos + i) % n].unit
             if name not in seen:
                 seen.add(name)
                 yield self.units[name]
 
     def _issue(self, it: _Iteration, held: set[str]) -> None:
-        for unit in self.policy.select(self._upcoming(it, held), self.device_room()):
-            self.fetch_ahead(unit)
+        self.fetch_ahead(self.policy.select(self._upcoming(it, held, wrap=self.device_wraps), self.device_room()))
         if self.nvme_depth:
             ahead = [u for u in _take(self._upcoming(it, held), self.nvme_depth) if u.nvme]
             for unit in ahead:

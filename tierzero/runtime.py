@@ -25,6 +25,14 @@ with `model.load_state_dict()`. During the root's forward, tensors autograd save
 block's device copy are saved as references into the block (blocks.SavedParamViews), so the
 copy is really freed after the forward and rebuilt for backward.
 
+Data parallelism (ZeRO-3): with torch.distributed initialised, wrap uses the default process
+group (or `process_group=`). Each rank tiers only its shard of every flat tensor, fetches
+all-gather the blocks (started ahead by the prefetcher), gradients are reduce-scattered and
+averaged, the optimizers step on shards, tz.clip_grad_norm_ takes the global norm, buffers and
+parameters are broadcast from the group's first rank at wrap (see blocks.py). Every rank must
+run the same blocks in the same order (no rank-dependent control flow), and call state_dict(),
+load_state_dict() and tz.full_state_dict() together: they gather.
+
 Limits: blocks run outside the root module's forward are fetched but their saved views are not
 managed; a second backward through one graph (retain_graph=True) is not supported; the
 optimizers take one param group.
@@ -93,6 +101,7 @@ class TieredState:
             return
         for block in self.blocks:
             block.begin_iteration()
+        self.ctx.discard_gathers()
         grad = torch.is_grad_enabled()
         self.ctx.phase = Phase.FORWARD if grad else Phase.IDLE
         assert self.ctx.prefetcher is not None
@@ -203,9 +212,10 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None) -> nn.M
     _broadcast_buffers(model, ctx)
     state = TieredState(model, config, ctx, blocks)
     by_name = {b.name: b for b in blocks}
+    gather_ahead = None if world_size == 1 else lambda units: ctx.gather_ahead([by_name[u.name] for u in units])
     ctx.prefetcher = Prefetcher(pm, [b.unit for b in blocks if b.flats], policy_from_config(config),
                                 nvme_depth=config.prefetch.nvme_depth, device_room=ctx.device_room,
-                                fetch_ahead=lambda unit: by_name[unit.name].prefetch())
+                                fetch_ahead=gather_ahead, device_wraps=world_size == 1)
     pm.set_eviction_policy(ctx.prefetcher)
     state.register_hooks()
     _STATES[model] = state
