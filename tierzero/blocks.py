@@ -260,7 +260,7 @@ class FlatParam:
             self.ctx.gathers[self] = self._start_gather()
 
     def fetch(self) -> None:
-        """FREE -> HELD on the full tensor, gathered ahead by prefetch() or now."""
+        """FREE -> HELD on the full tensor, gathered ahead by gather_ahead() or now."""
         pending = self.ctx.gathers.pop(self, None)
         if self.ctx.world_size > 1:
             self.ctx.gathered["ahead" if pending is not None else "on_demand"] += 1
