@@ -4,8 +4,9 @@ World sizes 2 and 3 train a GPT with uneven sizes (width 60, vocabulary 257), ti
 frozen parameter inside a block and a frozen embedding, parameters and optimizer states on
 NVMe, each rank on its slice of the same global batch; every step's global loss and the final
 parameters must equal plain PyTorch on the whole batch in one process. The tiers of each rank
-must hold about 1/N of what the same run holds in one process. A rank killed mid-training
-must make the other rank exit with an error, not hang.
+must hold about 1/N of what the same run holds in one process. A rank that is killed, stopped
+(SIGSTOP: only the collective timeout can notice) or raises mid-training must make the other
+rank exit with an error naming its rank within 60 s, not hang.
 """
 
 from __future__ import annotations
@@ -233,8 +234,11 @@ def test_train_cli_two_ranks(tmp_path: Path) -> None:
     assert json.loads(outs[0][0])["final_loss"] == summary["final_loss"] and outs[1][0].strip() == ""
 
 
-def test_killed_rank_stops_the_others(tmp_path: Path) -> None:
-    procs = _launch(tmp_path, 2, 100000, "--collective-timeout", "20")
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_lost_rank_stops_the_others(tmp_path: Path, how: str) -> None:
+    """SIGKILL closes rank 1's sockets; SIGSTOP leaves them open, so only the collective
+    timeout (10 s here) can end rank 0's wait."""
+    procs = _launch(tmp_path, 2, 100000, "--collective-timeout", "10")
     metrics = tmp_path / "run" / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 90
@@ -242,15 +246,52 @@ def test_killed_rank_stops_the_others(tmp_path: Path) -> None:
             assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
             assert time.monotonic() < deadline, "training did not start within 90 s"
             time.sleep(0.2)
-        procs[1].send_signal(signal.SIGKILL)
-        killed = time.monotonic()
+        procs[1].send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        lost = time.monotonic()
         try:
             _, err = procs[0].communicate(timeout=60)
         except subprocess.TimeoutExpired:
-            pytest.fail("rank 0 still runs 60 s after rank 1 was killed")
-        elapsed = time.monotonic() - killed
+            pytest.fail(f"rank 0 still runs 60 s after rank 1 was {how}")
+        elapsed = time.monotonic() - lost
     finally:
         _kill_all(procs)
     assert procs[0].returncode != 0, err[-3000:]
     assert "rank 0:" in err, err[-3000:]
-    print(f"rank 0 exited {elapsed:.1f} s after rank 1 was killed, rc={procs[0].returncode}")
+    print(f"rank 0 exited {elapsed:.1f} s after rank 1 was {how}, rc={procs[0].returncode}")
+
+
+RAISING_RANK = """
+import datetime, sys, torch, torch.distributed as dist
+import tierzero as tz
+from tierzero.models import GPT, GPTConfig
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+model = tz.wrap(GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, n_embd=32)),
+                tz.Config(device_budget="64MiB", host_budget="64MiB"))
+opt = tz.AdamW(model)
+for step in range(100000):
+    if dist.get_rank() == 1 and step == 3:
+        raise ValueError("rank 1 fails on purpose")
+    x = torch.randint(0, 64, (2, 16))
+    model(x, x).loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_raising_rank_stops_the_others() -> None:
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", RAISING_RANK], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                                  MASTER_PORT=str(port), PYTHONPATH=os.pathsep.join(sys.path)))
+             for r in range(2)]
+    try:
+        t0 = time.monotonic()
+        errs = [p.communicate(timeout=90)[1] for p in procs]
+        elapsed = time.monotonic() - t0
+    finally:
+        _kill_all(procs)
+    assert procs[1].returncode != 0 and "rank 1 fails on purpose" in errs[1], errs[1][-2000:]
+    assert procs[0].returncode != 0, errs[0][-2000:]
+    # the surviving rank fails in one of tierzero's collectives, with its rank in the message
+    assert "RuntimeError: rank 0: " in errs[0] and "failed" in errs[0], errs[0][-3000:]
+    assert elapsed < 60, elapsed
