@@ -81,6 +81,7 @@ class PendingGather(NamedTuple):
     full: torch.Tensor
     work: Any
     scratch: torch.Tensor | None
+    """Where `full` lives; it holds the shard's device copy pinned until `work` is done."""
 
 
 @dataclass
@@ -269,11 +270,17 @@ class FlatParam:
         self._fetched = pending
         self.install(pending.full)
 
-    def free(self) -> None:
+    def free(self, *, keep_gathered: bool = False) -> None:
+        """HELD -> FREE; keep_gathered: the gathered copy (world size > 1) waits in
+        StepContext.gathers for the next fetch instead of being freed."""
         self.uninstall()
         pending, self._fetched = self._fetched, None
         assert pending is not None, self.name
-        self._drop(pending)
+        if keep_gathered:
+            assert pending.scratch is not None, self.name
+            self.ctx.gathers[self] = pending._replace(work=None)  # done; its shard is released
+        else:
+            self._drop(pending)
 
     def _start_gather(self) -> PendingGather:
         ctx = self.ctx
@@ -550,10 +557,14 @@ class Block:
         assert self._holds > 0, f"{self.name}: release without a hold"
         self._holds -= 1
         if self._holds == 0 and self.flats:
+            ctx = self.ctx
+            # A gathered block fetched again next (the last block: forward, then its backward)
+            # keeps its gathered copy instead of gathering it again.
+            keep = ctx.world_size > 1 and ctx.prefetcher is not None and ctx.prefetcher.next_unit() == self.name
             with torch.profiler.record_function(f"tierzero::release {self.name}"):
                 for flat in self.flats:
-                    flat.free()
-            del self.ctx.held[self.name]
+                    flat.free(keep_gathered=keep)
+            del ctx.held[self.name]
 
     def begin_iteration(self) -> None:
         """A new forward from the root: release holds an interrupted step left, forget calls

@@ -177,6 +177,13 @@ class Prefetcher:
     def trace(self, key: Hashable) -> tuple[TraceEvent, ...] | None:
         return self._traces.get(key)
 
+    def next_unit(self) -> str | None:
+        """The unit the followed trace fetches next (None: no trace followed, or at its end)."""
+        it = self._it
+        if it is None or it.trace is None or it.deviated or it.pos >= len(it.trace):
+            return None
+        return it.trace[it.pos].unit
+
     def _deviate(self, it: _Iteration, why: str) -> None:
         it.deviated = True
         self.deviations += 1
