@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import math
 import os
@@ -29,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 import tierzero as tz
 from tierzero import data as tzdata
@@ -77,10 +79,6 @@ def _config(args: argparse.Namespace) -> tz.Config:
 
 def _init_distributed(cfg: tz.Config) -> tuple[int, int]:
     """(rank, world size); joins the process group torchrun describes in the environment."""
-    import datetime
-
-    import torch.distributed as dist
-
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return 0, 1
@@ -212,8 +210,6 @@ def run(args: argparse.Namespace) -> dict:
 def _global_mean(loss: torch.Tensor, world_size: int) -> float:
     """The loss over the global batch: the mean of the ranks' losses on equal slices."""
     if world_size > 1:
-        import torch.distributed as dist
-
         dist.all_reduce(loss, op=dist.ReduceOp.SUM)
         loss = loss / world_size
     return loss.item()
@@ -223,8 +219,6 @@ def _per_rank(value: object, world_size: int) -> list:
     """`value` of every rank, in rank order."""
     if world_size == 1:
         return [value]
-    import torch.distributed as dist
-
     out: list = [None] * world_size
     dist.all_gather_object(out, value)
     return out
@@ -276,8 +270,7 @@ def plot_run(run_dir: str | os.PathLike[str]) -> Path:
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
-    import torch.distributed as dist
-
+    owns_group = not dist.is_initialized()  # run() joins torchrun's group; leave a caller's alone
     try:
         summary = run(args)
     except Exception as e:
@@ -285,7 +278,7 @@ def main(argv: list[str]) -> int:
             raise
         raise RuntimeError(f"rank {dist.get_rank()}: {type(e).__name__}: {e}") from e
     finally:
-        if dist.is_initialized():
+        if owns_group and dist.is_initialized():
             dist.destroy_process_group()
     if summary["world_size"] > 1 and int(os.environ.get("RANK", "0")) != 0:
         return 0
