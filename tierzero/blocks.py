@@ -2,8 +2,9 @@
 
 Levels, the way FSDP2 splits them:
 
-- `FlatParam` owns one flat tensor in the placement manager (a block's trainable parameters,
-  or its frozen ones) and the nn.Parameters that view it. Its `ParamState` says what those
+- `FlatParam` owns this rank's shard of one flat tensor in the placement manager (a block's
+  trainable parameters, or its frozen ones; the whole flat tensor at world size 1) and the
+  nn.Parameters that view the full tensor while it is fetched. Its `ParamState` says what those
   parameters hold; only `install()` / `uninstall()` change it. It also owns the tensor's fp32
   gradient (and master weights, for the optimizer) in the placement manager.
 - `Block` groups the FlatParams of some modules, counts holds (forward calls, backward calls,
@@ -11,7 +12,16 @@ Levels, the way FSDP2 splits them:
   backward (a hook on the outputs' gradients), accumulate gradients and release after backward
   (`RegisterPostBackward` on the inputs).
 - `StepContext` is what blocks share: the placement manager, the prefetcher, the phase of the
-  step and which blocks are held. The root state (runtime.py) owns it.
+  step, which blocks are held and the all-gathers in flight. The root state (runtime.py) owns it.
+
+ZeRO-3 (world size N > 1): the placement manager tiers only this rank's 1/N shard of each flat
+tensor. A fetch copies the shard to the device and all-gathers every rank's shard into a
+scratch buffer reserved on the device tier (started ahead by the prefetcher, from the trace,
+with async_op=True: a `PendingGather` record in `StepContext.gathers`); the release frees that
+buffer. After backward the flat gradient is reduce-scattered, averaged over ranks, into the fp32
+gradient shard. Every rank issues the same collectives in the same order because they follow the
+same trace through the same model with the same budgets. At world size 1 the shard is the whole
+tensor, the fetched copy is the shard's device copy, and no collective runs.
 
 Parameters are never replaced: each stays the same nn.Parameter object, and its `.data` is set
 to a view into the device copy while held, and to a one-element zero-stride placeholder of the
@@ -31,7 +41,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from tierzero.prefetch import Prefetcher, TraceEvent, Unit
-from tierzero.sharding import FlatLayout, all_gather_flat, reduce_scatter_flat
+from tierzero.sharding import (FlatLayout, all_gather_flat, broadcast_from_first_, rank_errors,
+                               reduce_scatter_flat, start_all_gather)
 from tierzero.tiers import Tier
 
 
@@ -62,6 +73,17 @@ def staging_tier(home: Tier) -> Tier:
     return Tier.HOST if home is Tier.NVME else home
 
 
+class PendingGather(NamedTuple):
+    """One flat tensor fetched or on its way to the device. `full` is every rank's shard
+    gathered once `work` is done (None: nothing in flight); `scratch` is the device buffer
+    `full` lives in (None at world size 1, where `full` is the pinned device copy of the shard)."""
+
+    full: torch.Tensor
+    work: Any
+    scratch: torch.Tensor | None
+    """Where `full` lives; it holds the shard's device copy pinned until `work` is done."""
+
+
 @dataclass
 class StepContext:
     """State shared by every block of one wrapped model."""
@@ -71,7 +93,9 @@ class StepContext:
     grad_tier: Tier
     master_tier: Tier
     rank: int = 0
+    world_size: int = 1
     group: Any = None
+    """The process group of the data-parallel ranks (None: the default group)."""
     prefetcher: Prefetcher | None = None
     phase: Phase = Phase.IDLE
     held: dict[str, "Block"] = field(default_factory=dict)
@@ -82,6 +106,11 @@ class StepContext:
     """The root state's final callback of a backward pass."""
     held_storage: dict[int, "FlatParam"] = field(default_factory=dict)
     """data_ptr of the device copy -> FlatParam, for every HELD flat tensor."""
+    gathers: dict["FlatParam", PendingGather] = field(default_factory=dict)
+    """All-gathers started ahead of their block's fetch (world size > 1), in issue order; they
+    are always among the blocks the prefetcher chose last, so they fit the device room."""
+    gathered: dict[str, int] = field(default_factory=lambda: {"ahead": 0, "on_demand": 0})
+    """Fetches at world size > 1 whose all-gather the prefetcher started ahead / that started it."""
 
     @property
     def device(self) -> torch.device:
@@ -103,6 +132,21 @@ class StepContext:
     def device_room(self) -> int:
         held = sum(b.nbytes for b in self.held.values())
         return self.pm.budget(Tier.DEVICE) - self.device_home_bytes - held
+
+    def gather_ahead(self, blocks: list["Block"]) -> None:
+        """The prefetcher's choice at world size > 1: start the all-gathers of `blocks`, drop
+        those started earlier for blocks neither chosen now nor held (so what is in flight
+        always fits the room the choice was made in). Every rank makes the same choice."""
+        keep = {b.name for b in blocks} | set(self.held)
+        for flat in [f for f in self.gathers if f.name not in keep]:
+            flat.discard_gather()
+        for block in blocks:
+            block.gather_ahead()
+
+    def discard_gathers(self) -> None:
+        """Drop every all-gather started ahead (a new iteration starts from a clean slate)."""
+        for flat in list(self.gathers):
+            flat.discard_gather()
 
 
 class FlatParam:
@@ -130,25 +174,38 @@ class FlatParam:
                               for s in layout.slots]
         self._device: torch.Tensor | None = None
         """The device copy the parameters view while HELD."""
+        self._fetched: PendingGather | None = None
+        """The finished fetch whose memory `_device` is, while HELD."""
         self._state = ParamState.FREE
 
     @property
     def nbytes(self) -> int:
-        return self.layout.padded_numel * self.ctx.compute_dtype.itemsize
+        """Device bytes while fetched: the full flat tensor, plus the shard it is gathered from
+        at world size > 1 (pinned until the gather is done)."""
+        return fetched_bytes(self.layout, self.ctx.compute_dtype)
+
+    @property
+    def shard(self) -> slice:
+        """This rank's part of the flat tensor."""
+        return slice(*self.layout.shard_range(self.ctx.rank))
 
     # ----------------------------------------------------------------------------- setup
 
     def register(self, values: list[torch.Tensor]) -> None:
-        """Put the parameters' values into the placement manager; the parameters become
-        placeholders. Trainable ones get an fp32 gradient (and, when the compute dtype is
-        narrower than fp32, fp32 master weights made from these full-precision values)."""
+        """Put this rank's shard of the parameters' values (the first rank's values, so every
+        rank starts alike) into the placement manager; the parameters become placeholders.
+        Trainable ones get an fp32 gradient shard (and, when the compute dtype is narrower than
+        fp32, fp32 master weights made from these full-precision values)."""
         ctx = self.ctx
         flat = self.layout.flatten(values, dtype=torch.float32, device="cpu")
-        ctx.register(self.param_name, flat, self.home, dtype=ctx.compute_dtype)
+        with rank_errors(ctx.rank, ctx.world_size, f"broadcast of {self.param_name} at wrap"):
+            broadcast_from_first_(flat, ctx.group, ctx.world_size)
+        shard = flat[self.shard]
+        ctx.register(self.param_name, shard, self.home, dtype=ctx.compute_dtype)
         if self.trainable:
             ctx.register(self.grad_name, torch.zeros(self.layout.shard_numel), ctx.grad_tier)
             if ctx.compute_dtype != torch.float32:
-                ctx.register(self.master_name, flat, ctx.master_tier)
+                ctx.register(self.master_name, shard, ctx.master_tier)
                 self.has_master = True
         self.uninstall()
 
@@ -197,13 +254,74 @@ class FlatParam:
             self._device = None
         self._state = ParamState.FREE
 
-    def fetch(self) -> None:
-        flat = self.ctx.pm.acquire(self.param_name, Tier.DEVICE)
-        self.install(all_gather_flat(flat, self.layout, self.ctx.group))
+    def gather_ahead(self) -> None:
+        """Start the all-gather of the full tensor (world size > 1) unless fetched or started."""
+        assert self.ctx.world_size > 1, self.name
+        if self._state is ParamState.FREE and self not in self.ctx.gathers:
+            self.ctx.gathers[self] = self._start_gather()
 
-    def free(self) -> None:
+    def fetch(self) -> None:
+        """FREE -> HELD on the full tensor, gathered ahead by gather_ahead() or now."""
+        pending = self.ctx.gathers.pop(self, None)
+        if self.ctx.world_size > 1:
+            self.ctx.gathered["ahead" if pending is not None else "on_demand"] += 1
+        pending = pending or self._start_gather()
+        self._finish_gather(pending)
+        self._fetched = pending
+        self.install(pending.full)
+
+    def free(self, *, keep_gathered: bool = False) -> None:
+        """HELD -> FREE; keep_gathered: the gathered copy (world size > 1) waits in
+        StepContext.gathers for the next fetch instead of being freed."""
         self.uninstall()
+        pending, self._fetched = self._fetched, None
+        assert pending is not None, self.name
+        if keep_gathered:
+            assert pending.scratch is not None, self.name
+            self.ctx.gathers[self] = pending._replace(work=None)  # done; its shard is released
+        else:
+            self._drop(pending)
+
+    def _start_gather(self) -> PendingGather:
+        ctx = self.ctx
+        shard = ctx.pm.acquire(self.param_name, Tier.DEVICE)
+        if ctx.world_size == 1:
+            return PendingGather(shard, None, None)
+        nbytes = self.layout.padded_numel * ctx.compute_dtype.itemsize
+        try:
+            scratch = ctx.pm.reserve_scratch(nbytes, Tier.DEVICE, what=f"{self.param_name} (gathered)")
+        except BaseException:
+            ctx.pm.release(self.param_name, Tier.DEVICE)
+            raise
+        full = scratch[:nbytes].view(ctx.compute_dtype)
+        with torch.profiler.record_function(f"tierzero::all_gather {self.name}"), \
+                rank_errors(ctx.rank, ctx.world_size, f"all-gather of {self.param_name}"):
+            work = start_all_gather(shard, full, ctx.group)
+        return PendingGather(full, work, scratch)
+
+    def _finish_gather(self, pending: PendingGather) -> None:
+        """Wait for the all-gather; the shard's device copy is then no longer needed (it stays
+        cached, evictable)."""
+        if pending.work is None:
+            return
+        with torch.profiler.record_function(f"tierzero::wait_all_gather {self.name}"), \
+                rank_errors(self.ctx.rank, self.ctx.world_size, f"all-gather of {self.param_name}"):
+            pending.work.wait()
         self.ctx.pm.release(self.param_name, Tier.DEVICE)
+
+    def _drop(self, pending: PendingGather) -> None:
+        """Give back the device memory of a finished fetch."""
+        if pending.scratch is None:
+            self.ctx.pm.release(self.param_name, Tier.DEVICE)
+        else:
+            self.ctx.pm.free_scratch(pending.scratch, Tier.DEVICE)
+
+    def discard_gather(self) -> None:
+        """Forget an all-gather started ahead (its values are stale once the shard is written)."""
+        pending = self.ctx.gathers.pop(self, None)
+        if pending is not None:
+            self._finish_gather(pending)
+            self._drop(pending)
 
     # ---------------------------------------------------------------------------- gradients
 
@@ -218,7 +336,8 @@ class FlatParam:
             p.grad = None  # frees the device copy as soon as it is accumulated
         with torch.profiler.record_function(f"tierzero::accumulate_grad {self.name}"):
             full = self.layout.flatten(grads, dtype=torch.float32, device=self.ctx.device)
-            shard = reduce_scatter_flat(full, self.layout, self.ctx.group)
+            with rank_errors(self.ctx.rank, self.ctx.world_size, f"reduce-scatter of {self.grad_name}"):
+                shard = reduce_scatter_flat(full, self.layout, self.ctx.group)
             with self.grad(writable=True, apply_scale=False) as buf:
                 if self.grad_empty:
                     buf.copy_(shard)
@@ -261,18 +380,27 @@ class FlatParam:
 
     def read_full(self) -> list[torch.Tensor]:
         """Current values as CPU tensors in the parameters' original dtypes (from the fp32
-        master weights when there are any)."""
-        pm = self.ctx.pm
-        flat = pm.read(self.master_name if self.has_master else self.param_name)
-        flat = all_gather_flat(flat, self.layout, self.ctx.group)
+        master weights when there are any), gathered from every rank (a collective: every rank
+        calls it)."""
+        ctx = self.ctx
+        flat = ctx.pm.read(self.master_name if self.has_master else self.param_name)
+        if ctx.world_size > 1:
+            with rank_errors(ctx.rank, ctx.world_size, f"all-gather of {self.param_name} for a state dict"):
+                flat = all_gather_flat(flat.to(ctx.device), self.layout, ctx.group).cpu()
         return [v.to(dt, copy=True) for v, dt in zip(self.layout.views(flat), self.orig_dtypes)]
 
     def write_full(self, values: list[torch.Tensor]) -> None:
-        """Overwrite the values (parameters and master weights)."""
-        flat = self.layout.flatten(values, dtype=torch.float32, device="cpu")
-        self.ctx.pm.store(self.param_name, flat.to(self.ctx.compute_dtype))
+        """Overwrite the values (parameters and master weights) with this rank's part of
+        `values` (full tensors)."""
+        flat = self.layout.flatten(values, dtype=torch.float32, device="cpu")[self.shard]
         if self.has_master:
             self.ctx.pm.store(self.master_name, flat)
+        self.store_param(flat)
+
+    def store_param(self, master: torch.Tensor) -> None:
+        """New values of this rank's parameter shard, from fp32 `master` (the optimizer step)."""
+        self.ctx.pm.store(self.param_name, master.to(self.ctx.compute_dtype))
+        self.discard_gather()
 
     def __repr__(self) -> str:
         return f"FlatParam({self.param_name!r}, {self.layout}, {self._state.value})"
@@ -399,6 +527,12 @@ class Block:
     def nbytes(self) -> int:
         return self.unit.nbytes
 
+    def gather_ahead(self) -> None:
+        """Start the all-gathers of this block's flat tensors (the prefetcher's choice)."""
+        with torch.profiler.record_function(f"tierzero::gather_ahead {self.name}"):
+            for flat in self.flats:
+                flat.gather_ahead()
+
     def register_hooks(self) -> None:
         for module in self.modules:
             self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
@@ -423,10 +557,14 @@ class Block:
         assert self._holds > 0, f"{self.name}: release without a hold"
         self._holds -= 1
         if self._holds == 0 and self.flats:
+            ctx = self.ctx
+            # A gathered block fetched again next (the last block: forward, then its backward)
+            # keeps its gathered copy instead of gathering it again.
+            keep = ctx.world_size > 1 and ctx.prefetcher is not None and ctx.prefetcher.next_unit() == self.name
             with torch.profiler.record_function(f"tierzero::release {self.name}"):
                 for flat in self.flats:
-                    flat.free()
-            del self.ctx.held[self.name]
+                    flat.free(keep_gathered=keep)
+            del ctx.held[self.name]
 
     def begin_iteration(self) -> None:
         """A new forward from the root: release holds an interrupted step left, forget calls
@@ -503,6 +641,13 @@ class Block:
 
     def __repr__(self) -> str:
         return f"Block({self.name!r}, {len(self.flats)} flat tensors, {self.nbytes} bytes, holds={self._holds})"
+
+
+def fetched_bytes(layout: FlatLayout, dtype: torch.dtype) -> int:
+    """Device bytes of a fetched flat tensor: the full tensor, plus at world size > 1 the shard
+    it is gathered from."""
+    extra = layout.shard_numel if layout.world_size > 1 else 0
+    return (layout.padded_numel + extra) * dtype.itemsize
 
 
 def output_tensors(obj: Any) -> list[torch.Tensor]:

@@ -140,7 +140,9 @@ class Config:
     min_block_bytes: int | str = 0
     """Blocks smaller than this are merged with their neighbour (0 = never merge)."""
     collective_timeout_s: float = 300.0
-    """Seconds a collective may wait for other ranks before the run fails instead of hanging."""
+    """Seconds a collective may wait for other ranks before the run fails instead of hanging.
+    `tierzero train` gives it to torch.distributed.init_process_group; a script that creates the
+    process group itself passes `timeout=datetime.timedelta(seconds=config.collective_timeout_s)`."""
 
     def __post_init__(self) -> None:
         for name in ("device_budget", "host_budget", "nvme_budget", "min_block_bytes"):

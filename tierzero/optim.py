@@ -13,6 +13,7 @@ trainable parameter of the model.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -20,6 +21,7 @@ from torch import nn
 
 from tierzero import runtime
 from tierzero.blocks import FlatParam, staging_tier
+from tierzero.sharding import all_reduce_, rank_errors
 
 
 class _TieredOptimizer(torch.optim.Optimizer):
@@ -84,7 +86,7 @@ class _TieredOptimizer(torch.optim.Optimizer):
             tensors = [pm.acquire(n, t) for n, t in zip(names, tiers)]
             try:
                 self._update(group, self._steps[flat], grad, *tensors)
-                pm.store(flat.param_name, tensors[0].to(self._model_state.ctx.compute_dtype))
+                flat.store_param(tensors[0])
             finally:
                 for n, t in zip(names, tiers):
                     pm.release(n, t, dirty=True)
@@ -127,7 +129,18 @@ class _TieredOptimizer(torch.optim.Optimizer):
             self._steps[flat] = int(entry["step"])
             for n in self._names(flat):
                 pm.store(n, entry[n.rsplit(".", 1)[1]])
-            pm.store(flat.param_name, entry["master"].to(self._model_state.ctx.compute_dtype))
+            flat.store_param(entry["master"])
+
+
+def _global_norm(shard_norms: list[torch.Tensor], norm_type: float, ctx: Any) -> torch.Tensor:
+    """The norm over every rank's gradient shards from this rank's per-shard norms (shards split
+    the flat gradients exactly, padding holds zeros)."""
+    local = torch.stack(shard_norms).to(ctx.device)
+    with rank_errors(ctx.rank, ctx.world_size, "all-reduce of the gradient norm"):
+        if math.isinf(norm_type):
+            return all_reduce_(local.max(), ctx.group, ctx.world_size, op="max").cpu()
+        powered = all_reduce_(local.pow(norm_type).sum(), ctx.group, ctx.world_size)
+    return powered.pow(1.0 / norm_type).cpu()
 
 
 class AdamW(_TieredOptimizer):
@@ -188,22 +201,30 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ over a wrapped model's flat gradients: returns the total
     norm (fp32) and scales the gradients by min(1, max_norm / (norm + 1e-6)) (applied lazily,
-    when the optimizer or the next backward reads them)."""
+    when the optimizer or the next backward reads them). With several ranks the norm is the
+    global one over every rank's gradient shard (a collective: every rank calls it)."""
     state = runtime.state_of(model)
     flats = [f for f in state.flat_params(trainable=True) if not f.grad_empty]
     if not flats:
         return torch.tensor(0.0)
     pm = state.pm
+    ctx = state.ctx
     norms: dict[tuple[FlatParam, int], torch.Tensor] = {}
     for i, flat in enumerate(flats):
         if i + 1 < len(flats):
             pm.prefetch(flats[i + 1].grad_name, staging_tier(pm.records[flats[i + 1].grad_name].home))
         with flat.grad() as g:
-            for j, s in enumerate(flat.layout.slots):
-                norms[flat, j] = torch.linalg.vector_norm(g[s.offset:s.offset + s.numel], norm_type)
-    # The norm of the per-parameter norms in the model's parameter order, as torch computes it:
-    # the same bits as torch.nn.utils.clip_grad_norm_(model.parameters()).
-    total = torch.linalg.vector_norm(torch.stack([norms[k] for k in state.param_order if k in norms]), norm_type)
+            if ctx.world_size == 1:
+                for j, s in enumerate(flat.layout.slots):
+                    norms[flat, j] = torch.linalg.vector_norm(g[s.offset:s.offset + s.numel], norm_type)
+            else:
+                norms[flat, 0] = torch.linalg.vector_norm(g, norm_type)
+    if ctx.world_size == 1:
+        # The norm of the per-parameter norms in the model's parameter order, as torch computes
+        # it: the same bits as torch.nn.utils.clip_grad_norm_(model.parameters()).
+        total = torch.linalg.vector_norm(torch.stack([norms[k] for k in state.param_order if k in norms]), norm_type)
+    else:
+        total = _global_norm(list(norms.values()), float(norm_type), ctx)
     if error_if_nonfinite and (total.isnan() or total.isinf()):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite "
                            f"({total.item()}); pass error_if_nonfinite=False to clip anyway")

@@ -372,6 +372,28 @@ class PlacementManager:
             self.swap.read(home.buffer, buf.numpy(), name)
             return _typed(buf, rec)
 
+    def reserve_scratch(self, nbytes: int, tier: Tier | str = Tier.DEVICE, *, what: str) -> torch.Tensor:
+        """A uint8 buffer of at least `nbytes` on `tier` that the caller fills itself (a block
+        gathered from every rank's shards), reserved within the tier's budget like any copy
+        (evicting unpinned cached copies, waiting up to wait_timeout_s for releases); give it
+        back with free_scratch(). `what` names it in errors."""
+        tier = Tier.parse(tier, what=f"reserve_scratch({what!r}) tier")
+        if tier is Tier.NVME:
+            raise ValueError(f"reserve_scratch({what!r}, 'nvme'): scratch buffers live on 'device' or 'host'")
+        rec = TensorRecord(what, torch.Size([nbytes]), torch.uint8, tier, self._moves)  # names it in errors
+        with self._cond:
+            self._check_open()
+            self._check_fits(rec, tier)
+            (buf,) = self._wait_until(lambda: self._try_room([(tier, nbytes)], rec), rec,
+                                      f"reserve_scratch({what!r}, {tier.value!r})")
+        return buf
+
+    def free_scratch(self, buf: torch.Tensor, tier: Tier | str = Tier.DEVICE) -> None:
+        """Give back a buffer from reserve_scratch()."""
+        with self._cond:
+            self._free(Tier.parse(tier), buf)
+            self._cond.notify_all()
+
     def flush(self) -> None:
         """Wait for every move in flight; raise the first write-back error since the last flush."""
         while True:

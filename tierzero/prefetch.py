@@ -117,13 +117,20 @@ class Prefetcher:
     """Records traces, issues prefetches from them, and orders eviction victims by next use."""
 
     def __init__(self, pm: object, units: Sequence[Unit], policy: PrefetchPolicy, *,
-                 nvme_depth: int, device_room: Callable[[], int]) -> None:
+                 nvme_depth: int, device_room: Callable[[], int],
+                 fetch_ahead: Callable[[list[Unit]], object] | None = None, device_wraps: bool = True) -> None:
         self.pm = pm
         self.units = {u.name: u for u in units}
         self.policy = policy
         self.nvme_depth = nvme_depth
         self.device_room = device_room
         """Bytes of the device budget not taken by homes and held units."""
+        self.fetch_ahead = fetch_ahead or (lambda units: [prefetch_unit(pm, u, Tier.DEVICE) for u in units])
+        """Starts bringing the units the policy chose to the device (the runtime's block
+        prefetch: copies, or all-gathers across ranks)."""
+        self.device_wraps = device_wraps
+        """Device prefetches look past the end of an iteration into the next one (False where
+        what they bring cannot outlive the optimizer step: blocks all-gathered across ranks)."""
         self._unit_of = {t: u.name for u in units for t in u.tensors}
         self._traces: dict[Hashable, tuple[TraceEvent, ...]] = {}
         self._uses: dict[Hashable, dict[str, list[int]]] = {}
@@ -170,6 +177,13 @@ class Prefetcher:
     def trace(self, key: Hashable) -> tuple[TraceEvent, ...] | None:
         return self._traces.get(key)
 
+    def next_unit(self) -> str | None:
+        """The unit the followed trace fetches next (None: no trace followed, or at its end)."""
+        it = self._it
+        if it is None or it.trace is None or it.deviated or it.pos >= len(it.trace):
+            return None
+        return it.trace[it.pos].unit
+
     def _deviate(self, it: _Iteration, why: str) -> None:
         it.deviated = True
         self.deviations += 1
@@ -181,20 +195,19 @@ class Prefetcher:
 
     # ----------------------------------------------------------------------------- prefetch
 
-    def _upcoming(self, it: _Iteration, exclude: set[str]) -> Iterable[Unit]:
-        """Distinct units in trace order from the current position, wrapping around."""
+    def _upcoming(self, it: _Iteration, exclude: set[str], *, wrap: bool = True) -> Iterable[Unit]:
+        """Distinct units in trace order from the current position, wrapping around (or not)."""
         assert it.trace is not None
         seen = set(exclude)
         n = len(it.trace)
-        for i in range(n):
+        for i in range(n if wrap else max(0, n - it.pos)):
             name = it.trace[(it.pos + i) % n].unit
             if name not in seen:
                 seen.add(name)
                 yield self.units[name]
 
     def _issue(self, it: _Iteration, held: set[str]) -> None:
-        for unit in self.policy.select(self._upcoming(it, held), self.device_room()):
-            prefetch_unit(self.pm, unit, Tier.DEVICE)
+        self.fetch_ahead(self.policy.select(self._upcoming(it, held, wrap=self.device_wraps), self.device_room()))
         if self.nvme_depth:
             ahead = [u for u in _take(self._upcoming(it, held), self.nvme_depth) if u.nvme]
             for unit in ahead:

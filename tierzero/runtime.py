@@ -25,6 +25,14 @@ with `model.load_state_dict()`. During the root's forward, tensors autograd save
 block's device copy are saved as references into the block (blocks.SavedParamViews), so the
 copy is really freed after the forward and rebuilt for backward.
 
+Data parallelism (ZeRO-3): with torch.distributed initialised, wrap uses the default process
+group (or `process_group=`). Each rank tiers only its shard of every flat tensor, fetches
+all-gather the blocks (started ahead by the prefetcher), gradients are reduce-scattered and
+averaged, the optimizers step on shards, tz.clip_grad_norm_ takes the global norm, buffers and
+parameters are broadcast from the group's first rank at wrap (see blocks.py). Every rank must
+run the same blocks in the same order (no rank-dependent control flow), and call state_dict(),
+load_state_dict() and tz.full_state_dict() together: they gather.
+
 Limits: blocks run outside the root module's forward are fetched but their saved views are not
 managed; a second backward through one graph (retain_graph=True) is not supported; the
 optimizers take one param group.
@@ -38,10 +46,10 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from tierzero.blocks import Block, FlatParam, Phase, SavedParamViews, StepContext, output_tensors
+from tierzero.blocks import Block, FlatParam, Phase, SavedParamViews, StepContext, fetched_bytes, output_tensors
 from tierzero.config import Config, format_size
 from tierzero.prefetch import Prefetcher, policy_from_config
-from tierzero.sharding import FlatLayout, world
+from tierzero.sharding import FlatLayout, broadcast_from_first_, rank_errors, world
 from tierzero.telemetry import StepStats
 from tierzero.tiers import Tier
 
@@ -93,6 +101,7 @@ class TieredState:
             return
         for block in self.blocks:
             block.begin_iteration()
+        self.ctx.discard_gathers()
         grad = torch.is_grad_enabled()
         self.ctx.phase = Phase.FORWARD if grad else Phase.IDLE
         assert self.ctx.prefetcher is not None
@@ -126,7 +135,8 @@ class TieredState:
             if not params:
                 continue
             ids = {id(p) for p in params}
-            flats = list(dict.fromkeys(self._flat_of[i][0] for i in ids))
+            # in parameter order: every rank gathers the same flat tensors in the same order
+            flats = list(dict.fromkeys(self._flat_of[id(p)][0] for p in params))
             self._handles += [
                 module.register_state_dict_post_hook(
                     lambda m, sd, prefix, meta, ids=ids: self._save_hook(m, sd, prefix, ids)),
@@ -180,9 +190,6 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None) -> nn.M
         raise ValueError(f"wrap: {type(model).__name__} is or contains part of a tierzero-wrapped model; "
                          "wrap a model once (wrap the root module only)")
     rank, world_size = world(process_group)
-    if world_size > 1:
-        raise ValueError(f"wrap: world size {world_size}: ZeRO-3 across ranks is not implemented yet; "
-                         "run one process (torchrun --nproc-per-node 1) or process_group=None")
     _check_meta(model)
     groups = _group_modules(model, config)
     owner = _assign_params(model, groups)
@@ -190,7 +197,7 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None) -> nn.M
     try:
         ctx = StepContext(pm=pm, compute_dtype=_compute_dtype(config, pm.device),
                           grad_tier=Tier(config.grads), master_tier=Tier(config.optimizer_states),
-                          rank=rank, group=process_group)
+                          rank=rank, world_size=world_size, group=process_group)
         specs = _block_specs(model, groups, owner)
         _check_device_budget(config, specs, ctx.compute_dtype, world_size)
         blocks = [_build_block(name, modules, params, ctx, Tier(config.params), world_size)
@@ -202,9 +209,13 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None) -> nn.M
         for key, buf in module._buffers.items():
             if buf is not None and buf.device != pm.device:
                 module._buffers[key] = buf.to(pm.device)
+    _broadcast_buffers(model, ctx)
     state = TieredState(model, config, ctx, blocks)
+    by_name = {b.name: b for b in blocks}
+    gather_ahead = None if world_size == 1 else lambda units: ctx.gather_ahead([by_name[u.name] for u in units])
     ctx.prefetcher = Prefetcher(pm, [b.unit for b in blocks if b.flats], policy_from_config(config),
-                                nvme_depth=config.prefetch.nvme_depth, device_room=ctx.device_room)
+                                nvme_depth=config.prefetch.nvme_depth, device_room=ctx.device_room,
+                                fetch_ahead=gather_ahead, device_wraps=world_size == 1)
     pm.set_eviction_policy(ctx.prefetcher)
     state.register_hooks()
     _STATES[model] = state
@@ -233,9 +244,12 @@ def step_stats(model: nn.Module) -> StepStats:
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's full state dict as CPU tensors (parameters in their original dtypes), for export."""
-    state_of(model)
-    return {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+    """The model's full state dict as CPU tensors (parameters in their original dtypes), for
+    export. With several ranks every rank must call it (parameters are gathered from every
+    rank's shard); rank 0 gets the dict, the other ranks an empty one."""
+    state = state_of(model)
+    sd = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+    return sd if state.ctx.rank == 0 else {}
 
 
 def close(model: nn.Module) -> None:
@@ -341,18 +355,19 @@ def _compute_dtype(config: Config, device: torch.device) -> torch.dtype:
 
 
 def _padded_bytes(params: list[tuple[str, nn.Parameter]], dtype: torch.dtype, world_size: int) -> int:
+    """Device bytes of a block while it is fetched (see blocks.fetched_bytes)."""
     total = 0
     for trainable in (True, False):
         ps = [(f, p) for f, p in params if p.requires_grad == trainable]
         if ps:
             layout = FlatLayout.build([f for f, _ in ps], [p.shape for _, p in ps], world_size,
                                       itemsize=dtype.itemsize)
-            total += layout.padded_numel * dtype.itemsize
+            total += fetched_bytes(layout, dtype)
     return total
 
 
 def _check_device_budget(config: Config, specs: list[BlockSpec], dtype: torch.dtype, world_size: int) -> None:
-    if config.params == "device":
+    if config.params == "device" and world_size == 1:
         return  # every block lives on the device; the placement manager checks the total
     sizes = {name: _padded_bytes(ps, dtype, world_size) for name, _, ps in specs}
     root = sizes.pop(ROOT)
@@ -383,6 +398,13 @@ def _build_block(name: str, modules: list[nn.Module], params: list[tuple[str, nn
         flat.register([p.detach() for _, p in ps])
         flats.append(flat)
     return Block(name, modules, flats, ctx)
+
+
+def _broadcast_buffers(model: nn.Module, ctx: StepContext) -> None:
+    """Every rank starts with the first rank's buffers (running statistics, masks)."""
+    for fqn, buf in model.named_buffers():
+        with rank_errors(ctx.rank, ctx.world_size, f"broadcast of buffer {fqn!r} at wrap"):
+            broadcast_from_first_(buf, ctx.group, ctx.world_size)
 
 
 # ------------------------------------------------------------------------ meta-device models

@@ -9,8 +9,9 @@ so the single-process path is the same code as the distributed one.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -100,19 +101,65 @@ def world(process_group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(process_group), dist.get_world_size(process_group)
 
 
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool) -> Any:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=async_op)
+
+
+def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, inp, op=dist.ReduceOp.SUM, group=group)
+
+
+def start_all_gather(shard: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None) -> Any:
+    """Start gathering every rank's `shard` into `full`; returns the collective's work handle
+    (wait() on it before reading `full`). Only called with world size > 1."""
+    return _all_gather(full, shard, group, async_op=True)
+
+
+@contextlib.contextmanager
+def rank_errors(rank: int, world_size: int, what: str) -> Iterator[None]:
+    """Re-raise a failed collective as a RuntimeError prefixed with this rank, saying why it
+    may have failed (another rank raised or died, or the collective timed out)."""
+    try:
+        yield
+    except RuntimeError as e:
+        if world_size == 1 or str(e).startswith(f"rank {rank}:"):
+            raise
+        raise RuntimeError(
+            f"rank {rank}: {what} failed: {type(e).__name__}: {e}. Another rank probably raised or "
+            "was killed, or a collective waited longer than collective_timeout_s (the timeout "
+            "given to torch.distributed.init_process_group)") from e
+
+
 def all_gather_flat(shard: torch.Tensor, layout: FlatLayout, group: dist.ProcessGroup | None) -> torch.Tensor:
     """The full flat buffer from every rank's shard (world 1: the shard itself, no copy)."""
     if layout.world_size == 1:
         return shard
     full = shard.new_empty(layout.padded_numel)
-    dist.all_gather_into_tensor(full, shard, group=group)
+    _all_gather(full, shard, group, async_op=False)
     return full
 
 
 def reduce_scatter_flat(full: torch.Tensor, layout: FlatLayout, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """This rank's shard of the sum of every rank's full flat buffer (world 1: `full` itself)."""
+    """This rank's shard of the mean of every rank's full flat buffer (world 1: `full` itself)."""
     if layout.world_size == 1:
         return full
     shard = full.new_empty(layout.shard_numel)
-    dist.reduce_scatter_tensor(shard, full, group=group)
-    return shard
+    _reduce_scatter(shard, full, group)
+    return shard.div_(layout.world_size)
+
+
+def all_reduce_(t: torch.Tensor, group: dist.ProcessGroup | None, world_size: int, *, op: str = "sum") -> torch.Tensor:
+    """`t` reduced over the ranks in place (sum or max); world 1: unchanged."""
+    if world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def broadcast_from_first_(t: torch.Tensor, group: dist.ProcessGroup | None, world_size: int) -> torch.Tensor:
+    """`t` overwritten in place with the group's first rank's values; world 1: unchanged."""
+    if world_size > 1:
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        dist.broadcast(t, src=src, group=group)
+    return t

@@ -7,12 +7,20 @@ The run folder holds:
 - trace.json: the Chrome trace of every move (open in https://ui.perfetto.dev);
 - tiers.png: per-tier bytes over time and stall per step;
 - summary.json: "state_bytes" (params + grads + optimizer states), "budgets" and
-  "peak_bytes" (each {"device", "host", "nvme"}), "peak_rss", the model and the run's settings.
+  "peak_bytes" (each {"device", "host", "nvme"}, budgets and peaks per rank, peaks the largest
+  over ranks), "peak_bytes_per_rank", "peak_rss", the model and the run's settings.
+
+Under `torchrun --nproc-per-node N` (environment WORLD_SIZE > 1) the ranks form a process group
+(NCCL with CUDA, gloo otherwise; --collective-timeout bounds every collective, so a rank that
+raised or died stops the others with an error instead of a hang) and train with ZeRO-3: --batch
+is the global batch, split evenly over the ranks; rank 0 writes the run folder.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
 import json
 import math
 import os
@@ -22,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 import tierzero as tz
 from tierzero import data as tzdata
@@ -53,6 +62,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, help="text file to train on (default: the Python "
                    "standard library's source, read as bytes)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--collective-timeout", type=float, default=tz.Config.collective_timeout_s,
+                   help="seconds a collective waits for the other ranks before the run fails "
+                        "(under torchrun)")
     return p
 
 
@@ -61,7 +73,21 @@ def _config(args: argparse.Namespace) -> tz.Config:
     optim = args.optimizer_states or params
     return tz.Config(device_budget=args.device_budget, host_budget=args.host_budget,
                      nvme_dir=args.nvme_dir, nvme_budget=args.nvme_budget, params=params,
-                     grads=args.grads, optimizer_states=optim)
+                     grads=args.grads, optimizer_states=optim,
+                     collective_timeout_s=args.collective_timeout)
+
+
+def _init_distributed(cfg: tz.Config) -> tuple[int, int]:
+    """(rank, world size); joins the process group torchrun describes in the environment."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return 0, 1
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
+    return dist.get_rank(), dist.get_world_size()
 
 
 def _lr_lambda(warmup: int, total: int):
@@ -102,9 +128,14 @@ def run(args: argparse.Namespace) -> dict:
     for name in ("steps", "batch", "seq"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name}: expected an int >= 1, got {getattr(args, name)}")
-    run_dir = Path(args.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     cfg = _config(args)
+    rank, world_size = _init_distributed(cfg)
+    if args.batch % world_size:
+        raise ValueError(f"rank {rank}: --batch {args.batch} is the global batch and must split evenly "
+                         f"over {world_size} ranks; give a multiple of {world_size}")
+    run_dir = Path(args.run_dir)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
     corpus = tzdata.file_corpus(args.data) if args.data else tzdata.stdlib_corpus()
     sampler = tzdata.BatchSampler(corpus, batch=args.batch, seq=args.seq, seed=args.seed)
 
@@ -117,15 +148,16 @@ def run(args: argparse.Namespace) -> dict:
     opt = tz.AdamW(model, lr=args.lr, weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(args.warmup, args.steps))
 
-    progress = _Progress(args.steps, not args.no_progress)
+    progress = _Progress(args.steps, not args.no_progress and rank == 0)
     tokens = args.batch * args.seq
     started = time.perf_counter()
     last_loss = float("nan")
-    with open(run_dir / "metrics.jsonl", "w") as metrics:
+    local = slice(rank * args.batch // world_size, (rank + 1) * args.batch // world_size)
+    with open(run_dir / "metrics.jsonl", "w") if rank == 0 else contextlib.nullcontext() as metrics:
         for step in range(args.steps):
             t0 = time.perf_counter()
             x, y = sampler.next()
-            x, y = x.to(pm.device), y.to(pm.device)
+            x, y = x[local].to(pm.device), y[local].to(pm.device)
             loss = model(x, y).loss
             loss.backward()
             if args.clip > 0:
@@ -133,7 +165,7 @@ def run(args: argparse.Namespace) -> dict:
             opt.step()
             opt.zero_grad()
             sched.step()
-            last_loss = loss.item()
+            last_loss = _global_mean(loss.detach(), world_size)
             step_s = time.perf_counter() - t0
             stats = step_stats(model)
             row = {
@@ -144,8 +176,9 @@ def run(args: argparse.Namespace) -> dict:
                 "bytes": {t: pm.bytes_used(t) for t in TIER_NAMES},
                 "moved_bytes": stats.bytes_moved,
             }
-            metrics.write(json.dumps(row) + "\n")
-            metrics.flush()
+            if metrics is not None:
+                metrics.write(json.dumps(row) + "\n")
+                metrics.flush()
             nvme_gbps = (stats.bytes_moved["host"] + stats.bytes_moved["nvme"]) / step_s / 1e9
             progress.update(step + 1, f"loss {last_loss:.4f} {row['tokens_per_s']:.0f} tok/s "
                             f"dev {format_size(row['bytes']['device'])} "
@@ -155,20 +188,40 @@ def run(args: argparse.Namespace) -> dict:
                 raise FloatingPointError(f"step {step}: loss is {last_loss}; lower --lr or check the data")
     progress.close()
     pm.flush()
-    pm.telemetry.write_chrome_trace(run_dir / "trace.json")
+    peaks = _per_rank({t: pm.peak_bytes(t) for t in TIER_NAMES}, world_size)
     state_bytes = _state_bytes(n_params, cfg)
     summary = {
         "model": args.model, "params": n_params, "steps": args.steps, "batch": args.batch,
         "seq": args.seq, "final_loss": last_loss, "wall_s": time.perf_counter() - started,
-        "state_bytes": state_bytes,
+        "world_size": world_size, "state_bytes": state_bytes,
         "budgets": {t: pm.budget(t) for t in TIER_NAMES},
-        "peak_bytes": {t: pm.peak_bytes(t) for t in TIER_NAMES},
-        "peak_rss": _peak_rss(),
+        "peak_bytes": {t: max(p[t] for p in peaks) for t in TIER_NAMES},
+        "peak_bytes_per_rank": peaks,
+        "peak_rss": max(_per_rank(_peak_rss(), world_size)),
         "config": cfg.to_dict(),
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    plot_run(run_dir)
+    if rank == 0:
+        pm.telemetry.write_chrome_trace(run_dir / "trace.json")
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        plot_run(run_dir)
     return summary
+
+
+def _global_mean(loss: torch.Tensor, world_size: int) -> float:
+    """The loss over the global batch: the mean of the ranks' losses on equal slices."""
+    if world_size > 1:
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+        loss = loss / world_size
+    return loss.item()
+
+
+def _per_rank(value: object, world_size: int) -> list:
+    """`value` of every rank, in rank order."""
+    if world_size == 1:
+        return [value]
+    out: list = [None] * world_size
+    dist.all_gather_object(out, value)
+    return out
 
 
 def _state_bytes(n_params: int, cfg: tz.Config) -> int:
@@ -217,7 +270,18 @@ def plot_run(run_dir: str | os.PathLike[str]) -> Path:
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
-    summary = run(args)
+    owns_group = not dist.is_initialized()  # run() joins torchrun's group; leave a caller's alone
+    try:
+        summary = run(args)
+    except Exception as e:
+        if not dist.is_initialized() or str(e).startswith("rank "):
+            raise
+        raise RuntimeError(f"rank {dist.get_rank()}: {type(e).__name__}: {e}") from e
+    finally:
+        if owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+    if summary["world_size"] > 1 and int(os.environ.get("RANK", "0")) != 0:
+        return 0
     print(json.dumps({k: summary[k] for k in ("model", "params", "steps", "final_loss",
                                               "wall_s", "state_bytes", "budgets", "peak_bytes",
                                               "peak_rss")}, indent=2))
