@@ -43,7 +43,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -494,48 +494,68 @@ def _manifest(state: runtime.TieredState, optimizer: Any, world_size: int, ranks
                     chunk_bytes=CHUNK_BYTES, flats=tuple(flats), ranks=tuple(ranks), aliases=aliases)
 
 
-def _write_rank(tmp: Path, rank: int, state: runtime.TieredState, optimizer: Any, extra: Any) -> RankFiles:
-    """This rank's data and state files in `tmp`, streamed block by block (see module docstring)."""
-    pm = state.pm
-    jobs = _jobs(state, optimizer)
-    offsets = np.cumsum([0] + [_round_up(j.nbytes) for j in jobs]).tolist()
-    data_name, state_name = f"rank{rank:05d}.bin", f"rank{rank:05d}.pt"
+class Source(NamedTuple):
+    """One tensor shard to write: its region key, size, and how to read it into a buffer."""
+
+    key: str
+    nbytes: int
+    read_into: Callable[[np.ndarray], Any]
+
+
+def _training_blob(optimizer: Any, extra: Any) -> bytes:
     blob = io.BytesIO()
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
     torch.save({"param_groups": groups, "extra": extra}, blob)
+    return blob.getvalue()
+
+
+def _write_rank(tmp: Path, rank: int, state: runtime.TieredState, optimizer: Any, extra: Any) -> RankFiles:
+    pm = state.pm
+    sources = [Source(j.key, j.nbytes, lambda buf, n=j.pm_name: pm.read(n, out=buf))
+               for j in _jobs(state, optimizer)]
+    return write_rank_files(tmp, rank, sources, _training_blob(optimizer, extra), state.config.io)
+
+
+def write_rank_files(folder: Path, rank: int, sources: Sequence[Source], state_blob: bytes, io_config: IOConfig,
+                     *, chunk_bytes: int = CHUNK_BYTES) -> RankFiles:
+    """Write rank `rank`'s data file (every source's bytes, in order, each in a page-aligned
+    region) and state file into `folder`, fsynced; two buffers alternate so that reading one
+    source overlaps writing the previous one. Returns what the manifest records for the rank."""
+    offsets = np.cumsum([0] + [_round_up(s.nbytes) for s in sources]).tolist()
+    data_name, state_name = f"rank{rank:05d}.bin", f"rank{rank:05d}.pt"
     regions: dict[str, Region] = {}
-    with _engine(state.config.io) as engine:
-        with PreallocatedFile(tmp / data_name, offsets[-1]) as data:
-            size = max((_round_up(j.nbytes) for j in jobs), default=PAGE)
+    with _engine(io_config) as engine:
+        with PreallocatedFile(folder / data_name, offsets[-1]) as data:
+            size = max((_round_up(s.nbytes) for s in sources), default=PAGE)
             bufs = [aligned_empty(size) for _ in range(2)]
-            pending: list[tuple[_Job, int, list[Any]] | None] = [None, None]
+            pending: list[tuple[Source, int, list[Any]] | None] = [None, None]
 
             def finish(slot: int) -> None:
                 if pending[slot] is not None:
-                    job, off, futures = pending[slot]
-                    regions[job.key] = Region(off, job.nbytes, _checksums(futures))
+                    src, off, futures = pending[slot]
+                    regions[src.key] = Region(off, src.nbytes, _checksums(futures))
                     pending[slot] = None
 
             try:
-                for i, job in enumerate(jobs):
+                for i, src in enumerate(sources):
                     slot = i % 2
                     finish(slot)  # the buffer's previous writes are done before it is refilled
-                    buf = bufs[slot][:_round_up(job.nbytes)]
-                    pm.read(job.pm_name, out=buf)
-                    buf[job.nbytes:] = 0
-                    pending[slot] = (job, offsets[i], _write_chunks(engine, data, buf, offsets[i], CHUNK_BYTES))
-                finish(len(jobs) % 2)
-                finish((len(jobs) + 1) % 2)
+                    buf = bufs[slot][:_round_up(src.nbytes)]
+                    src.read_into(buf)
+                    buf[src.nbytes:] = 0
+                    pending[slot] = (src, offsets[i], _write_chunks(engine, data, buf, offsets[i], chunk_bytes))
+                finish(len(sources) % 2)
+                finish((len(sources) + 1) % 2)
             finally:
                 for p in pending:  # on failure, no write may still use a buffer or the file
                     for f in (p[2] if p else []):
                         f.exception()
             os.fsync(data.handle.fd)
-        raw = np.frombuffer(blob.getbuffer(), dtype=np.uint8)
-        with PreallocatedFile(tmp / state_name, raw.nbytes) as sf:
-            state_chunks = _checksums(_write_chunks(engine, sf, raw, 0, CHUNK_BYTES))
+        raw = np.frombuffer(state_blob, dtype=np.uint8)
+        with PreallocatedFile(folder / state_name, raw.nbytes) as sf:
+            state_chunks = _checksums(_write_chunks(engine, sf, raw, 0, chunk_bytes))
             os.fsync(sf.handle.fd)
-    return RankFiles(data=data_name, data_bytes=offsets[-1], regions={j.key: regions[j.key] for j in jobs},
+    return RankFiles(data=data_name, data_bytes=offsets[-1], regions={s.key: regions[s.key] for s in sources},
                      state=state_name, state_bytes=raw.nbytes, state_chunks=state_chunks)
 
 
