@@ -168,10 +168,13 @@ class Manifest:
 
 def write_manifest(path: Path, manifest: Manifest) -> None:
     body = json.dumps(manifest.to_json(), indent=1).encode()
-    with open(path, "wb") as f:
-        f.write(f"{FORMAT} {VERSION} xxh3={xxhash.xxh3_64_intdigest(body):016x}\n".encode() + body)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            f.write(f"{FORMAT} {VERSION} xxh3={xxhash.xxh3_64_intdigest(body):016x}\n".encode() + body)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise type(e)(e.errno, f"writing the checkpoint manifest {str(path)!r}: {e.strerror}") from e
 
 
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
