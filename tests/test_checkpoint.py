@@ -23,7 +23,6 @@ import tierzero as tz
 from tierzero import checkpoint as ck
 from tierzero import runtime
 from tierzero.config import IOConfig
-from tierzero.nvme import ChecksumError
 from tierzero.safetensors_file import load_safetensors
 from tierzero.sharding import FlatLayout
 from tierzero.tiers import Tier
@@ -242,7 +241,8 @@ def test_a_checkpoint_of_another_model_is_refused_before_anything_is_loaded(make
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_corrupt_swap_file_fails_the_save_and_keeps_the_previous_checkpoint(make, tmp_path):
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corrupt_swap_file_fails_the_save_and_keeps_the_previous_checkpoint(make, tmp_path, damage):
     a, opt = make("nvme")
     train(a, opt, range(1))
     tz.save_checkpoint(tmp_path / "ck", a, opt, extra="first")
@@ -250,8 +250,11 @@ def test_corrupt_swap_file_fails_the_save_and_keeps_the_previous_checkpoint(make
     rec = pm.records[opt.flat_params[1].master_name]
     region = rec._copies[Tier.NVME].buffer  # where the tensor lives in the swap files
     swap_file = pm.swap.path(region)
-    _flip(Path(swap_file), region.extents[0].offset + 5)
-    with pytest.raises(ChecksumError, match="checksum mismatch") as e:
+    if damage == "flip":
+        _flip(Path(swap_file), region.extents[0].offset + 5)
+    else:
+        os.truncate(swap_file, region.extents[0].offset + 100)
+    with pytest.raises(OSError, match="checksum mismatch" if damage == "flip" else "read past end of file") as e:
         tz.save_checkpoint(tmp_path / "ck", a, opt, extra="second")
     assert swap_file in str(e.value)
     assert sorted(os.listdir(tmp_path / "ck")) == ["ckpt-00000001"]

@@ -580,17 +580,19 @@ def load_checkpoint(dir: str | os.PathLike[str], model: nn.Module, optimizer: An
         reader.check_files()
         saved = reader.read_state(rank if rank < manifest.world_size else 0)
         pm = state.pm
-        size = max((max(_round_up(j.nbytes), _round_up(j.numel * _dtype(manifest.flat(j.flat.param_name).kinds[j.kind]).itemsize))
-                    for j in jobs), default=PAGE)
+        plans = []
+        for job in jobs:
+            entry = manifest.flat(job.flat.param_name)
+            plans.append((_dtype(entry.kinds[job.kind]), reshard_plan(entry.layout, job.flat.layout, rank)))
+        size = max((_round_up(job.numel * dtype.itemsize) for job, (dtype, _) in zip(jobs, plans)), default=PAGE)
         bufs = [aligned_empty(size) for _ in range(2)]
 
         def read(i: int) -> torch.Tensor:
-            job = jobs[i]
-            entry = manifest.flat(job.flat.param_name)
-            dtype = _dtype(entry.kinds[job.kind])
-            dst = bufs[i % 2][:_round_up(job.numel * dtype.itemsize)]
-            reader.read_ops(job.key, reshard_plan(entry.layout, job.flat.layout, rank), dtype.itemsize, dst)
-            return torch.from_numpy(dst[:job.numel * dtype.itemsize]).view(dtype)
+            """Job i's shard, in the saved dtype, in one of the two buffers."""
+            (dtype, ops), nbytes = plans[i], jobs[i].numel * plans[i][0].itemsize
+            dst = bufs[i % 2][:_round_up(nbytes)]
+            reader.read_ops(jobs[i].key, ops, dtype.itemsize, dst)
+            return torch.from_numpy(dst[:nbytes]).view(dtype)
 
         with cf.ThreadPoolExecutor(1, thread_name_prefix="tierzero-ckpt-read") as ahead:
             nxt = ahead.submit(read, 0) if jobs else None
