@@ -114,3 +114,18 @@ def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path):
     assert _losses(run_dir) == reference
     assert not _tmp_dirs(ckpt)
     assert len([p for p in ckpt.iterdir() if p.name.startswith("ckpt-")]) == 2  # keep_last
+
+
+def test_resume_refuses_other_settings_and_starts_afresh_without_a_checkpoint(tmp_path, capsys):
+    from tierzero import train
+
+    data = tmp_path / "data.txt"
+    data.write_bytes((REPO / "tierzero" / "train.py").read_bytes())
+    args = ["--model", "tiny", "--batch", "2", "--seq", "16", "--data", str(data), "--run-dir", str(tmp_path / "r"),
+            "--no-progress", "--checkpoint-every", "1", "--resume"]
+    train.run(train.parser().parse_args([*args, "--steps", "2"]))
+    assert "no checkpoint" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"other settings .*'steps': \(2, 3\)"):
+        train.run(train.parser().parse_args([*args, "--steps", "3"]))
+    summary = train.run(train.parser().parse_args([*args, "--steps", "2"]))  # already done: nothing to run
+    assert summary["steps"] == 2 and len(_losses(tmp_path / "r")) == 2
