@@ -104,7 +104,8 @@ def assert_same_state(a: nn.Module, b: nn.Module) -> None:
 # --------------------------------------------------------------------------- save / load
 
 
-@pytest.mark.parametrize("tier,dtype", [("nvme", "float32"), ("host", "float32"), ("nvme", "bfloat16")])
+@pytest.mark.parametrize("tier,dtype", [("nvme", "float32"), ("host", "float32"), ("device", "float32"),
+                                        ("nvme", "bfloat16")])
 def test_save_load_is_exact_and_training_continues_identically(make, tmp_path, tier, dtype):
     a, opt_a = make(tier, dtype=dtype)
     train(a, opt_a, range(3))
@@ -120,6 +121,21 @@ def test_save_load_is_exact_and_training_continues_identically(make, tmp_path, t
     assert [opt_b.block_steps(f) for f in opt_b.flat_params] == [3] * len(opt_b.flat_params)
     assert train(a, opt_a, range(3, 6)) == train(b, opt_b, range(3, 6))
     assert_same_state(a, b)
+
+
+def test_sgd_with_momentum_round_trip(make, tmp_path):
+    a, _ = make("nvme", optimizer=False)
+    opt_a = tz.SGD(a, lr=0.05, momentum=0.9)
+    train(a, opt_a, range(2))
+    tz.save_checkpoint(tmp_path / "ck", a, opt_a)
+    b, _ = make("nvme", seed=1, optimizer=False)
+    opt_b = tz.SGD(b, lr=0.05, momentum=0.9)
+    tz.load_checkpoint(tmp_path / "ck", b, opt_b)
+    assert_same_state(a, b)
+    assert train(a, opt_a, range(2, 4)) == train(b, opt_b, range(2, 4))
+    c, opt_c = make("nvme", seed=2)  # AdamW state is not in an SGD checkpoint
+    with pytest.raises(ck.CheckpointError, match="no optimizer state 'exp_avg'.*saved with optimizer SGD"):
+        tz.load_checkpoint(tmp_path / "ck", c, opt_c)
 
 
 def test_model_only_checkpoint_and_optimizer_mismatch(make, tmp_path):
