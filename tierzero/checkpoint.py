@@ -455,25 +455,47 @@ def save_checkpoint(dir: str | os.PathLike[str], model: nn.Module, optimizer: An
         (root / f"{TMP_PREFIX}{seq:08d}").mkdir()
     seq = comm.broadcast(seq)
     tmp, final = root / f"{TMP_PREFIX}{seq:08d}", root / f"{PREFIX}{seq:08d}"
+    # Every rank learns whether every other one succeeded (a failed rank must not leave the
+    # others waiting in a collective); only then does rank 0 publish the checkpoint.
     try:
-        files = _write_rank(tmp, rank, state, optimizer, extra)
-        every = comm.gather(files)
-        if rank == 0:
-            write_manifest(tmp / MANIFEST, _manifest(state, optimizer, world_size, every))
-            fsync_dir(tmp)
-            os.rename(tmp, final)
-            fsync_dir(root)
-            if keep_last is not None:
-                for old in checkpoints(root)[:-keep_last]:
-                    trash = root / f"{TRASH_PREFIX}{old.name}"
-                    os.rename(old, trash)  # a crash mid-delete leaves no half checkpoint under ckpt-*
-                    shutil.rmtree(trash)
-    except BaseException:
+        outcome: RankFiles | str = _write_rank(tmp, rank, state, optimizer, extra)
+    except Exception as e:
+        outcome, failure = f"rank {rank}: {e}", e
+    except BaseException:  # interrupted: no collective may follow
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    comm.barrier()
+    else:
+        failure = None
+    every = comm.gather(outcome)
+    errors = [o for o in every if isinstance(o, str)]
+    if rank == 0 and not errors:
+        try:
+            _publish(root, tmp, final, _manifest(state, optimizer, world_size, every), keep_last)
+        except Exception as e:
+            errors, failure = [f"rank 0: {e}"], e
+    errors = comm.broadcast(errors)
+    if errors:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if failure is not None:
+            raise failure
+        raise RuntimeError(f"save_checkpoint: the save failed on other ranks ({'; '.join(errors)}); the "
+                           "previous checkpoints are intact")
     return final
+
+
+def _publish(root: Path, tmp: Path, final: Path, manifest: Manifest, keep_last: int | None) -> None:
+    """Rank 0: the manifest last, fsynced; the folder renamed into place; old ones pruned."""
+    write_manifest(tmp / MANIFEST, manifest)
+    fsync_dir(tmp)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    if keep_last is not None:
+        for old in checkpoints(root)[:-keep_last]:
+            trash = root / f"{TRASH_PREFIX}{old.name}"
+            os.rename(old, trash)  # a crash mid-delete leaves no half checkpoint under ckpt-*
+            shutil.rmtree(trash)
 
 
 def _manifest(state: runtime.TieredState, optimizer: Any, world_size: int, ranks: list[RankFiles]) -> Manifest:
