@@ -32,7 +32,8 @@ D, VOCAB = 37, 29
 
 
 class Net(nn.Module):
-    """Uneven shapes, a tied embedding/head, a frozen norm, three repeated layers."""
+    """Uneven shapes, a tied embedding/head, a frozen norm, three repeated layers, running
+    statistics in a persistent buffer (and a non-persistent one that is not saved)."""
 
     def __init__(self, d: int = D, layers: int = 3) -> None:
         super().__init__()
@@ -43,12 +44,17 @@ class Net(nn.Module):
         self.norm.requires_grad_(False)
         self.head = nn.Linear(d, VOCAB, bias=False)
         self.head.weight = self.emb.weight
+        self.register_buffer("running", torch.zeros(d))
+        self.register_buffer("scratch", torch.ones(1), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.emb(x)
         for layer in self.layers:
             h = h + layer(h)
-        return self.head(self.norm(h))
+        if self.training:
+            with torch.no_grad():
+                self.running.mul_(0.9).add_(h.mean(dim=(0, 1)), alpha=0.1)
+        return self.head(self.norm(h) + self.running.to(h.dtype))
 
 
 def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,6 +105,7 @@ def assert_same_state(a: nn.Module, b: nn.Module) -> None:
     assert sa.keys() == sb.keys()
     for k in sa:
         assert torch.equal(sa[k], sb[k]), k
+    assert torch.equal(a.running, b.running) and a.running.abs().sum() > 0
 
 
 # --------------------------------------------------------------------------- save / load
@@ -393,7 +400,7 @@ def _synthetic_checkpoint(folder: Path, model: nn.Module, opt: Any, world: int, 
                                   dtypes=tuple(str(d).removeprefix("torch.") for d in flat.orig_dtypes),
                                   kinds={k: "float32" for k in names},
                                   steps=opt.block_steps(flat) if flat.trainable else None))
-    blob = ck._training_blob(opt, {"world": world})
+    blob = ck._training_blob(opt, {"world": world}, ck.persistent_buffers(model))
     ranks = [ck.write_rank_files(folder, r, per_rank[r], blob, IOConfig(), chunk_bytes=chunk) for r in range(world)]
     ck.write_manifest(folder / ck.MANIFEST, ck.Manifest(world_size=world, optimizer="AdamW", chunk_bytes=chunk,
                                                        flats=tuple(flats), ranks=tuple(ranks), aliases={}))
@@ -456,6 +463,7 @@ def test_export_is_a_plain_safetensors_file(make, tmp_path):
     plain = Net()
     plain.load_state_dict(theirs, strict=True)
     x, _ = batch(9)
+    plain.eval(), a.eval()
     with torch.no_grad():  # the wrapped model computes in bf16 from the same fp32 values
         assert torch.equal(plain.to(torch.bfloat16)(x), a(x))
 

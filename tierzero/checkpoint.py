@@ -10,8 +10,9 @@ A checkpoint is a folder `DIR/ckpt-NNNNNNNN/` holding
     rankRRRRR.bin     written by rank R: its shard of every stored tensor, each in a region that
                       starts on a 4 KiB boundary and is padded with zeros to a whole page, so
                       every byte of the file lies in some chunk whose checksum the manifest holds
-    rankRRRRR.pt      written by rank R: the optimizer's param_groups and the caller's `extra`
-                      (RNG states, data position, step, scheduler), torch.save'd, checksummed
+    rankRRRRR.pt      written by rank R: the optimizer's param_groups, the model's persistent
+                      buffers (outside the tiers) and the caller's `extra` (RNG states, data
+                      position, step, scheduler), torch.save'd, checksummed
 
 Phases of a save (every rank): rank 0 picks the next number and makes `.tmp-ckpt-N/`; each
 rank preallocates its data file (a full disk fails here, before anything is written) and
@@ -527,10 +528,19 @@ class Source(NamedTuple):
     read_into: Callable[[np.ndarray], Any]
 
 
-def _training_blob(optimizer: Any, extra: Any) -> bytes:
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's buffers that its state_dict holds (running statistics and the like): they
+    live outside the tiers, whole on every rank."""
+    return {f"{prefix}{'.' if prefix else ''}{name}": buf for prefix, module in model.named_modules()
+            for name, buf in module._buffers.items()
+            if buf is not None and name not in module._non_persistent_buffers_set}
+
+
+def _training_blob(optimizer: Any, extra: Any, buffers: dict[str, torch.Tensor]) -> bytes:
     blob = io.BytesIO()
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
-    torch.save({"param_groups": groups, "extra": extra}, blob)
+    torch.save({"param_groups": groups, "extra": extra,
+                "buffers": {k: v.detach().to("cpu", copy=True) for k, v in buffers.items()}}, blob)
     return blob.getvalue()
 
 
@@ -538,7 +548,8 @@ def _write_rank(tmp: Path, rank: int, state: runtime.TieredState, optimizer: Any
     pm = state.pm
     sources = [Source(j.key, j.nbytes, lambda buf, n=j.pm_name: pm.read(n, out=buf))
                for j in _jobs(state, optimizer)]
-    return write_rank_files(tmp, rank, sources, _training_blob(optimizer, extra), state.config.io)
+    blob = _training_blob(optimizer, extra, persistent_buffers(state.model))
+    return write_rank_files(tmp, rank, sources, blob, state.config.io)
 
 
 def write_rank_files(folder: Path, rank: int, sources: Sequence[Source], state_blob: bytes, io_config: IOConfig,
@@ -622,6 +633,13 @@ def load_checkpoint(dir: str | os.PathLike[str], model: nn.Module, optimizer: An
                 values = nxt.result()
                 nxt = ahead.submit(read, i + 1) if i + 1 < len(jobs) else None
                 _store(pm, job, values)
+    buffers = persistent_buffers(model)
+    if set(buffers) != set(saved["buffers"]):
+        raise CheckpointError(f"{str(folder / manifest.ranks[0].state)!r} holds buffers {sorted(saved['buffers'])[:6]}, "
+                              f"this model has {sorted(buffers)[:6]}; load it into the model it was saved from")
+    with torch.no_grad():
+        for name, buf in buffers.items():
+            buf.copy_(saved["buffers"][name])
     if optimizer is not None:
         for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
             group.update(saved_group)
@@ -683,7 +701,8 @@ def export_checkpoint(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], 
                       io_config: IOConfig | None = None) -> Path:
     """Write the model in checkpoint `ckpt` (a folder, or the newest checkpoint in it) as one
     safetensors file with every parameter under its name in its original dtype (tied parameters
-    under each of their names), reading one block at a time; no model or tierzero needed to load it."""
+    under each of their names) and the persistent buffers, reading one block at a time: the
+    file is a full state dict that plain PyTorch loads without tierzero."""
     folder = latest_checkpoint(ckpt)
     if folder is None:
         raise CheckpointError(f"{str(ckpt)!r}: no checkpoint there (no {MANIFEST}, no complete {PREFIX}N folder)")
@@ -692,6 +711,7 @@ def export_checkpoint(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], 
     try:
         reader = _Reader(folder, manifest, engine)
         reader.check_files()
+        buffers = reader.read_state(0)["buffers"]
         cache: dict[str, torch.Tensor] = {}
 
         def full(entry: FlatEntry) -> torch.Tensor:
@@ -713,6 +733,7 @@ def export_checkpoint(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], 
             entry, slot, dtype = where[manifest.aliases.get(name, name)]
             specs.append(TensorSpec(name, tuple(slot.shape), dtype, lambda e=entry, s=slot, d=dtype:
                                     full(e)[s.offset:s.offset + s.numel].to(d).view(s.shape)))
+        specs += [TensorSpec(k, tuple(v.shape), v.dtype, lambda v=v: v) for k, v in buffers.items()]
         return write_safetensors(to, specs, {"format": "pt", "tierzero_checkpoint": str(folder)})
     finally:
         engine.close()
