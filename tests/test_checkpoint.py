@@ -260,6 +260,10 @@ def test_a_checkpoint_of_another_model_is_refused_before_anything_is_loaded(make
             tz.load_checkpoint(tmp_path / "ck", wider)
     finally:
         runtime.close(wider)
+    b_same, opt_same = make("host", seed=1, layers=2)
+    b_same.register_buffer("extra_stat", torch.zeros(2))
+    with pytest.raises(ck.CheckpointError, match=r"rank00000.pt.* holds buffers"):
+        tz.load_checkpoint(tmp_path / "ck", b_same, opt_same)
     after = tiered_state(b)
     assert all(torch.equal(before[k], after[k]) for k in before)
 

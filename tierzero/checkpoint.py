@@ -611,7 +611,13 @@ def load_checkpoint(dir: str | os.PathLike[str], model: nn.Module, optimizer: An
     with _engine(state.config.io) as engine:
         reader = _Reader(folder, manifest, engine)
         reader.check_files()
-        saved = reader.read_state(rank if rank < manifest.world_size else 0)
+        state_rank = rank if rank < manifest.world_size else 0
+        saved = reader.read_state(state_rank)
+        buffers = persistent_buffers(model)
+        if set(buffers) != set(saved["buffers"]):
+            raise CheckpointError(
+                f"{str(folder / manifest.ranks[state_rank].state)!r} holds buffers {sorted(saved['buffers'])[:6]}, "
+                f"this model has {sorted(buffers)[:6]}; load it into the model it was saved from")
         pm = state.pm
         plans = []
         for job in jobs:
@@ -633,10 +639,6 @@ def load_checkpoint(dir: str | os.PathLike[str], model: nn.Module, optimizer: An
                 values = nxt.result()
                 nxt = ahead.submit(read, i + 1) if i + 1 < len(jobs) else None
                 _store(pm, job, values)
-    buffers = persistent_buffers(model)
-    if set(buffers) != set(saved["buffers"]):
-        raise CheckpointError(f"{str(folder / manifest.ranks[0].state)!r} holds buffers {sorted(saved['buffers'])[:6]}, "
-                              f"this model has {sorted(buffers)[:6]}; load it into the model it was saved from")
     with torch.no_grad():
         for name, buf in buffers.items():
             buf.copy_(saved["buffers"][name])
