@@ -26,6 +26,10 @@ _LAZY = {
     "clip_grad_norm_": "tierzero.optim",
     "save_checkpoint": "tierzero.checkpoint",
     "load_checkpoint": "tierzero.checkpoint",
+    "export_checkpoint": "tierzero.checkpoint",
+    "load_weights": "tierzero.checkpoint",
+    "save_safetensors": "tierzero.safetensors_file",
+    "load_safetensors": "tierzero.safetensors_file",
 }
 
 __all__ = ["Config", "IOConfig", "PrefetchConfig", "parse_size", "format_size", *_LAZY]

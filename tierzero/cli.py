@@ -27,9 +27,16 @@ def _estimate(argv: list[str]) -> int:
     return estimate.main(argv)
 
 
+def _export(argv: list[str]) -> int:
+    from tierzero import checkpoint
+
+    return checkpoint.main(argv)
+
+
 _COMMANDS = {
     "estimate": (_estimate, "bytes per tier for a built-in model and a config"),
     "bench-io": (_bench_io, "sweep io_engine block size x threads against fio on a directory"),
+    "export": (_export, "write a checkpoint's model as one safetensors file"),
     "train": (_train, "train a built-in GPT with tiered state into a run folder"),
 }
 

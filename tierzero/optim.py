@@ -55,6 +55,22 @@ class _TieredOptimizer(torch.optim.Optimizer):
     def _names(self, flat: FlatParam) -> list[str]:
         return [flat.master_name, *(self._state_name(flat, k) for k in self.state_kinds)]
 
+    @property
+    def flat_params(self) -> list[FlatParam]:
+        """The blocks' flat tensors this optimizer updates, in step order."""
+        return list(self._flats)
+
+    def state_names(self, flat: FlatParam) -> dict[str, str]:
+        """Placement-manager names of `flat`'s moments, by kind (checkpoint.py streams them)."""
+        return {k: self._state_name(flat, k) for k in self.state_kinds}
+
+    def block_steps(self, flat: FlatParam) -> int:
+        """Updates applied to `flat` so far (AdamW's bias correction counts them)."""
+        return self._steps[flat]
+
+    def set_block_steps(self, flat: FlatParam, steps: int) -> None:
+        self._steps[flat] = int(steps)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None

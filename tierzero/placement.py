@@ -34,6 +34,7 @@ from enum import Enum
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, NamedTuple, Protocol, TypeVar
 
+import numpy as np
 import torch
 
 from tierzero.config import Config, format_size
@@ -356,19 +357,28 @@ class PlacementManager:
                     self.streams.compute_wait(None, copy.tensor)
             self._cond.notify_all()
 
-    def read(self, name: str) -> torch.Tensor:
-        """A fresh CPU copy of the tensor's current contents (its home, after write-backs)."""
+    def read(self, name: str, out: np.ndarray | None = None) -> torch.Tensor:
+        """A CPU copy of the tensor's current contents (its home, after write-backs): fresh, or in
+        `out` (a page-aligned uint8 numpy buffer of at least `io_bytes(name)`; reused buffers save
+        the page faults of fresh ones when a caller streams many tensors)."""
         rec = self._record_of(name, "read")
+        if out is not None and out.nbytes < self.io_bytes(name):
+            raise ValueError(f"read({name!r}): out holds {out.nbytes} bytes, expected at least "
+                             f"{self.io_bytes(name)}")
         with self._cond:
             self._check_open()
             self._wait_until(lambda: not any(m.dst is rec.home for m in rec.in_flight) or None,
                              rec, f"read({name!r}) waiting for its write-backs")
             home = rec._copies[rec.home]
             if rec.home is not Tier.NVME:
-                return home.tensor.detach().to("cpu", copy=True)
+                if out is None:
+                    return home.tensor.detach().to("cpu", copy=True)
+                dst = _typed(torch.from_numpy(out), rec)
+                dst.copy_(home.tensor)
+                return dst
             from io_engine import aligned_empty
 
-            buf = torch.from_numpy(aligned_empty(home.buffer.length))
+            buf = torch.from_numpy(aligned_empty(home.buffer.length) if out is None else out)
             self.swap.read(home.buffer, buf.numpy(), name)
             return _typed(buf, rec)
 
@@ -393,6 +403,11 @@ class PlacementManager:
         with self._cond:
             self._free(Tier.parse(tier), buf)
             self._cond.notify_all()
+
+    def io_bytes(self, name: str) -> int:
+        """Bytes a buffer given to read(name, out=...) must hold (NVMe regions are whole pages)."""
+        rec = self._record_of(name, "io_bytes")
+        return round_up(rec.nbytes) if rec.home is Tier.NVME else rec.nbytes
 
     def flush(self) -> None:
         """Wait for every move in flight; raise the first write-back error since the last flush."""

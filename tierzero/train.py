@@ -65,6 +65,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--collective-timeout", type=float, default=tz.Config.collective_timeout_s,
                    help="seconds a collective waits for the other ranks before the run fails "
                         "(under torchrun)")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="save a checkpoint every K steps (0 = never)")
+    p.add_argument("--checkpoint-dir", default=None, help="where checkpoints go (default: RUN_DIR/checkpoints)")
+    p.add_argument("--keep-last", type=int, default=2, help="checkpoints to keep (the newest)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint, exactly "
+                   "(model, optimizer, LR schedule, data position, RNG); starts afresh when there is none")
     return p
 
 
@@ -118,6 +124,45 @@ class _Progress:
             sys.stderr.write("\n")
 
 
+def _train_state(step: int, args: argparse.Namespace, sampler: tzdata.BatchSampler,
+                 sched: torch.optim.lr_scheduler.LRScheduler) -> dict:
+    """What a checkpoint needs besides the model and optimizer to continue bit-identically."""
+    return {"step": step, "sampler": sampler.state_dict(), "scheduler": sched.state_dict(),
+            "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "run": {k: getattr(args, k) for k in _RESUME_MUST_MATCH}}
+
+
+_RESUME_MUST_MATCH = ("model", "steps", "batch", "seq", "seed", "data", "lr", "weight_decay", "warmup", "clip")
+
+
+def _resume(ckpt_dir: Path, run_dir: Path, args: argparse.Namespace, model, opt, sampler, sched, rank: int) -> int:
+    """Load the newest checkpoint and the training state saved with it; the step to continue at
+    (0 when there is none). metrics.jsonl (rank 0's) keeps the rows of the steps before it."""
+    from tierzero.checkpoint import latest_checkpoint
+
+    if latest_checkpoint(ckpt_dir) is None:
+        print(f"tierzero train: --resume: no checkpoint in {str(ckpt_dir)!r}; starting at step 0", file=sys.stderr)
+        return 0
+    state = tz.load_checkpoint(ckpt_dir, model, opt)
+    differ = {k: (v, getattr(args, k)) for k, v in state["run"].items() if getattr(args, k) != v}
+    if differ:
+        raise ValueError(f"--resume: the checkpoint in {str(ckpt_dir)!r} was saved by a run with other settings "
+                         f"(name: (saved, given)) {differ}; resume with the same flags or start a new --run-dir")
+    sampler.load_state_dict(state["sampler"])
+    sched.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"])
+    if state["cuda_rng"]:
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    metrics = run_dir / "metrics.jsonl"
+    if rank == 0 and metrics.exists():  # rows past the checkpoint belong to steps that will run again
+        rows = [r for r in metrics.read_text().splitlines() if r and json.loads(r)["step"] < state["step"]]
+        tmp = metrics.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(r + "\n" for r in rows))
+        os.replace(tmp, metrics)
+    return state["step"]
+
+
 def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
 
@@ -128,6 +173,9 @@ def run(args: argparse.Namespace) -> dict:
     for name in ("steps", "batch", "seq"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name}: expected an int >= 1, got {getattr(args, name)}")
+    if args.checkpoint_every < 0 or args.keep_last < 1:
+        raise ValueError(f"--checkpoint-every: expected an int >= 0 and --keep-last an int >= 1, got "
+                         f"{args.checkpoint_every} and {args.keep_last}")
     cfg = _config(args)
     rank, world_size = _init_distributed(cfg)
     if args.batch % world_size:
@@ -147,14 +195,16 @@ def run(args: argparse.Namespace) -> dict:
     pm = placement_manager(model)
     opt = tz.AdamW(model, lr=args.lr, weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(args.warmup, args.steps))
+    ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else run_dir / "checkpoints"
+    start = _resume(ckpt_dir, run_dir, args, model, opt, sampler, sched, rank) if args.resume else 0
 
     progress = _Progress(args.steps, not args.no_progress and rank == 0)
     tokens = args.batch * args.seq
     started = time.perf_counter()
     last_loss = float("nan")
     local = slice(rank * args.batch // world_size, (rank + 1) * args.batch // world_size)
-    with open(run_dir / "metrics.jsonl", "w") if rank == 0 else contextlib.nullcontext() as metrics:
-        for step in range(args.steps):
+    with open(run_dir / "metrics.jsonl", "a" if start else "w") if rank == 0 else contextlib.nullcontext() as metrics:
+        for step in range(start, args.steps):
             t0 = time.perf_counter()
             x, y = sampler.next()
             x, y = x[local].to(pm.device), y[local].to(pm.device)
@@ -186,6 +236,9 @@ def run(args: argparse.Namespace) -> dict:
                             f"nvme {format_size(row['bytes']['nvme'])} io {nvme_gbps:.2f} GB/s")
             if not math.isfinite(last_loss):
                 raise FloatingPointError(f"step {step}: loss is {last_loss}; lower --lr or check the data")
+            if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+                tz.save_checkpoint(ckpt_dir, model, opt, extra=_train_state(step + 1, args, sampler, sched),
+                                   keep_last=args.keep_last)
     progress.close()
     pm.flush()
     peaks = _per_rank({t: pm.peak_bytes(t) for t in TIER_NAMES}, world_size)

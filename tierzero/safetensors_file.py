@@ -1,0 +1,152 @@
+"""The safetensors file format, written and read by tierzero itself (no dependency).
+
+A file is: 8 bytes little-endian u64 N, then N bytes of JSON header
+{"name": {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]}, ..., "__metadata__": {..}}
+(offsets relative to the byte after the header, tensors packed in header order), then the raw
+little-endian bytes. Any reader of the format (the `safetensors` package, transformers) loads
+what `write_safetensors` writes. Writing streams one tensor at a time into a temporary file that
+is fsynced and renamed into place, so a crash never leaves a half-written file under the name.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from pathlib import Path
+from typing import Callable, Iterable, NamedTuple
+
+import numpy as np
+import torch
+
+DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_BY_NAME = {v: k for k, v in DTYPES.items()}
+_MAX_HEADER = 100 << 20
+
+
+class TensorSpec(NamedTuple):
+    """One tensor of a file to write: its bytes come from `produce()` when its turn comes."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    produce: Callable[[], torch.Tensor]
+
+
+def dtype_name(dtype: torch.dtype, *, what: str) -> str:
+    name = DTYPES.get(dtype)
+    if name is None:
+        raise ValueError(f"{what}: dtype {dtype} has no safetensors name; supported: "
+                         f"{sorted(str(d) for d in DTYPES)}")
+    return name
+
+
+def write_safetensors(path: str | os.PathLike[str], specs: Iterable[TensorSpec],
+                      metadata: dict[str, str] | None = None) -> Path:
+    """Write the tensors of `specs` in order, producing one at a time (never all in memory)."""
+    path = Path(path)
+    specs = list(specs)
+    header: dict[str, object] = {}
+    offset = 0
+    for spec in specs:
+        if spec.name in header or spec.name == "__metadata__":
+            raise ValueError(f"write_safetensors({str(path)!r}): duplicate or reserved tensor name {spec.name!r}")
+        nbytes = int(np.prod(spec.shape, dtype=np.int64)) * spec.dtype.itemsize
+        header[spec.name] = {"dtype": dtype_name(spec.dtype, what=spec.name), "shape": list(spec.shape),
+                             "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as the reference writer does
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for spec in specs:
+                t = spec.produce().detach().to("cpu").contiguous()
+                if tuple(t.shape) != tuple(spec.shape) or t.dtype != spec.dtype:
+                    raise ValueError(f"write_safetensors: tensor {spec.name!r} was declared {spec.dtype} "
+                                     f"{tuple(spec.shape)} but produced {t.dtype} {tuple(t.shape)}")
+                f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike[str],
+                     metadata: dict[str, str] | None = None) -> Path:
+    """Write a state dict (e.g. tz.full_state_dict(model)) as a safetensors file."""
+    specs = [TensorSpec(k, tuple(v.shape), v.dtype, lambda v=v: v) for k, v in tensors.items()]
+    return write_safetensors(path, specs, metadata)
+
+
+def load_safetensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file as CPU tensors backed by a read-only memory map (pages
+    are read when a tensor is used); ValueError naming the file when it is not one."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ValueError(f"{str(path)!r}: {size} bytes, too short for a safetensors file (8-byte "
+                             "header length, JSON header, data)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > min(_MAX_HEADER, size - 8):
+            raise ValueError(f"{str(path)!r}: header length {n} does not fit the file's {size} bytes; "
+                             "the file is truncated or not a safetensors file")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{str(path)!r}: the safetensors JSON header does not parse ({e})") from None
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+    header.pop("__metadata__", None)
+    data = np.frombuffer(mm, dtype=np.uint8) if mm is not None else np.empty(0, np.uint8)
+    out: dict[str, torch.Tensor] = {}
+    for name, entry in header.items():
+        dtype = _BY_NAME.get(entry.get("dtype"))
+        begin, end = entry.get("data_offsets", (0, -1))
+        shape = entry.get("shape", [])
+        nbytes = int(np.prod(shape, dtype=np.int64)) * (dtype.itemsize if dtype else 0)
+        if dtype is None or end - begin != nbytes or not 0 <= begin <= end <= size - 8 - n:
+            raise ValueError(f"{str(path)!r}: tensor {name!r} has a bad header entry {entry} "
+                             f"(file of {size} bytes, supported dtypes {sorted(_BY_NAME)})")
+        chunk = data[8 + n + begin: 8 + n + end]
+        with _no_readonly_warning():
+            t = torch.frombuffer(chunk, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+        out[name] = t.view(dtype).reshape(shape)
+    return out
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make a rename or a new file in `path` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _no_readonly_warning:
+    """torch.frombuffer warns about read-only memory; callers only read (or copy) these tensors."""
+
+    def __enter__(self) -> None:
+        import warnings
+
+        self._ctx = warnings.catch_warnings()
+        self._ctx.__enter__()
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+    def __exit__(self, *exc: object) -> None:
+        self._ctx.__exit__(*exc)
