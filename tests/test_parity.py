@@ -189,6 +189,22 @@ def test_mlp_stack_sgd(tmp_path: Any) -> None:
     train_pair(MLPStack, mlp_batch, cfg, optimizer="sgd")
 
 
+def test_mlp_stack_nvme_states_and_grads(tmp_path: Any) -> None:
+    cfg = config(tmp_path, MLPStack(), tier="nvme", grads="nvme", optimizer_states="nvme")
+    train_pair(MLPStack, mlp_batch, cfg)
+
+
+def test_gpt_sgd_momentum_nvme_states(tmp_path: Any) -> None:
+    cfg = config(tmp_path, gpt(), tier="host", optimizer_states="nvme")
+    train_pair(gpt, token_batch, cfg, optimizer="sgd")
+
+
+@pytest.mark.parametrize("make,batch", [(gpt, token_batch), (MLPStack, mlp_batch)], ids=["gpt", "mlp"])
+def test_step_in_backward_nvme(tmp_path: Any, make: Callable[[], nn.Module], batch: Any) -> None:
+    cfg = config(tmp_path, make(), tier="nvme", optimizer_states="nvme", step_in_backward=True)
+    train_pair(make, batch, cfg, clip=None)
+
+
 def test_mlp_stack_adamw_no_clip(tmp_path: Any) -> None:
     cfg = config(tmp_path, MLPStack(), tier="host", prefetch=tz.PrefetchConfig(policy="none"))
     train_pair(MLPStack, mlp_batch, cfg, clip=None)

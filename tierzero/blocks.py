@@ -80,6 +80,9 @@ class StepContext:
     """Bytes of tensors homed on the device tier (not available for fetched copies)."""
     end_backward: Callable[[], None] | None = None
     """The root state's final callback of a backward pass."""
+    grads_final: Callable[["FlatParam"], None] | None = None
+    """Called once per backward with each trainable flat whose gradient is final (set by a
+    tiered optimizer under Config.step_in_backward)."""
     held_storage: dict[int, "FlatParam"] = field(default_factory=dict)
     """data_ptr of the device copy -> FlatParam, for every HELD flat tensor."""
 
@@ -394,6 +397,8 @@ class Block:
         self._running: list[_Call] = []
         """Calls between their pre- and post-forward hooks."""
         self._handles: list[Any] = []
+        self._grads_final_sent = False
+        """ctx.grads_final was called for this block's flats since its last forward."""
 
     @property
     def nbytes(self) -> int:
@@ -435,6 +440,7 @@ class Block:
             self.unhold()
         self._running.clear()
         self._calls = [c for c in self._calls if c.holds_backward]
+        self._grads_final_sent = False
 
     # ------------------------------------------------------------------------------ hooks
     # A forward call (grad enabled) becomes a _Call: RegisterPostBackward on its inputs, a
@@ -498,6 +504,13 @@ class Block:
         for c in done:
             c.post_backward_done = True
             self.unhold()
+        if (self.ctx.grads_final is not None and not self._grads_final_sent
+                and all(c.post_backward_done for c in self._calls)):
+            # No forward call of this block still waits for its backward: its gradients are final.
+            self._grads_final_sent = True
+            for flat in self.flats:
+                if flat.trainable and not flat.grad_empty:
+                    self.ctx.grads_final(flat)
         if call is None:
             self._calls.clear()
 

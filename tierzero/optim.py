@@ -3,12 +3,14 @@
 tz.AdamW / tz.SGD are torch.optim.Optimizer subclasses (param_groups with "lr" and friends, so
 torch's LR schedulers work) whose state lives in the placement manager on
 `config.optimizer_states`: fp32 master weights (owned by the runtime's FlatParam) and the
-moments, one flat tensor of each per block. A step walks the blocks in order, streaming each
-block's gradient, master weights and moments to the CPU (the next block's reads start while
-this one updates; dirty releases write back asynchronously), updates them with torch's math in
-fp32, and stores the new compute-dtype parameters on their home tier. The parameters' `.grad`
-are not used; `zero_grad()` clears the flat gradients. One param group, holding every
-trainable parameter of the model.
+moments, one flat tensor of each per block. A step walks the blocks in order as a three-stage
+pipeline: block k+1's gradient, master weights and moments are being read (prefetched to the
+host) while block k is updated on the CPU with torch's math in fp32 and block k-1's updated
+state and new compute-dtype parameters are being written to their home tier (dirty releases
+and `store` write NVMe asynchronously; host budget reservations bound how far it runs ahead).
+With Config.step_in_backward each block is updated as soon as backward has made its gradient
+final, and step() updates what is left. The parameters' `.grad` are not used; `zero_grad()`
+clears the flat gradients. One param group, holding every trainable parameter of the model.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ class _TieredOptimizer(torch.optim.Optimizer):
                 if name not in ctx.pm.records:
                     ctx.register(name, torch.zeros(flat.layout.shard_numel), ctx.master_tier)
             self._steps[flat] = 0
+        self._stepped: set[FlatParam] = set()
+        """Flats updated during this step's backward (Config.step_in_backward)."""
+        if self._model_state.config.step_in_backward:
+            ctx.grads_final = self._step_in_backward
 
     @staticmethod
     def _state_name(flat: FlatParam, kind: str) -> str:
@@ -62,7 +68,8 @@ class _TieredOptimizer(torch.optim.Optimizer):
         if len(self.param_groups) != 1:
             raise ValueError(f"{type(self).__name__} supports one param group, got {len(self.param_groups)}")
         group = self.param_groups[0]
-        todo = [f for f in self._flats if not f.grad_empty]
+        todo = [f for f in self._flats if not f.grad_empty and f not in self._stepped]
+        self._stepped.clear()
         for i, flat in enumerate(todo):
             if i + 1 < len(todo):
                 self._prefetch(todo[i + 1])
@@ -70,6 +77,20 @@ class _TieredOptimizer(torch.optim.Optimizer):
             with torch.profiler.record_function(f"tierzero::optimizer_step {flat.name}"):
                 self._step_flat(flat, group)
         return loss
+
+    @torch.no_grad()
+    def _step_in_backward(self, flat: FlatParam) -> None:
+        """Config.step_in_backward: update `flat` now that backward has made its gradient final."""
+        if flat in self._stepped:
+            raise RuntimeError(
+                f"{type(self).__name__}: a second backward reached block {flat.name!r} before "
+                "opt.step(); with Config(step_in_backward=True) each backward updates the "
+                "blocks it finishes, so call opt.step() after every backward (for gradient "
+                "accumulation, set step_in_backward=False)")
+        self._stepped.add(flat)
+        self._steps[flat] += 1
+        with torch.profiler.record_function(f"tierzero::optimizer_step_in_backward {flat.name}"):
+            self._step_flat(flat, self.param_groups[0])
 
     def _prefetch(self, flat: FlatParam) -> None:
         pm = self._model_state.pm
@@ -190,6 +211,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     norm (fp32) and scales the gradients by min(1, max_norm / (norm + 1e-6)) (applied lazily,
     when the optimizer or the next backward reads them)."""
     state = runtime.state_of(model)
+    if state.config.step_in_backward:
+        raise ValueError("clip_grad_norm_: the model was wrapped with Config(step_in_backward=True), "
+                         "so its blocks were updated during backward with unclipped gradients; "
+                         "wrap it with step_in_backward=False to clip gradients")
     flats = [f for f in state.flat_params(trainable=True) if not f.grad_empty]
     if not flats:
         return torch.tensor(0.0)
