@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tierzero as tz
-from tierzero import runtime
+from tierzero import optim, runtime
 from tierzero.models import GPT, GPTConfig
 from tierzero.tiers import Tier
 
@@ -189,7 +189,8 @@ def test_mlp_stack_sgd(tmp_path: Any) -> None:
     train_pair(MLPStack, mlp_batch, cfg, optimizer="sgd")
 
 
-def test_mlp_stack_nvme_states_and_grads(tmp_path: Any) -> None:
+def test_mlp_stack_nvme_states_and_grads(tmp_path: Any, monkeypatch: Any) -> None:
+    monkeypatch.setattr(optim, "UPDATE_CHUNK", 1000)  # several chunks per block, and a remainder
     cfg = config(tmp_path, MLPStack(), tier="nvme", grads="nvme", optimizer_states="nvme")
     train_pair(MLPStack, mlp_batch, cfg)
 

@@ -24,6 +24,10 @@ from tierzero import runtime
 from tierzero.blocks import FlatParam, staging_tier
 
 
+UPDATE_CHUNK = 1 << 22
+"""Elements updated at a time (16 MiB of fp32)."""
+
+
 class _TieredOptimizer(torch.optim.Optimizer):
     """The block-by-block step shared by AdamW and SGD; subclasses give the update math."""
 
@@ -89,22 +93,31 @@ class _TieredOptimizer(torch.optim.Optimizer):
                 "accumulation, set step_in_backward=False)")
         self._stepped.add(flat)
         self._steps[flat] += 1
+        i = self._flats.index(flat)
+        if i > 0:  # backward finishes blocks in reverse order: read the previous one's state now
+            self._prefetch(self._flats[i - 1], grad=False)
         with torch.profiler.record_function(f"tierzero::optimizer_step_in_backward {flat.name}"):
             self._step_flat(flat, self.param_groups[0])
 
-    def _prefetch(self, flat: FlatParam) -> None:
+    def _prefetch(self, flat: FlatParam, *, grad: bool = True) -> None:
         pm = self._model_state.pm
-        for name in (flat.grad_name, *self._names(flat)):
+        for name in ((flat.grad_name,) if grad else ()) + tuple(self._names(flat)):
             pm.prefetch(name, staging_tier(pm.records[name].home))
 
     def _step_flat(self, flat: FlatParam, group: dict[str, Any]) -> None:
         pm = self._model_state.pm
         names = self._names(flat)
         tiers = [staging_tier(pm.records[n].home) for n in names]
-        with flat.grad() as grad:
+        with flat.grad(apply_scale=False) as grad:
             tensors = [pm.acquire(n, t) for n, t in zip(names, tiers)]
             try:
-                self._update(group, self._steps[flat], grad, *tensors)
+                # In chunks, so the math's temporaries (the scaled gradient, AdamW's denominator)
+                # are a few MiB instead of a block's size; elementwise, so the bits are the same.
+                for lo in range(0, grad.numel(), UPDATE_CHUNK):
+                    g = grad[lo:lo + UPDATE_CHUNK]
+                    if flat.grad_scale is not None:
+                        g = g * flat.grad_scale
+                    self._update(group, self._steps[flat], g, *(t[lo:lo + UPDATE_CHUNK] for t in tensors))
                 pm.store(flat.param_name, tensors[0].to(self._model_state.ctx.compute_dtype))
             finally:
                 for n, t in zip(names, tiers):
