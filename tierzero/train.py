@@ -218,10 +218,12 @@ def plot_run(run_dir: str | os.PathLike[str]) -> Path:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7))
+    end = max((e["ts"] + e.get("dur", 0)) / 1e6 for e in trace["traceEvents"] if "ts" in e)
     for tier in TIER_NAMES:
         pts = [(e["ts"] / 1e6, e["args"]["bytes"] / 2**20) for e in trace["traceEvents"]
                if e.get("ph") == "C" and e.get("name") == f"{tier} bytes"]
         if pts:
+            pts.append((end, pts[-1][1]))  # a counter is recorded on change: hold it to the end
             ts, mib = zip(*pts)
             line, = ax1.step(ts, mib, where="post", label=f"{tier}")
             ax1.axhline(summary["budgets"][tier] / 2**20, color=line.get_color(), ls="--", lw=0.8)
