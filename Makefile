@@ -26,10 +26,10 @@ test-gpu:
 	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -m gpu tests
 
 # The main job, small: a GPT whose training state (16 MiB) is larger than its device + host
-# budgets (4 + 8 MiB), so NVMe holds most of it; about a minute of training.
+# budgets (4 + 8 MiB), so NVMe holds most of it; ~15 s of training here.
 demo: $(STAMP)
 	rm -rf runs/demo
-	$(VENV)/bin/tierzero train --model tiny --steps 40 --batch 8 --seq 128 \
+	$(VENV)/bin/tierzero train --model tiny --steps 100 --batch 8 --seq 128 \
 		--device-budget 4MiB --host-budget 8MiB --nvme-dir runs/demo/nvme --run-dir runs/demo
 	@echo "run folder: runs/demo (metrics.jsonl, trace.json, tiers.png, summary.json)"
 
