@@ -156,10 +156,17 @@ class FlatParam:
         self.uninstall()
 
     def ensure_master(self) -> None:
-        """fp32 master weights, made from the parameters when the compute dtype is fp32."""
-        if not self.has_master:
-            self.ctx.register(self.master_name, self.ctx.pm.read(self.param_name).float(), self.ctx.master_tier)
-            self.has_master = True
+        """fp32 master weights for the optimizer. With an fp32 compute dtype the parameters
+        themselves are the master weights when they live on the optimizer states' tier (one
+        copy instead of two, and no separate write of new parameters); otherwise a copy is
+        made on that tier."""
+        if self.has_master or self.master_name == self.param_name:
+            return
+        if self.ctx.compute_dtype == torch.float32 and self.home is self.ctx.master_tier:
+            self.master_name = self.param_name
+            return
+        self.ctx.register(self.master_name, self.ctx.pm.read(self.param_name).float(), self.ctx.master_tier)
+        self.has_master = True
 
     # ------------------------------------------------------------------------- transitions
 

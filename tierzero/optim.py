@@ -63,6 +63,10 @@ class _TieredOptimizer(torch.optim.Optimizer):
     def _names(self, flat: FlatParam) -> list[str]:
         return [flat.master_name, *(self._state_name(flat, k) for k in self.state_kinds)]
 
+    def _kinds(self, flat: FlatParam) -> dict[str, str]:
+        """State-dict key -> placement name of each fp32 state tensor of `flat`."""
+        return dict(zip(("master", *self.state_kinds), self._names(flat)))
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
@@ -118,7 +122,8 @@ class _TieredOptimizer(torch.optim.Optimizer):
                     if flat.grad_scale is not None:
                         g = g * flat.grad_scale
                     self._update(group, self._steps[flat], g, *(t[lo:lo + UPDATE_CHUNK] for t in tensors))
-                pm.store(flat.param_name, tensors[0].to(self._model_state.ctx.compute_dtype))
+                if flat.master_name != flat.param_name:  # else the release below writes them
+                    pm.store(flat.param_name, tensors[0].to(self._model_state.ctx.compute_dtype))
             finally:
                 for n, t in zip(names, tiers):
                     pm.release(n, t, dirty=True)
@@ -139,7 +144,7 @@ class _TieredOptimizer(torch.optim.Optimizer):
         sd = super().state_dict()
         pm = self._model_state.pm
         sd["state"] = {flat.name: {"step": self._steps[flat],
-                                   **{n.rsplit(".", 1)[1]: pm.read(n) for n in self._names(flat)}}
+                                   **{k: pm.read(n) for k, n in self._kinds(flat).items()}}
                        for flat in self._flats}
         return sd
 
@@ -159,9 +164,10 @@ class _TieredOptimizer(torch.optim.Optimizer):
         for name, entry in state_dict["state"].items():
             flat = by_name[name]
             self._steps[flat] = int(entry["step"])
-            for n in self._names(flat):
-                pm.store(n, entry[n.rsplit(".", 1)[1]])
-            pm.store(flat.param_name, entry["master"].to(self._model_state.ctx.compute_dtype))
+            for k, n in self._kinds(flat).items():
+                pm.store(n, entry[k])
+            if flat.master_name != flat.param_name:
+                pm.store(flat.param_name, entry["master"].to(self._model_state.ctx.compute_dtype))
 
 
 class AdamW(_TieredOptimizer):
