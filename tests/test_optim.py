@@ -159,3 +159,17 @@ def test_step_in_backward_updates_during_backward_and_refuses_clipping(tmp_path:
             model(x).sum().backward()  # a second backward before opt.step()
     finally:
         runtime.close(model)
+
+
+@pytest.mark.parametrize("params,states,shared", [("host", "host", True), ("nvme", "host", False)])
+def test_fp32_params_are_the_master_weights_on_the_same_tier(tmp_path: Any, params: str, states: str,
+                                                              shared: bool) -> None:
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+    tz.wrap(model, tz.Config(device_budget="1MiB", host_budget="4MiB", nvme_dir=str(tmp_path),
+                             params=params, optimizer_states=states, compute_dtype="float32"))
+    try:
+        tz.AdamW(model, lr=0.1)
+        masters = [n for n in runtime.placement_manager(model).records if n.endswith(".master")]
+        assert (masters == []) is shared
+    finally:
+        runtime.close(model)
