@@ -66,7 +66,9 @@ def estimate(model: nn.Module, cfg: Config) -> Estimate:
     need = dict.fromkeys(TIER_NAMES, 0)
     need[cfg.params] += n * cb
     need[cfg.grads] += n * GRAD_BYTES_PER_PARAM
-    need[cfg.optimizer_states] += n * OPTIMIZER_BYTES_PER_PARAM
+    # fp32 parameters on the optimizer states' tier are the master weights themselves
+    optim = OPTIMIZER_BYTES_PER_PARAM - (4 if cb == 4 and cfg.params == cfg.optimizer_states else 0)
+    need[cfg.optimizer_states] += n * optim
     home = dict(need)
     ahead = cfg.prefetch.depth if cfg.prefetch.policy == "lookahead" else 1
     if cfg.params != "device":
@@ -76,7 +78,7 @@ def estimate(model: nn.Module, cfg: Config) -> Estimate:
     if cfg.optimizer_states == "nvme":
         # read k+1, update k, write k-1: three blocks' master + moments in flight
         need["host"] += 3 * block * (OPTIMIZER_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM)
-    state = n * (cb + GRAD_BYTES_PER_PARAM + OPTIMIZER_BYTES_PER_PARAM)
+    state = n * (cb + GRAD_BYTES_PER_PARAM + optim)
     return Estimate(params=n, largest_block_params=block, per_tier=need, home=home, state_bytes=state)
 
 
