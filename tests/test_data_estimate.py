@@ -74,3 +74,14 @@ def test_estimate_cli_json(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["model"] == "tiny" and out["params"] < 2_000_000
     assert set(out["bytes"]) == {"device", "host", "nvme"} and out["fits"] is True
+
+
+def test_estimate_fp32_params_double_as_master_on_the_same_tier(tmp_path):
+    model = build("tiny", device="meta")
+    n = sum(p.numel() for p in model.parameters())
+    same = estimate(model, Config(nvme_dir=tmp_path, params="nvme", grads="nvme", optimizer_states="nvme",
+                                  compute_dtype="float32"))
+    apart = estimate(model, Config(nvme_dir=tmp_path, params="host", grads="nvme", optimizer_states="nvme",
+                                   compute_dtype="float32"))
+    assert same.state_bytes == same.home["nvme"] == n * (4 + 4 + 8)
+    assert apart.state_bytes == n * (4 + 4 + 12) and apart.home["nvme"] == n * (4 + 12)

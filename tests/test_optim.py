@@ -139,3 +139,37 @@ def test_bad_arguments_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="no trainable parameters"):
         tz.AdamW(frozen)
     close(frozen)
+
+
+def test_step_in_backward_updates_during_backward_and_refuses_clipping(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+    ref = copy.deepcopy(model)
+    tz.wrap(model, tz.Config(device_budget="1MiB", host_budget="4MiB", compute_dtype="float32",
+                             step_in_backward=True))
+    opt = tz.AdamW(model, lr=0.1)
+    x = torch.randn(4, 8)
+    try:
+        model(x).sum().backward()
+        # the blocks were updated by backward itself, before opt.step()
+        assert not torch.equal(model[0].weight.detach(), ref[0].weight.detach())
+        with pytest.raises(ValueError, match="step_in_backward=False to clip"):
+            tz.clip_grad_norm_(model, 1.0)
+        with pytest.raises(RuntimeError, match="before opt.step()"):
+            model(x).sum().backward()  # a second backward before opt.step()
+    finally:
+        runtime.close(model)
+
+
+@pytest.mark.parametrize("params,states,shared", [("host", "host", True), ("nvme", "host", False)])
+def test_fp32_params_are_the_master_weights_on_the_same_tier(tmp_path: Any, params: str, states: str,
+                                                              shared: bool) -> None:
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+    tz.wrap(model, tz.Config(device_budget="1MiB", host_budget="4MiB", nvme_dir=str(tmp_path),
+                             params=params, optimizer_states=states, compute_dtype="float32"))
+    try:
+        tz.AdamW(model, lr=0.1)
+        masters = [n for n in runtime.placement_manager(model).records if n.endswith(".master")]
+        assert (masters == []) is shared
+    finally:
+        runtime.close(model)

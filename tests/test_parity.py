@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tierzero as tz
-from tierzero import runtime
+from tierzero import optim, runtime
 from tierzero.models import GPT, GPTConfig
 from tierzero.tiers import Tier
 
@@ -187,6 +187,23 @@ def test_gpt_checkpointing(tmp_path: Any) -> None:
 def test_mlp_stack_sgd(tmp_path: Any) -> None:
     cfg = config(tmp_path, MLPStack(), tier="host", prefetch=tz.PrefetchConfig(policy="bytes", reserve=0))
     train_pair(MLPStack, mlp_batch, cfg, optimizer="sgd")
+
+
+def test_mlp_stack_nvme_states_and_grads(tmp_path: Any, monkeypatch: Any) -> None:
+    monkeypatch.setattr(optim, "UPDATE_CHUNK", 1000)  # several chunks per block, and a remainder
+    cfg = config(tmp_path, MLPStack(), tier="nvme", grads="nvme", optimizer_states="nvme")
+    train_pair(MLPStack, mlp_batch, cfg)
+
+
+def test_gpt_sgd_momentum_nvme_states(tmp_path: Any) -> None:
+    cfg = config(tmp_path, gpt(), tier="host", optimizer_states="nvme")
+    train_pair(gpt, token_batch, cfg, optimizer="sgd")
+
+
+@pytest.mark.parametrize("make,batch", [(gpt, token_batch), (MLPStack, mlp_batch)], ids=["gpt", "mlp"])
+def test_step_in_backward_nvme(tmp_path: Any, make: Callable[[], nn.Module], batch: Any) -> None:
+    cfg = config(tmp_path, make(), tier="nvme", optimizer_states="nvme", step_in_backward=True)
+    train_pair(make, batch, cfg, clip=None)
 
 
 def test_mlp_stack_adamw_no_clip(tmp_path: Any) -> None:

@@ -104,6 +104,9 @@ class StepContext:
     """Bytes of tensors homed on the device tier (not available for fetched copies)."""
     end_backward: Callable[[], None] | None = None
     """The root state's final callback of a backward pass."""
+    grads_final: Callable[["FlatParam"], None] | None = None
+    """Called once per backward with each trainable flat whose gradient is final (set by a
+    tiered optimizer under Config.step_in_backward)."""
     held_storage: dict[int, "FlatParam"] = field(default_factory=dict)
     """data_ptr of the device copy -> FlatParam, for every HELD flat tensor."""
     gathers: dict["FlatParam", PendingGather] = field(default_factory=dict)
@@ -210,10 +213,17 @@ class FlatParam:
         self.uninstall()
 
     def ensure_master(self) -> None:
-        """fp32 master weights, made from the parameters when the compute dtype is fp32."""
-        if not self.has_master:
-            self.ctx.register(self.master_name, self.ctx.pm.read(self.param_name).float(), self.ctx.master_tier)
-            self.has_master = True
+        """fp32 master weights for the optimizer. With an fp32 compute dtype the parameters
+        themselves are the master weights when they live on the optimizer states' tier (one
+        copy instead of two, and no separate write of new parameters); otherwise a copy is
+        made on that tier."""
+        if self.has_master or self.master_name == self.param_name:
+            return
+        if self.ctx.compute_dtype == torch.float32 and self.home is self.ctx.master_tier:
+            self.master_name = self.param_name
+            return
+        self.ctx.register(self.master_name, self.ctx.pm.read(self.param_name).float(), self.ctx.master_tier)
+        self.has_master = True
 
     # ------------------------------------------------------------------------- transitions
 
@@ -398,9 +408,18 @@ class FlatParam:
         self.store_param(flat)
 
     def store_param(self, master: torch.Tensor) -> None:
-        """New values of this rank's parameter shard, from fp32 `master` (the optimizer step)."""
+        """New values of this rank's parameter shard, from fp32 `master`."""
         self.ctx.pm.store(self.param_name, master.to(self.ctx.compute_dtype))
         self.discard_gather()
+
+    def master_updated(self, master: torch.Tensor) -> None:
+        """The master weights now hold `master` (an optimizer step or load): store the new
+        parameters, unless the parameters are the master weights (the master's write reaches
+        them), and drop a gathered copy of the old ones either way."""
+        if self.master_name == self.param_name:
+            self.discard_gather()
+        else:
+            self.store_param(master)
 
     def __repr__(self) -> str:
         return f"FlatParam({self.param_name!r}, {self.layout}, {self._state.value})"
@@ -522,6 +541,8 @@ class Block:
         self._running: list[_Call] = []
         """Calls between their pre- and post-forward hooks."""
         self._handles: list[Any] = []
+        self._grads_final_sent = False
+        """ctx.grads_final was called for this block's flats since its last forward."""
 
     @property
     def nbytes(self) -> int:
@@ -573,6 +594,7 @@ class Block:
             self.unhold()
         self._running.clear()
         self._calls = [c for c in self._calls if c.holds_backward]
+        self._grads_final_sent = False
 
     # ------------------------------------------------------------------------------ hooks
     # A forward call (grad enabled) becomes a _Call: RegisterPostBackward on its inputs, a
@@ -636,6 +658,13 @@ class Block:
         for c in done:
             c.post_backward_done = True
             self.unhold()
+        if (self.ctx.grads_final is not None and not self._grads_final_sent
+                and all(c.post_backward_done for c in self._calls)):
+            # No forward call of this block still waits for its backward: its gradients are final.
+            self._grads_final_sent = True
+            for flat in self.flats:
+                if flat.trainable and not flat.grad_empty:
+                    self.ctx.grads_final(flat)
         if call is None:
             self._calls.clear()
 

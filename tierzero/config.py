@@ -132,6 +132,12 @@ class Config:
     """Prefetch policy (see PrefetchConfig)."""
     io: IOConfig = field(default_factory=IOConfig)
     """io_engine settings for the NVMe tier."""
+    step_in_backward: bool = False
+    """Update each block with the tiered optimizer (tz.AdamW / tz.SGD) as soon as its gradients
+    are final in backward, overlapping the optimizer step with the rest of backward;
+    `opt.step()` then updates what is left. Exact (the same result as stepping after backward)
+    when gradients are not clipped and every step runs one backward: tz.clip_grad_norm_
+    refuses to run under it, and a second backward before opt.step() is an error."""
     checksums: bool = True
     """Record a checksum of every NVMe write and verify it on read."""
     block_classes: tuple[str, ...] = ()
@@ -159,6 +165,8 @@ class Config:
         if not isinstance(self.io, IOConfig):
             raise ValueError(f"io: expected an IOConfig or a mapping, got {self.io!r}")
         object.__setattr__(self, "block_classes", tuple(self.block_classes))
+        if not isinstance(self.step_in_backward, bool):
+            raise ValueError(f"step_in_backward: expected True or False, got {self.step_in_backward!r}")
         if self.collective_timeout_s <= 0:
             raise ValueError(f"collective_timeout_s: expected > 0, got {self.collective_timeout_s}")
         if self.uses_nvme and self.nvme_dir is None:

@@ -31,7 +31,10 @@ class Estimate:
     params: int
     largest_block_params: int
     per_tier: dict[str, int]
-    """Bytes needed on each tier."""
+    """Bytes needed on each tier: the state homed there plus the runtime's working sets."""
+    home: dict[str, int]
+    """Bytes of state homed on each tier (params, grads, optimizer states): the least each
+    tier's budget must hold."""
     state_bytes: int
     """Params + grads + optimizer states, wherever they live."""
 
@@ -63,7 +66,10 @@ def estimate(model: nn.Module, cfg: Config) -> Estimate:
     need = dict.fromkeys(TIER_NAMES, 0)
     need[cfg.params] += n * cb
     need[cfg.grads] += n * GRAD_BYTES_PER_PARAM
-    need[cfg.optimizer_states] += n * OPTIMIZER_BYTES_PER_PARAM
+    # fp32 parameters on the optimizer states' tier are the master weights themselves
+    optim = OPTIMIZER_BYTES_PER_PARAM - (4 if cb == 4 and cfg.params == cfg.optimizer_states else 0)
+    need[cfg.optimizer_states] += n * optim
+    home = dict(need)
     ahead = cfg.prefetch.depth if cfg.prefetch.policy == "lookahead" else 1
     if cfg.params != "device":
         need["device"] += block * cb * (1 + ahead)
@@ -72,8 +78,8 @@ def estimate(model: nn.Module, cfg: Config) -> Estimate:
     if cfg.optimizer_states == "nvme":
         # read k+1, update k, write k-1: three blocks' master + moments in flight
         need["host"] += 3 * block * (OPTIMIZER_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM)
-    state = n * (cb + GRAD_BYTES_PER_PARAM + OPTIMIZER_BYTES_PER_PARAM)
-    return Estimate(params=n, largest_block_params=block, per_tier=need, state_bytes=state)
+    state = n * (cb + GRAD_BYTES_PER_PARAM + optim)
+    return Estimate(params=n, largest_block_params=block, per_tier=need, home=home, state_bytes=state)
 
 
 def machine_budgets(nvme_dir: str | None, headroom: float = 0.8) -> dict[str, int]:
@@ -131,7 +137,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--host-budget", default=None)
     p.add_argument("--nvme-dir", default=None)
     p.add_argument("--params", default=None, choices=TIER_NAMES)
-    p.add_argument("--grads", default="host", choices=TIER_NAMES)
+    p.add_argument("--grads", default=None, choices=TIER_NAMES, help="default: as --params")
     p.add_argument("--optimizer-states", default=None, choices=TIER_NAMES)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -143,7 +149,7 @@ def main(argv: list[str]) -> int:
     if args.host_budget:
         budgets["host"] = parse_size(args.host_budget, what="--host-budget")
     params = args.params or ("nvme" if args.nvme_dir else "host")
-    cfg = Config(nvme_dir=args.nvme_dir, params=params, grads=args.grads,
+    cfg = Config(nvme_dir=args.nvme_dir, params=params, grads=args.grads or params,
                  optimizer_states=args.optimizer_states or params,
                  device_budget=budgets["device"], host_budget=budgets["host"])
     model = build(args.model, device="meta")

@@ -3,12 +3,14 @@
 tz.AdamW / tz.SGD are torch.optim.Optimizer subclasses (param_groups with "lr" and friends, so
 torch's LR schedulers work) whose state lives in the placement manager on
 `config.optimizer_states`: fp32 master weights (owned by the runtime's FlatParam) and the
-moments, one flat tensor of each per block. A step walks the blocks in order, streaming each
-block's gradient, master weights and moments to the CPU (the next block's reads start while
-this one updates; dirty releases write back asynchronously), updates them with torch's math in
-fp32, and stores the new compute-dtype parameters on their home tier. The parameters' `.grad`
-are not used; `zero_grad()` clears the flat gradients. One param group, holding every
-trainable parameter of the model.
+moments, one flat tensor of each per block. A step walks the blocks in order as a three-stage
+pipeline: block k+1's gradient, master weights and moments are being read (prefetched to the
+host) while block k is updated on the CPU with torch's math in fp32 and block k-1's updated
+state and new compute-dtype parameters are being written to their home tier (dirty releases
+and `store` write NVMe asynchronously; host budget reservations bound how far it runs ahead).
+With Config.step_in_backward each block is updated as soon as backward has made its gradient
+final, and step() updates what is left. The parameters' `.grad` are not used; `zero_grad()`
+clears the flat gradients. One param group, holding every trainable parameter of the model.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from torch import nn
 from tierzero import runtime
 from tierzero.blocks import FlatParam, staging_tier
 from tierzero.sharding import all_reduce_, rank_errors
+
+
+UPDATE_CHUNK = 1 << 22
+"""Elements updated at a time (16 MiB of fp32)."""
 
 
 class _TieredOptimizer(torch.optim.Optimizer):
@@ -47,6 +53,10 @@ class _TieredOptimizer(torch.optim.Optimizer):
                 if name not in ctx.pm.records:
                     ctx.register(name, torch.zeros(flat.layout.shard_numel), ctx.master_tier)
             self._steps[flat] = 0
+        self._stepped: set[FlatParam] = set()
+        """Flats updated during this step's backward (Config.step_in_backward)."""
+        if self._model_state.config.step_in_backward:
+            ctx.grads_final = self._step_in_backward
 
     @staticmethod
     def _state_name(flat: FlatParam, kind: str) -> str:
@@ -55,6 +65,10 @@ class _TieredOptimizer(torch.optim.Optimizer):
     def _names(self, flat: FlatParam) -> list[str]:
         return [flat.master_name, *(self._state_name(flat, k) for k in self.state_kinds)]
 
+    def _kinds(self, flat: FlatParam) -> dict[str, str]:
+        """State-dict key -> placement name of each fp32 state tensor of `flat`."""
+        return dict(zip(("master", *self.state_kinds), self._names(flat)))
+
     @property
     def flat_params(self) -> list[FlatParam]:
         """The blocks' flat tensors this optimizer updates, in step order."""
@@ -62,7 +76,7 @@ class _TieredOptimizer(torch.optim.Optimizer):
 
     def state_names(self, flat: FlatParam) -> dict[str, str]:
         """Placement-manager names of `flat`'s moments, by kind (checkpoint.py streams them)."""
-        return {k: self._state_name(flat, k) for k in self.state_kinds}
+        return {k: n for k, n in self._kinds(flat).items() if k != "master"}
 
     def block_steps(self, flat: FlatParam) -> int:
         """Updates applied to `flat` so far (AdamW's bias correction counts them)."""
@@ -80,7 +94,8 @@ class _TieredOptimizer(torch.optim.Optimizer):
         if len(self.param_groups) != 1:
             raise ValueError(f"{type(self).__name__} supports one param group, got {len(self.param_groups)}")
         group = self.param_groups[0]
-        todo = [f for f in self._flats if not f.grad_empty]
+        todo = [f for f in self._flats if not f.grad_empty and f not in self._stepped]
+        self._stepped.clear()
         for i, flat in enumerate(todo):
             if i + 1 < len(todo):
                 self._prefetch(todo[i + 1])
@@ -89,20 +104,43 @@ class _TieredOptimizer(torch.optim.Optimizer):
                 self._step_flat(flat, group)
         return loss
 
-    def _prefetch(self, flat: FlatParam) -> None:
+    @torch.no_grad()
+    def _step_in_backward(self, flat: FlatParam) -> None:
+        """Config.step_in_backward: update `flat` now that backward has made its gradient final."""
+        if flat in self._stepped:
+            raise RuntimeError(
+                f"{type(self).__name__}: a second backward reached block {flat.name!r} before "
+                "opt.step(); with Config(step_in_backward=True) each backward updates the "
+                "blocks it finishes, so call opt.step() after every backward (for gradient "
+                "accumulation, set step_in_backward=False)")
+        self._stepped.add(flat)
+        self._steps[flat] += 1
+        i = self._flats.index(flat)
+        if i > 0:  # backward finishes blocks in reverse order: read the previous one's state now
+            self._prefetch(self._flats[i - 1], grad=False)
+        with torch.profiler.record_function(f"tierzero::optimizer_step_in_backward {flat.name}"):
+            self._step_flat(flat, self.param_groups[0])
+
+    def _prefetch(self, flat: FlatParam, *, grad: bool = True) -> None:
         pm = self._model_state.pm
-        for name in (flat.grad_name, *self._names(flat)):
+        for name in ((flat.grad_name,) if grad else ()) + tuple(self._names(flat)):
             pm.prefetch(name, staging_tier(pm.records[name].home))
 
     def _step_flat(self, flat: FlatParam, group: dict[str, Any]) -> None:
         pm = self._model_state.pm
         names = self._names(flat)
         tiers = [staging_tier(pm.records[n].home) for n in names]
-        with flat.grad() as grad:
+        with flat.grad(apply_scale=False) as grad:
             tensors = [pm.acquire(n, t) for n, t in zip(names, tiers)]
             try:
-                self._update(group, self._steps[flat], grad, *tensors)
-                flat.store_param(tensors[0])
+                # In chunks, so the math's temporaries (the scaled gradient, AdamW's denominator)
+                # are a few MiB instead of a block's size; elementwise, so the bits are the same.
+                for lo in range(0, grad.numel(), UPDATE_CHUNK):
+                    g = grad[lo:lo + UPDATE_CHUNK]
+                    if flat.grad_scale is not None:
+                        g = g * flat.grad_scale
+                    self._update(group, self._steps[flat], g, *(t[lo:lo + UPDATE_CHUNK] for t in tensors))
+                flat.master_updated(tensors[0])
             finally:
                 for n, t in zip(names, tiers):
                     pm.release(n, t, dirty=True)
@@ -123,7 +161,7 @@ class _TieredOptimizer(torch.optim.Optimizer):
         sd = super().state_dict()
         pm = self._model_state.pm
         sd["state"] = {flat.name: {"step": self._steps[flat],
-                                   **{n.rsplit(".", 1)[1]: pm.read(n) for n in self._names(flat)}}
+                                   **{k: pm.read(n) for k, n in self._kinds(flat).items()}}
                        for flat in self._flats}
         return sd
 
@@ -143,9 +181,9 @@ class _TieredOptimizer(torch.optim.Optimizer):
         for name, entry in state_dict["state"].items():
             flat = by_name[name]
             self._steps[flat] = int(entry["step"])
-            for n in self._names(flat):
-                pm.store(n, entry[n.rsplit(".", 1)[1]])
-            flat.store_param(entry["master"])
+            for k, n in self._kinds(flat).items():
+                pm.store(n, entry[k])
+            flat.master_updated(entry["master"])
 
 
 def _global_norm(shard_norms: list[torch.Tensor], norm_type: float, ctx: Any) -> torch.Tensor:
@@ -220,6 +258,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     when the optimizer or the next backward reads them). With several ranks the norm is the
     global one over every rank's gradient shard (a collective: every rank calls it)."""
     state = runtime.state_of(model)
+    if state.config.step_in_backward:
+        raise ValueError("clip_grad_norm_: the model was wrapped with Config(step_in_backward=True), "
+                         "so its blocks were updated during backward with unclipped gradients; "
+                         "wrap it with step_in_backward=False to clip gradients")
     flats = [f for f in state.flat_params(trainable=True) if not f.grad_empty]
     if not flats:
         return torch.tensor(0.0)

@@ -10,6 +10,8 @@ The data flow of one tensor:
     acquire   wait for that copy, or start it and wait; pin it; order compute after its event
     release   unpin; dirty: write the copy back to its home (async) and invalidate the other
               cached copies, which now hold old data
+    store     overwrite the contents: every cached copy now, the home too (an NVMe home
+              asynchronously, from a host staging copy)
     evict     an unpinned cached copy is dropped when its tier needs the room
 
 A copy toward the device from NVMe goes NVMe -> host staging buffer (io_engine read, checksum
@@ -340,7 +342,9 @@ class PlacementManager:
             self._cond.notify_all()
 
     def store(self, name: str, data: torch.Tensor) -> None:
-        """Overwrite the tensor's contents: its home and every cached copy."""
+        """Overwrite the tensor's contents: its home and every cached copy. An NVMe home is
+        written asynchronously from a host staging copy of `data` (later reads wait for it;
+        `flush()` raises its error), so the caller may reuse `data` at once."""
         rec = self._record_of(name, "store")
         if tuple(data.shape) != tuple(rec.shape):
             raise ValueError(f"store({name!r}): expected shape {tuple(rec.shape)}, got {tuple(data.shape)}")
@@ -349,7 +353,17 @@ class PlacementManager:
             staging_needs = [(Tier.HOST, rec.nbytes)] if rec.home is Tier.NVME else []
             bufs = self._wait_until(lambda: None if self._moves.for_tensor(name) else self._try_room(staging_needs, rec),
                                     rec, f"store({name!r}) waiting for its moves")
-            self._write_home(rec, data, bufs[0] if bufs else None)
+            if rec.home is Tier.NVME:
+                staging = bufs[0]
+                try:
+                    _typed(staging, rec).copy_(data)
+                except BaseException:
+                    self.pool.free(staging)
+                    raise
+                move = self._submit(rec, Tier.HOST, Tier.NVME, self._run_store, rec, staging)
+                self._moves.add(Tier.NVME, move)  # the key of a store: no other move targets the home
+            else:
+                self._write_home(rec, data, None)
             for tier, copy in rec._copies.items():
                 if tier is not rec.home:
                     copy.tensor.copy_(data)
@@ -640,6 +654,25 @@ class PlacementManager:
         finally:
             with self._cond:
                 self._finish_writeback(rec, tier, copy, staging, error, spans)
+
+    def _run_store(self, rec: TensorRecord, staging: torch.Tensor) -> None:
+        error: BaseException | None = None
+        t0 = time.perf_counter()
+        try:
+            with torch.profiler.record_function(f"tierzero::store {rec.name}"):
+                self.swap.write(rec._copies[rec.home].buffer, staging.numpy(), rec.name)
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            with self._cond:
+                self._moves.pop(rec.name, Tier.NVME)
+                self.pool.free(staging)
+                if error is not None:
+                    self._errors.append(error)
+                else:
+                    self._record(rec, [_Span(Tier.HOST, Tier.NVME, t0, time.perf_counter())])
+                self._cond.notify_all()
 
     # ----------------------------------------------------------------------------- helpers
 

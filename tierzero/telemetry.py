@@ -41,6 +41,8 @@ class StepStats:
     """Seconds callers of acquire() waited for data, by the tier they acquired on."""
     bytes_moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     """Bytes copied toward each tier."""
+    nvme_read_bytes: int = 0
+    """Bytes read from NVMe (bytes_moved["nvme"] counts those written)."""
     prefetch_hits: int = 0
     """Acquires that found their copy resident or already in flight."""
     prefetch_misses: int = 0
@@ -79,6 +81,8 @@ class Telemetry:
             self.moves.append(MoveEvent(tensor, src, dst, nbytes, start, end))
             self.bytes_moved[dst] += nbytes
             self._step.bytes_moved[dst] += nbytes
+            if src == "nvme":
+                self._step.nvme_read_bytes += nbytes
 
     def record_stall(self, tier: str, seconds: float) -> None:
         tier = str(tier)

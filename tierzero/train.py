@@ -3,7 +3,7 @@
 The run folder holds:
 - metrics.jsonl: one JSON object per step ("step", "loss", "lr", "step_s", "tokens_per_s",
   "stall_s", "prefetch_hits", "prefetch_misses", "bytes" {"device", "host", "nvme"} in use at
-  the step's end, "moved_bytes" per destination tier);
+  the step's end, "moved_bytes" per destination tier, "nvme_read_bytes");
 - trace.json: the Chrome trace of every move (open in https://ui.perfetto.dev);
 - tiers.png: per-tier bytes over time and stall per step;
 - summary.json: "state_bytes" (params + grads + optimizer states), "budgets" and
@@ -25,6 +25,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -35,6 +36,7 @@ import torch.distributed as dist
 import tierzero as tz
 from tierzero import data as tzdata
 from tierzero.config import TIER_NAMES, format_size
+from tierzero.estimate import Estimate, estimate
 from tierzero.models import CONFIGS, build
 
 
@@ -52,7 +54,8 @@ def parser() -> argparse.ArgumentParser:
                    help="home tier of parameters (default: nvme when --nvme-dir is given)")
     p.add_argument("--optimizer-states", default=None, choices=TIER_NAMES,
                    help="tier of fp32 master weights and moments (default: as --params)")
-    p.add_argument("--grads", default="host", choices=TIER_NAMES)
+    p.add_argument("--grads", default=None, choices=TIER_NAMES,
+                   help="tier of fp32 gradients (default: as --params)")
     p.add_argument("--run-dir", default="runs/train")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -76,10 +79,9 @@ def parser() -> argparse.ArgumentParser:
 
 def _config(args: argparse.Namespace) -> tz.Config:
     params = args.params or ("nvme" if args.nvme_dir else "host")
-    optim = args.optimizer_states or params
     return tz.Config(device_budget=args.device_budget, host_budget=args.host_budget,
                      nvme_dir=args.nvme_dir, nvme_budget=args.nvme_budget, params=params,
-                     grads=args.grads, optimizer_states=optim,
+                     grads=args.grads or params, optimizer_states=args.optimizer_states or params,
                      collective_timeout_s=args.collective_timeout)
 
 
@@ -96,6 +98,35 @@ def _init_distributed(cfg: tz.Config) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def check_room(model: torch.nn.Module, cfg: tz.Config, world_size: int = 1) -> Estimate:
+    """Fail at start, before anything is written, when a tier's budget (per rank) cannot hold a
+    rank's 1/world_size of the state homed there, or when the disk under nvme_dir (shared by the
+    ranks) has less free space than the state placed on NVMe. (A device budget too small for the
+    largest block is wrap's error.)"""
+    est = estimate(model, cfg)
+    flags = {"device": "--device-budget", "host": "--host-budget", "nvme": "--nvme-budget"}
+    for tier in TIER_NAMES:
+        budget = getattr(cfg, f"{tier}_budget")
+        per_rank = -(-est.home[tier] // world_size)
+        if per_rank > budget:
+            raise ValueError(
+                f"{flags[tier]} {format_size(budget)} is too small: this model needs "
+                f"{format_size(per_rank)} ({per_rank} bytes) on {tier} per rank ({world_size} ranks) with params={cfg.params}, "
+                f"grads={cfg.grads}, optimizer_states={cfg.optimizer_states}; raise {flags[tier]} "
+                "or move state to a lower tier (--params/--grads/--optimizer-states nvme)")
+    if est.home["nvme"]:
+        root = Path(cfg.nvme_dir).resolve()
+        while not root.exists():
+            root = root.parent
+        free = shutil.disk_usage(root).free
+        if est.home["nvme"] > free:
+            raise OSError(
+                f"--nvme-dir {cfg.nvme_dir}: the disk holding it has {format_size(free)} free but "
+                f"the state placed on NVMe needs {format_size(est.home['nvme'])} "
+                f"({est.home['nvme']} bytes); free space there or pick a larger disk")
+    return est
+
+
 def _lr_lambda(warmup: int, total: int):
     def f(step: int) -> float:
         if step < warmup:
@@ -106,21 +137,23 @@ def _lr_lambda(warmup: int, total: int):
 
 
 class _Progress:
-    """One status line on stderr, rewritten in place."""
+    """A status line on stderr: rewritten in place on a terminal, one line per step otherwise
+    (so logs keep it)."""
 
     def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled = total, enabled and sys.stderr.isatty()
+        self.total, self.enabled, self.tty = total, enabled, sys.stderr.isatty()
 
     def update(self, step: int, text: str) -> None:
         if not self.enabled:
             return
         width = 24
         filled = int(width * step / max(1, self.total))
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {step}/{self.total} {text}")
+        line = f"[{'#' * filled}{'.' * (width - filled)}] {step}/{self.total} {text}"
+        sys.stderr.write(f"\r{line}" if self.tty else f"{line}\n")
         sys.stderr.flush()
 
     def close(self) -> None:
-        if self.enabled:
+        if self.enabled and self.tty:
             sys.stderr.write("\n")
 
 
@@ -168,7 +201,7 @@ def _peak_rss() -> int:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from tierzero.runtime import placement_manager, step_stats
+    from tierzero.runtime import close, placement_manager, step_stats
 
     for name in ("steps", "batch", "seq"):
         if getattr(args, name) < 1:
@@ -191,73 +224,77 @@ def run(args: argparse.Namespace) -> dict:
     seq_len = max(args.seq, 1)
     model = build(args.model, device="meta", vocab_size=tzdata.VOCAB_SIZE, seq_len=seq_len)
     n_params = model.num_params()
+    est = check_room(model, cfg, world_size)
     model = tz.wrap(model, cfg)
-    pm = placement_manager(model)
-    opt = tz.AdamW(model, lr=args.lr, weight_decay=args.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(args.warmup, args.steps))
-    ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else run_dir / "checkpoints"
-    start = _resume(ckpt_dir, run_dir, args, model, opt, sampler, sched, rank) if args.resume else 0
+    try:
+        pm = placement_manager(model)
+        opt = tz.AdamW(model, lr=args.lr, weight_decay=args.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(args.warmup, args.steps))
+        ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else run_dir / "checkpoints"
+        start = _resume(ckpt_dir, run_dir, args, model, opt, sampler, sched, rank) if args.resume else 0
 
-    progress = _Progress(args.steps, not args.no_progress and rank == 0)
-    tokens = args.batch * args.seq
-    started = time.perf_counter()
-    last_loss = float("nan")
-    local = slice(rank * args.batch // world_size, (rank + 1) * args.batch // world_size)
-    with open(run_dir / "metrics.jsonl", "a" if start else "w") if rank == 0 else contextlib.nullcontext() as metrics:
-        for step in range(start, args.steps):
-            t0 = time.perf_counter()
-            x, y = sampler.next()
-            x, y = x[local].to(pm.device), y[local].to(pm.device)
-            loss = model(x, y).loss
-            loss.backward()
-            if args.clip > 0:
-                tz.clip_grad_norm_(model, args.clip)
-            opt.step()
-            opt.zero_grad()
-            sched.step()
-            last_loss = _global_mean(loss.detach(), world_size)
-            step_s = time.perf_counter() - t0
-            stats = step_stats(model)
-            row = {
-                "step": step, "loss": last_loss, "lr": sched.get_last_lr()[0], "step_s": step_s,
-                "tokens_per_s": tokens / step_s, "stall_s": sum(stats.stall_s.values()),
-                "stall_s_by_tier": stats.stall_s, "prefetch_hits": stats.prefetch_hits,
-                "prefetch_misses": stats.prefetch_misses,
-                "bytes": {t: pm.bytes_used(t) for t in TIER_NAMES},
-                "moved_bytes": stats.bytes_moved,
-            }
-            if metrics is not None:
-                metrics.write(json.dumps(row) + "\n")
-                metrics.flush()
-            nvme_gbps = (stats.bytes_moved["host"] + stats.bytes_moved["nvme"]) / step_s / 1e9
-            progress.update(step + 1, f"loss {last_loss:.4f} {row['tokens_per_s']:.0f} tok/s "
-                            f"dev {format_size(row['bytes']['device'])} "
-                            f"host {format_size(row['bytes']['host'])} "
-                            f"nvme {format_size(row['bytes']['nvme'])} io {nvme_gbps:.2f} GB/s")
-            if not math.isfinite(last_loss):
-                raise FloatingPointError(f"step {step}: loss is {last_loss}; lower --lr or check the data")
-            if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-                tz.save_checkpoint(ckpt_dir, model, opt, extra=_train_state(step + 1, args, sampler, sched),
-                                   keep_last=args.keep_last)
-    progress.close()
-    pm.flush()
-    peaks = _per_rank({t: pm.peak_bytes(t) for t in TIER_NAMES}, world_size)
-    state_bytes = _state_bytes(n_params, cfg)
-    summary = {
-        "model": args.model, "params": n_params, "steps": args.steps, "batch": args.batch,
-        "seq": args.seq, "final_loss": last_loss, "wall_s": time.perf_counter() - started,
-        "world_size": world_size, "state_bytes": state_bytes,
-        "budgets": {t: pm.budget(t) for t in TIER_NAMES},
-        "peak_bytes": {t: max(p[t] for p in peaks) for t in TIER_NAMES},
-        "peak_bytes_per_rank": peaks,
-        "peak_rss": max(_per_rank(_peak_rss(), world_size)),
-        "config": cfg.to_dict(),
-    }
-    if rank == 0:
-        pm.telemetry.write_chrome_trace(run_dir / "trace.json")
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-        plot_run(run_dir)
-    return summary
+        progress = _Progress(args.steps, not args.no_progress and rank == 0)
+        tokens = args.batch * args.seq
+        started = time.perf_counter()
+        last_loss = float("nan")
+        local = slice(rank * args.batch // world_size, (rank + 1) * args.batch // world_size)
+        with open(run_dir / "metrics.jsonl", "a" if start else "w") if rank == 0 else contextlib.nullcontext() as metrics:
+            for step in range(start, args.steps):
+                t0 = time.perf_counter()
+                x, y = sampler.next()
+                x, y = x[local].to(pm.device), y[local].to(pm.device)
+                loss = model(x, y).loss
+                loss.backward()
+                if args.clip > 0:
+                    tz.clip_grad_norm_(model, args.clip)
+                opt.step()
+                opt.zero_grad()
+                sched.step()
+                last_loss = _global_mean(loss.detach(), world_size)
+                step_s = time.perf_counter() - t0
+                stats = step_stats(model)
+                row = {
+                    "step": step, "loss": last_loss, "lr": sched.get_last_lr()[0], "step_s": step_s,
+                    "tokens_per_s": tokens / step_s, "stall_s": sum(stats.stall_s.values()),
+                    "stall_s_by_tier": stats.stall_s, "prefetch_hits": stats.prefetch_hits,
+                    "prefetch_misses": stats.prefetch_misses,
+                    "bytes": {t: pm.bytes_used(t) for t in TIER_NAMES},
+                    "moved_bytes": stats.bytes_moved, "nvme_read_bytes": stats.nvme_read_bytes,
+                }
+                if metrics is not None:
+                    metrics.write(json.dumps(row) + "\n")
+                    metrics.flush()
+                nvme_gbps = (stats.nvme_read_bytes + stats.bytes_moved["nvme"]) / step_s / 1e9
+                progress.update(step + 1, f"loss {last_loss:.4f} {row['tokens_per_s']:.0f} tok/s "
+                                f"dev {format_size(row['bytes']['device'])} "
+                                f"host {format_size(row['bytes']['host'])} "
+                                f"nvme {format_size(row['bytes']['nvme'])} io {nvme_gbps:.2f} GB/s")
+                if not math.isfinite(last_loss):
+                    raise FloatingPointError(f"step {step}: loss is {last_loss}; lower --lr or check the data")
+                if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+                    tz.save_checkpoint(ckpt_dir, model, opt, extra=_train_state(step + 1, args, sampler, sched),
+                                       keep_last=args.keep_last)
+        progress.close()
+        pm.flush()
+        peaks = _per_rank({t: pm.peak_bytes(t) for t in TIER_NAMES}, world_size)
+        state_bytes = est.state_bytes
+        summary = {
+            "model": args.model, "params": n_params, "steps": args.steps, "batch": args.batch,
+            "seq": args.seq, "final_loss": last_loss, "wall_s": time.perf_counter() - started,
+            "world_size": world_size, "state_bytes": state_bytes,
+            "budgets": {t: pm.budget(t) for t in TIER_NAMES},
+            "peak_bytes": {t: max(p[t] for p in peaks) for t in TIER_NAMES},
+            "peak_bytes_per_rank": peaks,
+            "peak_rss": max(_per_rank(_peak_rss(), world_size)),
+            "config": cfg.to_dict(),
+        }
+        if rank == 0:
+            pm.telemetry.write_chrome_trace(run_dir / "trace.json")
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+            plot_run(run_dir)
+        return summary
+    finally:
+        close(model)  # frees host memory and removes the swap files
 
 
 def _global_mean(loss: torch.Tensor, world_size: int) -> float:
@@ -277,13 +314,6 @@ def _per_rank(value: object, world_size: int) -> list:
     return out
 
 
-def _state_bytes(n_params: int, cfg: tz.Config) -> int:
-    """Training state held by tierzero: compute-dtype params, fp32 grads, fp32 master + 2 moments."""
-    compute = 4 if cfg.compute_dtype in ("float32",) or (
-        cfg.compute_dtype == "auto" and not torch.cuda.is_available()) else 2
-    return n_params * (compute + 4 + 12)
-
-
 def plot_run(run_dir: str | os.PathLike[str]) -> Path:
     """tiers.png from a run folder's trace.json and metrics.jsonl."""
     import matplotlib
@@ -296,10 +326,12 @@ def plot_run(run_dir: str | os.PathLike[str]) -> Path:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7))
+    end = max((e["ts"] + e.get("dur", 0)) / 1e6 for e in trace["traceEvents"] if "ts" in e)
     for tier in TIER_NAMES:
         pts = [(e["ts"] / 1e6, e["args"]["bytes"] / 2**20) for e in trace["traceEvents"]
                if e.get("ph") == "C" and e.get("name") == f"{tier} bytes"]
         if pts:
+            pts.append((end, pts[-1][1]))  # a counter is recorded on change: hold it to the end
             ts, mib = zip(*pts)
             line, = ax1.step(ts, mib, where="post", label=f"{tier}")
             ax1.axhline(summary["budgets"][tier] / 2**20, color=line.get_color(), ls="--", lw=0.8)
@@ -326,6 +358,10 @@ def main(argv: list[str]) -> int:
     owns_group = not dist.is_initialized()  # run() joins torchrun's group; leave a caller's alone
     try:
         summary = run(args)
+    except (ValueError, OSError) as e:
+        ranked = dist.is_initialized() and not str(e).startswith("rank ")
+        print(f"tierzero train: error: {f'rank {dist.get_rank()}: ' if ranked else ''}{e}", file=sys.stderr)
+        return 2
     except Exception as e:
         if not dist.is_initialized() or str(e).startswith("rank "):
             raise

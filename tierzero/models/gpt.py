@@ -2,8 +2,9 @@
 (LayerNorm, causal self-attention, MLP), a final LayerNorm and an LM head tied to the token
 embedding by default.
 
-Every module with parameters is a stock torch module (Linear, LayerNorm, Embedding), so a model
-built on the meta device is materialised by their `reset_parameters()`.
+Every module with parameters is a torch Linear, LayerNorm or Embedding; Linear and Embedding
+are subclassed only so that `reset_parameters()` gives GPT-2's initialisation, so a model
+built on the meta device and materialised by tierzero.wrap starts where an eager one does.
 """
 
 from __future__ import annotations
@@ -76,12 +77,28 @@ class GPTOutput(NamedTuple):
     loss: torch.Tensor | None
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose reset_parameters() is GPT-2's: N(0, 0.02) weight, zero bias."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=0.02)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding whose reset_parameters() is GPT-2's: N(0, 0.02)."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=0.02)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.qkv = Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.proj = Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
@@ -94,8 +111,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
-        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.fc = Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.proj = Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))
@@ -119,15 +136,13 @@ class GPT(nn.Module):
         super().__init__()
         self.config = cfg
         with torch.device(device) if device is not None else nullcontext():
-            self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-            self.wpe = nn.Embedding(cfg.seq_len, cfg.n_embd)
+            self.wte = Embedding(cfg.vocab_size, cfg.n_embd)
+            self.wpe = Embedding(cfg.seq_len, cfg.n_embd)
             self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
             self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-            self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.lm_head.weight = self.wte.weight
-        if torch.device(device or "cpu").type != "meta":
-            self.apply(_init_weights)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> GPTOutput:
         t = idx.shape[1]
@@ -152,12 +167,4 @@ def build(name: str, *, device: torch.device | str | None = None, **overrides: o
     """A GPT of a named size ("tiny", "125m", "350m", "1b", "3b", "7b"); device="meta" builds it
     without memory (tierzero.wrap materialises it block by block)."""
     return GPT(gpt_config(name, **overrides), device=device)
-
-
-def _init_weights(module: nn.Module) -> None:
-    # GPT-2's initialisation: N(0, 0.02) weights, zero biases.
-    if isinstance(module, (nn.Linear, nn.Embedding)):
-        nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
 
