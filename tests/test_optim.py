@@ -11,6 +11,7 @@ from torch import nn
 
 import tierzero as tz
 from tierzero import runtime
+from pairs import step_and_zero
 
 
 class Net(nn.Module):
@@ -84,10 +85,7 @@ def test_state_dict_roundtrip_continues_identically(tmp_path: Any) -> None:
     model, ref = pair(optimizer_states="nvme", nvme_dir=str(tmp_path))
     opt, ropt = tz.AdamW(model, lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
     backward(model, ref, 0)
-    opt.step()
-    ropt.step()
-    opt.zero_grad()
-    ropt.zero_grad()
+    step_and_zero((opt, ropt))
     saved = opt.state_dict()
     assert saved["state"]["layers.0"]["step"] == 1 and saved["param_groups"][0]["lr"] == 1e-2
     model_sd = model.state_dict()
@@ -111,12 +109,7 @@ def test_scheduler_changes_the_lr_used() -> None:
     rsched = torch.optim.lr_scheduler.StepLR(ropt, step_size=1, gamma=0.1)
     for step in range(3):
         backward(model, ref, step)
-        opt.step()
-        ropt.step()
-        sched.step()
-        rsched.step()
-        opt.zero_grad()
-        ropt.zero_grad()
+        step_and_zero((opt, ropt), (sched, rsched))
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-5)
     assert_same(model, ref)
     close(model)

@@ -20,6 +20,7 @@ import tierzero as tz
 from tierzero import optim, runtime
 from tierzero.models import GPT, GPTConfig
 from tierzero.tiers import Tier
+from pairs import step_and_zero
 
 STEPS = 20
 D = 60
@@ -139,12 +140,7 @@ def train_pair(make: Callable[[], nn.Module], batch: Callable[[torch.Generator],
                 norm = tz.clip_grad_norm_(model, clip)
                 rnorm = torch.nn.utils.clip_grad_norm_(trainable, clip)
                 torch.testing.assert_close(norm, rnorm, rtol=1e-5, atol=0, msg=f"grad norm at step {step}")
-            opt.step()
-            ropt.step()
-            sched.step()
-            rsched.step()
-            opt.zero_grad()
-            ropt.zero_grad()
+            step_and_zero((opt, ropt), (sched, rsched))
             assert opt.param_groups[0]["lr"] == ropt.param_groups[0]["lr"]
         assert_params_match(model, ref)
         pm = runtime.placement_manager(model)

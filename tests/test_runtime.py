@@ -15,6 +15,7 @@ import tierzero as tz
 from tierzero import runtime
 from tierzero.models import GPT, GPTConfig, build
 from tierzero.tiers import Tier
+from pairs import step_and_zero
 
 D, VOCAB, SEQ = 60, 257, 32
 
@@ -209,10 +210,7 @@ def test_dynamic_control_flow_warns_once_and_rerecords(wrapped) -> None:
             torch.testing.assert_close(loss, rloss, rtol=0, atol=0)
             loss.backward()
             rloss.backward()
-            opt.step()
-            ropt.step()
-            opt.zero_grad()
-            ropt.zero_grad()
+            step_and_zero((opt, ropt))
     msgs = [str(w.message) for w in caught if "differs from the recorded trace" in str(w.message)]
     assert len(msgs) == 1
     prefetcher = runtime.state_of(model).ctx.prefetcher
@@ -254,10 +252,7 @@ def test_bfloat16_compute_keeps_fp32_master_weights(wrapped) -> None:
         torch.testing.assert_close(loss.float(), rloss, rtol=2e-2, atol=0)
         loss.backward()
         rloss.backward()
-        opt.step()
-        ropt.step()
-        opt.zero_grad()
-        ropt.zero_grad()
+        step_and_zero((opt, ropt))
     sd = model.state_dict()
     assert sd["wte.weight"].dtype == torch.float32  # from the master weights
     # The bf16 run moves the fp32 master weights the way the fp32 run moves its parameters.
@@ -300,10 +295,7 @@ def test_block_kwargs_tuple_outputs_and_parallel_calls(wrapped) -> None:
         torch.testing.assert_close(loss, rloss, rtol=1e-6, atol=0)
         loss.backward()
         rloss.backward()
-        opt.step()
-        ropt.step()
-        opt.zero_grad()
-        ropt.zero_grad()
+        step_and_zero((opt, ropt))
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-6, atol=0)
     assert not runtime.state_of(model).ctx.held

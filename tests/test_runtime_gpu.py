@@ -11,6 +11,7 @@ import tierzero as tz
 from tierzero import runtime
 from tierzero.models import GPT, GPTConfig
 from tierzero.tiers import Tier
+from pairs import step_and_zero
 
 pytestmark = pytest.mark.gpu
 
@@ -52,10 +53,7 @@ def test_fp32_on_cuda_matches_plain_torch(params: str) -> None:
             torch.testing.assert_close(tz.clip_grad_norm_(model, 1.0),
                                        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).cpu(),
                                        rtol=1e-4, atol=0)
-            opt.step()
-            ropt.step()
-            opt.zero_grad()
-            ropt.zero_grad()
+            step_and_zero((opt, ropt))
         sd = model.state_dict()
         for k, v in ref.state_dict().items():
             torch.testing.assert_close(sd[k], v.cpu(), rtol=1e-3, atol=1e-4, msg=k)
@@ -79,10 +77,7 @@ def test_bf16_auto_dtype_trains_like_fp32() -> None:
             rlosses.append(rloss.item())
             loss.backward()
             rloss.backward()
-            opt.step()
-            ropt.step()
-            opt.zero_grad()
-            ropt.zero_grad()
+            step_and_zero((opt, ropt))
             runtime.step_stats(model)
         assert losses[-1] < 0.8 * losses[0]
         assert abs(losses[-1] - rlosses[-1]) < 0.1 * rlosses[-1]
