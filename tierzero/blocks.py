@@ -345,16 +345,21 @@ class FlatParam:
         for p in self.params:
             p.grad = None  # frees the device copy as soon as it is accumulated
         with torch.profiler.record_function(f"tierzero::accumulate_grad {self.name}"):
-            full = self.layout.flatten(grads, dtype=torch.float32, device=self.ctx.device)
-            with rank_errors(self.ctx.rank, self.ctx.world_size, f"reduce-scatter of {self.grad_name}"):
-                shard = reduce_scatter_flat(full, self.layout, self.ctx.group)
             with self.grad(writable=True, apply_scale=False) as buf:
-                if self.grad_empty:
-                    buf.copy_(shard)
+                if self.grad_empty and self.layout.world_size == 1 and buf.device == self.ctx.device:
+                    # No collective and no copy between devices: flatten straight into the
+                    # gradient, without a block-sized temporary.
+                    self.layout.flatten(grads, dtype=torch.float32, out=buf)
                 else:
-                    if self.grad_scale is not None:
-                        buf.mul_(self.grad_scale)
-                    buf.add_(shard.to(buf.device))
+                    full = self.layout.flatten(grads, dtype=torch.float32, device=self.ctx.device)
+                    with rank_errors(self.ctx.rank, self.ctx.world_size, f"reduce-scatter of {self.grad_name}"):
+                        shard = reduce_scatter_flat(full, self.layout, self.ctx.group)
+                    if self.grad_empty:
+                        buf.copy_(shard)
+                    else:
+                        if self.grad_scale is not None:
+                            buf.mul_(self.grad_scale)
+                        buf.add_(shard.to(buf.device))
             self.grad_scale = None
             self.grad_empty = False
 

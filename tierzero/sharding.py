@@ -76,10 +76,14 @@ class FlatLayout:
         return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
 
     def flatten(self, tensors: Sequence[torch.Tensor | None], *, dtype: torch.dtype,
-                device: torch.device | str | None = None) -> torch.Tensor:
-        """A new flat buffer holding `tensors` (None: zeros), cast to `dtype`, padding zeroed."""
-        device = device if device is not None else next((t.device for t in tensors if t is not None), "cpu")
-        flat = torch.zeros(self.padded_numel, dtype=dtype, device=device)
+                device: torch.device | str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A flat buffer holding `tensors` (None: zeros), cast to `dtype`, padding zeroed: a new
+        one, or `out` (overwritten whole)."""
+        if out is not None:
+            flat = out.zero_()
+        else:
+            device = device if device is not None else next((t.device for t in tensors if t is not None), "cpu")
+            flat = torch.zeros(self.padded_numel, dtype=dtype, device=device)
         for slot, t in zip(self.slots, tensors, strict=True):
             if t is not None:
                 flat[slot.offset:slot.offset + slot.numel].copy_(t.reshape(-1))
