@@ -181,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-budget", default="512MiB")
     p.add_argument("--device-budget", default="256MiB")
     p.add_argument("--depth", type=int, default=2, help="device copies prefetched ahead")
-    p.add_argument("--nvme-depth", type=int, default=4, help="NVMe reads into host copies ahead")
+    # 6 x 64 MiB reads in flight keep this drive busy while dirty write-backs share it (4 left it
+    # idle between reads: mixed efficiency 0.77-0.83 against 0.90-0.99; benchmarks/RESULTS.md).
+    p.add_argument("--nvme-depth", type=int, default=6, help="NVMe reads into host copies ahead")
     p.add_argument("--threads", type=int, default=IOConfig().threads)
     p.add_argument("--block-size", default=IOConfig().block_size)
     p.add_argument("--bench-size", type=parse_size, default=parse_size("2GiB"),
