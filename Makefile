@@ -25,7 +25,7 @@ test: $(STAMP)
 test-gpu:
 	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -m gpu tests
 
-# The main job, small: a GPT whose training state (16 MiB) is larger than its device + host
+# The main job, small: a GPT whose training state (12.9 MiB) is larger than its device + host
 # budgets (4 + 8 MiB), so NVMe holds most of it; ~15 s of training here.
 demo: $(STAMP)
 	rm -rf runs/demo
