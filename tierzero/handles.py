@@ -1,0 +1,64 @@
+"""Typed handles of placed tensors: what a tensor is, without parsing its name.
+
+The placement manager hands out one `TensorHandle` per registered tensor and takes it back at
+`unregister`; every other call names the tensor by its handle. A handle says whose tensor it is
+(`owner`: a block's FQN such as "layers.3" or "root", or any name for tensors registered outside
+a model), what it is (`kind`), its shape, dtype and home tier. Its `name` exists for messages,
+traces and checkpoints only; no module builds or parses one to learn what a tensor is.
+
+Handles compare by identity: two registrations are two tensors even with equal fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from tierzero.tiers import Tier
+
+
+class Kind(Enum):
+    """What a placed tensor holds."""
+
+    PARAM = "param"
+    """A block's trainable parameters, flat, in the compute dtype (this rank's shard)."""
+    FROZEN = "frozen"
+    """A block's parameters with requires_grad=False, flat, in the compute dtype."""
+    GRAD = "grad"
+    """The gradient of a PARAM tensor (in the gradient dtype)."""
+    MASTER = "master"
+    """fp32 master weights of a PARAM tensor whose compute dtype is narrower than fp32."""
+    EXP_AVG = "exp_avg"
+    """AdamW's first moment."""
+    EXP_AVG_SQ = "exp_avg_sq"
+    """AdamW's second moment."""
+    MOMENTUM = "momentum"
+    """SGD's momentum buffer."""
+    TENSOR = "tensor"
+    """Anything else (tensors registered directly with a PlacementManager)."""
+
+
+@dataclass(frozen=True, eq=False)
+class TensorHandle:
+    """One registered tensor (see the module docstring). Immutable; hashed by identity."""
+
+    owner: str
+    kind: Kind
+    shape: torch.Size
+    dtype: torch.dtype
+    home: Tier
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
+
+    @property
+    def name(self) -> str:
+        """For messages, traces and checkpoints: "layers.3.param"; the owner alone for TENSOR."""
+        return self.owner if self.kind is Kind.TENSOR else f"{self.owner}.{self.kind.value}"
+
+    def __repr__(self) -> str:
+        return (f"TensorHandle({self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"home={self.home.value})")
