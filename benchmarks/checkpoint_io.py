@@ -33,6 +33,7 @@ import tierzero as tz
 from io_engine import IOEngine, PreallocatedFile, aligned_empty
 from tierzero import runtime
 from tierzero.config import parse_size
+from tierzero.handles import Kind
 
 
 def _sequential(engine: IOEngine, path: Path, nbytes: int, request: int = 64 << 20) -> tuple[float, float, float]:
@@ -86,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     opt = tz.AdamW(model, lr=1e-3)
     setup_s = time.perf_counter() - t0
     pm = runtime.placement_manager(model)
-    state_bytes = sum(pm.records[n].nbytes for n in pm.records if not n.endswith((".grad", ".param")))
-    param_bytes = sum(pm.records[n].nbytes for n in pm.records if n.endswith(".param"))
+    state_bytes = sum(h.nbytes for h in pm.handles if h.kind not in (Kind.GRAD, Kind.PARAM))
+    param_bytes = sum(h.nbytes for h in pm.handles if h.kind is Kind.PARAM)
     try:
         with IOEngine(threads=cfg.io.threads, block_size=cfg.io.block_size, direct=cfg.io.direct) as engine:
             before = _sequential(engine, root / "sequential.bin", state_bytes)

@@ -89,7 +89,7 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace, init_file: str, 
         pm.flush()
         result = {
             "rank": rank, "params": n_params,
-            "state": {t.value: sum(r.nbytes for r in pm.records.values() if r.home is t) for t in Tier},
+            "state": {t.value: sum(h.nbytes for h in pm.handles if h.home is t) for t in Tier},
             "peak": {t: pm.peak_bytes(t) for t in TIERS},
             "budget": {t: pm.budget(t) for t in TIERS},
             "step_s": statistics.median(times[1:] or times),

@@ -11,6 +11,7 @@ from torch import nn
 
 import tierzero as tz
 from tierzero import runtime
+from tierzero.handles import Kind
 from pairs import step_and_zero
 
 
@@ -162,7 +163,7 @@ def test_fp32_params_are_the_master_weights_on_the_same_tier(tmp_path: Any, para
                              params=params, optimizer_states=states, compute_dtype="float32"))
     try:
         tz.AdamW(model, lr=0.1)
-        masters = [n for n in runtime.placement_manager(model).records if n.endswith(".master")]
+        masters = [h for h in runtime.placement_manager(model).handles if h.kind is Kind.MASTER]
         assert (masters == []) is shared
     finally:
         runtime.close(model)

@@ -7,7 +7,7 @@ import warnings
 import pytest
 
 import tierzero as tz
-from tierzero.prefetch import (BytesAhead, Lookahead, NoPrefetch, Prefetcher, TraceEvent, Unit,
+from tierzero.prefetch import (BytesAhead, FetchPhase, Lookahead, NoPrefetch, Prefetcher, TraceEvent, Unit,
                                policy_from_config)
 from tierzero.tiers import Tier
 
@@ -31,7 +31,7 @@ def make(policy=Lookahead(2), room: int = 10_000, nvme_depth: int = 0) -> tuple[
 def run(p: Prefetcher, order: list[str], key: object = "train") -> None:
     p.begin(key)
     for name in order:
-        p.on_fetch(TraceEvent("forward", name), held=[])
+        p.on_fetch(TraceEvent(FetchPhase.FORWARD, name), held=[])
     p.end()
 
 
@@ -58,11 +58,11 @@ def test_first_iteration_records_later_ones_prefetch_ahead_cyclically() -> None:
     assert pm.calls == []
     assert [e.unit for e in p.trace("train")] == order
     p.begin("train")
-    p.on_fetch(TraceEvent("forward", "b0"), held=[])
+    p.on_fetch(TraceEvent(FetchPhase.FORWARD, "b0"), held=[])
     assert pm.calls == [("b1.param", Tier.DEVICE), ("b2.param", Tier.DEVICE)]
     pm.calls.clear()
     for name in order[1:]:
-        p.on_fetch(TraceEvent("forward", name), held=["b0"])
+        p.on_fetch(TraceEvent(FetchPhase.FORWARD, name), held=["b0"])
     # At the end the trace wraps around to the next iteration's start (b0 is held: skipped).
     assert pm.calls[-2:] == [("b1.param", Tier.DEVICE), ("b2.param", Tier.DEVICE)]
     p.end()
@@ -73,7 +73,7 @@ def test_nvme_units_are_read_into_host_further_ahead() -> None:
     p, pm = make(Lookahead(1), nvme_depth=3)
     run(p, ["b0", "b1", "b2", "b3", "b4"])
     p.begin("train")
-    p.on_fetch(TraceEvent("forward", "b0"), held=[])
+    p.on_fetch(TraceEvent(FetchPhase.FORWARD, "b0"), held=[])
     assert pm.calls == [("b1.param", Tier.DEVICE), ("b1.param", Tier.HOST), ("b3.param", Tier.HOST)]
 
 
@@ -107,11 +107,11 @@ def test_eviction_order_is_farthest_next_use_first() -> None:
     run(p, order)
     p.begin("train")
     for name in order[:4]:
-        p.on_fetch(TraceEvent("forward", name), held=[])
+        p.on_fetch(TraceEvent(FetchPhase.FORWARD, name), held=[])
     # Next uses from position 4: b3 at 4, b2 at 5, b1 at 6, b0 at 7; unknown tensors first.
     assert p.order(["b0.param", "b2.param", "x.grad", "b3.param", "b1.param"]) == \
         ["x.grad", "b0.param", "b1.param", "b2.param", "b3.param"]
     for name in order[4:]:
-        p.on_fetch(TraceEvent("forward", name), held=[])
+        p.on_fetch(TraceEvent(FetchPhase.FORWARD, name), held=[])
     p.end()
     assert p.order(["b1.param", "b0.param"]) == ["b1.param", "b0.param"]  # no iteration: LRU order kept

@@ -11,6 +11,7 @@ rank exit with an error naming its rank within 60 s, not hang.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -100,11 +101,11 @@ def train_rank(rank: int, world_size: int, init_file: str, out_dir: str) -> None
         sd = model.state_dict()
         model.load_state_dict(sd)
         full = tz.full_state_dict(model)
-        homes = {t.value: sum(r.nbytes for r in pm.records.values() if r.home is t) for t in Tier}
+        homes = {t.value: sum(h.nbytes for h in pm.handles if h.home is t) for t in Tier}
         result = {"losses": losses, "norms": norms, "home_bytes": homes,
                   "nvme_used": pm.bytes_used("nvme"), "device_peak": pm.peak_bytes("device"),
                   "device_budget": pm.budget("device"), "full_keys": sorted(full),
-                  "state_dict_keys": sorted(sd), "gathered": dict(runtime.state_of(model).ctx.gathered)}
+                  "state_dict_keys": sorted(sd), "gathered": dataclasses.asdict(runtime.state_of(model).ctx.gather_counts)}
         torch.save({"result": result, "state": full}, os.path.join(out_dir, f"rank{rank}.pt"))
         runtime.close(model)
     finally:

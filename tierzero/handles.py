@@ -55,6 +55,11 @@ class TensorHandle:
         return self.shape.numel() * self.dtype.itemsize
 
     @property
+    def staging(self) -> Tier:
+        """The tier the CPU works on this tensor in: an NVMe home goes through host memory."""
+        return Tier.HOST if self.home is Tier.NVME else self.home
+
+    @property
     def name(self) -> str:
         """For messages, traces and checkpoints: "layers.3.param"; the owner alone for TENSOR."""
         return self.owner if self.kind is Kind.TENSOR else f"{self.owner}.{self.kind.value}"

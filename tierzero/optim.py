@@ -16,14 +16,18 @@ clears the flat gradients. One param group, holding every trainable parameter of
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from tierzero import runtime
-from tierzero.blocks import FlatParam, staging_tier
+from tierzero.flat_param import FlatParam
+from tierzero.grads import FlatGrad
+from tierzero.handles import Kind, TensorHandle
 from tierzero.sharding import all_reduce_, rank_errors
+from tierzero.step_context import StepContext
 
 
 UPDATE_CHUNK = 1 << 22
@@ -31,9 +35,13 @@ UPDATE_CHUNK = 1 << 22
 
 
 class _TieredOptimizer(torch.optim.Optimizer):
-    """The block-by-block step shared by AdamW and SGD; subclasses give the update math."""
+    """The block-by-block step shared by AdamW and SGD; subclasses give the update math.
 
-    state_kinds: tuple[str, ...] = ()
+    The optimizer owns the handles of its moments (registered here, zeros at the start, given
+    back when a newer optimizer of the same model replaces this one); the master weights belong
+    to the FlatParam (they hold the values), which this optimizer asks for."""
+
+    state_kinds: tuple[Kind, ...] = ()
     """Flat fp32 state tensors per block besides the master weights (zeros at the start)."""
 
     def __init__(self, model: nn.Module, defaults: dict[str, Any]) -> None:
@@ -44,39 +52,32 @@ class _TieredOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__}: the model has no trainable parameters "
                              "(requires_grad=True); nothing to optimize")
         super().__init__(params, defaults)
+        previous = _OPTIMIZER_OF.get(self._model_state)
+        if previous is not None:
+            previous._give_back_states()
         ctx = self._model_state.ctx
+        self._states: dict[FlatParam, dict[Kind, TensorHandle]] = {}
+        """Per flat tensor: the master weights, then the moments, by kind."""
         self._steps: dict[FlatParam, int] = {}
         for flat in self._flats:
-            flat.ensure_master()
-            for kind in self.state_kinds:
-                name = self._state_name(flat, kind)
-                if name not in ctx.pm.records:
-                    ctx.register(name, torch.zeros(flat.layout.shard_numel), ctx.master_tier)
+            self._states[flat] = {Kind.MASTER: flat.ensure_master(), **{
+                kind: ctx.register(flat.name, torch.zeros(flat.layout.shard_numel), ctx.master_tier, kind=kind)
+                for kind in self.state_kinds}}
             self._steps[flat] = 0
+        _OPTIMIZER_OF[self._model_state] = self
         self._stepped: set[FlatParam] = set()
         """Flats updated during this step's backward (Config.step_in_backward)."""
         if self._model_state.config.step_in_backward:
-            ctx.grads_final = self._step_in_backward
-
-    @staticmethod
-    def _state_name(flat: FlatParam, kind: str) -> str:
-        return f"{flat.name}.{kind}"
-
-    def _names(self, flat: FlatParam) -> list[str]:
-        return [flat.master_name, *(self._state_name(flat, k) for k in self.state_kinds)]
-
-    def _kinds(self, flat: FlatParam) -> dict[str, str]:
-        """State-dict key -> placement name of each fp32 state tensor of `flat`."""
-        return dict(zip(("master", *self.state_kinds), self._names(flat)))
+            ctx.on_grads_final(self._step_in_backward)
 
     @property
     def flat_params(self) -> list[FlatParam]:
         """The blocks' flat tensors this optimizer updates, in step order."""
         return list(self._flats)
 
-    def state_names(self, flat: FlatParam) -> dict[str, str]:
-        """Placement-manager names of `flat`'s moments, by kind (checkpoint.py streams them)."""
-        return {k: n for k, n in self._kinds(flat).items() if k != "master"}
+    def state_handles(self, flat: FlatParam) -> dict[Kind, TensorHandle]:
+        """The handles of `flat`'s moments, by kind (checkpoint.py streams them)."""
+        return {k: h for k, h in self._live_states(flat).items() if k is not Kind.MASTER}
 
     def block_steps(self, flat: FlatParam) -> int:
         """Updates applied to `flat` so far (AdamW's bias correction counts them)."""
@@ -94,7 +95,7 @@ class _TieredOptimizer(torch.optim.Optimizer):
         if len(self.param_groups) != 1:
             raise ValueError(f"{type(self).__name__} supports one param group, got {len(self.param_groups)}")
         group = self.param_groups[0]
-        todo = [f for f in self._flats if not f.grad_empty and f not in self._stepped]
+        todo = [f for f in self._flats if not _grad(f).empty and f not in self._stepped]
         self._stepped.clear()
         for i, flat in enumerate(todo):
             if i + 1 < len(todo):
@@ -122,28 +123,28 @@ class _TieredOptimizer(torch.optim.Optimizer):
             self._step_flat(flat, self.param_groups[0])
 
     def _prefetch(self, flat: FlatParam, *, grad: bool = True) -> None:
+        if grad:
+            _grad(flat).prefetch()
         pm = self._model_state.pm
-        for name in ((flat.grad_name,) if grad else ()) + tuple(self._names(flat)):
-            pm.prefetch(name, staging_tier(pm.records[name].home))
+        for handle in self._live_states(flat).values():
+            pm.prefetch(handle, handle.staging)
 
     def _step_flat(self, flat: FlatParam, group: dict[str, Any]) -> None:
         pm = self._model_state.pm
-        names = self._names(flat)
-        tiers = [staging_tier(pm.records[n].home) for n in names]
-        with flat.grad(apply_scale=False) as grad:
-            tensors = [pm.acquire(n, t) for n, t in zip(names, tiers)]
+        handles = list(self._live_states(flat).values())
+        flat_grad = _grad(flat)
+        with flat_grad.acquire() as grad:
+            tensors = [pm.acquire(h, h.staging) for h in handles]
             try:
                 # In chunks, so the math's temporaries (the scaled gradient, AdamW's denominator)
                 # are a few MiB instead of a block's size; elementwise, so the bits are the same.
                 for lo in range(0, grad.numel(), UPDATE_CHUNK):
-                    g = grad[lo:lo + UPDATE_CHUNK]
-                    if flat.grad_scale is not None:
-                        g = g * flat.grad_scale
+                    g = flat_grad.scaled(grad[lo:lo + UPDATE_CHUNK])
                     self._update(group, self._steps[flat], g, *(t[lo:lo + UPDATE_CHUNK] for t in tensors))
                 flat.master_updated(tensors[0])
             finally:
-                for n, t in zip(names, tiers):
-                    pm.release(n, t, dirty=True)
+                for h in handles:
+                    pm.release(h, h.staging, dirty=True)
 
     def _update(self, group: dict[str, Any], step: int, grad: torch.Tensor, param: torch.Tensor,
                 *states: torch.Tensor) -> None:
@@ -153,6 +154,21 @@ class _TieredOptimizer(torch.optim.Optimizer):
         for flat in self._flats:
             flat.clear_grad(set_to_none=set_to_none)
 
+    def _live_states(self, flat: FlatParam) -> dict[Kind, TensorHandle]:
+        if not self._states:
+            raise RuntimeError(f"{type(self).__name__}: a newer tiered optimizer was created for this "
+                               "model and took over its state; use that one")
+        return self._states[flat]
+
+    def _give_back_states(self) -> None:
+        """A newer optimizer of the same model takes over: unregister this one's moments."""
+        pm = self._model_state.pm
+        for states in self._states.values():
+            for kind, handle in states.items():
+                if kind is not Kind.MASTER:
+                    pm.unregister(handle)
+        self._states = {}
+
     # ------------------------------------------------------------------------- state dicts
 
     def state_dict(self) -> dict[str, Any]:
@@ -161,7 +177,7 @@ class _TieredOptimizer(torch.optim.Optimizer):
         sd = super().state_dict()
         pm = self._model_state.pm
         sd["state"] = {flat.name: {"step": self._steps[flat],
-                                   **{k: pm.read(n) for k, n in self._kinds(flat).items()}}
+                                   **{k.value: pm.read(h) for k, h in self._live_states(flat).items()}}
                        for flat in self._flats}
         return sd
 
@@ -181,12 +197,21 @@ class _TieredOptimizer(torch.optim.Optimizer):
         for name, entry in state_dict["state"].items():
             flat = by_name[name]
             self._steps[flat] = int(entry["step"])
-            for k, n in self._kinds(flat).items():
-                pm.store(n, entry[k])
-            flat.master_updated(entry["master"])
+            for k, h in self._live_states(flat).items():
+                pm.store(h, entry[k.value])
+            flat.master_updated(entry[Kind.MASTER.value])
 
 
-def _global_norm(shard_norms: list[torch.Tensor], norm_type: float, ctx: Any) -> torch.Tensor:
+_OPTIMIZER_OF: "weakref.WeakKeyDictionary[runtime.TieredState, _TieredOptimizer]" = weakref.WeakKeyDictionary()
+"""Side table: a wrapped model's state -> its tiered optimizer (the newest one)."""
+
+
+def _grad(flat: FlatParam) -> FlatGrad:
+    assert flat.grad is not None, f"{flat.name} is not trainable"
+    return flat.grad
+
+
+def _global_norm(shard_norms: list[torch.Tensor], norm_type: float, ctx: StepContext) -> torch.Tensor:
     """The norm over every rank's gradient shards from this rank's per-shard norms (shards split
     the flat gradients exactly, padding holds zeros)."""
     local = torch.stack(shard_norms).to(ctx.device)
@@ -200,7 +225,7 @@ def _global_norm(shard_norms: list[torch.Tensor], norm_type: float, ctx: Any) ->
 class AdamW(_TieredOptimizer):
     """torch.optim.AdamW's math (decoupled weight decay, bias correction) on tiered fp32 state."""
 
-    state_kinds = ("exp_avg", "exp_avg_sq")
+    state_kinds = (Kind.EXP_AVG, Kind.EXP_AVG_SQ)
 
     def __init__(self, model: nn.Module, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01) -> None:
@@ -226,7 +251,7 @@ class AdamW(_TieredOptimizer):
 class SGD(_TieredOptimizer):
     """torch.optim.SGD's math (momentum, weight decay; no dampening or Nesterov)."""
 
-    state_kinds = ("momentum",)
+    state_kinds = (Kind.MOMENTUM,)
 
     def __init__(self, model: nn.Module, lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
         if lr < 0 or momentum < 0 or weight_decay < 0:
@@ -262,21 +287,21 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
         raise ValueError("clip_grad_norm_: the model was wrapped with Config(step_in_backward=True), "
                          "so its blocks were updated during backward with unclipped gradients; "
                          "wrap it with step_in_backward=False to clip gradients")
-    flats = [f for f in state.flat_params(trainable=True) if not f.grad_empty]
+    flats = [f for f in state.flat_params(trainable=True) if not _grad(f).empty]
     if not flats:
         return torch.tensor(0.0)
-    pm = state.pm
     ctx = state.ctx
     norms: dict[tuple[FlatParam, int], torch.Tensor] = {}
     for i, flat in enumerate(flats):
         if i + 1 < len(flats):
-            pm.prefetch(flats[i + 1].grad_name, staging_tier(pm.records[flats[i + 1].grad_name].home))
-        with flat.grad() as g:
+            _grad(flats[i + 1]).prefetch()
+        grad = _grad(flat)
+        with grad.acquire() as g:
             if ctx.world_size == 1:
                 for j, s in enumerate(flat.layout.slots):
-                    norms[flat, j] = torch.linalg.vector_norm(g[s.offset:s.offset + s.numel], norm_type)
+                    norms[flat, j] = torch.linalg.vector_norm(grad.scaled(g[s.offset:s.offset + s.numel]), norm_type)
             else:
-                norms[flat, 0] = torch.linalg.vector_norm(g, norm_type)
+                norms[flat, 0] = torch.linalg.vector_norm(grad.scaled(g), norm_type)
     if ctx.world_size == 1:
         # The norm of the per-parameter norms in the model's parameter order, as torch computes
         # it: the same bits as torch.nn.utils.clip_grad_norm_(model.parameters()).
@@ -288,5 +313,5 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
                            f"({total.item()}); pass error_if_nonfinite=False to clip anyway")
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
     for flat in flats:
-        flat.scale_grad(coef)
+        _grad(flat).scale_by(coef)
     return total

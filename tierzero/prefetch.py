@@ -22,25 +22,41 @@ from __future__ import annotations
 import bisect
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterable, NamedTuple, Protocol, Sequence
+from enum import Enum
+from typing import TYPE_CHECKING, Callable, Hashable, Iterable, NamedTuple, Protocol, Sequence
 
 from tierzero.config import Config
+from tierzero.handles import TensorHandle
 from tierzero.tiers import Tier
+
+if TYPE_CHECKING:
+    from tierzero.placement import PlacementManager
 
 
 class Unit(NamedTuple):
     """What is fetched as one: a block's flat tensors in the placement manager."""
 
     name: str
-    tensors: tuple[str, ...]
+    tensors: tuple[TensorHandle, ...]
     nbytes: int
     nvme: bool
     """Its tensors live on NVMe, so a read into host staging can run further ahead."""
 
 
+class FetchPhase(str, Enum):
+    """Why a block is fetched: a str enum, so traces print and compare as plain words."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    RECOMPUTE = "recompute"
+    """A forward run again inside backward (activation checkpointing)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class TraceEvent(NamedTuple):
-    phase: str
-    """"forward", "backward" or "recompute" (activation checkpointing in backward)."""
+    phase: FetchPhase
     unit: str
 
 
@@ -98,9 +114,9 @@ def policy_from_config(config: Config) -> PrefetchPolicy:
     return BytesAhead(p.reserve or config.device_budget // 2)
 
 
-def prefetch_unit(pm: object, unit: Unit, tier: Tier) -> bool:
+def prefetch_unit(pm: "PlacementManager", unit: Unit, tier: Tier) -> bool:
     """Start copies of a unit's tensors toward `tier` (module level so tests can patch it)."""
-    return all([pm.prefetch(name, tier) for name in unit.tensors])  # type: ignore[attr-defined]
+    return all([pm.prefetch(handle, tier) for handle in unit.tensors])
 
 
 @dataclass
@@ -116,7 +132,7 @@ class _Iteration:
 class Prefetcher:
     """Records traces, issues prefetches from them, and orders eviction victims by next use."""
 
-    def __init__(self, pm: object, units: Sequence[Unit], policy: PrefetchPolicy, *,
+    def __init__(self, pm: "PlacementManager", units: Sequence[Unit], policy: PrefetchPolicy, *,
                  nvme_depth: int, device_room: Callable[[], int],
                  fetch_ahead: Callable[[list[Unit]], object] | None = None, device_wraps: bool = True) -> None:
         self.pm = pm
@@ -215,7 +231,7 @@ class Prefetcher:
 
     # ----------------------------------------------------------------------------- eviction
 
-    def order(self, candidates: list[str]) -> list[str]:
+    def order(self, candidates: list[TensorHandle]) -> list[TensorHandle]:
         """Eviction victims first: farthest next use in the trace (none at all: first)."""
         it = self._it
         if it is None or it.trace is None or it.deviated:
@@ -223,8 +239,8 @@ class Prefetcher:
         uses = self._uses[it.key]
         n = len(it.trace)
 
-        def distance(name: str) -> int:
-            positions = uses.get(self._unit_of.get(name, ""), ())
+        def distance(handle: TensorHandle) -> int:
+            positions = uses.get(self._unit_of.get(handle, ""), ())
             if not positions:
                 return 2 * n
             i = bisect.bisect_left(positions, it.pos)

@@ -46,10 +46,14 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from tierzero.blocks import Block, FlatParam, Phase, SavedParamViews, StepContext, fetched_bytes, output_tensors
+from tierzero.blocks import Block, SavedParamViews, output_tensors
 from tierzero.config import Config, format_size
-from tierzero.prefetch import Prefetcher, policy_from_config
+from tierzero.fetch_group import discard_gathers, gather_ahead
+from tierzero.flat_param import FlatParam, fetched_bytes
+from tierzero.placement import PlacementManager
+from tierzero.prefetch import Prefetcher, Unit, policy_from_config
 from tierzero.sharding import FlatLayout, broadcast_from_first_, rank_errors, world
+from tierzero.step_context import Phase, StepContext
 from tierzero.telemetry import StepStats
 from tierzero.tiers import Tier
 
@@ -80,7 +84,7 @@ class TieredState:
         self._saved_views = SavedParamViews(ctx)
 
     @property
-    def pm(self) -> Any:
+    def pm(self) -> PlacementManager:
         return self.ctx.pm
 
     def flat_params(self, *, trainable: bool | None = None) -> list[FlatParam]:
@@ -92,7 +96,6 @@ class TieredState:
             self._register_state_dict_hooks(block)
         self._handles.append(self.model.register_forward_pre_hook(self._root_pre_forward, prepend=True))
         self._handles.append(self.model.register_forward_hook(self._root_post_forward, always_call=True))
-        self.ctx.end_backward = self._end_backward
 
     # ------------------------------------------------------------------------ step lifecycle
 
@@ -101,9 +104,9 @@ class TieredState:
             return
         for block in self.blocks:
             block.begin_iteration()
-        self.ctx.discard_gathers()
+        discard_gathers(self.ctx)
         grad = torch.is_grad_enabled()
-        self.ctx.phase = Phase.FORWARD if grad else Phase.IDLE
+        self.ctx.begin_iteration(grad=grad)
         assert self.ctx.prefetcher is not None
         self.ctx.prefetcher.begin((grad, module.training))
         if grad:
@@ -115,17 +118,14 @@ class TieredState:
             return
         self._saved_views.exit()
         if not torch.is_grad_enabled() or not any(t.requires_grad for t in output_tensors(output)):
-            self.ctx.phase = Phase.IDLE
-            self.ctx.prefetcher.end()  # type: ignore[union-attr]
+            self.ctx.end_iteration()
 
-    def _end_backward(self) -> None:
+    def end_backward(self) -> None:
         """Final callback of a backward pass (queued by the first pre-backward hook)."""
         with torch.profiler.record_function("tierzero::end_backward"):
             for block in self.blocks:
                 block.post_backward(None)
-            self.ctx.callback_queued = False
-            self.ctx.phase = Phase.IDLE
-            self.ctx.prefetcher.end()  # type: ignore[union-attr]
+            self.ctx.end_iteration()
 
     # --------------------------------------------------------------------------- state dicts
 
@@ -182,8 +182,6 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None) -> nn.M
     device budget too small for the largest block plus the prefetch reserve, or meta-device
     parameters in a module without `reset_parameters()`.
     """
-    from tierzero.placement import PlacementManager
-
     if not isinstance(model, nn.Module):
         raise ValueError(f"wrap: expected an nn.Module, got {type(model).__name__}")
     if any(m in _OWNED for m in model.modules()):
@@ -211,12 +209,16 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None) -> nn.M
                 module._buffers[key] = buf.to(pm.device)
     _broadcast_buffers(model, ctx)
     state = TieredState(model, config, ctx, blocks)
-    by_name = {b.name: b for b in blocks}
-    gather_ahead = None if world_size == 1 else lambda units: ctx.gather_ahead([by_name[u.name] for u in units])
-    ctx.prefetcher = Prefetcher(pm, [b.unit for b in blocks if b.flats], policy_from_config(config),
-                                nvme_depth=config.prefetch.nvme_depth, device_room=ctx.device_room,
-                                fetch_ahead=gather_ahead, device_wraps=world_size == 1)
-    pm.set_eviction_policy(ctx.prefetcher)
+    groups = {b.name: b.group for b in blocks}
+
+    def gather_units(units: list[Unit]) -> None:
+        gather_ahead(ctx, [groups[u.name] for u in units])
+
+    prefetcher = Prefetcher(pm, [b.unit for b in blocks if b.flats], policy_from_config(config),
+                            nvme_depth=config.prefetch.nvme_depth, device_room=ctx.device_room,
+                            fetch_ahead=None if world_size == 1 else gather_units, device_wraps=world_size == 1)
+    ctx.attach(prefetcher, state.end_backward)
+    pm.set_eviction_policy(prefetcher)
     state.register_hooks()
     _STATES[model] = state
     for m in model.modules():
@@ -232,7 +234,7 @@ def state_of(model: nn.Module) -> TieredState:
     return state
 
 
-def placement_manager(model: nn.Module) -> Any:
+def placement_manager(model: nn.Module) -> PlacementManager:
     """The PlacementManager holding a wrapped model's state (budgets, peaks, telemetry)."""
     return state_of(model).pm
 

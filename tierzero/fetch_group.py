@@ -1,0 +1,170 @@
+"""`FetchGroup`: the device copies and collectives of one block's flat tensors, issued together.
+
+A block has one or two flat tensors (its trainable parameters, its frozen ones). The group
+brings them to the device as one: for each, this rank's shard is acquired on the device tier
+(the placement manager's copy stream, from host or NVMe); at world size N > 1 a scratch buffer
+for the full tensor is reserved on the device tier and the all-gather of every rank's shard
+into it starts (async). Every flat tensor of the block is started before any is waited for, so
+the collectives of a block are in flight together. An all-gather the prefetcher starts ahead
+waits in the StepContext (a `PendingGather` record) until its block's fetch takes it; a release
+frees the scratch buffer or, when the same block is fetched next (the last block: forward, then
+its backward), parks the finished gather for that fetch. At world size 1 the shard is the whole
+tensor, the fetched copy is the shard's device copy, and no collective runs.
+
+The gather functions are plain module-level functions over the context, so tests can patch
+them and FlatParam can drop a stale gather after its values change.
+
+Gradients go the other way once per block: `reduce_grads()` moves each trainable flat
+tensor's parameter gradients into its FlatGrad (reduce-scattered across ranks).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from tierzero.sharding import rank_errors, start_all_gather
+from tierzero.step_context import StepContext
+from tierzero.tiers import Tier
+
+if TYPE_CHECKING:
+    from tierzero.flat_param import FlatParam
+
+
+class PendingGather(NamedTuple):
+    """One flat tensor fetched or on its way to the device. `full` is every rank's shard
+    gathered once `work` is done (None: nothing in flight); `scratch` is the device buffer
+    `full` lives in (None at world size 1, where `full` is the pinned device copy of the shard),
+    which holds the shard's device copy pinned until `work` is done."""
+
+    full: torch.Tensor
+    work: dist.Work | None
+    scratch: torch.Tensor | None
+
+
+def start_gather(ctx: StepContext, flat: "FlatParam") -> PendingGather:
+    """Acquire the shard on the device and, across ranks, start its all-gather."""
+    shard = ctx.pm.acquire(flat.param, Tier.DEVICE)
+    if ctx.world_size == 1:
+        return PendingGather(shard, None, None)
+    nbytes = flat.layout.padded_numel * ctx.compute_dtype.itemsize
+    try:
+        scratch = ctx.pm.reserve_scratch(nbytes, Tier.DEVICE, what=f"{flat.param.name} (gathered)")
+    except BaseException:
+        ctx.pm.release(flat.param, Tier.DEVICE)
+        raise
+    full = scratch[:nbytes].view(ctx.compute_dtype)
+    with torch.profiler.record_function(f"tierzero::all_gather {flat.name}"), \
+            rank_errors(ctx.rank, ctx.world_size, f"all-gather of {flat.param.name}"):
+        work = start_all_gather(shard, full, ctx.group)
+    return PendingGather(full, work, scratch)
+
+
+def finish_gather(ctx: StepContext, flat: "FlatParam", pending: PendingGather) -> None:
+    """Wait for the all-gather; the shard's device copy is then no longer needed (it stays
+    cached, evictable)."""
+    if pending.work is None:
+        return
+    with torch.profiler.record_function(f"tierzero::wait_all_gather {flat.name}"), \
+            rank_errors(ctx.rank, ctx.world_size, f"all-gather of {flat.param.name}"):
+        pending.work.wait()
+    ctx.pm.release(flat.param, Tier.DEVICE)
+
+
+def drop_gather(ctx: StepContext, flat: "FlatParam", pending: PendingGather) -> None:
+    """Give back the device memory of a finished fetch."""
+    if pending.scratch is None:
+        ctx.pm.release(flat.param, Tier.DEVICE)
+    else:
+        ctx.pm.free_scratch(pending.scratch, Tier.DEVICE)
+
+
+def discard_gather(ctx: StepContext, flat: "FlatParam") -> None:
+    """Forget an all-gather started ahead (its values are stale once the shard is written)."""
+    pending = ctx.take_gather(flat)
+    if pending is not None:
+        finish_gather(ctx, flat, pending)
+        drop_gather(ctx, flat, pending)
+
+
+class FetchGroup:
+    """One block's flat tensors, fetched, released and reduced together (module docstring)."""
+
+    def __init__(self, name: str, flats: list["FlatParam"], ctx: StepContext) -> None:
+        self.name = name
+        self.flats = flats
+        self.ctx = ctx
+        self._fetched: list[PendingGather] | None = None
+        """The finished fetches whose memory the flat tensors view, while fetched."""
+
+    def gather_ahead(self) -> None:
+        """Start the all-gathers of the block (world size > 1) unless fetched or started."""
+        ctx = self.ctx
+        assert ctx.world_size > 1, self.name
+        with torch.profiler.record_function(f"tierzero::gather_ahead {self.name}"):
+            for flat in self.flats:
+                if flat.is_free and not ctx.has_gather(flat):
+                    ctx.put_gather(flat, start_gather(ctx, flat))
+
+    def fetch(self) -> None:
+        """Every flat tensor FREE -> HELD on its full tensor, gathered ahead or now."""
+        assert self._fetched is None, self.name
+        ctx = self.ctx
+        pending: list[PendingGather] = []
+        try:
+            for flat in self.flats:
+                ahead = ctx.take_gather(flat)
+                if ctx.world_size > 1:
+                    ctx.count_gather(ahead=ahead is not None)
+                pending.append(ahead or start_gather(ctx, flat))
+        except BaseException:  # no reservation outlives a failed fetch
+            for flat, p in zip(self.flats, pending):
+                finish_gather(ctx, flat, p)
+                drop_gather(ctx, flat, p)
+            raise
+        for flat, p in zip(self.flats, pending):
+            finish_gather(ctx, flat, p)
+            flat.install(p.full)
+        self._fetched = pending
+
+    def free(self, *, keep_gathered: bool = False) -> None:
+        """Every flat tensor HELD -> FREE; keep_gathered: the gathered copies (world size > 1)
+        wait in the context for the next fetch instead of being freed."""
+        assert self._fetched is not None, self.name
+        for flat, p in zip(self.flats, self._fetched):
+            flat.uninstall()
+            if keep_gathered:
+                assert p.scratch is not None, flat.name
+                self.ctx.put_gather(flat, p._replace(work=None))  # done; its shard is released
+            else:
+                drop_gather(self.ctx, flat, p)
+        self._fetched = None
+
+    def reduce_grads(self) -> None:
+        """Move the parameters' .grad of each trainable flat tensor into its gradient shard."""
+        for flat in self.flats:
+            if flat.grad is not None:
+                flat.grad.accumulate(flat.params)
+
+    def __repr__(self) -> str:
+        return f"FetchGroup({self.name!r}, {len(self.flats)} flat tensors, fetched={self._fetched is not None})"
+
+
+def gather_ahead(ctx: StepContext, groups: list[FetchGroup]) -> None:
+    """The prefetcher's choice at world size > 1: start the all-gathers of `groups`, drop those
+    started earlier for blocks neither chosen now nor held (so what is in flight always fits the
+    room the choice was made in). Every rank makes the same choice."""
+    keep = {g.name for g in groups} | set(ctx.held)
+    for flat in ctx.gathered_flats():
+        if flat.name not in keep:
+            discard_gather(ctx, flat)
+    for group in groups:
+        group.gather_ahead()
+
+
+def discard_gathers(ctx: StepContext) -> None:
+    """Drop every all-gather started ahead (a new iteration starts from a clean slate)."""
+    for flat in ctx.gathered_flats():
+        discard_gather(ctx, flat)

@@ -1,0 +1,230 @@
+"""`FlatParam`: one flat tensor of a block, its residency, and the parameters that view it.
+
+A block's trainable parameters (or its frozen ones) are packed into one flat tensor whose
+shard for this rank (the whole tensor at world size 1) lives in the placement manager
+(`param`, Kind.PARAM or Kind.FROZEN, in the compute dtype). A trainable one also has its
+gradient (`grad`, a FlatGrad) and, when the optimizer needs them, fp32 master weights
+(`master`): registered at wrap from the full-precision values when the compute dtype is
+narrower than fp32; with fp32 compute the parameters themselves are the master weights when
+they live on the optimizer states' tier (`master is param`: one copy, no separate write).
+
+Parameters are never replaced: each stays the same nn.Parameter object, and its `.data` is set
+to a view into the device copy while HELD, and to a one-element zero-stride placeholder of the
+same shape, dtype and device otherwise. Autograd saves parameters (leaves) by reference, so a
+backward sees whatever `.data` holds then: the copy the pre-backward hook fetched. Only
+`install`, `install_scratch` and `uninstall` change the state, as their last line.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from tierzero.fetch_group import discard_gather
+from tierzero.grads import FlatGrad
+from tierzero.handles import Kind, TensorHandle
+from tierzero.sharding import FlatLayout, all_gather_flat, broadcast_from_first_, rank_errors
+from tierzero.step_context import StepContext
+from tierzero.tiers import Tier
+
+
+class ParamState(Enum):
+    """What a FlatParam's nn.Parameters hold.
+
+    FREE     one-element zero-stride placeholders with the right shape: no device memory.
+    HELD     views into the flat tensor's pinned device copy: its bytes on the device tier.
+    SCRATCH  full CPU tensors that load_state_dict copies into: the block's bytes in CPU memory
+             outside every budget, only while a load runs.
+    """
+
+    FREE = "free"
+    HELD = "held"
+    SCRATCH = "scratch"
+
+
+class SavedView(NamedTuple):
+    """A tensor saved for backward that views a held flat tensor's device copy."""
+
+    flat: "FlatParam"
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+class FlatParam:
+    """One flat tensor of a block and the nn.Parameters that view it (see module docstring)."""
+
+    def __init__(self, name: str, params: list[nn.Parameter], layout: FlatLayout,
+                 orig_dtypes: list[torch.dtype], ctx: StepContext, home: Tier) -> None:
+        self.name = name
+        """The block's name: the owner of this flat tensor's handles."""
+        self.params = params
+        self.layout = layout
+        self.orig_dtypes = orig_dtypes
+        self.ctx = ctx
+        self.home = home
+        self.trainable = params[0].requires_grad
+        assert all(p.requires_grad == self.trainable for p in params), name
+        self._placeholders = [torch.zeros((), dtype=ctx.compute_dtype, device=ctx.device).expand(s.shape)
+                              for s in layout.slots]
+        self._param: TensorHandle | None = None
+        self.master: TensorHandle | None = None
+        """fp32 master weights (the parameters' own handle when they double as them)."""
+        self.grad: FlatGrad | None = None
+        """The gradient shard of a trainable flat tensor."""
+        self._device: torch.Tensor | None = None
+        """The device copy the parameters view while HELD."""
+        self._state = ParamState.FREE
+
+    @property
+    def param(self) -> TensorHandle:
+        """This rank's shard of the parameters in the compute dtype."""
+        assert self._param is not None, f"{self.name}: not registered"
+        return self._param
+
+    @property
+    def values(self) -> TensorHandle:
+        """Where the values are kept at full precision: the master weights, else the parameters."""
+        return self.master if self.master is not None else self.param
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes while fetched (see fetched_bytes)."""
+        return fetched_bytes(self.layout, self.ctx.compute_dtype)
+
+    @property
+    def shard(self) -> slice:
+        """This rank's part of the flat tensor."""
+        return slice(*self.layout.shard_range(self.ctx.rank))
+
+    @property
+    def is_free(self) -> bool:
+        return self._state is ParamState.FREE
+
+    # ----------------------------------------------------------------------------- setup
+
+    def register(self, values: list[torch.Tensor]) -> None:
+        """Put this rank's shard of the parameters' values (the first rank's values, so every
+        rank starts alike) into the placement manager; the parameters become placeholders.
+        Trainable ones get a gradient shard (and, when the compute dtype is narrower than fp32,
+        fp32 master weights made from these full-precision values)."""
+        ctx = self.ctx
+        kind = Kind.PARAM if self.trainable else Kind.FROZEN
+        flat = self.layout.flatten(values, dtype=torch.float32, device="cpu")
+        with rank_errors(ctx.rank, ctx.world_size, f"broadcast of {self.name}.{kind.value} at wrap"):
+            broadcast_from_first_(flat, ctx.group, ctx.world_size)
+        shard = flat[self.shard]
+        self._param = ctx.register(self.name, shard, self.home, kind=kind, dtype=ctx.compute_dtype)
+        if self.trainable:
+            self.grad = FlatGrad(self.name, self.layout, ctx)
+            if ctx.compute_dtype != torch.float32:
+                self.master = ctx.register(self.name, shard, ctx.master_tier, kind=Kind.MASTER)
+        self.uninstall()
+
+    def ensure_master(self) -> TensorHandle:
+        """fp32 master weights for the optimizer: the parameters themselves when they are fp32
+        and live on the optimizer states' tier, else a copy made on that tier."""
+        if self.master is None:
+            ctx = self.ctx
+            if ctx.compute_dtype == torch.float32 and self.home is ctx.master_tier:
+                self.master = self.param
+            else:
+                self.master = ctx.register(self.name, ctx.pm.read(self.param).float(), ctx.master_tier,
+                                           kind=Kind.MASTER)
+        return self.master
+
+    # ------------------------------------------------------------------------- transitions
+
+    def install(self, flat: torch.Tensor) -> None:
+        """FREE -> HELD: the parameters view the device copy `flat`."""
+        assert self._state is ParamState.FREE, (self.name, self._state)
+        for p, view in zip(self.params, self.layout.views(flat)):
+            p.data = view
+        self._device = flat
+        self.ctx.track(self, flat)
+        self._state = ParamState.HELD
+
+    def install_scratch(self, values: list[torch.Tensor]) -> None:
+        """FREE -> SCRATCH: the parameters hold `values` (full CPU tensors) for a state-dict load."""
+        if self._state is not ParamState.FREE:
+            raise RuntimeError(f"{self.name}: load_state_dict while the block is in use "
+                               f"({self._state.value}); load between training steps")
+        for p, v in zip(self.params, values):
+            p.data = v
+        self._state = ParamState.SCRATCH
+
+    def uninstall(self) -> None:
+        """HELD / SCRATCH -> FREE: the parameters become placeholders again."""
+        for p, ph in zip(self.params, self._placeholders):
+            p.data = ph
+        if self._device is not None:
+            self.ctx.untrack(self._device)
+            self._device = None
+        self._state = ParamState.FREE
+
+    def saved_view(self, saved: SavedView) -> torch.Tensor:
+        """A tensor saved for backward as a view of this flat tensor's device copy, rebuilt on the
+        copy held now."""
+        if self._state is not ParamState.HELD:
+            raise RuntimeError(
+                f"tierzero: backward needs parameters of {self.name!r} but the block is not fetched; "
+                "a second backward through the same graph (retain_graph=True) is not supported")
+        assert self._device is not None
+        return self._device.as_strided(saved.size, saved.stride, saved.offset)
+
+    def clear_grad(self, *, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+        if self.grad is not None:
+            self.grad.clear(set_to_none=set_to_none)
+
+    # ---------------------------------------------------------------------------- values
+
+    def read_full(self) -> list[torch.Tensor]:
+        """Current values as CPU tensors in the parameters' original dtypes (from the fp32
+        master weights when there are any), gathered from every rank (a collective: every rank
+        calls it)."""
+        ctx = self.ctx
+        flat = ctx.pm.read(self.values)
+        if ctx.world_size > 1:
+            with rank_errors(ctx.rank, ctx.world_size, f"all-gather of {self.param.name} for a state dict"):
+                flat = all_gather_flat(flat.to(ctx.device), self.layout, ctx.group).cpu()
+        return [v.to(dt, copy=True) for v, dt in zip(self.layout.views(flat), self.orig_dtypes)]
+
+    def write_full(self, values: list[torch.Tensor]) -> None:
+        """Overwrite the values with this rank's part of `values` (full tensors)."""
+        self.store_values(self.layout.flatten(values, dtype=torch.float32, device="cpu")[self.shard])
+
+    def store_values(self, shard: torch.Tensor) -> None:
+        """New values of this rank's shard: the master weights (fp32) and the parameters
+        (compute dtype)."""
+        if self.master is not None and self.master is not self.param:
+            self.ctx.pm.store(self.master, shard.float())
+        self._store_param(shard)
+
+    def master_updated(self, master: torch.Tensor) -> None:
+        """The master weights now hold `master` (an optimizer step): store the new parameters,
+        unless the parameters are the master weights (the master's write reaches them), and drop
+        a gathered copy of the old ones either way."""
+        if self.master is self.param:
+            discard_gather(self.ctx, self)
+        else:
+            self._store_param(master)
+
+    def _store_param(self, values: torch.Tensor) -> None:
+        self.ctx.pm.store(self.param, values.to(self.ctx.compute_dtype))
+        discard_gather(self.ctx, self)
+
+    def __repr__(self) -> str:
+        kind = "param" if self.trainable else "frozen"
+        return f"FlatParam({self.name!r}, {kind}, {self.layout}, {self._state.value})"
+
+
+def fetched_bytes(layout: FlatLayout, dtype: torch.dtype) -> int:
+    """Device bytes of a fetched flat tensor: the full tensor, plus at world size > 1 the shard
+    it is gathered from (pinned until the gather is done)."""
+    extra = layout.shard_numel if layout.world_size > 1 else 0
+    return (layout.padded_numel + extra) * dtype.itemsize

@@ -1,0 +1,186 @@
+"""`StepContext`: what the blocks of one wrapped model share, and the one module that changes it.
+
+The root state (runtime.py), the blocks (blocks.py, fetch_group.py, flat_param.py) and the
+tiered optimizer (optim.py) all read the context; every field is written only by the methods
+below, so the life of a step can be read in one place:
+
+    begin_iteration   the root's forward starts: phase FORWARD (IDLE without grad); all-gathers
+                      started ahead for the previous iteration are dropped by the caller
+    hold / release    a block is fetched / released (the held set, and device room beside it)
+    track / untrack   a held flat tensor's device storage (saved-tensor hooks find it by pointer)
+    put / take gather an all-gather started ahead waits here for its block's fetch
+    begin_backward    the first pre-backward hook: phase BACKWARD, the final callback queued once
+    end_iteration     the final callback of a backward (or the end of an inference forward)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from tierzero.handles import Kind, TensorHandle
+from tierzero.tiers import Tier
+
+if TYPE_CHECKING:
+    from tierzero.blocks import Block
+    from tierzero.fetch_group import PendingGather
+    from tierzero.flat_param import FlatParam
+    from tierzero.placement import PlacementManager
+    from tierzero.prefetch import Prefetcher
+
+
+class Phase(Enum):
+    """Where a wrapped model is in its step: blocks forwarded during BACKWARD are recomputed."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+@dataclass
+class GatherCounts:
+    """Flat-tensor fetches at world size > 1 whose all-gather the prefetcher started ahead, and
+    those that had to start it themselves."""
+
+    ahead: int = 0
+    on_demand: int = 0
+
+
+class StepContext:
+    """State shared by every block of one wrapped model (see the module docstring)."""
+
+    def __init__(self, pm: "PlacementManager", *, compute_dtype: torch.dtype, grad_tier: Tier,
+                 master_tier: Tier, rank: int = 0, world_size: int = 1,
+                 group: dist.ProcessGroup | None = None) -> None:
+        self.pm = pm
+        self.compute_dtype = compute_dtype
+        self.grad_tier = grad_tier
+        self.master_tier = master_tier
+        self.rank = rank
+        self.world_size = world_size
+        self.group = group
+        """The process group of the data-parallel ranks (None: the default group)."""
+        self.phase = Phase.IDLE
+        self.prefetcher: "Prefetcher | None" = None
+        self.gather_counts = GatherCounts()
+        self._held: dict[str, "Block"] = {}
+        self._held_storage: dict[int, "FlatParam"] = {}
+        """data_ptr of a held flat tensor's device copy -> its FlatParam."""
+        self._gathers: dict["FlatParam", "PendingGather"] = {}
+        """All-gathers started ahead of their block's fetch (world size > 1), in issue order; they
+        are always among the blocks the prefetcher chose last, so they fit the device room."""
+        self._device_home_bytes = 0
+        """Bytes of tensors homed on the device tier (not available for fetched copies)."""
+        self._end_backward: Callable[[], None] | None = None
+        self._callback_queued = False
+        self._grads_final: Callable[["FlatParam"], None] | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.pm.device
+
+    # ----------------------------------------------------------------------------- setup
+
+    def register(self, owner: str, data: torch.Tensor, home: Tier, *, kind: Kind,
+                 dtype: torch.dtype | None = None) -> TensorHandle:
+        """Register a tensor in the placement manager (the one place the runtime does)."""
+        handle = self.pm.register(owner, data, home, kind=kind, dtype=dtype)
+        if home is Tier.DEVICE:
+            self._device_home_bytes += handle.nbytes
+        return handle
+
+    def attach(self, prefetcher: "Prefetcher", end_backward: Callable[[], None]) -> None:
+        """The root state's prefetcher and final callback of a backward pass (once, at wrap)."""
+        self.prefetcher = prefetcher
+        self._end_backward = end_backward
+
+    def on_grads_final(self, callback: Callable[["FlatParam"], None] | None) -> None:
+        """Call `callback` once per backward with each trainable flat tensor whose gradient is
+        final (a tiered optimizer under Config.step_in_backward)."""
+        self._grads_final = callback
+
+    @property
+    def wants_grads_final(self) -> bool:
+        return self._grads_final is not None
+
+    def grads_final(self, flat: "FlatParam") -> None:
+        assert self._grads_final is not None
+        self._grads_final(flat)
+
+    # --------------------------------------------------------------------- step lifecycle
+
+    def begin_iteration(self, *, grad: bool) -> None:
+        self.phase = Phase.FORWARD if grad else Phase.IDLE
+
+    def begin_backward(self) -> None:
+        """First pre-backward hook of a backward pass: queue the final callback once."""
+        self.phase = Phase.BACKWARD
+        if not self._callback_queued and self._end_backward is not None:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def end_iteration(self) -> None:
+        """The backward (or an inference forward) is over."""
+        self._callback_queued = False
+        self.phase = Phase.IDLE
+        if self.prefetcher is not None:
+            self.prefetcher.end()
+
+    # ------------------------------------------------------------------------ held blocks
+
+    @property
+    def held(self) -> dict[str, "Block"]:
+        """Blocks fetched now, by name (read-only use)."""
+        return self._held
+
+    def hold(self, block: "Block") -> None:
+        self._held[block.name] = block
+
+    def release(self, block: "Block") -> None:
+        del self._held[block.name]
+
+    def device_room(self) -> int:
+        """Bytes of the device budget not taken by device-homed tensors and held blocks."""
+        held = sum(b.nbytes for b in self._held.values())
+        return self.pm.budget(Tier.DEVICE) - self._device_home_bytes - held
+
+    def track(self, flat: "FlatParam", device_copy: torch.Tensor) -> None:
+        self._held_storage[device_copy.untyped_storage().data_ptr()] = flat
+
+    def untrack(self, device_copy: torch.Tensor) -> None:
+        del self._held_storage[device_copy.untyped_storage().data_ptr()]
+
+    def held_flat(self, t: torch.Tensor) -> "FlatParam | None":
+        """The held flat tensor whose device copy `t` views, if any."""
+        if not self._held_storage or t.device != self.device:
+            return None
+        try:
+            return self._held_storage.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # tensors without storage (subclasses)
+            return None
+
+    # --------------------------------------------------------------- all-gathers started ahead
+
+    def put_gather(self, flat: "FlatParam", pending: "PendingGather") -> None:
+        assert flat not in self._gathers, flat
+        self._gathers[flat] = pending
+
+    def take_gather(self, flat: "FlatParam") -> "PendingGather | None":
+        return self._gathers.pop(flat, None)
+
+    def has_gather(self, flat: "FlatParam") -> bool:
+        return flat in self._gathers
+
+    def gathered_flats(self) -> Iterator["FlatParam"]:
+        """Flat tensors with an all-gather waiting, in issue order (a snapshot)."""
+        return iter(list(self._gathers))
+
+    def count_gather(self, *, ahead: bool) -> None:
+        if ahead:
+            self.gather_counts.ahead += 1
+        else:
+            self.gather_counts.on_demand += 1
