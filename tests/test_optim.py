@@ -167,3 +167,34 @@ def test_fp32_params_are_the_master_weights_on_the_same_tier(tmp_path: Any, para
         assert (masters == []) is shared
     finally:
         runtime.close(model)
+
+
+def test_a_new_optimizer_takes_over_with_fresh_state(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+    ref = copy.deepcopy(model)
+    tz.wrap(model, tz.Config(device_budget="1MiB", host_budget="4MiB", nvme_dir=str(tmp_path),
+                             params="host", optimizer_states="nvme", compute_dtype="float32"))
+    pm = runtime.placement_manager(model)
+    try:
+        old = tz.AdamW(model, lr=0.1)
+        model(torch.randn(4, 8)).sum().backward()
+        step_and_zero((old,))
+        nvme_before = pm.bytes_used("nvme")
+        opt = tz.AdamW(model, lr=1e-2)  # takes over: the old moments are given back, not shared
+        assert pm.bytes_used("nvme") == nvme_before
+        assert len([h for h in pm.handles if h.kind is Kind.EXP_AVG]) == len(opt.flat_params)
+        with pytest.raises(RuntimeError, match="newer tiered optimizer"):
+            old.step()
+        # the new optimizer starts from zero moments: the same updates as a fresh torch AdamW
+        ref.load_state_dict({k: v for k, v in model.state_dict().items()})
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        for _ in range(3):
+            x = torch.randn(4, 8)
+            model(x).sum().backward()
+            ref(x).sum().backward()
+            step_and_zero((opt, ropt))
+        for (n, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=n)
+    finally:
+        runtime.close(model)

@@ -94,6 +94,7 @@ class _TieredOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if len(self.param_groups) != 1:
             raise ValueError(f"{type(self).__name__} supports one param group, got {len(self.param_groups)}")
+        self._check_live()
         group = self.param_groups[0]
         todo = [f for f in self._flats if not _grad(f).empty and f not in self._stepped]
         self._stepped.clear()
@@ -155,10 +156,13 @@ class _TieredOptimizer(torch.optim.Optimizer):
             flat.clear_grad(set_to_none=set_to_none)
 
     def _live_states(self, flat: FlatParam) -> dict[Kind, TensorHandle]:
+        self._check_live()
+        return self._states[flat]
+
+    def _check_live(self) -> None:
         if not self._states:
             raise RuntimeError(f"{type(self).__name__}: a newer tiered optimizer was created for this "
                                "model and took over its state; use that one")
-        return self._states[flat]
 
     def _give_back_states(self) -> None:
         """A newer optimizer of the same model takes over: unregister this one's moments."""
