@@ -42,7 +42,7 @@ from tierzero import runtime
 from tierzero.blocks import FlatParam
 from tierzero.ckpt_format import (
     CHUNK_BYTES, MANIFEST, PREFIX, TMP_PREFIX, TRASH_PREFIX, VALUES, CheckpointError, FlatEntry, Manifest,
-    RankFiles, checkpoints, latest_checkpoint, next_number, read_manifest, round_up, torch_dtype,
+    RankFiles, checkpoints, latest_checkpoint, next_number, open_checkpoint, round_up, torch_dtype,
     write_manifest,
 )
 from tierzero.ckpt_io import Reader, Source, open_engine, write_rank_files
@@ -242,10 +242,7 @@ def load_checkpoint(dir: str | os.PathLike[str], model: nn.Module, optimizer: An
     state = runtime.state_of(model)
     _check_optimizer(state, optimizer)
     rank, _ = world(state.ctx.group)
-    folder = latest_checkpoint(dir)
-    if folder is None:
-        raise CheckpointError(f"{str(dir)!r}: no checkpoint there (no {MANIFEST}, no complete {PREFIX}N folder)")
-    manifest = read_manifest(folder / MANIFEST)
+    folder, manifest = open_checkpoint(dir)
     jobs = _jobs(state, optimizer)
     _check_model(folder / MANIFEST, manifest, state, optimizer, jobs)
     with open_engine(state.config.io) as engine:

@@ -220,3 +220,12 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
         return root
     found = checkpoints(root)
     return found[-1] if found else None
+
+
+def open_checkpoint(root: str | os.PathLike[str]) -> tuple[Path, Manifest]:
+    """The checkpoint folder `root` names (per latest_checkpoint) and its verified manifest;
+    CheckpointError when there is none."""
+    folder = latest_checkpoint(root)
+    if folder is None:
+        raise CheckpointError(f"{str(root)!r}: no checkpoint there (no {MANIFEST}, no complete {PREFIX}N folder)")
+    return folder, read_manifest(folder / MANIFEST)

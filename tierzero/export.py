@@ -24,9 +24,7 @@ from torch import nn
 
 from io_engine import aligned_empty
 from tierzero import runtime
-from tierzero.ckpt_format import (
-    MANIFEST, PREFIX, VALUES, CheckpointError, FlatEntry, latest_checkpoint, read_manifest, round_up, torch_dtype,
-)
+from tierzero.ckpt_format import VALUES, CheckpointError, FlatEntry, open_checkpoint, round_up, torch_dtype
 from tierzero.ckpt_io import Reader, open_engine
 from tierzero.config import IOConfig
 from tierzero.reshard import range_ops
@@ -39,10 +37,7 @@ def export_checkpoint(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], 
     safetensors file with every parameter under its name in its original dtype (tied parameters
     under each of their names) and the persistent buffers, reading one block at a time: the
     file is a full state dict that plain PyTorch loads without tierzero."""
-    folder = latest_checkpoint(ckpt)
-    if folder is None:
-        raise CheckpointError(f"{str(ckpt)!r}: no checkpoint there (no {MANIFEST}, no complete {PREFIX}N folder)")
-    manifest = read_manifest(folder / MANIFEST)
+    folder, manifest = open_checkpoint(ckpt)
     with open_engine(io_config or IOConfig()) as engine:
         reader = Reader(folder, manifest, engine)
         reader.check_files()
