@@ -1,6 +1,7 @@
-"""Checkpoints: exact save/load on every tier, keep_last, corruption of every file kind, a
-different model, missing files, a corrupt swap file and a full disk while saving, resharding
-N -> M (pure plans and real multi-rank files), safetensors export and import."""
+"""Checkpoints: exact save/load on every tier, keep_last, the double-buffered IO loop,
+corruption of every file kind, a different model, missing files, a corrupt swap file and a full
+disk while saving, resharding N -> M (pure plans and real multi-rank files), safetensors export
+and import."""
 
 from __future__ import annotations
 
@@ -185,6 +186,46 @@ def test_leftover_of_an_interrupted_save_is_ignored_then_removed(make, tmp_path)
     assert tz.load_checkpoint(tmp_path / "ck", b, opt_b) == 1
     tz.save_checkpoint(tmp_path / "ck", a, opt, extra=2)
     assert sorted(os.listdir(tmp_path / "ck")) == ["ckpt-00000001", "ckpt-00000002"]
+
+
+class _Future:
+    """Stands for a read or write still running: it logs being waited for."""
+
+    def __init__(self, log: list[tuple[str, int]], i: int) -> None:
+        self.log, self.i = log, i
+
+    def result(self) -> None:
+        self.log.append(("wait", self.i))
+
+    def exception(self) -> None:
+        self.log.append(("drain", self.i))
+
+
+def test_double_buffered_overlaps_neighbours_and_drains_every_started_item_on_failure():
+    log: list[tuple[str, int]] = []
+    bufs: dict[int, int] = {}
+
+    def start(i: int, buf: np.ndarray) -> list[_Future]:
+        bufs[i] = buf.ctypes.data
+        log.append(("start", i))
+        return [_Future(log, i)]
+
+    def finish(i: int, futures: list[_Future]) -> None:
+        futures[0].result()
+        if i == fail_at:
+            raise OSError(f"item {i}")
+        log.append(("finish", i))
+
+    fail_at = None
+    ckpt_io.double_buffered(4, 4096, start, finish)
+    assert log == [("start", 0), ("start", 1), ("wait", 0), ("finish", 0), ("start", 2), ("wait", 1),
+                   ("finish", 1), ("start", 3), ("wait", 2), ("finish", 2), ("wait", 3), ("finish", 3)]
+    assert bufs[0] == bufs[2] != bufs[1] == bufs[3]
+    log.clear()
+    fail_at = 1
+    with pytest.raises(OSError, match="item 1"):
+        ckpt_io.double_buffered(4, 4096, start, finish)
+    assert log[-3:] == [("wait", 1), ("drain", 1), ("drain", 2)]  # nothing left running on a buffer
 
 
 # ------------------------------------------------------------------------- bad checkpoints

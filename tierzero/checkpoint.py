@@ -33,11 +33,12 @@ import shutil
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from io_engine import PAGE, aligned_empty
+from io_engine import PAGE
 from tierzero import runtime
 from tierzero.blocks import FlatParam
 from tierzero.ckpt_format import (
@@ -45,7 +46,7 @@ from tierzero.ckpt_format import (
     RankFiles, checkpoints, latest_checkpoint, next_number, open_checkpoint, round_up, torch_dtype,
     write_manifest,
 )
-from tierzero.ckpt_io import Reader, Source, open_engine, write_rank_files
+from tierzero.ckpt_io import Reader, Source, double_buffered, open_engine, write_rank_files
 from tierzero.reshard import reshard_plan
 from tierzero.safetensors_file import fsync_dir
 from tierzero.sharding import world
@@ -261,21 +262,18 @@ def load_checkpoint(dir: str | os.PathLike[str], model: nn.Module, optimizer: An
             entry = manifest.flat(job.flat.param_name)
             plans.append((torch_dtype(entry.kinds[job.kind]), reshard_plan(entry.layout, job.flat.layout, rank)))
         size = max((round_up(job.numel * dtype.itemsize) for job, (dtype, _) in zip(jobs, plans)), default=PAGE)
-        bufs = [aligned_empty(size) for _ in range(2)]
 
-        def read(i: int) -> torch.Tensor:
-            """Job i's shard, in the saved dtype, in one of the two buffers."""
+        def read(i: int, buf: np.ndarray) -> torch.Tensor:
+            """Job i's shard, in the saved dtype, in `buf`."""
             (dtype, ops), nbytes = plans[i], jobs[i].numel * plans[i][0].itemsize
-            dst = bufs[i % 2][:round_up(nbytes)]
+            dst = buf[:round_up(nbytes)]
             reader.read_ops(jobs[i].key, ops, dtype.itemsize, dst)
             return torch.from_numpy(dst[:nbytes]).view(dtype)
 
+        # one thread reads the next shard while this one stores the current one to its tier
         with cf.ThreadPoolExecutor(1, thread_name_prefix="tierzero-ckpt-read") as ahead:
-            nxt = ahead.submit(read, 0) if jobs else None
-            for i, job in enumerate(jobs):
-                values = nxt.result()
-                nxt = ahead.submit(read, i + 1) if i + 1 < len(jobs) else None
-                _store(pm, job, values)
+            double_buffered(len(jobs), size, lambda i, buf: [ahead.submit(read, i, buf)],
+                            lambda i, futures: _store(pm, jobs[i], futures[0].result()))
     with torch.no_grad():
         for name, buf in buffers.items():
             buf.copy_(saved["buffers"][name])

@@ -4,7 +4,7 @@ Writing a rank's files (`write_rank_files`): the data file is preallocated at it
 full disk fails here, before anything is written); each source (one stored tensor shard) is read
 into one of two page-aligned buffers, zero-padded to a whole page, and written with io_engine
 (O_DIRECT), one request per CHUNK_BYTES chunk whose xxh3 is computed as it goes; while one
-buffer's chunks are being written, the next source is read into the other.
+buffer's chunks are being written, the next source is read into the other (`double_buffered`).
 The file is fsynced; the state blob follows in its own file the same way. What the manifest
 records for the rank (regions, sizes, checksums) is returned.
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import os
+from collections import deque
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -38,6 +39,31 @@ def open_engine(io_config: IOConfig) -> IOEngine:
 
 def chunk_spans(length: int, chunk_bytes: int) -> list[tuple[int, int]]:
     return [(c, min(c + chunk_bytes, length)) for c in range(0, length, chunk_bytes)]
+
+
+def double_buffered(count: int, nbytes: int, start: Callable[[int, np.ndarray], list[Any]],
+                    finish: Callable[[int, list[Any]], None]) -> None:
+    """Run items 0..count-1 through two page-aligned buffers of `nbytes`, item i in buffer i % 2.
+
+    `start(i, buf)` begins item i and returns the futures of its work still running on `buf`;
+    `finish(i, futures)` completes it. Item i + 2 starts only after finish(i) returned, so one
+    item's IO overlaps its neighbour's and no buffer is refilled while in use. On failure every
+    started item's futures are waited for before raising: nothing runs on a buffer afterwards."""
+    bufs = [aligned_empty(nbytes) for _ in range(2)]
+    pending: deque[tuple[int, list[Any]]] = deque()
+    try:
+        for i in range(count):
+            if len(pending) == 2:
+                finish(*pending[0])
+                pending.popleft()
+            pending.append((i, start(i, bufs[i % 2])))
+        while pending:
+            finish(*pending[0])
+            pending.popleft()
+    finally:
+        for _, futures in pending:
+            for f in futures:
+                f.exception()
 
 
 # ----------------------------------------------------------------------------- writing
@@ -73,30 +99,18 @@ def write_rank_files(folder: Path, rank: int, sources: Sequence[Source], state_b
     regions: dict[str, Region] = {}
     with open_engine(io_config) as engine:
         with PreallocatedFile(folder / data_name, offsets[-1]) as data:
-            size = max((round_up(s.nbytes) for s in sources), default=PAGE)
-            bufs = [aligned_empty(size) for _ in range(2)]
-            pending: list[tuple[Source, int, list[Any]] | None] = [None, None]
 
-            def finish(slot: int) -> None:
-                if pending[slot] is not None:
-                    src, off, futures = pending[slot]
-                    regions[src.key] = Region(off, src.nbytes, _checksums(futures))
-                    pending[slot] = None
+            def start(i: int, buf: np.ndarray) -> list[Any]:
+                src = sources[i]
+                buf = buf[:round_up(src.nbytes)]
+                src.read_into(buf)
+                buf[src.nbytes:] = 0
+                return _write_chunks(engine, data, buf, offsets[i], chunk_bytes)
 
-            try:
-                for i, src in enumerate(sources):
-                    slot = i % 2
-                    finish(slot)  # the buffer's previous writes are done before it is refilled
-                    buf = bufs[slot][:round_up(src.nbytes)]
-                    src.read_into(buf)
-                    buf[src.nbytes:] = 0
-                    pending[slot] = (src, offsets[i], _write_chunks(engine, data, buf, offsets[i], chunk_bytes))
-                finish(len(sources) % 2)
-                finish((len(sources) + 1) % 2)
-            finally:
-                for p in pending:  # on failure, no write may still use a buffer or the file
-                    for f in (p[2] if p else []):
-                        f.exception()
+            def finish(i: int, futures: list[Any]) -> None:
+                regions[sources[i].key] = Region(offsets[i], sources[i].nbytes, _checksums(futures))
+
+            double_buffered(len(sources), max((round_up(s.nbytes) for s in sources), default=PAGE), start, finish)
             os.fsync(data.handle.fd)
         raw = np.frombuffer(state_blob, dtype=np.uint8)
         with PreallocatedFile(folder / state_name, raw.nbytes) as sf:
