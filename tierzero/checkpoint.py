@@ -114,10 +114,6 @@ class _Comm:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier(group=self.group)
-
 
 # ----------------------------------------------------------------------------- save
 
