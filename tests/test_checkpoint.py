@@ -1,6 +1,7 @@
-"""Checkpoints: exact save/load on every tier, keep_last, corruption of every file kind, a
-different model, missing files, a corrupt swap file and a full disk while saving, resharding
-N -> M (pure plans and real multi-rank files), safetensors export and import."""
+"""Checkpoints: exact save/load on every tier, keep_last, the double-buffered IO loop,
+corruption of every file kind, a different model, missing files, a corrupt swap file and a full
+disk while saving, resharding N -> M (pure plans and real multi-rank files), safetensors export
+and import."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ from torch import nn
 
 import tierzero as tz
 from tierzero import checkpoint as ck
+from tierzero import ckpt_format as fmt
+from tierzero import ckpt_io
+from tierzero import reshard
 from tierzero import runtime
 from tierzero.config import IOConfig
 from tierzero.safetensors_file import load_safetensors
@@ -141,7 +145,7 @@ def test_sgd_with_momentum_round_trip(make, tmp_path):
     assert_same_state(a, b)
     assert train(a, opt_a, range(2, 4)) == train(b, opt_b, range(2, 4))
     c, opt_c = make("nvme", seed=2)  # AdamW state is not in an SGD checkpoint
-    with pytest.raises(ck.CheckpointError, match="no optimizer state 'exp_avg'.*saved with optimizer SGD"):
+    with pytest.raises(fmt.CheckpointError, match="no optimizer state 'exp_avg'.*saved with optimizer SGD"):
         tz.load_checkpoint(tmp_path / "ck", c, opt_c)
 
 
@@ -149,7 +153,7 @@ def test_model_only_checkpoint_and_optimizer_mismatch(make, tmp_path):
     a, _ = make(optimizer=False)
     tz.save_checkpoint(tmp_path / "ck", a)
     b, opt_b = make(seed=1)
-    with pytest.raises(ck.CheckpointError, match="manifest.json.*(no optimizer state|without an optimizer)"):
+    with pytest.raises(fmt.CheckpointError, match="manifest.json.*(no optimizer state|without an optimizer)"):
         tz.load_checkpoint(tmp_path / "ck", b, opt_b)
     c, _ = make(seed=2, optimizer=False)
     tz.load_checkpoint(tmp_path / "ck", c)
@@ -162,14 +166,14 @@ def test_keep_last_and_latest(make, tmp_path):
     for step in range(1, 5):
         train(a, opt, range(step - 1, step))
         tz.save_checkpoint(tmp_path / "ck", a, opt, extra={"step": step}, keep_last=2)
-    assert [p.name for p in ck.checkpoints(tmp_path / "ck")] == ["ckpt-00000003", "ckpt-00000004"]
+    assert [p.name for p in fmt.checkpoints(tmp_path / "ck")] == ["ckpt-00000003", "ckpt-00000004"]
     assert sorted(os.listdir(tmp_path / "ck")) == ["ckpt-00000003", "ckpt-00000004"]
     b, opt_b = make("host", seed=1)
     assert tz.load_checkpoint(tmp_path / "ck", b, opt_b)["step"] == 4
     assert tz.load_checkpoint(tmp_path / "ck" / "ckpt-00000003", b, opt_b)["step"] == 3
     with pytest.raises(ValueError, match="keep_last"):
         tz.save_checkpoint(tmp_path / "ck", a, opt, keep_last=0)
-    with pytest.raises(ck.CheckpointError, match="no checkpoint there"):
+    with pytest.raises(fmt.CheckpointError, match="no checkpoint there"):
         tz.load_checkpoint(tmp_path / "empty", b, opt_b)
 
 
@@ -182,6 +186,46 @@ def test_leftover_of_an_interrupted_save_is_ignored_then_removed(make, tmp_path)
     assert tz.load_checkpoint(tmp_path / "ck", b, opt_b) == 1
     tz.save_checkpoint(tmp_path / "ck", a, opt, extra=2)
     assert sorted(os.listdir(tmp_path / "ck")) == ["ckpt-00000001", "ckpt-00000002"]
+
+
+class _Future:
+    """Stands for a read or write still running: it logs being waited for."""
+
+    def __init__(self, log: list[tuple[str, int]], i: int) -> None:
+        self.log, self.i = log, i
+
+    def result(self) -> None:
+        self.log.append(("wait", self.i))
+
+    def exception(self) -> None:
+        self.log.append(("drain", self.i))
+
+
+def test_double_buffered_overlaps_neighbours_and_drains_every_started_item_on_failure():
+    log: list[tuple[str, int]] = []
+    bufs: dict[int, int] = {}
+
+    def start(i: int, buf: np.ndarray) -> list[_Future]:
+        bufs[i] = buf.ctypes.data
+        log.append(("start", i))
+        return [_Future(log, i)]
+
+    def finish(i: int, futures: list[_Future]) -> None:
+        futures[0].result()
+        if i == fail_at:
+            raise OSError(f"item {i}")
+        log.append(("finish", i))
+
+    fail_at = None
+    ckpt_io.double_buffered(4, 4096, start, finish)
+    assert log == [("start", 0), ("start", 1), ("wait", 0), ("finish", 0), ("start", 2), ("wait", 1),
+                   ("finish", 1), ("start", 3), ("wait", 2), ("finish", 2), ("wait", 3), ("finish", 3)]
+    assert bufs[0] == bufs[2] != bufs[1] == bufs[3]
+    log.clear()
+    fail_at = 1
+    with pytest.raises(OSError, match="item 1"):
+        ckpt_io.double_buffered(4, 4096, start, finish)
+    assert log[-3:] == [("wait", 1), ("drain", 1), ("drain", 2)]  # nothing left running on a buffer
 
 
 # ------------------------------------------------------------------------- bad checkpoints
@@ -199,7 +243,7 @@ def test_flipping_any_byte_of_any_file_fails_the_load_naming_the_file(make, tmp_
     a, opt = make("nvme", dtype="bfloat16")
     train(a, opt, range(2))
     folder = tz.save_checkpoint(tmp_path / "ck", a, opt, extra={"step": 2})
-    manifest = ck.read_manifest(folder / "manifest.json")
+    manifest = fmt.read_manifest(folder / "manifest.json")
     regions = sorted(manifest.ranks[0].regions.values())
     rng = random.Random(0)
     b, opt_b = make("nvme", seed=1, dtype="bfloat16")
@@ -214,7 +258,7 @@ def test_flipping_any_byte_of_any_file_fails_the_load_naming_the_file(make, tmp_
             positions |= {r.offset for r in regions}
         for pos in sorted(positions):
             _flip(path, pos)
-            with pytest.raises(ck.CheckpointError) as e:
+            with pytest.raises(fmt.CheckpointError) as e:
                 tz.load_checkpoint(tmp_path / "ck", b, opt_b)
             assert str(path) in str(e.value), (name, pos, str(e.value))
             _flip(path, pos)
@@ -230,16 +274,16 @@ def test_truncated_and_missing_files(make, tmp_path):
         path = folder / name
         data = path.read_bytes()
         path.write_bytes(data[:-100])
-        with pytest.raises(ck.CheckpointError, match="truncated") as e:
+        with pytest.raises(fmt.CheckpointError, match="truncated") as e:
             tz.load_checkpoint(folder, b, opt_b)
         assert str(path) in str(e.value)
         path.unlink()
-        with pytest.raises(ck.CheckpointError, match="missing") as e:
+        with pytest.raises(fmt.CheckpointError, match="missing") as e:
             tz.load_checkpoint(folder, b, opt_b)
         assert str(path) in str(e.value)
         path.write_bytes(data)
     (folder / "manifest.json").write_bytes((folder / "manifest.json").read_bytes()[:300])
-    with pytest.raises(ck.CheckpointError, match="checksum mismatch") as e:
+    with pytest.raises(fmt.CheckpointError, match="checksum mismatch") as e:
         tz.load_checkpoint(folder, b, opt_b)
     assert str(folder / "manifest.json") in str(e.value)
 
@@ -249,20 +293,20 @@ def test_a_checkpoint_of_another_model_is_refused_before_anything_is_loaded(make
     tz.save_checkpoint(tmp_path / "ck", a, opt)
     b, opt_b = make("host", seed=1, layers=3)
     before = tiered_state(b)
-    with pytest.raises(ck.CheckpointError, match="different model") as e:
+    with pytest.raises(fmt.CheckpointError, match="different model") as e:
         tz.load_checkpoint(tmp_path / "ck", b, opt_b)
     assert str(tmp_path / "ck" / "ckpt-00000001" / "manifest.json") in str(e.value)
     torch.manual_seed(0)
     wider = Net(d=D + 1, layers=2)
     tz.wrap(wider, tz.Config(device_budget="8MiB", host_budget="64MiB", compute_dtype="float32"))
     try:
-        with pytest.raises(ck.CheckpointError, match=r"different model: block .* holds"):
+        with pytest.raises(fmt.CheckpointError, match=r"different model: block .* holds"):
             tz.load_checkpoint(tmp_path / "ck", wider)
     finally:
         runtime.close(wider)
     b_same, opt_same = make("host", seed=1, layers=2)
     b_same.register_buffer("extra_stat", torch.zeros(2))
-    with pytest.raises(ck.CheckpointError, match=r"rank00000.pt.* holds buffers"):
+    with pytest.raises(fmt.CheckpointError, match=r"rank00000.pt.* holds buffers"):
         tz.load_checkpoint(tmp_path / "ck", b_same, opt_same)
     after = tiered_state(b)
     assert all(torch.equal(before[k], after[k]) for k in before)
@@ -373,11 +417,11 @@ def test_reshard_plan_n_to_m_pure(seed):
                 saved, want = _shards(old, values), _shards(new, values)
                 for r in range(m):
                     got = np.zeros(new.shard_numel, np.float32)
-                    for op in ck.reshard_plan(old, new, r):
+                    for op in reshard.reshard_plan(old, new, r):
                         got[op.dst_start:op.dst_start + op.count] = saved[op.src_rank][op.src_start:op.src_start + op.count]
                     np.testing.assert_array_equal(got, want[r], err_msg=f"{n} -> {m} ranks, rank {r}")
     with pytest.raises(ValueError, match="different parameters"):
-        ck.reshard_plan(_layout(3, 1, 4, 0), _layout(4, 1, 4, 0), 0)
+        reshard.reshard_plan(_layout(3, 1, 4, 0), _layout(4, 1, 4, 0), 0)
 
 
 def _synthetic_checkpoint(folder: Path, model: nn.Module, opt: Any, world: int, chunk: int) -> dict[str, np.ndarray]:
@@ -398,16 +442,18 @@ def _synthetic_checkpoint(folder: Path, model: nn.Module, opt: Any, world: int, 
             full[f"{flat.param_name}/{kind}"] = slots
             for r, shard in enumerate(_shards(layout, slots)):
                 shard = np.ascontiguousarray(shard)
-                per_rank[r].append(ck.Source(f"{flat.param_name}/{kind}", shard.nbytes,
-                                             lambda buf, s=shard: buf.__setitem__(slice(0, s.nbytes), s.view(np.uint8))))
-        flats.append(ck.FlatEntry(name=flat.param_name, trainable=flat.trainable, layout=layout,
-                                  dtypes=tuple(str(d).removeprefix("torch.") for d in flat.orig_dtypes),
-                                  kinds={k: "float32" for k in names},
-                                  steps=opt.block_steps(flat) if flat.trainable else None))
+                per_rank[r].append(ckpt_io.Source(
+                    f"{flat.param_name}/{kind}", shard.nbytes,
+                    lambda buf, s=shard: buf.__setitem__(slice(0, s.nbytes), s.view(np.uint8))))
+        flats.append(fmt.FlatEntry(name=flat.param_name, trainable=flat.trainable, layout=layout,
+                                   dtypes=tuple(str(d).removeprefix("torch.") for d in flat.orig_dtypes),
+                                   kinds={k: "float32" for k in names},
+                                   steps=opt.block_steps(flat) if flat.trainable else None))
     blob = ck._training_blob(opt, {"world": world}, ck.persistent_buffers(model))
-    ranks = [ck.write_rank_files(folder, r, per_rank[r], blob, IOConfig(), chunk_bytes=chunk) for r in range(world)]
-    ck.write_manifest(folder / ck.MANIFEST, ck.Manifest(world_size=world, optimizer="AdamW", chunk_bytes=chunk,
-                                                       flats=tuple(flats), ranks=tuple(ranks), aliases={}))
+    ranks = [ckpt_io.write_rank_files(folder, r, per_rank[r], blob, IOConfig(), chunk_bytes=chunk)
+             for r in range(world)]
+    fmt.write_manifest(folder / fmt.MANIFEST, fmt.Manifest(world_size=world, optimizer="AdamW", chunk_bytes=chunk,
+                                                           flats=tuple(flats), ranks=tuple(ranks), aliases={}))
     return full
 
 
@@ -425,20 +471,20 @@ def test_a_resharding_rank_reads_only_the_chunks_it_needs(make, tmp_path, monkey
     a, opt = make("host", layers=2)
     train(a, opt, range(1))
     full = _synthetic_checkpoint(tmp_path / "two", a, opt, 2, chunk=4096)
-    manifest = ck.read_manifest(tmp_path / "two" / ck.MANIFEST)
+    manifest = fmt.read_manifest(tmp_path / "two" / fmt.MANIFEST)
     for world_m in (3, 4):
         for rank in range(world_m):
-            with ck._engine(IOConfig()) as engine:
+            with ckpt_io.open_engine(IOConfig()) as engine:
                 read = []
                 orig = engine.pread
                 monkeypatch.setattr(engine, "pread", lambda f, buf, off, **kw: read.append(len(buf)) or orig(f, buf, off, **kw))
-                reader = ck._Reader(tmp_path / "two", manifest, engine)
+                reader = ckpt_io.Reader(tmp_path / "two", manifest, engine)
                 for entry in manifest.flats:
                     new = FlatLayout.build([s.fqn for s in entry.layout.slots], [s.shape for s in entry.layout.slots],
                                            world_m, itemsize=4)
                     key = f"{entry.name}/values"
-                    dst = np.zeros(ck._round_up(new.shard_numel * 4) + 4096, np.uint8)
-                    reader.read_ops(key, ck.reshard_plan(entry.layout, new, rank), 4, dst)
+                    dst = np.zeros(fmt.round_up(new.shard_numel * 4) + 4096, np.uint8)
+                    reader.read_ops(key, reshard.reshard_plan(entry.layout, new, rank), 4, dst)
                     want = _shards(new, full[key])[rank]
                     np.testing.assert_array_equal(dst[:want.nbytes].view(np.float32), want)
                 total = sum(r.data_bytes for r in manifest.ranks)

@@ -26,8 +26,8 @@ _LAZY = {
     "clip_grad_norm_": "tierzero.optim",
     "save_checkpoint": "tierzero.checkpoint",
     "load_checkpoint": "tierzero.checkpoint",
-    "export_checkpoint": "tierzero.checkpoint",
-    "load_weights": "tierzero.checkpoint",
+    "export_checkpoint": "tierzero.export",
+    "load_weights": "tierzero.export",
     "save_safetensors": "tierzero.safetensors_file",
     "load_safetensors": "tierzero.safetensors_file",
 }

@@ -28,9 +28,9 @@ def _estimate(argv: list[str]) -> int:
 
 
 def _export(argv: list[str]) -> int:
-    from tierzero import checkpoint
+    from tierzero import export
 
-    return checkpoint.main(argv)
+    return export.main(argv)
 
 
 _COMMANDS = {
