@@ -27,6 +27,7 @@ from tierzero import ckpt_io
 from tierzero import reshard
 from tierzero import runtime
 from tierzero.config import IOConfig
+from tierzero.handles import Kind
 from tierzero.safetensors_file import load_safetensors
 from tierzero.sharding import FlatLayout
 from tierzero.tiers import Tier
@@ -101,7 +102,7 @@ def train(model: nn.Module, opt: Any, steps: range) -> list[float]:
 def tiered_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every tensor the placement manager holds for the model except gradients."""
     pm = runtime.placement_manager(model)
-    return {n: pm.read(n).clone() for n in pm.records if not n.endswith(".grad")}
+    return {h.name: pm.read(h).clone() for h in pm.handles if h.kind is not Kind.GRAD}
 
 
 def assert_same_state(a: nn.Module, b: nn.Module) -> None:
@@ -318,7 +319,7 @@ def test_corrupt_swap_file_fails_the_save_and_keeps_the_previous_checkpoint(make
     train(a, opt, range(1))
     tz.save_checkpoint(tmp_path / "ck", a, opt, extra="first")
     pm = runtime.placement_manager(a)
-    rec = pm.records[opt.flat_params[1].master_name]
+    rec = pm.records[opt.flat_params[1].master]
     region = rec._copies[Tier.NVME].buffer  # where the tensor lives in the swap files
     swap_file = pm.swap.path(region)
     if damage == "flip":
@@ -434,18 +435,18 @@ def _synthetic_checkpoint(folder: Path, model: nn.Module, opt: Any, world: int, 
     for flat in state.flat_params():
         layout = FlatLayout.build([s.fqn for s in flat.layout.slots], [s.shape for s in flat.layout.slots], world,
                                   itemsize=2)
-        names = {"values": flat.master_name if flat.has_master else flat.param_name,
-                 **(opt.state_names(flat) if flat.trainable else {})}
-        for kind, name in names.items():
-            values = pm.read(name).numpy()
+        names = {"values": flat.values,
+                 **({k.value: h for k, h in opt.state_handles(flat).items()} if flat.trainable else {})}
+        for kind, handle in names.items():
+            values = pm.read(handle).numpy()
             slots = [values[s.offset:s.offset + s.numel] for s in flat.layout.slots]
-            full[f"{flat.param_name}/{kind}"] = slots
+            full[f"{flat.param.name}/{kind}"] = slots
             for r, shard in enumerate(_shards(layout, slots)):
                 shard = np.ascontiguousarray(shard)
                 per_rank[r].append(ckpt_io.Source(
-                    f"{flat.param_name}/{kind}", shard.nbytes,
+                    f"{flat.param.name}/{kind}", shard.nbytes,
                     lambda buf, s=shard: buf.__setitem__(slice(0, s.nbytes), s.view(np.uint8))))
-        flats.append(fmt.FlatEntry(name=flat.param_name, trainable=flat.trainable, layout=layout,
+        flats.append(fmt.FlatEntry(name=flat.param.name, trainable=flat.trainable, layout=layout,
                                    dtypes=tuple(str(d).removeprefix("torch.") for d in flat.orig_dtypes),
                                    kinds={k: "float32" for k in names},
                                    steps=opt.block_steps(flat) if flat.trainable else None))

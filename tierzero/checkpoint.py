@@ -40,13 +40,16 @@ from torch import nn
 
 from io_engine import PAGE
 from tierzero import runtime
-from tierzero.blocks import FlatParam
+from tierzero.flat_param import FlatParam
+from tierzero.handles import TensorHandle
 from tierzero.ckpt_format import (
     CHUNK_BYTES, MANIFEST, PREFIX, TMP_PREFIX, TRASH_PREFIX, VALUES, CheckpointError, FlatEntry, Manifest,
     RankFiles, checkpoints, latest_checkpoint, next_number, open_checkpoint, round_up, torch_dtype,
     write_manifest,
 )
 from tierzero.ckpt_io import Reader, Source, double_buffered, open_engine, write_rank_files
+from tierzero.optim import TieredOptimizer
+from tierzero.placement import PlacementManager
 from tierzero.reshard import reshard_plan
 from tierzero.safetensors_file import fsync_dir
 from tierzero.sharding import world
@@ -59,37 +62,40 @@ __all__ = ["save_checkpoint", "load_checkpoint", "persistent_buffers", "Checkpoi
 
 
 class _Job(NamedTuple):
-    """One stored tensor of this rank: its region key, placement name, dtype and elements."""
+    """One stored tensor of this rank: its region key, its kind in the checkpoint ("values" or
+    a moment's kind), and its handle."""
 
     key: str
     flat: FlatParam
     kind: str
-    pm_name: str
-    dtype: torch.dtype
-    numel: int
+    handle: TensorHandle
+
+    @property
+    def numel(self) -> int:
+        return self.handle.shape.numel()
 
     @property
     def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
+        return self.handle.nbytes
 
 
-def _jobs(state: runtime.TieredState, optimizer: Any) -> list[_Job]:
-    pm = state.pm
-    jobs = []
-    for flat in state.flat_params():
-        values = flat.master_name if flat.has_master else flat.param_name
-        names = {VALUES: values, **(optimizer.state_names(flat) if optimizer is not None and flat.trainable else {})}
-        for kind, name in names.items():
-            rec = pm.records[name]
-            jobs.append(_Job(f"{flat.param_name}/{kind}", flat, kind, name, rec.dtype, rec.shape.numel()))
-    return jobs
+def _stored(flat: FlatParam, optimizer: TieredOptimizer | None) -> dict[str, TensorHandle]:
+    """What a checkpoint stores of `flat`, by kind: its values (the fp32 master weights when
+    there are any, else the parameters), and the optimizer's moments."""
+    moments = optimizer.state_handles(flat) if optimizer is not None and flat.trainable else {}
+    return {VALUES: flat.values, **{kind.value: h for kind, h in moments.items()}}
 
 
-def _check_optimizer(state: runtime.TieredState, optimizer: Any) -> None:
+def _jobs(state: runtime.TieredState, optimizer: TieredOptimizer | None) -> list[_Job]:
+    return [_Job(f"{flat.param.name}/{kind}", flat, kind, handle)
+            for flat in state.flat_params() for kind, handle in _stored(flat, optimizer).items()]
+
+
+def _check_optimizer(state: runtime.TieredState, optimizer: object) -> None:
     if optimizer is None:
         return
     mine = set(state.flat_params())
-    if not callable(getattr(optimizer, "state_names", None)) or not set(optimizer.flat_params) <= mine:
+    if not isinstance(optimizer, TieredOptimizer) or not set(optimizer.flat_params) <= mine:
         raise ValueError(f"checkpoint: expected a tz.AdamW / tz.SGD built on this model, got "
                          f"{type(optimizer).__name__}; pass the optimizer created with this model, or None")
 
@@ -118,7 +124,7 @@ class _Comm:
 # ----------------------------------------------------------------------------- save
 
 
-def save_checkpoint(dir: str | os.PathLike[str], model: nn.Module, optimizer: Any = None,
+def save_checkpoint(dir: str | os.PathLike[str], model: nn.Module, optimizer: TieredOptimizer | None = None,
                     extra: Any = None, keep_last: int | None = None) -> Path:
     """Save the model's tiered state (and the optimizer's) as a new checkpoint in `dir`; returns
     its folder. `extra` (RNG states, data position, ...; anything torch.save takes with
@@ -184,18 +190,13 @@ def _publish(root: Path, tmp: Path, final: Path, manifest: Manifest, keep_last: 
             shutil.rmtree(trash)
 
 
-def _manifest(state: runtime.TieredState, optimizer: Any, world_size: int, ranks: list[RankFiles]) -> Manifest:
-    pm = state.pm
+def _manifest(state: runtime.TieredState, optimizer: TieredOptimizer | None, world_size: int,
+              ranks: list[RankFiles]) -> Manifest:
     flats = []
     for flat in state.flat_params():
-        values = flat.master_name if flat.has_master else flat.param_name
-        kinds = {VALUES: str(pm.records[values].dtype).removeprefix("torch.")}
-        steps = None
-        if optimizer is not None and flat.trainable:
-            kinds.update({k: str(pm.records[n].dtype).removeprefix("torch.")
-                          for k, n in optimizer.state_names(flat).items()})
-            steps = optimizer.block_steps(flat)
-        flats.append(FlatEntry(name=flat.param_name, trainable=flat.trainable, layout=flat.layout,
+        kinds = {kind: str(h.dtype).removeprefix("torch.") for kind, h in _stored(flat, optimizer).items()}
+        steps = optimizer.block_steps(flat) if optimizer is not None and flat.trainable else None
+        flats.append(FlatEntry(name=flat.param.name, trainable=flat.trainable, layout=flat.layout,
                                dtypes=tuple(str(d).removeprefix("torch.") for d in flat.orig_dtypes),
                                kinds=kinds, steps=steps))
     canonical = {id(p): n for n, p in state.model.named_parameters()}
@@ -213,7 +214,7 @@ def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
             if buf is not None and name not in module._non_persistent_buffers_set}
 
 
-def _training_blob(optimizer: Any, extra: Any, buffers: dict[str, torch.Tensor]) -> bytes:
+def _training_blob(optimizer: TieredOptimizer | None, extra: Any, buffers: dict[str, torch.Tensor]) -> bytes:
     blob = io.BytesIO()
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
     torch.save({"param_groups": groups, "extra": extra,
@@ -221,9 +222,10 @@ def _training_blob(optimizer: Any, extra: Any, buffers: dict[str, torch.Tensor])
     return blob.getvalue()
 
 
-def _write_rank(tmp: Path, rank: int, state: runtime.TieredState, optimizer: Any, extra: Any) -> RankFiles:
+def _write_rank(tmp: Path, rank: int, state: runtime.TieredState, optimizer: TieredOptimizer | None,
+                extra: Any) -> RankFiles:
     pm = state.pm
-    sources = [Source(j.key, j.nbytes, lambda buf, n=j.pm_name: pm.read(n, out=buf))
+    sources = [Source(j.key, j.nbytes, lambda buf, h=j.handle: pm.read(h, out=buf))
                for j in _jobs(state, optimizer)]
     blob = _training_blob(optimizer, extra, persistent_buffers(state.model))
     return write_rank_files(tmp, rank, sources, blob, state.config.io)
@@ -232,7 +234,8 @@ def _write_rank(tmp: Path, rank: int, state: runtime.TieredState, optimizer: Any
 # ----------------------------------------------------------------------------- load
 
 
-def load_checkpoint(dir: str | os.PathLike[str], model: nn.Module, optimizer: Any = None) -> Any:
+def load_checkpoint(dir: str | os.PathLike[str], model: nn.Module,
+                    optimizer: TieredOptimizer | None = None) -> Any:
     """Load the newest checkpoint in `dir` (or the checkpoint folder `dir`) into the wrapped
     model and optimizer, resharding when the world size differs; returns the `extra` saved by
     this rank (rank 0's when the checkpoint had fewer ranks). Call it on every rank."""
@@ -255,7 +258,7 @@ def load_checkpoint(dir: str | os.PathLike[str], model: nn.Module, optimizer: An
         pm = state.pm
         plans = []
         for job in jobs:
-            entry = manifest.flat(job.flat.param_name)
+            entry = manifest.flat(job.flat.param.name)
             plans.append((torch_dtype(entry.kinds[job.kind]), reshard_plan(entry.layout, job.flat.layout, rank)))
         size = max((round_up(job.numel * dtype.itemsize) for job, (dtype, _) in zip(jobs, plans)), default=PAGE)
 
@@ -277,24 +280,21 @@ def load_checkpoint(dir: str | os.PathLike[str], model: nn.Module, optimizer: An
         for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
             group.update(saved_group)
         for flat in optimizer.flat_params:
-            optimizer.set_block_steps(flat, manifest.flat(flat.param_name).steps)
+            optimizer.set_block_steps(flat, manifest.flat(flat.param.name).steps)
     return saved["extra"]
 
 
-def _store(pm: Any, job: _Job, values: torch.Tensor) -> None:
-    flat = job.flat
-    if job.kind != VALUES:
-        pm.store(job.pm_name, values.to(job.dtype))
-        return
-    if flat.has_master:
-        pm.store(flat.master_name, values.float())
-    pm.store(flat.param_name, values.to(flat.ctx.compute_dtype))
+def _store(pm: PlacementManager, job: _Job, values: torch.Tensor) -> None:
+    if job.kind == VALUES:
+        job.flat.store_values(values)
+    else:
+        pm.store(job.handle, values.to(job.handle.dtype))
 
 
-def _check_model(path: Path, manifest: Manifest, state: runtime.TieredState, optimizer: Any,
+def _check_model(path: Path, manifest: Manifest, state: runtime.TieredState, optimizer: TieredOptimizer | None,
                  jobs: list[_Job]) -> None:
     """The manifest describes this model (and this optimizer's state): else CheckpointError."""
-    mine = {f.param_name: f for f in state.flat_params()}
+    mine = {f.param.name: f for f in state.flat_params()}
     saved = {f.name: f for f in manifest.flats}
     if set(mine) != set(saved):
         raise CheckpointError(
@@ -311,9 +311,9 @@ def _check_model(path: Path, manifest: Manifest, state: runtime.TieredState, opt
                 f"{diff[1]} in the checkpoint but {diff[0]} in this model; load it into the model it was "
                 "saved from")
     for job in jobs:
-        if job.kind not in saved[job.flat.param_name].kinds:
+        if job.kind not in saved[job.flat.param.name].kinds:
             raise CheckpointError(
-                f"{str(path)!r} holds no optimizer state {job.kind!r} for {job.flat.param_name!r} (saved with "
+                f"{str(path)!r} holds no optimizer state {job.kind!r} for {job.flat.param.name!r} (saved with "
                 f"optimizer {manifest.optimizer}, loading into {type(optimizer).__name__}); load with "
                 "optimizer=None, or use the optimizer the checkpoint was saved with")
     if optimizer is not None and manifest.optimizer is None:

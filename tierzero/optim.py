@@ -34,7 +34,7 @@ UPDATE_CHUNK = 1 << 22
 """Elements updated at a time (16 MiB of fp32)."""
 
 
-class _TieredOptimizer(torch.optim.Optimizer):
+class TieredOptimizer(torch.optim.Optimizer):
     """The block-by-block step shared by AdamW and SGD; subclasses give the update math.
 
     The optimizer owns the handles of its moments (registered here, zeros at the start, given
@@ -206,7 +206,7 @@ class _TieredOptimizer(torch.optim.Optimizer):
             flat.master_updated(entry[Kind.MASTER.value])
 
 
-_OPTIMIZER_OF: "weakref.WeakKeyDictionary[runtime.TieredState, _TieredOptimizer]" = weakref.WeakKeyDictionary()
+_OPTIMIZER_OF: "weakref.WeakKeyDictionary[runtime.TieredState, TieredOptimizer]" = weakref.WeakKeyDictionary()
 """Side table: a wrapped model's state -> its tiered optimizer (the newest one)."""
 
 
@@ -226,7 +226,7 @@ def _global_norm(shard_norms: list[torch.Tensor], norm_type: float, ctx: StepCon
     return powered.pow(1.0 / norm_type).cpu()
 
 
-class AdamW(_TieredOptimizer):
+class AdamW(TieredOptimizer):
     """torch.optim.AdamW's math (decoupled weight decay, bias correction) on tiered fp32 state."""
 
     state_kinds = (Kind.EXP_AVG, Kind.EXP_AVG_SQ)
@@ -252,7 +252,7 @@ class AdamW(_TieredOptimizer):
         param.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
 
 
-class SGD(_TieredOptimizer):
+class SGD(TieredOptimizer):
     """torch.optim.SGD's math (momentum, weight decay; no dampening or Nesterov)."""
 
     state_kinds = (Kind.MOMENTUM,)
