@@ -27,7 +27,7 @@ import numpy as np
 from .buffers import aligned_empty
 from .engine import IOEngine
 from .files import PreallocatedFile
-from .sizes import format_size, parse_size
+from .sizes import exact_size, parse_size
 
 BLOCK_SIZES = (1 << 20, 4 << 20, 8 << 20, 16 << 20)
 THREADS = (2, 4, 8, 16)
@@ -157,12 +157,12 @@ def measure(directory: str, size: int, *, block_sizes=BLOCK_SIZES, threads=THREA
                         for op in OPS:
                             g = engine_gbps(file, buf, op, threads=t, block_size=bs, direct=file.direct)
                             report.engine.append(EngineResult(r, op, bs, t, g))
-                            bar.step(f"round {r + 1} engine {op} bs={format_size(bs)} threads={t}: {g:.2f} GB/s")
+                            bar.step(f"round {r + 1} engine {op} bs={exact_size(bs)} threads={t}: {g:.2f} GB/s")
                 for bs, depth, jobs in fio_grid:
                     for op in OPS:
                         g = run_fio(path, size, op, bs, depth, jobs)
                         report.fio.append(FioResult(r, op, bs, depth, jobs, g))
-                        bar.step(f"round {r + 1} fio {op} bs={format_size(bs)} iodepth={depth} numjobs={jobs}: {g:.2f} GB/s")
+                        bar.step(f"round {r + 1} fio {op} bs={exact_size(bs)} iodepth={depth} numjobs={jobs}: {g:.2f} GB/s")
             if checksum_reps and report.fio:
                 report.head_to_head = _head_to_head(file, buf, report, checksum_reps, bar)
             if checksum_reps:
@@ -257,7 +257,7 @@ def rounds_summary(report: Report) -> list[dict]:
 
 
 def config_lines(setting: dict) -> dict:
-    bs = format_size(setting["block_size"])
+    bs = exact_size(setting["block_size"])
     direct = setting["direct"]
     return {"toml": f'io = {{threads = {setting["threads"]}, block_size = "{bs}", direct = {str(direct).lower()}}}',
             "python": f'tz.IOConfig(threads={setting["threads"]}, block_size="{bs}", direct={direct})'}
@@ -288,14 +288,14 @@ def format_human(report: Report) -> str:
     data = to_json(report)
     best = data["best"]
     lines = [f"io_engine sequential {'O_DIRECT' if report.direct else 'buffered (O_DIRECT refused)'} IO on "
-             f"{report.dir}, file {format_size(report.size)}, {report.repeat} round(s); GB/s = 1e9 bytes/s", ""]
+             f"{report.dir}, file {exact_size(report.size)}, {report.repeat} round(s); GB/s = 1e9 bytes/s", ""]
     lines.append(f"{'block':>7} {'threads':>7} {'write GB/s':>11} {'read GB/s':>10}")
     per: dict[tuple[int, int], dict[str, list[float]]] = {}
     for e in report.engine:
         per.setdefault((e.block_size, e.threads), {"write": [], "read": []})[e.op].append(e.gbps)
     for (bs, t), g in per.items():
         mark = "  <- best" if (bs, t) == (best["block_size"], best["threads"]) else ""
-        lines.append(f"{format_size(bs):>7} {t:>7} {statistics.mean(g['write']):>11.2f} "
+        lines.append(f"{exact_size(bs):>7} {t:>7} {statistics.mean(g['write']):>11.2f} "
                      f"{statistics.mean(g['read']):>10.2f}{mark}")
     lines += ["", "best settings for tierzero (least write + read time):",
               f"  TOML:   {data['config']['toml']}", f"  Python: {data['config']['python']}"]
@@ -310,8 +310,8 @@ def format_human(report: Report) -> str:
         lines += ["", "head to head (each side's best setting, run alternately, median):"]
         for op in OPS:
             h = report.head_to_head[op]
-            lines.append(f"  {op}: engine bs={format_size(h['engine']['block_size'])} threads={h['engine']['threads']} "
-                         f"{h['engine_gbps']:.2f} GB/s vs fio bs={format_size(h['fio']['bs'])} iodepth="
+            lines.append(f"  {op}: engine bs={exact_size(h['engine']['block_size'])} threads={h['engine']['threads']} "
+                         f"{h['engine_gbps']:.2f} GB/s vs fio bs={exact_size(h['fio']['bs'])} iodepth="
                          f"{h['fio']['iodepth']} numjobs={h['fio']['numjobs']} {h['fio_gbps']:.2f} GB/s = {h['ratio']:.2f}x")
     elif report.fio_note:
         lines += ["", report.fio_note]

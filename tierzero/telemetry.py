@@ -17,7 +17,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-TIERS = ("device", "host", "nvme")
+from tierzero.tiernames import TIER_NAMES
+
 MAX_EVENTS = 1_000_000
 """Moves and timeline points kept per run (the oldest are dropped past this)."""
 
@@ -37,9 +38,9 @@ class MoveEvent(NamedTuple):
 class StepStats:
     """Counters of one step, as returned by `Telemetry.reset_step()` (tiers keyed by name)."""
 
-    stall_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIERS, 0.0))
+    stall_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIER_NAMES, 0.0))
     """Seconds callers of acquire() waited for data, by the tier they acquired on."""
-    bytes_moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    bytes_moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIER_NAMES, 0))
     """Bytes copied toward each tier."""
     nvme_read_bytes: int = 0
     """Bytes read from NVMe (bytes_moved["nvme"] counts those written)."""
@@ -56,13 +57,13 @@ class Telemetry:
         self._lock = threading.Lock()
         self.t0 = time.perf_counter()
         self.moves: deque[MoveEvent] = deque(maxlen=MAX_EVENTS)
-        self.timeline: dict[str, deque[tuple[float, int]]] = {t: deque(maxlen=MAX_EVENTS) for t in TIERS}
+        self.timeline: dict[str, deque[tuple[float, int]]] = {t: deque(maxlen=MAX_EVENTS) for t in TIER_NAMES}
         """Per tier, (time, reserved bytes) after every change."""
-        self.stall_s: dict[str, float] = dict.fromkeys(TIERS, 0.0)
+        self.stall_s: dict[str, float] = dict.fromkeys(TIER_NAMES, 0.0)
         """Seconds callers of acquire() waited, by destination tier, over the whole run."""
-        self.bytes_moved: dict[str, int] = dict.fromkeys(TIERS, 0)
-        self.current: dict[str, int] = dict.fromkeys(TIERS, 0)
-        self.peak: dict[str, int] = dict.fromkeys(TIERS, 0)
+        self.bytes_moved: dict[str, int] = dict.fromkeys(TIER_NAMES, 0)
+        self.current: dict[str, int] = dict.fromkeys(TIER_NAMES, 0)
+        self.peak: dict[str, int] = dict.fromkeys(TIER_NAMES, 0)
         self.prefetch_hits = 0
         self.prefetch_misses = 0
         self._step = StepStats()
