@@ -27,6 +27,7 @@ import numpy as np
 from .buffers import aligned_empty
 from .engine import IOEngine
 from .files import PreallocatedFile
+from .progress import Progress
 from .sizes import exact_size, parse_size
 
 BLOCK_SIZES = (1 << 20, 4 << 20, 8 << 20, 16 << 20)
@@ -70,25 +71,6 @@ class Report:
     fio_note: str | None = None
     head_to_head: dict | None = None
     checksum: dict | None = None
-
-
-class Progress:
-    """A one-line progress bar on stderr."""
-
-    def __init__(self, total: int, enabled: bool = True, width: int = 24) -> None:
-        self.total, self.count, self.enabled, self.width = max(total, 1), 0, enabled, width
-
-    def step(self, label: str) -> None:
-        self.count += 1
-        if self.enabled:
-            filled = self.width * self.count // self.total
-            sys.stderr.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] {self.count}/{self.total} {label:<52}")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
 
 
 # -- measuring ----------------------------------------------------------------------------------
@@ -146,29 +128,27 @@ def measure(directory: str, size: int, *, block_sizes=BLOCK_SIZES, threads=THREA
         fio_grid = [g for g in fio_grid if size % (g[0] * g[2]) == 0] if version and file.direct else []
         buf = aligned_empty(size)
         _fill(buf)
-        bar = Progress(1 + repeat * (2 * len(block_sizes) * len(threads) + 2 * len(fio_grid))
-                       + 4 * checksum_reps * (2 if fio_grid else 1), progress)
-        try:
+        steps = (1 + repeat * (2 * len(block_sizes) * len(threads) + 2 * len(fio_grid))
+                 + 4 * checksum_reps * (2 if fio_grid else 1))
+        with Progress(steps, enabled=progress) as bar:
             engine_gbps(file, buf, "write", threads=4, block_size=8 << 20, direct=file.direct)
-            bar.step("untimed first write")
+            bar.advance("untimed first write")
             for r in range(repeat):
                 for bs in block_sizes:
                     for t in threads:
                         for op in OPS:
                             g = engine_gbps(file, buf, op, threads=t, block_size=bs, direct=file.direct)
                             report.engine.append(EngineResult(r, op, bs, t, g))
-                            bar.step(f"round {r + 1} engine {op} bs={exact_size(bs)} threads={t}: {g:.2f} GB/s")
+                            bar.advance(f"round {r + 1} engine {op} bs={exact_size(bs)} threads={t}: {g:.2f} GB/s")
                 for bs, depth, jobs in fio_grid:
                     for op in OPS:
                         g = run_fio(path, size, op, bs, depth, jobs)
                         report.fio.append(FioResult(r, op, bs, depth, jobs, g))
-                        bar.step(f"round {r + 1} fio {op} bs={exact_size(bs)} iodepth={depth} numjobs={jobs}: {g:.2f} GB/s")
+                        bar.advance(f"round {r + 1} fio {op} bs={exact_size(bs)} iodepth={depth} numjobs={jobs}: {g:.2f} GB/s")
             if checksum_reps and report.fio:
                 report.head_to_head = _head_to_head(file, buf, report, checksum_reps, bar)
             if checksum_reps:
                 report.checksum = _checksum_check(file, buf, best_setting(report), checksum_reps, bar)
-        finally:
-            bar.close()
     return report
 
 
@@ -197,9 +177,9 @@ def _head_to_head(file: PreallocatedFile, buf: np.ndarray, report: Report, reps:
         eng, fio = [], []
         for _ in range(reps):
             eng.append(engine_gbps(file, buf, op, threads=t, block_size=bs, direct=file.direct))
-            bar.step(f"head to head engine {op}: {eng[-1]:.2f} GB/s")
+            bar.advance(f"head to head engine {op}: {eng[-1]:.2f} GB/s")
             fio.append(run_fio(file.path, report.size, op, fbs, depth, jobs))
-            bar.step(f"head to head fio {op}: {fio[-1]:.2f} GB/s")
+            bar.advance(f"head to head fio {op}: {fio[-1]:.2f} GB/s")
         e, f = statistics.median(eng), statistics.median(fio)
         out[op] = {"engine": {"block_size": bs, "threads": t}, "fio": {"bs": fbs, "iodepth": depth, "numjobs": jobs},
                    "engine_runs": [round(x, 3) for x in eng], "fio_runs": [round(x, 3) for x in fio],
@@ -216,7 +196,7 @@ def _checksum_check(file: PreallocatedFile, buf: np.ndarray, setting: dict, reps
             for flag, into in ((False, plain), (True, summed)):
                 into.append(engine_gbps(file, buf, op, threads=setting["threads"], block_size=setting["block_size"],
                                         direct=file.direct, checksum=flag))
-                bar.step(f"checksum check {op} checksum={flag}: {into[-1]:.2f} GB/s")
+                bar.advance(f"checksum check {op} checksum={flag}: {into[-1]:.2f} GB/s")
         p, s = statistics.median(plain), statistics.median(summed)
         out[op] = {"plain_gbps": round(p, 3), "checksum_gbps": round(s, 3), "ratio": round(s / p, 3),
                    "plain_runs": [round(x, 3) for x in plain], "checksum_runs": [round(x, 3) for x in summed]}

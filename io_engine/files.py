@@ -172,8 +172,8 @@ class PreallocatedFile:
 
     def _full(self, err: int, nbytes: int, free: int) -> IOEngineError:
         return IOEngineError(
-            err, f"cannot preallocate {nbytes} bytes ({format_size(nbytes)}) for {self.path!r}: its file "
-                 f"system has {free} bytes ({format_size(free)}) free [{errno_text(err)}]; free space, use "
+            err, f"cannot preallocate {nbytes} bytes ({format_size(nbytes, digits=1)}) for {self.path!r}: its file "
+                 f"system has {free} bytes ({format_size(free, digits=1)}) free [{errno_text(err)}]; free space, use "
                  f"a directory on a larger drive, or lower the NVMe budget",
             op="preallocate", path=self.path, offset=0, nbytes=nbytes)
 

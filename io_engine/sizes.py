@@ -38,12 +38,12 @@ def parse_size(value: int | str, *, what: str = "size") -> int:
     raise ValueError(f"{what}: expected an int or a string such as '8GiB', got {type(value).__name__}")
 
 
-def format_size(nbytes: int | float) -> str:
+def format_size(nbytes: int | float, *, digits: int = 2) -> str:
     """Human-readable binary size, for messages: 1536 -> '1.50 KiB', 100 -> '100 B'."""
     n = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
 
