@@ -144,7 +144,8 @@ def measure(directory: str, size: int, *, block_sizes=BLOCK_SIZES, threads=THREA
                     for op in OPS:
                         g = run_fio(path, size, op, bs, depth, jobs)
                         report.fio.append(FioResult(r, op, bs, depth, jobs, g))
-                        bar.advance(f"round {r + 1} fio {op} bs={exact_size(bs)} iodepth={depth} numjobs={jobs}: {g:.2f} GB/s")
+                        bar.advance(f"round {r + 1} fio {op} bs={exact_size(bs)} iodepth={depth} "
+                                    f"numjobs={jobs}: {g:.2f} GB/s")
             if checksum_reps and report.fio:
                 report.head_to_head = _head_to_head(file, buf, report, checksum_reps, bar)
             if checksum_reps:

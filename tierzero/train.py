@@ -120,8 +120,8 @@ def check_room(model: torch.nn.Module, cfg: tz.Config, world_size: int = 1) -> E
         if per_rank > budget:
             raise ValueError(
                 f"{flags[tier]} {format_size(budget)} is too small: this model needs "
-                f"{format_size(per_rank)} ({per_rank} bytes) on {tier} per rank ({world_size} ranks) with params={cfg.params}, "
-                f"grads={cfg.grads}, optimizer_states={cfg.optimizer_states}; raise {flags[tier]} "
+                f"{format_size(per_rank)} ({per_rank} bytes) on {tier} per rank ({world_size} ranks) with "
+                f"params={cfg.params}, grads={cfg.grads}, optimizer_states={cfg.optimizer_states}; raise {flags[tier]} "
                 "or move state to a lower tier (--params/--grads/--optimizer-states nvme)")
     if est.home["nvme"]:
         free = free_disk_bytes(cfg.nvme_dir)
