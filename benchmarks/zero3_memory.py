@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 
 import tierzero as tz
 from tierzero import runtime
+from tierzero.grouping import blocks_of
 from tierzero.models import GPT, GPTConfig
 from tierzero.tiers import Tier
 
@@ -61,10 +62,8 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace, init_file: str, 
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=4,
                               n_embd=args.d))
-        groups = runtime._group_modules(model, tz.Config())
-        owner = runtime._assign_params(model, groups)
-        sizes = {name: runtime._padded_bytes(ps, torch.float32, world_size)
-                 for name, _, ps in runtime._block_specs(model, groups, owner)}
+        sizes = {name: runtime.block_fetch_bytes(ps, torch.float32, world_size)
+                 for name, _, ps in blocks_of(model, tz.Config())}
         root = sizes.pop(runtime.ROOT)
         n_params = model.num_params()
         cfg = tz.Config(device_budget=root + int(args.budget_blocks * max(sizes.values())),

@@ -27,7 +27,8 @@ import numpy as np
 from .buffers import aligned_empty
 from .engine import IOEngine
 from .files import PreallocatedFile
-from .sizes import format_size, parse_size
+from .progress import Progress
+from .sizes import exact_size, parse_size
 
 BLOCK_SIZES = (1 << 20, 4 << 20, 8 << 20, 16 << 20)
 THREADS = (2, 4, 8, 16)
@@ -70,25 +71,6 @@ class Report:
     fio_note: str | None = None
     head_to_head: dict | None = None
     checksum: dict | None = None
-
-
-class Progress:
-    """A one-line progress bar on stderr."""
-
-    def __init__(self, total: int, enabled: bool = True, width: int = 24) -> None:
-        self.total, self.count, self.enabled, self.width = max(total, 1), 0, enabled, width
-
-    def step(self, label: str) -> None:
-        self.count += 1
-        if self.enabled:
-            filled = self.width * self.count // self.total
-            sys.stderr.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] {self.count}/{self.total} {label:<52}")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
 
 
 # -- measuring ----------------------------------------------------------------------------------
@@ -146,29 +128,28 @@ def measure(directory: str, size: int, *, block_sizes=BLOCK_SIZES, threads=THREA
         fio_grid = [g for g in fio_grid if size % (g[0] * g[2]) == 0] if version and file.direct else []
         buf = aligned_empty(size)
         _fill(buf)
-        bar = Progress(1 + repeat * (2 * len(block_sizes) * len(threads) + 2 * len(fio_grid))
-                       + 4 * checksum_reps * (2 if fio_grid else 1), progress)
-        try:
+        steps = (1 + repeat * (2 * len(block_sizes) * len(threads) + 2 * len(fio_grid))
+                 + 4 * checksum_reps * (2 if fio_grid else 1))
+        with Progress(steps, enabled=progress) as bar:
             engine_gbps(file, buf, "write", threads=4, block_size=8 << 20, direct=file.direct)
-            bar.step("untimed first write")
+            bar.advance("untimed first write")
             for r in range(repeat):
                 for bs in block_sizes:
                     for t in threads:
                         for op in OPS:
                             g = engine_gbps(file, buf, op, threads=t, block_size=bs, direct=file.direct)
                             report.engine.append(EngineResult(r, op, bs, t, g))
-                            bar.step(f"round {r + 1} engine {op} bs={format_size(bs)} threads={t}: {g:.2f} GB/s")
+                            bar.advance(f"round {r + 1} engine {op} bs={exact_size(bs)} threads={t}: {g:.2f} GB/s")
                 for bs, depth, jobs in fio_grid:
                     for op in OPS:
                         g = run_fio(path, size, op, bs, depth, jobs)
                         report.fio.append(FioResult(r, op, bs, depth, jobs, g))
-                        bar.step(f"round {r + 1} fio {op} bs={format_size(bs)} iodepth={depth} numjobs={jobs}: {g:.2f} GB/s")
+                        bar.advance(f"round {r + 1} fio {op} bs={exact_size(bs)} iodepth={depth} "
+                                    f"numjobs={jobs}: {g:.2f} GB/s")
             if checksum_reps and report.fio:
                 report.head_to_head = _head_to_head(file, buf, report, checksum_reps, bar)
             if checksum_reps:
                 report.checksum = _checksum_check(file, buf, best_setting(report), checksum_reps, bar)
-        finally:
-            bar.close()
     return report
 
 
@@ -197,9 +178,9 @@ def _head_to_head(file: PreallocatedFile, buf: np.ndarray, report: Report, reps:
         eng, fio = [], []
         for _ in range(reps):
             eng.append(engine_gbps(file, buf, op, threads=t, block_size=bs, direct=file.direct))
-            bar.step(f"head to head engine {op}: {eng[-1]:.2f} GB/s")
+            bar.advance(f"head to head engine {op}: {eng[-1]:.2f} GB/s")
             fio.append(run_fio(file.path, report.size, op, fbs, depth, jobs))
-            bar.step(f"head to head fio {op}: {fio[-1]:.2f} GB/s")
+            bar.advance(f"head to head fio {op}: {fio[-1]:.2f} GB/s")
         e, f = statistics.median(eng), statistics.median(fio)
         out[op] = {"engine": {"block_size": bs, "threads": t}, "fio": {"bs": fbs, "iodepth": depth, "numjobs": jobs},
                    "engine_runs": [round(x, 3) for x in eng], "fio_runs": [round(x, 3) for x in fio],
@@ -216,7 +197,7 @@ def _checksum_check(file: PreallocatedFile, buf: np.ndarray, setting: dict, reps
             for flag, into in ((False, plain), (True, summed)):
                 into.append(engine_gbps(file, buf, op, threads=setting["threads"], block_size=setting["block_size"],
                                         direct=file.direct, checksum=flag))
-                bar.step(f"checksum check {op} checksum={flag}: {into[-1]:.2f} GB/s")
+                bar.advance(f"checksum check {op} checksum={flag}: {into[-1]:.2f} GB/s")
         p, s = statistics.median(plain), statistics.median(summed)
         out[op] = {"plain_gbps": round(p, 3), "checksum_gbps": round(s, 3), "ratio": round(s / p, 3),
                    "plain_runs": [round(x, 3) for x in plain], "checksum_runs": [round(x, 3) for x in summed]}
@@ -257,7 +238,7 @@ def rounds_summary(report: Report) -> list[dict]:
 
 
 def config_lines(setting: dict) -> dict:
-    bs = format_size(setting["block_size"])
+    bs = exact_size(setting["block_size"])
     direct = setting["direct"]
     return {"toml": f'io = {{threads = {setting["threads"]}, block_size = "{bs}", direct = {str(direct).lower()}}}',
             "python": f'tz.IOConfig(threads={setting["threads"]}, block_size="{bs}", direct={direct})'}
@@ -288,14 +269,14 @@ def format_human(report: Report) -> str:
     data = to_json(report)
     best = data["best"]
     lines = [f"io_engine sequential {'O_DIRECT' if report.direct else 'buffered (O_DIRECT refused)'} IO on "
-             f"{report.dir}, file {format_size(report.size)}, {report.repeat} round(s); GB/s = 1e9 bytes/s", ""]
+             f"{report.dir}, file {exact_size(report.size)}, {report.repeat} round(s); GB/s = 1e9 bytes/s", ""]
     lines.append(f"{'block':>7} {'threads':>7} {'write GB/s':>11} {'read GB/s':>10}")
     per: dict[tuple[int, int], dict[str, list[float]]] = {}
     for e in report.engine:
         per.setdefault((e.block_size, e.threads), {"write": [], "read": []})[e.op].append(e.gbps)
     for (bs, t), g in per.items():
         mark = "  <- best" if (bs, t) == (best["block_size"], best["threads"]) else ""
-        lines.append(f"{format_size(bs):>7} {t:>7} {statistics.mean(g['write']):>11.2f} "
+        lines.append(f"{exact_size(bs):>7} {t:>7} {statistics.mean(g['write']):>11.2f} "
                      f"{statistics.mean(g['read']):>10.2f}{mark}")
     lines += ["", "best settings for tierzero (least write + read time):",
               f"  TOML:   {data['config']['toml']}", f"  Python: {data['config']['python']}"]
@@ -310,8 +291,8 @@ def format_human(report: Report) -> str:
         lines += ["", "head to head (each side's best setting, run alternately, median):"]
         for op in OPS:
             h = report.head_to_head[op]
-            lines.append(f"  {op}: engine bs={format_size(h['engine']['block_size'])} threads={h['engine']['threads']} "
-                         f"{h['engine_gbps']:.2f} GB/s vs fio bs={format_size(h['fio']['bs'])} iodepth="
+            lines.append(f"  {op}: engine bs={exact_size(h['engine']['block_size'])} threads={h['engine']['threads']} "
+                         f"{h['engine_gbps']:.2f} GB/s vs fio bs={exact_size(h['fio']['bs'])} iodepth="
                          f"{h['fio']['iodepth']} numjobs={h['fio']['numjobs']} {h['fio_gbps']:.2f} GB/s = {h['ratio']:.2f}x")
     elif report.fio_note:
         lines += ["", report.fio_note]

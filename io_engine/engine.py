@@ -42,7 +42,7 @@ from .checksum import new_hasher
 from .errors import IOEngineError, io_error
 from .files import FileHandle, PreallocatedFile, close_fd, open_handle, raw_handle
 from .future import IOFuture
-from .sizes import format_size, parse_size
+from .sizes import exact_size, parse_size
 
 
 def preadv_into(fd: int, view: memoryview, offset: int) -> int:
@@ -314,7 +314,7 @@ class IOEngine:
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self._state.inflight} in flight"
-        return (f"IOEngine(threads={self.threads}, block_size={format_size(self.block_size)!r}, "
+        return (f"IOEngine(threads={self.threads}, block_size={exact_size(self.block_size)!r}, "
                 f"direct={self.direct!r}; {state})")
 
     # -- internals ----------------------------------------------------------------------------

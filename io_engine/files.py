@@ -12,6 +12,7 @@ import os
 from typing import NamedTuple
 
 from .errors import IOEngineError, errno_text, io_error
+from .sizes import format_size
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -51,6 +52,15 @@ def free_bytes(path: str) -> int:
     """Bytes an unprivileged user may still allocate on path's file system."""
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+def free_disk_bytes(path: str | os.PathLike[str]) -> int:
+    """free_bytes of the file system that holds, or would hold, `path`: a folder not made yet is
+    measured at its nearest existing parent."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p) and p != os.path.dirname(p):
+        p = os.path.dirname(p)
+    return free_bytes(p)
 
 
 def open_error(e: OSError, path: str, *, op: str) -> IOEngineError:
@@ -162,8 +172,8 @@ class PreallocatedFile:
 
     def _full(self, err: int, nbytes: int, free: int) -> IOEngineError:
         return IOEngineError(
-            err, f"cannot preallocate {nbytes} bytes ({_human(nbytes)}) for {self.path!r}: its file "
-                 f"system has {free} bytes ({_human(free)}) free [{errno_text(err)}]; free space, use "
+            err, f"cannot preallocate {nbytes} bytes ({format_size(nbytes, digits=1)}) for {self.path!r}: its file "
+                 f"system has {free} bytes ({format_size(free, digits=1)}) free [{errno_text(err)}]; free space, use "
                  f"a directory on a larger drive, or lower the NVMe budget",
             op="preallocate", path=self.path, offset=0, nbytes=nbytes)
 
@@ -214,12 +224,3 @@ class PreallocatedFile:
         state = "closed" if self.closed else ("O_DIRECT" if self.direct else "buffered")
         return f"PreallocatedFile({self.path!r}, size={self.size if hasattr(self, 'size') else '?'}, {state})"
 
-
-def _human(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        n /= 1024
-        if n < 1024 or unit == "PiB":
-            break
-    return f"{n:.1f} {unit}"

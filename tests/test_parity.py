@@ -18,6 +18,7 @@ from torch import nn
 
 import tierzero as tz
 from tierzero import optim, runtime
+from tierzero.grouping import blocks_of
 from tierzero.models import GPT, GPTConfig
 from tierzero.tiers import Tier
 from pairs import step_and_zero
@@ -101,10 +102,8 @@ def block_budget(model: nn.Module, n_blocks: float = 2) -> int:
     """Root block + n_blocks of the largest block (fp32), as the device budget."""
     sizes = {}
     wrapped = copy.deepcopy(model)
-    groups = runtime._group_modules(wrapped, tz.Config())
-    owner = runtime._assign_params(wrapped, groups)
-    for name, _, ps in runtime._block_specs(wrapped, groups, owner):
-        sizes[name] = runtime._padded_bytes(ps, torch.float32, 1)
+    for name, _, ps in blocks_of(wrapped, tz.Config()):
+        sizes[name] = runtime.block_fetch_bytes(ps, torch.float32, 1)
     root = sizes.pop(runtime.ROOT)
     return root + int(n_blocks * max(sizes.values()))
 

@@ -8,12 +8,12 @@ import math
 import os
 import subprocess
 import sys
-from collections import namedtuple
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import io_engine.files
 from tierzero import train
 
 TIERS = {"device", "host", "nvme"}
@@ -75,8 +75,7 @@ def test_budget_too_small_for_the_state_it_must_hold(tmp_path: Path, capsys: Any
 
 
 def test_nvme_dir_on_a_disk_without_room(tmp_path: Path, capsys: Any, monkeypatch: Any) -> None:
-    usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(train.shutil, "disk_usage", lambda path: usage(1 << 30, (1 << 30) - 4096, 4096))
+    monkeypatch.setattr(io_engine.files, "free_bytes", lambda path: 4096)
     assert run_cli(tmp_path, "--nvme-dir", str(tmp_path / "nvme")) == 2
     err = capsys.readouterr().err
     assert "4.00 KiB free" in err and "needs" in err and "bytes" in err

@@ -31,6 +31,7 @@ from torch import nn
 
 import tierzero as tz
 from tierzero import runtime
+from tierzero.grouping import blocks_of
 from tierzero.models import GPT, GPTConfig
 from tierzero.tiers import Tier
 
@@ -56,10 +57,8 @@ def make_model() -> GPT:
 
 def device_budget(model: nn.Module, world_size: int) -> int:
     """Root block + 2.5 of the largest block, as fetched at this world size."""
-    groups = runtime._group_modules(model, tz.Config())
-    owner = runtime._assign_params(model, groups)
-    sizes = {name: runtime._padded_bytes(ps, torch.float32, world_size)
-             for name, _, ps in runtime._block_specs(model, groups, owner)}
+    sizes = {name: runtime.block_fetch_bytes(ps, torch.float32, world_size)
+             for name, _, ps in blocks_of(model, tz.Config())}
     root = sizes.pop(runtime.ROOT)
     return root + int(2.5 * max(sizes.values()))
 

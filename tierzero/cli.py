@@ -1,12 +1,32 @@
-"""The `tierzero` command: train | estimate | bench-io | export | tune.
+"""The `tierzero` command: train | estimate | bench-io | export.
 
-Each subcommand lives in the module that owns its work; this file only parses and dispatches.
+Each subcommand lives in the module that owns its work; this file dispatches to it and holds
+the flags that several subcommands share.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from tierzero.config import TIER_NAMES
+
+
+def add_placement_flags(p: argparse.ArgumentParser) -> None:
+    """--params, --grads and --optimizer-states; read them back with `placement_from_flags`."""
+    p.add_argument("--params", default=None, choices=TIER_NAMES,
+                   help="home tier of parameters (default: nvme when --nvme-dir is given, else host)")
+    p.add_argument("--optimizer-states", default=None, choices=TIER_NAMES,
+                   help="tier of fp32 master weights and moments (default: as --params)")
+    p.add_argument("--grads", default=None, choices=TIER_NAMES,
+                   help="tier of fp32 gradients (default: as --params)")
+
+
+def placement_from_flags(args: argparse.Namespace) -> dict[str, str]:
+    """The Config placement fields from the flags of `add_placement_flags` (and --nvme-dir)."""
+    params = args.params or ("nvme" if args.nvme_dir else "host")
+    return {"params": params, "grads": args.grads or params,
+            "optimizer_states": args.optimizer_states or params}
 
 
 def _bench_io(argv: list[str]) -> int:

@@ -10,51 +10,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-TierName = Literal["device", "host", "nvme"]
-TIER_NAMES: tuple[str, ...] = ("device", "host", "nvme")
+from io_engine.sizes import format_size, parse_size
+from tierzero.tiernames import TIER_NAMES, TierName
 
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "t": 1000**4, "tb": 1000**4,
-    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
-    "ti": 1024**4, "tib": 1024**4,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(value: int | str, *, what: str = "size") -> int:
-    """Bytes from an int or a string like "8GiB", "512MB", "4096"; ValueError otherwise."""
-    if isinstance(value, bool):
-        raise ValueError(f"{what}: expected a byte count such as 4096 or '8GiB', got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"{what}: expected a non-negative byte count, got {value}")
-        return value
-    if isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        unit = m.group(2).lower() if m else None
-        if m is None or unit not in _UNITS:
-            raise ValueError(
-                f"{what}: expected a byte count such as 4096, '512MiB' or '8GiB' "
-                f"(units B, KB/KiB, MB/MiB, GB/GiB, TB/TiB), got {value!r}")
-        return int(float(m.group(1)) * _UNITS[unit])
-    raise ValueError(f"{what}: expected an int or a string such as '8GiB', got {type(value).__name__}")
-
-
-def format_size(nbytes: int | float) -> str:
-    """Human-readable binary size: 1536 -> '1.5 KiB'."""
-    n = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+__all__ = ["Config", "IOConfig", "PrefetchConfig", "TIER_NAMES", "TierName", "format_size", "parse_size"]
 
 
 def _check_choice(what: str, value: Any, choices: tuple[Any, ...]) -> None:
@@ -182,6 +145,13 @@ class Config:
     def uses_nvme(self) -> bool:
         return "nvme" in (self.params, self.grads, self.optimizer_states)
 
+    def compute_dtype_name(self, *, cuda: bool) -> str:
+        """The torch dtype name parameters are computed in: `compute_dtype`, with "auto" resolved
+        to bfloat16 when the device is CUDA and float32 otherwise."""
+        if self.compute_dtype == "auto":
+            return "bfloat16" if cuda else "float32"
+        return self.compute_dtype
+
     def budget(self, tier: str) -> int:
         """Budget in bytes of a tier named "device", "host" or "nvme"."""
         _check_choice("tier", tier, TIER_NAMES)
@@ -231,6 +201,9 @@ class Config:
         import psutil
         import torch
 
+        from io_engine.files import free_disk_bytes
+        from tierzero.estimate import state_bytes_per_param
+
         if torch.cuda.is_available():
             free, _ = torch.cuda.mem_get_info()
             device_budget = int(free * headroom)
@@ -240,15 +213,12 @@ class Config:
         state = 0
         if model is not None:
             n = sum(p.numel() for p in model.parameters())
-            state = n * (2 + 4 + 12)  # compute-dtype params, fp32 grads, fp32 master + 2 moments
+            per_param = state_bytes_per_param(cls(compute_dtype=overrides.get("compute_dtype", "auto")))
+            state = n * sum(per_param.values())
         params = grads = optim = "host"
         nvme_budget: int | str = cls.nvme_budget
         if nvme_dir is not None:
-            import shutil
-            parent = Path(nvme_dir)
-            while not parent.exists() and parent != parent.parent:
-                parent = parent.parent
-            nvme_budget = int(shutil.disk_usage(parent).free * headroom)
+            nvme_budget = int(free_disk_bytes(nvme_dir) * headroom)
             if state > host_budget:
                 optim = "nvme"
             if state > 2 * host_budget:

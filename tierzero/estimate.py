@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 
 import psutil
 import torch
 from torch import nn
 
+from io_engine.files import free_disk_bytes
+from tierzero.cli import add_placement_flags, placement_from_flags
 from tierzero.config import TIER_NAMES, Config, format_size, parse_size
+from tierzero.grouping import ROOT, blocks_of
 
 OPTIMIZER_BYTES_PER_PARAM = 12
 """fp32 master weight + exp_avg + exp_avg_sq."""
@@ -42,33 +43,32 @@ class Estimate:
         return all(self.per_tier[t] <= budgets[t] for t in TIER_NAMES)
 
 
-def _compute_bytes(cfg: Config) -> int:
-    if cfg.compute_dtype == "float32" or (cfg.compute_dtype == "auto" and not torch.cuda.is_available()):
-        return 4
-    return 2
+def state_bytes_per_param(cfg: Config) -> dict[str, int]:
+    """Bytes per parameter of each kind of state, keyed by the Config field naming its tier:
+    compute-dtype parameters, fp32 gradients, fp32 master weights and two moments (with fp32
+    parameters on the optimizer states' tier, the parameters are the master weights)."""
+    compute = getattr(torch, cfg.compute_dtype_name(cuda=torch.cuda.is_available())).itemsize
+    optim = OPTIMIZER_BYTES_PER_PARAM - (4 if compute == 4 and cfg.params == cfg.optimizer_states else 0)
+    return {"params": compute, "grads": GRAD_BYTES_PER_PARAM, "optimizer_states": optim}
 
 
-def _largest_block(model: nn.Module) -> int:
-    """Parameters of the largest repeated child (a transformer layer), else of the whole model."""
-    best = 0
-    for module in model.modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) > 1:
-            for child in module:
-                best = max(best, sum(p.numel() for p in child.parameters()))
-    return best or sum(p.numel() for p in model.parameters())
+def largest_block_params(model: nn.Module, cfg: Config) -> int:
+    """Parameters of the largest block `tz.wrap(model, cfg)` builds besides the root (the
+    whole model when it finds no blocks)."""
+    blocks = blocks_of(model, cfg)
+    sizes = [sum(p.numel() for _, p in params) for name, _, params in blocks if name != ROOT]
+    return max(sizes, default=sum(p.numel() for _, p in blocks[-1][2]))
 
 
 def estimate(model: nn.Module, cfg: Config) -> Estimate:
     """Bytes per tier that training `model` under `cfg` needs (model may be on the meta device)."""
     n = sum(p.numel() for p in model.parameters())
-    block = _largest_block(model)
-    cb = _compute_bytes(cfg)
+    block = largest_block_params(model, cfg)
+    per_param = state_bytes_per_param(cfg)
+    cb = per_param["params"]
     need = dict.fromkeys(TIER_NAMES, 0)
-    need[cfg.params] += n * cb
-    need[cfg.grads] += n * GRAD_BYTES_PER_PARAM
-    # fp32 parameters on the optimizer states' tier are the master weights themselves
-    optim = OPTIMIZER_BYTES_PER_PARAM - (4 if cb == 4 and cfg.params == cfg.optimizer_states else 0)
-    need[cfg.optimizer_states] += n * optim
+    for kind, nbytes in per_param.items():
+        need[getattr(cfg, kind)] += n * nbytes
     home = dict(need)
     ahead = cfg.prefetch.depth if cfg.prefetch.policy == "lookahead" else 1
     if cfg.params != "device":
@@ -78,7 +78,7 @@ def estimate(model: nn.Module, cfg: Config) -> Estimate:
     if cfg.optimizer_states == "nvme":
         # read k+1, update k, write k-1: three blocks' master + moments in flight
         need["host"] += 3 * block * (OPTIMIZER_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM)
-    state = n * (cb + GRAD_BYTES_PER_PARAM + optim)
+    state = n * sum(per_param.values())
     return Estimate(params=n, largest_block_params=block, per_tier=need, home=home, state_bytes=state)
 
 
@@ -90,12 +90,7 @@ def machine_budgets(nvme_dir: str | None, headroom: float = 0.8) -> dict[str, in
         device = torch.cuda.mem_get_info()[0]
     else:
         device = ram // 4
-    disk = 0
-    if nvme_dir is not None:
-        p = Path(nvme_dir)
-        while not p.exists() and p != p.parent:
-            p = p.parent
-        disk = shutil.disk_usage(p).free
+    disk = 0 if nvme_dir is None else free_disk_bytes(nvme_dir)
     return {"device": int(device * headroom), "host": int(ram * headroom), "nvme": int(disk * headroom)}
 
 
@@ -136,9 +131,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--device-budget", default=None)
     p.add_argument("--host-budget", default=None)
     p.add_argument("--nvme-dir", default=None)
-    p.add_argument("--params", default=None, choices=TIER_NAMES)
-    p.add_argument("--grads", default=None, choices=TIER_NAMES, help="default: as --params")
-    p.add_argument("--optimizer-states", default=None, choices=TIER_NAMES)
+    add_placement_flags(p)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
@@ -148,10 +141,8 @@ def main(argv: list[str]) -> int:
         budgets["device"] = parse_size(args.device_budget, what="--device-budget")
     if args.host_budget:
         budgets["host"] = parse_size(args.host_budget, what="--host-budget")
-    params = args.params or ("nvme" if args.nvme_dir else "host")
-    cfg = Config(nvme_dir=args.nvme_dir, params=params, grads=args.grads or params,
-                 optimizer_states=args.optimizer_states or params,
-                 device_budget=budgets["device"], host_budget=budgets["host"])
+    cfg = Config(nvme_dir=args.nvme_dir, device_budget=budgets["device"], host_budget=budgets["host"],
+                 **placement_from_flags(args))
     model = build(args.model, device="meta")
     est = estimate(model, cfg)
     largest, placement = largest_trainable(machine, args.nvme_dir)

@@ -41,7 +41,7 @@ optimizers take one param group.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,15 +50,13 @@ from tierzero.blocks import Block, SavedParamViews, output_tensors
 from tierzero.config import Config, format_size
 from tierzero.fetch_group import discard_gathers, gather_ahead
 from tierzero.flat_param import FlatParam, fetched_bytes
+from tierzero.grouping import ROOT, BlockSpec, assign_params, block_specs, group_modules, unique_params
 from tierzero.placement import PlacementManager
 from tierzero.prefetch import Prefetcher, Unit, policy_from_config
 from tierzero.sharding import FlatLayout, broadcast_from_first_, rank_errors, world
 from tierzero.step_context import Phase, StepContext
 from tierzero.telemetry import StepStats
 from tierzero.tiers import Tier
-
-ROOT = "root"
-"""Name of the root block in the placement manager (its tensors are "root.param", ...)."""
 
 _STATES: "weakref.WeakKeyDictionary[nn.Module, TieredState]" = weakref.WeakKeyDictionary()
 """Side table: wrapped root module -> its state."""
@@ -131,7 +129,8 @@ class TieredState:
 
     def _register_state_dict_hooks(self, block: Block) -> None:
         for module in block.modules:
-            params = [p for p in _unique(module.parameters()) if self._flat_of.get(id(p), (None,))[0] in block.flats]
+            params = [p for p in unique_params(module.parameters())
+                      if self._flat_of.get(id(p), (None,))[0] in block.flats]
             if not params:
                 continue
             ids = {id(p) for p in params}
@@ -189,14 +188,15 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None) -> nn.M
                          "wrap a model once (wrap the root module only)")
     rank, world_size = world(process_group)
     _check_meta(model)
-    groups = _group_modules(model, config)
-    owner = _assign_params(model, groups)
+    groups = group_modules(model, config)
+    owner = assign_params(model, groups)
     pm = PlacementManager(config, rank=rank)
     try:
-        ctx = StepContext(pm=pm, compute_dtype=_compute_dtype(config, pm.device),
+        compute_dtype = getattr(torch, config.compute_dtype_name(cuda=pm.device.type == "cuda"))
+        ctx = StepContext(pm=pm, compute_dtype=compute_dtype,
                           grad_tier=Tier(config.grads), master_tier=Tier(config.optimizer_states),
                           rank=rank, world_size=world_size, group=process_group)
-        specs = _block_specs(model, groups, owner)
+        specs = block_specs(model, groups, owner)
         _check_device_budget(config, specs, ctx.compute_dtype, world_size)
         blocks = [_build_block(name, modules, params, ctx, Tier(config.params), world_size)
                   for name, modules, params in specs]
@@ -260,104 +260,9 @@ def close(model: nn.Module) -> None:
     state_of(model).pm.close()
 
 
-# ------------------------------------------------------------------------------ grouping
-
-
-def _unique(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
-    return list({id(p): p for p in params}.values())
-
-
-def _numel(module: nn.Module) -> int:
-    return sum(p.numel() for p in _unique(module.parameters()))
-
-
-def _group_modules(model: nn.Module, config: Config) -> list[list[tuple[str, nn.Module]]]:
-    """Module groups, one per non-root block, in model order."""
-    if config.block_classes:
-        wanted = set(config.block_classes)
-        present = {type(m).__name__ for m in model.modules()}
-        unknown = sorted(wanted - present)
-        if unknown:
-            with_params = sorted({type(m).__name__ for m in model.modules() if m._parameters})
-            raise ValueError(
-                f"block_classes: no module of class {unknown} in {type(model).__name__}; classes in "
-                f"this model: {sorted(present)} (with parameters of their own: {with_params}); "
-                "give class names from that list, or block_classes=() to find the repeated layers")
-        found: list[tuple[str, nn.Module]] = []
-
-        def walk(prefix: str, module: nn.Module) -> None:
-            for name, child in module.named_children():
-                fqn = f"{prefix}{name}"
-                if type(child).__name__ in wanted:
-                    found.append((fqn, child))
-                else:
-                    walk(f"{fqn}.", child)
-
-        walk("", model)
-    else:
-        found = _repeated_children(model)
-    groups = [[item] for item in found if _numel(item[1])]
-    if config.min_block_bytes and groups:
-        merged: list[list[tuple[str, nn.Module]]] = [groups[0]]
-        for group in groups[1:]:
-            if sum(_numel(m) for _, m in merged[-1]) * 4 < config.min_block_bytes:
-                merged[-1] = merged[-1] + group
-            else:
-                merged.append(group)
-        groups = merged
-    return groups
-
-
-def _repeated_children(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Children of the ModuleList/Sequential with the most parameters whose children that have
-    parameters are all of one class (transformer layers, an MLP stack); [] when there is none."""
-    best: tuple[int, list[tuple[str, nn.Module]]] = (0, [])
-    for fqn, module in model.named_modules():
-        if module is model or not isinstance(module, (nn.ModuleList, nn.Sequential)):
-            continue
-        kids = [(f"{fqn}.{n}", c) for n, c in module.named_children() if _numel(c)]
-        if len(kids) >= 2 and len({type(c) for _, c in kids}) == 1:
-            size = _numel(module)
-            if size > best[0]:
-                best = (size, kids)
-    return best[1]
-
-
-def _assign_params(model: nn.Module, groups: list[list[tuple[str, nn.Module]]]) -> dict[int, int]:
-    """id(parameter) -> index of its block; -1 for the root (outside every block, or shared
-    between blocks: tied weights belong to the root, used by both)."""
-    owner: dict[int, int] = {}
-    for i, group in enumerate(groups):
-        for _, module in group:
-            for p in _unique(module.parameters()):
-                owner[id(p)] = i if owner.get(id(p), i) == i else -1
-    return owner
-
-
-BlockSpec = tuple[str, list[nn.Module], list[tuple[str, nn.Parameter]]]
-
-
-def _block_specs(model: nn.Module, groups: list[list[tuple[str, nn.Module]]], owner: dict[int, int]) -> list[BlockSpec]:
-    """(name, modules, [(fqn, parameter)]) per block: the groups in order, then the root."""
-    params: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(groups) + 1)]
-    for fqn, p in model.named_parameters():
-        params[owner.get(id(p), -1)].append((fqn, p))
-    specs: list[BlockSpec] = []
-    for group, ps in zip(groups, params):
-        name = group[0][0] if len(group) == 1 else f"{group[0][0]}+{len(group) - 1}"
-        specs.append((name, [m for _, m in group], ps))
-    specs.append((ROOT, [model], params[-1]))
-    return specs
-
-
-def _compute_dtype(config: Config, device: torch.device) -> torch.dtype:
-    if config.compute_dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, config.compute_dtype)
-
-
-def _padded_bytes(params: list[tuple[str, nn.Parameter]], dtype: torch.dtype, world_size: int) -> int:
-    """Device bytes of a block while it is fetched (see blocks.fetched_bytes)."""
+def block_fetch_bytes(params: list[tuple[str, nn.Parameter]], dtype: torch.dtype, world_size: int) -> int:
+    """Device bytes of a block (its (fqn, parameter) list) while it is fetched (see
+    flat_param.fetched_bytes)."""
     total = 0
     for trainable in (True, False):
         ps = [(f, p) for f, p in params if p.requires_grad == trainable]
@@ -371,7 +276,7 @@ def _padded_bytes(params: list[tuple[str, nn.Parameter]], dtype: torch.dtype, wo
 def _check_device_budget(config: Config, specs: list[BlockSpec], dtype: torch.dtype, world_size: int) -> None:
     if config.params == "device" and world_size == 1:
         return  # every block lives on the device; the placement manager checks the total
-    sizes = {name: _padded_bytes(ps, dtype, world_size) for name, _, ps in specs}
+    sizes = {name: block_fetch_bytes(ps, dtype, world_size) for name, _, ps in specs}
     root = sizes.pop(ROOT)
     largest_name, largest = max(sizes.items(), key=lambda kv: kv[1], default=("(none)", 0))
     reserve = config.prefetch.reserve if config.prefetch.policy == "bytes" else 0

@@ -121,17 +121,30 @@ def start_all_gather(shard: torch.Tensor, full: torch.Tensor, group: dist.Proces
     return _all_gather(full, shard, group, async_op=True)
 
 
+class RankRuntimeError(RuntimeError):
+    """A failure on one rank of a distributed run; the message starts with "rank N: ". (The name
+    ends in RuntimeError so that logs still read "...RuntimeError: rank N: ...".)"""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(f"rank {rank}: {message}")
+        self.rank = rank
+        self.message = message
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.rank, self.message)
+
+
 @contextlib.contextmanager
 def rank_errors(rank: int, world_size: int, what: str) -> Iterator[None]:
-    """Re-raise a failed collective as a RuntimeError prefixed with this rank, saying why it
-    may have failed (another rank raised or died, or the collective timed out)."""
+    """Re-raise a failed collective as a RankRuntimeError of this rank, saying why it may have
+    failed (another rank raised or died, or the collective timed out)."""
     try:
         yield
     except RuntimeError as e:
-        if world_size == 1 or str(e).startswith(f"rank {rank}:"):
+        if world_size == 1 or isinstance(e, RankRuntimeError):
             raise
-        raise RuntimeError(
-            f"rank {rank}: {what} failed: {type(e).__name__}: {e}. Another rank probably raised or "
+        raise RankRuntimeError(
+            rank, f"{what} failed: {type(e).__name__}: {e}. Another rank probably raised or "
             "was killed, or a collective waited longer than collective_timeout_s (the timeout "
             "given to torch.distributed.init_process_group)") from e
 

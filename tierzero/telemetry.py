@@ -4,7 +4,8 @@ The placement manager reports every finished move (`record_move`), every wait of
 acquire (`record_stall`), every change of a tier's reserved bytes (`on_bytes`, a budget hook) and
 whether an acquire found its data already there or on its way (`record_prefetch`). Counters of
 the current step are returned and cleared by `reset_step()`; `write_chrome_trace(path)` writes
-the whole run for chrome://tracing or https://ui.perfetto.dev.
+the whole run for chrome://tracing or https://ui.perfetto.dev; `plot_run(run_dir)` draws a
+`tierzero train` run folder's tiers.png.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NamedTuple
 
-TIERS = ("device", "host", "nvme")
+from tierzero.tiernames import TIER_NAMES
+
 MAX_EVENTS = 1_000_000
 """Moves and timeline points kept per run (the oldest are dropped past this)."""
 
@@ -37,9 +40,9 @@ class MoveEvent(NamedTuple):
 class StepStats:
     """Counters of one step, as returned by `Telemetry.reset_step()` (tiers keyed by name)."""
 
-    stall_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIERS, 0.0))
+    stall_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIER_NAMES, 0.0))
     """Seconds callers of acquire() waited for data, by the tier they acquired on."""
-    bytes_moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    bytes_moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIER_NAMES, 0))
     """Bytes copied toward each tier."""
     nvme_read_bytes: int = 0
     """Bytes read from NVMe (bytes_moved["nvme"] counts those written)."""
@@ -56,13 +59,13 @@ class Telemetry:
         self._lock = threading.Lock()
         self.t0 = time.perf_counter()
         self.moves: deque[MoveEvent] = deque(maxlen=MAX_EVENTS)
-        self.timeline: dict[str, deque[tuple[float, int]]] = {t: deque(maxlen=MAX_EVENTS) for t in TIERS}
+        self.timeline: dict[str, deque[tuple[float, int]]] = {t: deque(maxlen=MAX_EVENTS) for t in TIER_NAMES}
         """Per tier, (time, reserved bytes) after every change."""
-        self.stall_s: dict[str, float] = dict.fromkeys(TIERS, 0.0)
+        self.stall_s: dict[str, float] = dict.fromkeys(TIER_NAMES, 0.0)
         """Seconds callers of acquire() waited, by destination tier, over the whole run."""
-        self.bytes_moved: dict[str, int] = dict.fromkeys(TIERS, 0)
-        self.current: dict[str, int] = dict.fromkeys(TIERS, 0)
-        self.peak: dict[str, int] = dict.fromkeys(TIERS, 0)
+        self.bytes_moved: dict[str, int] = dict.fromkeys(TIER_NAMES, 0)
+        self.current: dict[str, int] = dict.fromkeys(TIER_NAMES, 0)
+        self.peak: dict[str, int] = dict.fromkeys(TIER_NAMES, 0)
         self.prefetch_hits = 0
         self.prefetch_misses = 0
         self._step = StepStats()
@@ -137,3 +140,42 @@ class Telemetry:
     def __repr__(self) -> str:
         return (f"Telemetry(moves={len(self.moves)}, stall_s={self.stall_s}, "
                 f"peak={self.peak}, prefetch hits/misses={self.prefetch_hits}/{self.prefetch_misses})")
+
+
+def plot_run(run_dir: str | os.PathLike[str]) -> Path:
+    """tiers.png from a run folder's trace.json and metrics.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    trace = json.loads((run_dir / "trace.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7))
+    end = max((e["ts"] + e.get("dur", 0)) / 1e6 for e in trace["traceEvents"] if "ts" in e)
+    for tier in TIER_NAMES:
+        pts = [(e["ts"] / 1e6, e["args"]["bytes"] / 2**20) for e in trace["traceEvents"]
+               if e.get("ph") == "C" and e.get("name") == f"{tier} bytes"]
+        if pts:
+            pts.append((end, pts[-1][1]))  # a counter is recorded on change: hold it to the end
+            ts, mib = zip(*pts)
+            line, = ax1.step(ts, mib, where="post", label=f"{tier}")
+            ax1.axhline(summary["budgets"][tier] / 2**20, color=line.get_color(), ls="--", lw=0.8)
+    ax1.set_xlabel("seconds")
+    ax1.set_ylabel("MiB reserved (dashed: budget)")
+    ax1.set_yscale("symlog")
+    ax1.legend(loc="upper right")
+    ax1.set_title(f"tierzero train --model {summary['model']}: bytes per tier")
+    steps = [r["step"] for r in rows]
+    ax2.bar(steps, [r["step_s"] for r in rows], color="lightgray", label="step s")
+    ax2.bar(steps, [r["stall_s"] for r in rows], color="tab:red", label="stall s")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("seconds")
+    ax2.legend(loc="upper right")
+    fig.tight_layout()
+    out = run_dir / "tiers.png"
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out

@@ -11,43 +11,16 @@ too, because the memory is still held.
 from __future__ import annotations
 
 import threading
-from enum import Enum
 from typing import Callable
 
 import torch
 
+from tierzero.tiernames import Tier
+
 ALIGNMENT = 4096
 """Alignment (bytes) of host buffers and NVMe extents: the page size O_DIRECT needs."""
 
-BudgetHook = Callable[["Tier", int], None]
-
-
-class Tier(str, Enum):
-    """Where a tensor's bytes live: GPU memory, pinned CPU memory, or an NVMe swap file.
-
-    A str enum: `Tier("nvme") is Tier.NVME`, `Tier.HOST == "host"`, and it hashes like its value
-    so dicts keyed by tiers can be looked up with plain strings.
-    """
-
-    DEVICE = "device"
-    HOST = "host"
-    NVME = "nvme"
-
-    __hash__ = str.__hash__
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-    @classmethod
-    def parse(cls, value: "Tier | str", *, what: str = "tier") -> "Tier":
-        """A Tier from a Tier or its name; ValueError naming the choices otherwise."""
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"{what}: expected one of 'device', 'host', 'nvme', got {value!r}") from None
+BudgetHook = Callable[[Tier, int], None]
 
 
 def round_up(nbytes: int, multiple: int = ALIGNMENT) -> int:

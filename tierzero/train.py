@@ -25,19 +25,26 @@ import json
 import math
 import os
 import resource
-import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
 
 import tierzero as tz
+from io_engine.files import free_disk_bytes
+from io_engine.progress import Progress
 from tierzero import data as tzdata
+from tierzero.cli import add_placement_flags, placement_from_flags
 from tierzero.config import TIER_NAMES, format_size
 from tierzero.estimate import Estimate, estimate
 from tierzero.models import CONFIGS, build
+from tierzero.runtime import close, placement_manager, step_stats
+from tierzero.sharding import RankRuntimeError
+from tierzero.telemetry import plot_run
 
 
 def parser() -> argparse.ArgumentParser:
@@ -50,12 +57,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host-budget", default="4GiB")
     p.add_argument("--nvme-dir", default=None, help="folder for swap files (on the fastest disk)")
     p.add_argument("--nvme-budget", default="256GiB")
-    p.add_argument("--params", default=None, choices=TIER_NAMES,
-                   help="home tier of parameters (default: nvme when --nvme-dir is given)")
-    p.add_argument("--optimizer-states", default=None, choices=TIER_NAMES,
-                   help="tier of fp32 master weights and moments (default: as --params)")
-    p.add_argument("--grads", default=None, choices=TIER_NAMES,
-                   help="tier of fp32 gradients (default: as --params)")
+    add_placement_flags(p)
     p.add_argument("--run-dir", default="runs/train")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -77,12 +79,19 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    for name in ("steps", "batch", "seq"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name}: expected an int >= 1, got {getattr(args, name)}")
+    if args.checkpoint_every < 0 or args.keep_last < 1:
+        raise ValueError(f"--checkpoint-every: expected an int >= 0 and --keep-last an int >= 1, got "
+                         f"{args.checkpoint_every} and {args.keep_last}")
+
+
 def _config(args: argparse.Namespace) -> tz.Config:
-    params = args.params or ("nvme" if args.nvme_dir else "host")
     return tz.Config(device_budget=args.device_budget, host_budget=args.host_budget,
-                     nvme_dir=args.nvme_dir, nvme_budget=args.nvme_budget, params=params,
-                     grads=args.grads or params, optimizer_states=args.optimizer_states or params,
-                     collective_timeout_s=args.collective_timeout)
+                     nvme_dir=args.nvme_dir, nvme_budget=args.nvme_budget,
+                     collective_timeout_s=args.collective_timeout, **placement_from_flags(args))
 
 
 def _init_distributed(cfg: tz.Config) -> tuple[int, int]:
@@ -111,14 +120,11 @@ def check_room(model: torch.nn.Module, cfg: tz.Config, world_size: int = 1) -> E
         if per_rank > budget:
             raise ValueError(
                 f"{flags[tier]} {format_size(budget)} is too small: this model needs "
-                f"{format_size(per_rank)} ({per_rank} bytes) on {tier} per rank ({world_size} ranks) with params={cfg.params}, "
-                f"grads={cfg.grads}, optimizer_states={cfg.optimizer_states}; raise {flags[tier]} "
+                f"{format_size(per_rank)} ({per_rank} bytes) on {tier} per rank ({world_size} ranks) with "
+                f"params={cfg.params}, grads={cfg.grads}, optimizer_states={cfg.optimizer_states}; raise {flags[tier]} "
                 "or move state to a lower tier (--params/--grads/--optimizer-states nvme)")
     if est.home["nvme"]:
-        root = Path(cfg.nvme_dir).resolve()
-        while not root.exists():
-            root = root.parent
-        free = shutil.disk_usage(root).free
+        free = free_disk_bytes(cfg.nvme_dir)
         if est.home["nvme"] > free:
             raise OSError(
                 f"--nvme-dir {cfg.nvme_dir}: the disk holding it has {format_size(free)} free but "
@@ -136,62 +142,63 @@ def _lr_lambda(warmup: int, total: int):
     return f
 
 
-class _Progress:
-    """A status line on stderr: rewritten in place on a terminal, one line per step otherwise
-    (so logs keep it)."""
+@dataclass
+class _Run:
+    """A `tierzero train` run once its model is wrapped: what the steps, the checkpoints and the
+    end of the run work with."""
 
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled, self.tty = total, enabled, sys.stderr.isatty()
+    args: argparse.Namespace
+    cfg: tz.Config
+    rank: int
+    world_size: int
+    run_dir: Path
+    sampler: tzdata.BatchSampler
+    model: torch.nn.Module
+    pm: Any
+    """The model's PlacementManager."""
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
 
-    def update(self, step: int, text: str) -> None:
-        if not self.enabled:
-            return
-        width = 24
-        filled = int(width * step / max(1, self.total))
-        line = f"[{'#' * filled}{'.' * (width - filled)}] {step}/{self.total} {text}"
-        sys.stderr.write(f"\r{line}" if self.tty else f"{line}\n")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled and self.tty:
-            sys.stderr.write("\n")
+    @property
+    def ckpt_dir(self) -> Path:
+        return Path(self.args.checkpoint_dir) if self.args.checkpoint_dir else self.run_dir / "checkpoints"
 
 
-def _train_state(step: int, args: argparse.Namespace, sampler: tzdata.BatchSampler,
-                 sched: torch.optim.lr_scheduler.LRScheduler) -> dict:
+def _train_state(r: _Run, step: int) -> dict:
     """What a checkpoint needs besides the model and optimizer to continue bit-identically."""
-    return {"step": step, "sampler": sampler.state_dict(), "scheduler": sched.state_dict(),
+    return {"step": step, "sampler": r.sampler.state_dict(), "scheduler": r.sched.state_dict(),
             "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "run": {k: getattr(args, k) for k in _RESUME_MUST_MATCH}}
+            "run": {k: getattr(r.args, k) for k in _RESUME_MUST_MATCH}}
 
 
 _RESUME_MUST_MATCH = ("model", "steps", "batch", "seq", "seed", "data", "lr", "weight_decay", "warmup", "clip")
 
 
-def _resume(ckpt_dir: Path, run_dir: Path, args: argparse.Namespace, model, opt, sampler, sched, rank: int) -> int:
+def _resume(r: _Run) -> int:
     """Load the newest checkpoint and the training state saved with it; the step to continue at
     (0 when there is none). metrics.jsonl (rank 0's) keeps the rows of the steps before it."""
     from tierzero.checkpoint import latest_checkpoint
 
+    ckpt_dir = r.ckpt_dir
     if latest_checkpoint(ckpt_dir) is None:
         print(f"tierzero train: --resume: no checkpoint in {str(ckpt_dir)!r}; starting at step 0", file=sys.stderr)
         return 0
-    state = tz.load_checkpoint(ckpt_dir, model, opt)
-    differ = {k: (v, getattr(args, k)) for k, v in state["run"].items() if getattr(args, k) != v}
+    state = tz.load_checkpoint(ckpt_dir, r.model, r.opt)
+    differ = {k: (v, getattr(r.args, k)) for k, v in state["run"].items() if getattr(r.args, k) != v}
     if differ:
         raise ValueError(f"--resume: the checkpoint in {str(ckpt_dir)!r} was saved by a run with other settings "
                          f"(name: (saved, given)) {differ}; resume with the same flags or start a new --run-dir")
-    sampler.load_state_dict(state["sampler"])
-    sched.load_state_dict(state["scheduler"])
+    r.sampler.load_state_dict(state["sampler"])
+    r.sched.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])
     if state["cuda_rng"]:
         torch.cuda.set_rng_state_all(state["cuda_rng"])
-    metrics = run_dir / "metrics.jsonl"
-    if rank == 0 and metrics.exists():  # rows past the checkpoint belong to steps that will run again
-        rows = [r for r in metrics.read_text().splitlines() if r and json.loads(r)["step"] < state["step"]]
+    metrics = r.run_dir / "metrics.jsonl"
+    if r.rank == 0 and metrics.exists():  # rows past the checkpoint belong to steps that will run again
+        rows = [row for row in metrics.read_text().splitlines() if row and json.loads(row)["step"] < state["step"]]
         tmp = metrics.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(r + "\n" for r in rows))
+        tmp.write_text("".join(row + "\n" for row in rows))
         os.replace(tmp, metrics)
     return state["step"]
 
@@ -201,18 +208,12 @@ def _peak_rss() -> int:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from tierzero.runtime import close, placement_manager, step_stats
-
-    for name in ("steps", "batch", "seq"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name}: expected an int >= 1, got {getattr(args, name)}")
-    if args.checkpoint_every < 0 or args.keep_last < 1:
-        raise ValueError(f"--checkpoint-every: expected an int >= 0 and --keep-last an int >= 1, got "
-                         f"{args.checkpoint_every} and {args.keep_last}")
+    """Train as the flags say and write the run folder (rank 0); the run's summary."""
+    _check_args(args)
     cfg = _config(args)
     rank, world_size = _init_distributed(cfg)
-    if args.batch % world_size:
-        raise ValueError(f"rank {rank}: --batch {args.batch} is the global batch and must split evenly "
+    if args.batch % world_size:  # main() prefixes the rank
+        raise ValueError(f"--batch {args.batch} is the global batch and must split evenly "
                          f"over {world_size} ranks; give a multiple of {world_size}")
     run_dir = Path(args.run_dir)
     if rank == 0:
@@ -221,80 +222,107 @@ def run(args: argparse.Namespace) -> dict:
     sampler = tzdata.BatchSampler(corpus, batch=args.batch, seq=args.seq, seed=args.seed)
 
     torch.manual_seed(args.seed)
-    seq_len = max(args.seq, 1)
-    model = build(args.model, device="meta", vocab_size=tzdata.VOCAB_SIZE, seq_len=seq_len)
+    model = build(args.model, device="meta", vocab_size=tzdata.VOCAB_SIZE, seq_len=max(args.seq, 1))
     n_params = model.num_params()
     est = check_room(model, cfg, world_size)
     model = tz.wrap(model, cfg)
     try:
-        pm = placement_manager(model)
         opt = tz.AdamW(model, lr=args.lr, weight_decay=args.weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(args.warmup, args.steps))
-        ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else run_dir / "checkpoints"
-        start = _resume(ckpt_dir, run_dir, args, model, opt, sampler, sched, rank) if args.resume else 0
-
-        progress = _Progress(args.steps, not args.no_progress and rank == 0)
-        tokens = args.batch * args.seq
+        r = _Run(args, cfg, rank, world_size, run_dir, sampler, model, placement_manager(model), opt, sched)
+        start = _resume(r) if args.resume else 0
         started = time.perf_counter()
-        last_loss = float("nan")
-        local = slice(rank * args.batch // world_size, (rank + 1) * args.batch // world_size)
-        with open(run_dir / "metrics.jsonl", "a" if start else "w") if rank == 0 else contextlib.nullcontext() as metrics:
-            for step in range(start, args.steps):
-                t0 = time.perf_counter()
-                x, y = sampler.next()
-                x, y = x[local].to(pm.device), y[local].to(pm.device)
-                loss = model(x, y).loss
-                loss.backward()
-                if args.clip > 0:
-                    tz.clip_grad_norm_(model, args.clip)
-                opt.step()
-                opt.zero_grad()
-                sched.step()
-                last_loss = _global_mean(loss.detach(), world_size)
-                step_s = time.perf_counter() - t0
-                stats = step_stats(model)
-                row = {
-                    "step": step, "loss": last_loss, "lr": sched.get_last_lr()[0], "step_s": step_s,
-                    "tokens_per_s": tokens / step_s, "stall_s": sum(stats.stall_s.values()),
-                    "stall_s_by_tier": stats.stall_s, "prefetch_hits": stats.prefetch_hits,
-                    "prefetch_misses": stats.prefetch_misses,
-                    "bytes": {t: pm.bytes_used(t) for t in TIER_NAMES},
-                    "moved_bytes": stats.bytes_moved, "nvme_read_bytes": stats.nvme_read_bytes,
-                }
-                if metrics is not None:
-                    metrics.write(json.dumps(row) + "\n")
-                    metrics.flush()
-                nvme_gbps = (stats.nvme_read_bytes + stats.bytes_moved["nvme"]) / step_s / 1e9
-                progress.update(step + 1, f"loss {last_loss:.4f} {row['tokens_per_s']:.0f} tok/s "
-                                f"dev {format_size(row['bytes']['device'])} "
-                                f"host {format_size(row['bytes']['host'])} "
-                                f"nvme {format_size(row['bytes']['nvme'])} io {nvme_gbps:.2f} GB/s")
-                if not math.isfinite(last_loss):
-                    raise FloatingPointError(f"step {step}: loss is {last_loss}; lower --lr or check the data")
-                if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-                    tz.save_checkpoint(ckpt_dir, model, opt, extra=_train_state(step + 1, args, sampler, sched),
-                                       keep_last=args.keep_last)
-        progress.close()
-        pm.flush()
-        peaks = _per_rank({t: pm.peak_bytes(t) for t in TIER_NAMES}, world_size)
-        state_bytes = est.state_bytes
-        summary = {
-            "model": args.model, "params": n_params, "steps": args.steps, "batch": args.batch,
-            "seq": args.seq, "final_loss": last_loss, "wall_s": time.perf_counter() - started,
-            "world_size": world_size, "state_bytes": state_bytes,
-            "budgets": {t: pm.budget(t) for t in TIER_NAMES},
-            "peak_bytes": {t: max(p[t] for p in peaks) for t in TIER_NAMES},
-            "peak_bytes_per_rank": peaks,
-            "peak_rss": max(_per_rank(_peak_rss(), world_size)),
-            "config": cfg.to_dict(),
-        }
-        if rank == 0:
-            pm.telemetry.write_chrome_trace(run_dir / "trace.json")
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-            plot_run(run_dir)
-        return summary
+        last_loss = _train(r, start)
+        return _finish(r, est, n_params, last_loss, started)
     finally:
         close(model)  # frees host memory and removes the swap files
+
+
+def _train(r: _Run, start: int) -> float:
+    """Steps `start` to --steps: a metrics.jsonl row (rank 0) and a progress line each, a
+    checkpoint every --checkpoint-every steps; the last step's loss."""
+    args = r.args
+    last_loss = float("nan")
+    with Progress(args.steps, enabled=not args.no_progress and r.rank == 0, initial=start) as progress, \
+            _metrics_file(r, start) as metrics:
+        for step in range(start, args.steps):
+            row = _step(r, step)
+            last_loss = row["loss"]
+            if metrics is not None:
+                metrics.write(json.dumps(row) + "\n")
+                metrics.flush()
+            progress.advance(_progress_text(row))
+            if not math.isfinite(last_loss):
+                raise FloatingPointError(f"step {step}: loss is {last_loss}; lower --lr or check the data")
+            if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+                tz.save_checkpoint(r.ckpt_dir, r.model, r.opt, extra=_train_state(r, step + 1),
+                                   keep_last=args.keep_last)
+    return last_loss
+
+
+def _metrics_file(r: _Run, start: int) -> contextlib.AbstractContextManager[IO[str] | None]:
+    """Rank 0: metrics.jsonl, appended to when resuming; other ranks: nothing."""
+    if r.rank != 0:
+        return contextlib.nullcontext()
+    return open(r.run_dir / "metrics.jsonl", "a" if start else "w")
+
+
+def _step(r: _Run, step: int) -> dict:
+    """One training step on this rank's slice of the global batch; its metrics.jsonl row."""
+    args, pm = r.args, r.pm
+    t0 = time.perf_counter()
+    x, y = r.sampler.next()
+    local = slice(r.rank * args.batch // r.world_size, (r.rank + 1) * args.batch // r.world_size)
+    x, y = x[local].to(pm.device), y[local].to(pm.device)
+    loss = r.model(x, y).loss
+    loss.backward()
+    if args.clip > 0:
+        tz.clip_grad_norm_(r.model, args.clip)
+    r.opt.step()
+    r.opt.zero_grad()
+    r.sched.step()
+    last_loss = _global_mean(loss.detach(), r.world_size)
+    step_s = time.perf_counter() - t0
+    stats = step_stats(r.model)
+    return {
+        "step": step, "loss": last_loss, "lr": r.sched.get_last_lr()[0], "step_s": step_s,
+        "tokens_per_s": args.batch * args.seq / step_s, "stall_s": sum(stats.stall_s.values()),
+        "stall_s_by_tier": stats.stall_s, "prefetch_hits": stats.prefetch_hits,
+        "prefetch_misses": stats.prefetch_misses,
+        "bytes": {t: pm.bytes_used(t) for t in TIER_NAMES},
+        "moved_bytes": stats.bytes_moved, "nvme_read_bytes": stats.nvme_read_bytes,
+    }
+
+
+def _progress_text(row: dict) -> str:
+    nvme_gbps = (row["nvme_read_bytes"] + row["moved_bytes"]["nvme"]) / row["step_s"] / 1e9
+    return (f"loss {row['loss']:.4f} {row['tokens_per_s']:.0f} tok/s "
+            f"dev {format_size(row['bytes']['device'])} "
+            f"host {format_size(row['bytes']['host'])} "
+            f"nvme {format_size(row['bytes']['nvme'])} io {nvme_gbps:.2f} GB/s")
+
+
+def _finish(r: _Run, est: Estimate, n_params: int, last_loss: float, started: float) -> dict:
+    """The run's summary, from every rank's peaks; rank 0 writes trace.json, summary.json and
+    tiers.png."""
+    args, pm, world_size = r.args, r.pm, r.world_size
+    pm.flush()
+    peaks = _per_rank({t: pm.peak_bytes(t) for t in TIER_NAMES}, world_size)
+    summary = {
+        "model": args.model, "params": n_params, "steps": args.steps, "batch": args.batch,
+        "seq": args.seq, "final_loss": last_loss, "wall_s": time.perf_counter() - started,
+        "world_size": world_size, "state_bytes": est.state_bytes,
+        "budgets": {t: pm.budget(t) for t in TIER_NAMES},
+        "peak_bytes": {t: max(p[t] for p in peaks) for t in TIER_NAMES},
+        "peak_bytes_per_rank": peaks,
+        "peak_rss": max(_per_rank(_peak_rss(), world_size)),
+        "config": r.cfg.to_dict(),
+    }
+    if r.rank == 0:
+        pm.telemetry.write_chrome_trace(r.run_dir / "trace.json")
+        (r.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        plot_run(r.run_dir)
+    return summary
 
 
 def _global_mean(loss: torch.Tensor, world_size: int) -> float:
@@ -314,58 +342,21 @@ def _per_rank(value: object, world_size: int) -> list:
     return out
 
 
-def plot_run(run_dir: str | os.PathLike[str]) -> Path:
-    """tiers.png from a run folder's trace.json and metrics.jsonl."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    run_dir = Path(run_dir)
-    trace = json.loads((run_dir / "trace.json").read_text())
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7))
-    end = max((e["ts"] + e.get("dur", 0)) / 1e6 for e in trace["traceEvents"] if "ts" in e)
-    for tier in TIER_NAMES:
-        pts = [(e["ts"] / 1e6, e["args"]["bytes"] / 2**20) for e in trace["traceEvents"]
-               if e.get("ph") == "C" and e.get("name") == f"{tier} bytes"]
-        if pts:
-            pts.append((end, pts[-1][1]))  # a counter is recorded on change: hold it to the end
-            ts, mib = zip(*pts)
-            line, = ax1.step(ts, mib, where="post", label=f"{tier}")
-            ax1.axhline(summary["budgets"][tier] / 2**20, color=line.get_color(), ls="--", lw=0.8)
-    ax1.set_xlabel("seconds")
-    ax1.set_ylabel("MiB reserved (dashed: budget)")
-    ax1.set_yscale("symlog")
-    ax1.legend(loc="upper right")
-    ax1.set_title(f"tierzero train --model {summary['model']}: bytes per tier")
-    steps = [r["step"] for r in rows]
-    ax2.bar(steps, [r["step_s"] for r in rows], color="lightgray", label="step s")
-    ax2.bar(steps, [r["stall_s"] for r in rows], color="tab:red", label="stall s")
-    ax2.set_xlabel("step")
-    ax2.set_ylabel("seconds")
-    ax2.legend(loc="upper right")
-    fig.tight_layout()
-    out = run_dir / "tiers.png"
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-    return out
-
-
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     owns_group = not dist.is_initialized()  # run() joins torchrun's group; leave a caller's alone
     try:
         summary = run(args)
     except (ValueError, OSError) as e:
-        ranked = dist.is_initialized() and not str(e).startswith("rank ")
-        print(f"tierzero train: error: {f'rank {dist.get_rank()}: ' if ranked else ''}{e}", file=sys.stderr)
+        rank = f"rank {dist.get_rank()}: " if dist.is_initialized() else ""
+        print(f"tierzero train: error: {rank}{e}", file=sys.stderr)
         return 2
+    except RankRuntimeError:
+        raise
     except Exception as e:
-        if not dist.is_initialized() or str(e).startswith("rank "):
+        if not dist.is_initialized():
             raise
-        raise RuntimeError(f"rank {dist.get_rank()}: {type(e).__name__}: {e}") from e
+        raise RankRuntimeError(dist.get_rank(), f"{type(e).__name__}: {e}") from e
     finally:
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
