@@ -373,3 +373,26 @@ def test_no_room_names_the_pinned_copies_and_the_fix(tmp_path):
         buf = pm.reserve_scratch(8000, what="gather layers.3")  # evicts a's unpinned copy
         assert buf.numel() >= 8000 and pm.record(a).residency[Tier.DEVICE] is Residency.ABSENT
         pm.free_scratch(buf)
+
+
+def test_a_wait_ends_when_another_thread_unregisters_its_tensor(tmp_path):
+    with make(tmp_path, device="12KiB", wait_timeout_s=10) as pm:
+        a = pm.register("a", torch.randn(2500), "host")
+        b = pm.register("b", torch.randn(2500), "host")
+        pm.acquire(a)  # the device is full: acquiring b waits for room
+        errors = []
+
+        def acquire_b():
+            try:
+                pm.acquire(b)
+            except KeyError as e:
+                errors.append(e)
+
+        waiter = threading.Thread(target=acquire_b)
+        waiter.start()
+        time.sleep(0.1)
+        pm.unregister(b)
+        waiter.join(5)
+        assert not waiter.is_alive() and len(errors) == 1
+        assert "acquire('b', 'device'): 'b' was unregistered by another thread meanwhile" in str(errors[0])
+        pm.release(a)

@@ -89,10 +89,11 @@ class MoveTable:
         return len(self._moves)
 
 
-def needs_staging(src: Tier | None, dst: Tier) -> bool:
-    """Whether bytes from `src` (None: a caller's tensor) to `dst` pass through a host staging
-    buffer: NVMe IO needs page-aligned host bytes, and only a cached host copy already is."""
-    return Tier.NVME in (src, dst) and Tier.HOST not in (src, dst)
+def staging_needs(src: Tier | None, dst: Tier, nbytes: int) -> list[tuple[Tier, int]]:
+    """The host staging buffer that `nbytes` moved from `src` (None: a caller's tensor) to `dst`
+    pass through, as a reservation need, or none: NVMe IO needs page-aligned host bytes, and
+    only a cached host copy already is."""
+    return [(Tier.HOST, nbytes)] if Tier.NVME in (src, dst) and Tier.HOST not in (src, dst) else []
 
 
 class Span(NamedTuple):
@@ -178,8 +179,9 @@ class StorePlan(NamedTuple):
 
 def run_fetch(plan: FetchPlan, io: MoveIO) -> Done:
     cf.wait(plan.after)
-    if plan.source_fetch is not None and plan.source_fetch.exception() is not None:
-        raise plan.source_fetch.exception()  # type: ignore[misc]
+    error = plan.source_fetch.exception() if plan.source_fetch is not None else None
+    if error is not None:
+        raise error  # the copy this fetch reads failed, and is gone
     h, spans = plan.handle, []
     with torch.profiler.record_function(f"tierzero::fetch {h.name}"), io.streams.context():
         t0 = time.perf_counter()

@@ -48,7 +48,7 @@ import torch
 from tierzero.config import Config, format_size
 from tierzero.eviction import EvictionPolicy, LeastRecentlyUsed, Shortfall
 from tierzero.handles import Kind, TensorHandle
-from tierzero.moves import Move, needs_staging
+from tierzero.moves import Move, staging_needs
 from tierzero.residency import Residency, ResidencyTable, TensorRecord, assert_in_states
 from tierzero.streams import CopyStreams
 from tierzero.telemetry import Telemetry
@@ -111,23 +111,23 @@ class PlacementManager:
                 raise ValueError(f"register({h.name!r}, home='nvme'): config.nvme_dir is not set; "
                                  "give nvme_dir or choose another home tier")
             self._room.check_fits(h.name, h.nbytes, h.home)
-            staged = needs_staging(None, h.home)
-            if staged:
-                self._room.check_fits(h.name, h.nbytes, Tier.HOST, why="NVMe-homed tensors are staged through host memory")
-            needs = [(h.home, h.nbytes)] + ([(Tier.HOST, h.nbytes)] if staged else [])
-            buf, *staging = self._wait_until(lambda: self._room.take(needs, h), h.name, f"register({h.name!r})")
-            self._table.to_home(h, data, buf, flat(staging[0]) if staging else None)
+            staging = staging_needs(None, h.home, h.nbytes)
+            for tier, nbytes in staging:
+                self._room.check_fits(h.name, nbytes, tier, why="NVMe-homed tensors are staged through host memory")
+            needs = [(h.home, h.nbytes)] + staging
+            buf, *staged = self._wait_until(lambda: self._room.take(needs, h), h.name, f"register({h.name!r})")
+            self._table.to_home(h, data, buf, flat(staged[0]) if staged else None)
             return h
 
     def unregister(self, h: TensorHandle) -> None:
         """Take the handle back: wait for its moves in flight, free every cached copy and its home
         (budgets given back, an NVMe region freed) and forget it; any later call with it raises
-        KeyError. RuntimeError while a copy is pinned (acquired and not released)."""
+        KeyError. RuntimeError while a copy is pinned (acquired and not released). An error of
+        its last write-back stays for flush() to raise."""
         rec = self._record_of(h, "unregister")
         with self._cond:
             self._check_open()
-            self._wait_until(lambda: not rec.in_flight or None, h.name, f"unregister({h.name!r}) waiting for its moves")
-            rec = self._record_of(h, "unregister")  # another thread may have taken it back meanwhile
+            self._wait_until(lambda: not rec.in_flight or None, rec, f"unregister({h.name!r}) waiting for its moves")
             pinned = {t.value: rec.pins(t) for t in Tier if rec.pins(t)}
             if pinned:
                 raise RuntimeError(f"unregister({h.name!r}): copies are still pinned (tier: pins) {pinned}; "
@@ -158,7 +158,7 @@ class PlacementManager:
                 hit = rec.residency[tier] is not Residency.ABSENT
                 if not hit:
                     self._room.check_fits(h.name, h.nbytes, tier)
-                    self._wait_until(lambda: self._table.try_fetch(rec, tier), h.name,
+                    self._wait_until(lambda: self._table.try_fetch(rec, tier), rec,
                                      f"acquire({h.name!r}, {tier.value!r})")
                 copy = self._table.pin(rec, tier)
                 move = self._table.moves.get(h, tier)
@@ -167,8 +167,9 @@ class PlacementManager:
                 t0 = time.perf_counter()
                 cf.wait([move.future])
                 self.telemetry.record_stall(tier, time.perf_counter() - t0)
-                if move.dst is tier and move.future.exception() is not None:
-                    raise move.future.exception()  # type: ignore[misc]  # the fetch failed; its copy is gone
+                error = move.future.exception() if move.dst is tier else None
+                if error is not None:
+                    raise error  # the fetch failed; its copy is gone
             with self._cond:
                 assert_in_states(rec, tier, Residency.RESIDENT, Residency.WRITING_BACK)
             self.streams.compute_wait(copy.event, copy.tensor)
@@ -184,10 +185,10 @@ class PlacementManager:
             if dirty and tier is not h.home:
                 # Still pinned while waiting (for an earlier write-back of this copy to finish,
                 # and for a staging buffer), so the dirty copy cannot be evicted meanwhile.
-                needs = [(Tier.HOST, h.nbytes)] if needs_staging(tier, h.home) else []
+                needs = staging_needs(tier, h.home, h.nbytes)
                 bufs = self._wait_until(
                     lambda: None if rec.residency[tier] is Residency.WRITING_BACK else self._room.take(needs, h),
-                    h.name, f"release({h.name!r}, {tier.value!r}, dirty=True)")
+                    rec, f"release({h.name!r}, {tier.value!r}, dirty=True)")
                 staging = flat(bufs[0]) if bufs else None
             self._table.release(rec, tier, dirty=dirty, staging=staging)
             self._cond.notify_all()
@@ -200,7 +201,7 @@ class PlacementManager:
                              "only cached copies on other tiers can be dropped")
         with self._cond:
             self._wait_until(lambda: rec.residency[tier] not in (Residency.FETCHING, Residency.WRITING_BACK) or None,
-                             h.name, f"drop({h.name!r}) waiting for its move")
+                             rec, f"drop({h.name!r}) waiting for its move")
             if rec.residency[tier] is Residency.ABSENT:
                 return
             if rec.pins(tier):
@@ -218,9 +219,9 @@ class PlacementManager:
             raise ValueError(f"store({h.name!r}): expected shape {tuple(h.shape)}, got {tuple(data.shape)}")
         with self._cond:
             self._check_open()
-            needs = [(Tier.HOST, h.nbytes)] if needs_staging(None, h.home) else []
+            needs = staging_needs(None, h.home, h.nbytes)
             bufs = self._wait_until(lambda: None if rec.in_flight else self._room.take(needs, h),
-                                    h.name, f"store({h.name!r}) waiting for its moves")
+                                    rec, f"store({h.name!r}) waiting for its moves")
             self._table.store(rec, data, flat(bufs[0]) if bufs else None)
             self._cond.notify_all()
 
@@ -234,7 +235,7 @@ class PlacementManager:
         with self._cond:
             self._check_open()
             self._wait_until(lambda: not any(m.dst is h.home for m in rec.in_flight) or None,
-                             h.name, f"read({h.name!r}) waiting for its write-backs")
+                             rec, f"read({h.name!r}) waiting for its write-backs")
             return self._table.read_home(rec, None if out is None else torch.from_numpy(out))
 
     def reserve_scratch(self, nbytes: int, tier: Tier | str = Tier.DEVICE, *, what: str) -> torch.Tensor:
@@ -340,16 +341,19 @@ class PlacementManager:
         with self._cond:
             self._check_open()
             self._wait_until(lambda: not any(m.dst is h.home for m in rec.in_flight) or None,
-                             h.name, f"acquire({h.name!r}) waiting for write-backs to its home")
+                             rec, f"acquire({h.name!r}) waiting for write-backs to its home")
             copy = self._table.pin(rec, h.home)
         self.streams.compute_wait(None, copy.tensor)
         return copy.tensor
 
-    def _wait_until(self, attempt: Callable[[], _T | Shortfall | None], name: str, what: str) -> _T:
+    def _wait_until(self, attempt: Callable[[], _T | Shortfall | None], subject: TensorRecord | str,
+                    what: str) -> _T:
         """Call `attempt` (under the lock) until it returns a result, sleeping until the next
         change while it returns None (waiting for a move) or a Shortfall (no room); past
-        wait_timeout_s raise, naming what was missing."""
+        wait_timeout_s raise, naming what was missing. `subject` is the tensor waited for (a
+        KeyError if another thread unregisters it meanwhile), or the name of a new one."""
         deadline = time.monotonic() + self.wait_timeout_s
+        name = subject if isinstance(subject, str) else subject.name
         while True:
             result = attempt()
             if result is not None and not isinstance(result, Shortfall):
@@ -360,6 +364,8 @@ class PlacementManager:
                     raise RuntimeError(f"{what}: nothing changed for {self.wait_timeout_s} s")
                 raise RuntimeError(f"{what}: {self._no_room_message(name, result)}")
             self._cond.wait(remaining)
+            if not isinstance(subject, str) and self._table.get(subject.handle) is not subject:
+                raise KeyError(f"{what}: {name!r} was unregistered by another thread meanwhile")
 
     def _no_room_message(self, name: str, short: Shortfall) -> str:
         tier = short.tier
@@ -382,8 +388,8 @@ class PlacementManager:
         return rec
 
     def _lookup(self, h: TensorHandle, tier: Tier | str, what: str) -> tuple[TensorRecord, Tier]:
-        tier = Tier.parse(tier, what=f"{what}({getattr(h, 'name', h)!r}) tier")
         rec = self._record_of(h, what)
+        tier = Tier.parse(tier, what=f"{what}({h.name!r}) tier")
         if tier is Tier.NVME and tier is not h.home:
             raise ValueError(f"{what}({h.name!r}, 'nvme'): only tensors homed on NVMe live there; "
                              "use 'host' or 'device'")

@@ -4,13 +4,13 @@ A `TensorRecord` is one tensor's state: its handle, its copies (one per tier it 
 residency of each tier. `ResidencyTable` holds every record and the transition methods, the
 only code that changes residency, each as its last step:
 
-    to_home          (unregistered) -> HOME          register: the data written to its home
-    start_fetch      ABSENT -> FETCHING              a copy toward a tier submitted to a worker
-    _finish_fetch    FETCHING -> RESIDENT | ABSENT   committed (ABSENT if it failed or went stale)
-    start_writeback  RESIDENT -> WRITING_BACK        a dirty release submitted to a worker
-    _finish_writeback WRITING_BACK -> RESIDENT | ABSENT
-    drop             RESIDENT -> ABSENT              evicted, dropped, or stale and unpinned
-    forget           every tier -> ABSENT            unregister and close
+    to_home            (unregistered) -> HOME       register: the data written to its home
+    start_fetch        ABSENT -> FETCHING           a copy toward a tier, submitted to a worker
+    _finish_fetch      FETCHING -> RESIDENT         committed (-> ABSENT: failed or went stale)
+    start_writeback    RESIDENT -> WRITING_BACK     a dirty release, submitted to a worker
+    _finish_writeback  WRITING_BACK -> RESIDENT     committed (-> ABSENT: went stale, unpinned)
+    drop               RESIDENT -> ABSENT           evicted, dropped, or stale and unpinned
+    forget             every tier -> ABSENT         unregister and close (the handle forgotten)
 
 Everyone else reads the `residency`, `pins` and `in_flight` views that
 `PlacementManager.record(handle)` returns.
@@ -31,7 +31,7 @@ from io_engine import aligned_empty
 from tierzero.eviction import Room, Shortfall
 from tierzero.handles import TensorHandle
 from tierzero.moves import (Copy, Done, Failed, FetchPlan, Move, MoveIO, MoveTable, Outcome, StorePlan,
-                            WritebackPlan, needs_staging, run_fetch, run_store, run_writeback)
+                            WritebackPlan, run_fetch, run_store, run_writeback, staging_needs)
 from tierzero.nvme import SwapSpace
 from tierzero.streams import CopyStreams
 from tierzero.telemetry import Telemetry
@@ -222,7 +222,7 @@ class ResidencyTable:
         host = rec._copies.get(Tier.HOST)
         if tier is Tier.DEVICE and h.home is Tier.NVME and host is not None and not host.stale:
             src = Tier.HOST  # a cached host copy saves the NVMe read and the staging buffer
-        needs = [(tier, h.nbytes)] + ([(Tier.HOST, h.nbytes)] if needs_staging(src, tier) else [])
+        needs = [(tier, h.nbytes)] + staging_needs(src, tier, h.nbytes)
         bufs = self.room.take(needs, h)
         if isinstance(bufs, Shortfall):
             return bufs
