@@ -1,4 +1,5 @@
-"""PlacementManager: where every registered tensor lives, and the only writer of residency.
+"""PlacementManager: where every registered tensor lives; through its ResidencyTable, the only
+writer of residency.
 
 Each tensor, named by the `TensorHandle` register() returns, has a home tier that holds it for
 its whole life (bytes reserved there from register to unregister) and, on the other tiers, at
