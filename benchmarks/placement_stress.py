@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tierzero.config import Config, IOConfig, format_size, parse_size  # noqa: E402
+from tierzero.handles import Kind  # noqa: E402
 from tierzero.placement import PlacementManager  # noqa: E402
 from tierzero.tiers import Tier  # noqa: E402
 
@@ -99,13 +100,13 @@ def run(args: argparse.Namespace) -> dict:
     bench_before = sequential_gbps(nvme_dir, io, size, args.bench_size)
     base = torch.arange(numel, dtype=torch.int32)  # tensor i holds base + i (+1 per dirty release)
     offsets = [7 * i for i in range(args.tensors)]
-    names = [f"layers.{i}.param" for i in range(args.tensors)]
 
     with PlacementManager(cfg, device=args.device) as pm:
         t_reg = time.perf_counter()
-        for name, off in zip(names, offsets):
+        params = []
+        for i, off in enumerate(offsets):
             base.add_(off)
-            pm.register(name, base, Tier.NVME)
+            params.append(pm.register(f"layers.{i}", base, Tier.NVME, kind=Kind.PARAM))
             base.sub_(off)
         pm.flush()
         register = phase(pm.telemetry.moves, t_reg, time.perf_counter())
@@ -115,24 +116,24 @@ def run(args: argparse.Namespace) -> dict:
             clean = p == args.passes  # the last pass only reads: NVMe reads alone
             if clean:
                 t_clean = time.perf_counter()
-            for i, name in enumerate(names):
-                for j in range(i + 1, min(i + 1 + args.nvme_depth, len(names))):
-                    pm.prefetch(names[j], Tier.HOST if j > i + args.depth else Tier.DEVICE)
-                t = pm.acquire(name, Tier.DEVICE)
+            for i, param in enumerate(params):
+                for j in range(i + 1, min(i + 1 + args.nvme_depth, len(params))):
+                    pm.prefetch(params[j], Tier.HOST if j > i + args.depth else Tier.DEVICE)
+                t = pm.acquire(param, Tier.DEVICE)
                 dirty = not clean and (i + p) % 2 == 0
                 if dirty:
                     t.add_(1)  # compute stands in: modify in place, write back
                     offsets[i] += 1
-                pm.release(name, Tier.DEVICE, dirty=dirty)
+                pm.release(param, Tier.DEVICE, dirty=dirty)
             pm.flush()
         t_end = time.perf_counter()
         mixed = phase(pm.telemetry.moves, t_start, t_clean)
         reads_only = phase(pm.telemetry.moves, t_clean, t_end)
         step = pm.telemetry.reset_step()
         for i in range(0, args.tensors, max(1, args.tensors // 8)):  # spot-check contents
-            out = pm.read(names[i]).sub_(offsets[i])
+            out = pm.read(params[i]).sub_(offsets[i])
             if not torch.equal(out, base):
-                raise SystemExit(f"placement_stress: {names[i]} differs from its expected contents")
+                raise SystemExit(f"placement_stress: {params[i].name} differs from its expected contents")
             del out
         peaks = {t.value: pm.peak_bytes(t) for t in Tier}
         budgets = {t.value: pm.budget(t) for t in Tier}

@@ -8,6 +8,7 @@ import torch
 import tierzero.nvme as nvme
 from tierzero.config import Config
 from tierzero.nvme import ChecksumError
+from tierzero.handles import Kind, TensorHandle
 from tierzero.placement import PlacementManager, Residency
 from tierzero.tiers import Tier
 
@@ -28,33 +29,38 @@ def same(a, b):
 def test_roundtrip_every_home_and_dtype(tmp_path, home, dtype):
     data = torch.randn(37, 29).to(dtype)
     with make(tmp_path) as pm:
-        rec = pm.register("layers.0.param", data, home)
+        p = pm.register("layers.0", data, home, kind=Kind.PARAM)
+        rec = pm.record(p)
+        assert p.name == "layers.0.param" and rec.handle is p
         assert rec.residency[Tier(home)] is Residency.HOME and rec.nbytes == data.numel() * data.element_size()
-        assert same(pm.read("layers.0.param"), data)
+        assert same(pm.read(p), data)
         for tier in ("device", "host"):
-            t = pm.acquire("layers.0.param", tier)
+            t = pm.acquire(p, tier)
             assert same(t, data) and t.device == (pm.device if tier == "device" else torch.device("cpu"))
             t.add_(1)
-            pm.release("layers.0.param", tier, dirty=True)
+            pm.release(p, tier, dirty=True)
             data = data + 1
-            assert same(pm.read("layers.0.param"), data)
+            assert same(pm.read(p), data)
         if home != "nvme":
-            home_t = pm.acquire("layers.0.param", home)
-            assert home_t is pm.acquire("layers.0.param", home)  # the home tensor itself, nested
-            pm.release("layers.0.param", home)
-            pm.release("layers.0.param", home)
+            home_t = pm.acquire(p, home)
+            assert home_t is pm.acquire(p, home)  # the home tensor itself, nested
+            pm.release(p, home)
+            pm.release(p, home)
 
 
 def test_register_casts_and_rejects_duplicates(tmp_path):
     with make(tmp_path) as pm:
-        pm.register("w", torch.randn(5, 3), "host", dtype=torch.bfloat16)
-        assert pm.records["w"].dtype is torch.bfloat16 and pm.acquire("w", "host").dtype is torch.bfloat16
+        w = pm.register("w", torch.randn(5, 3), "host", dtype=torch.bfloat16)
+        assert pm.record(w).dtype is torch.bfloat16 and pm.acquire(w, "host").dtype is torch.bfloat16
         with pytest.raises(ValueError, match="'w' is already registered"):
             pm.register("w", torch.randn(2), "host")
         with pytest.raises(ValueError, match="expected one of"):
             pm.register("v", torch.randn(2), "gpu")
+        nope = TensorHandle("nope", Kind.TENSOR, torch.Size([2]), torch.float32, Tier.HOST)  # never registered
         with pytest.raises(KeyError, match="no tensor named 'nope'"):
-            pm.acquire("nope")
+            pm.acquire(nope)
+        with pytest.raises(TypeError, match="expected the TensorHandle that register"):
+            pm.acquire("w")
 
 
 def test_too_big_fails_at_once_naming_everything(tmp_path):
@@ -62,33 +68,33 @@ def test_too_big_fails_at_once_naming_everything(tmp_path):
         with pytest.raises(ValueError, match=r"'big' \(80000 bytes\) needs .* on the host tier .* host budget is "
                                              r"64.00 KiB \(65536 bytes\); raise host_budget"):
             pm.register("big", torch.zeros(20000), "host")
-        pm.register("mid", torch.zeros(8000), "nvme")  # 32000 bytes: fits host staging, not the device
+        mid = pm.register("mid", torch.zeros(8000), "nvme")  # 32000 bytes: fits host staging, not the device
         with pytest.raises(ValueError, match=r"'mid' \(32000 bytes\) needs .* on the device tier .* device budget is 16.00 KiB"):
-            pm.acquire("mid", "device")
+            pm.acquire(mid, "device")
         with pytest.raises(ValueError, match="staged through host memory"):
             pm.register("huge", torch.zeros(20000), "nvme")
         pm.register("h1", torch.zeros(9000), "host")
         with pytest.raises(ValueError, match="tensors homed there already hold"):
             pm.register("h2", torch.zeros(9000), "host")
-        assert "big" not in pm.records and "h2" not in pm.records
+        names = [h.name for h in pm.handles]
+        assert "big" not in names and "h2" not in names
         assert pm.bytes_used("host") - pm.pool.cached_bytes == pm.pool.bucket(36000)
 
 
 def test_eviction_is_lru_by_default_and_policy_pluggable(tmp_path):
     with make(tmp_path, device="32KiB", host="256KiB") as pm:
+        t = [pm.register(f"t{i}", torch.full((2048,), float(i)), "host") for i in range(4)]  # 8 KiB each: 4 fit the device
         for i in range(4):
-            pm.register(f"t{i}", torch.full((2048,), float(i)), "host")  # 8 KiB each: 4 fit the device
-        for i in range(4):
-            pm.acquire(f"t{i}")
-            pm.release(f"t{i}")
-        pm.acquire("t0")  # t0 is now the most recently used
-        pm.release("t0")
-        pm.acquire("t1")
-        pm.release("t1")
-        pm.register("t4", torch.full((2048,), 4.0), "host")
-        assert same(pm.acquire("t4"), torch.full((2048,), 4.0))  # evicts the LRU copy: t2
-        pm.release("t4")
-        res = {n: pm.records[n].residency[Tier.DEVICE] for n in ("t0", "t1", "t2", "t3", "t4")}
+            pm.acquire(t[i])
+            pm.release(t[i])
+        pm.acquire(t[0])  # t0 is now the most recently used
+        pm.release(t[0])
+        pm.acquire(t[1])
+        pm.release(t[1])
+        t.append(pm.register("t4", torch.full((2048,), 4.0), "host"))
+        assert same(pm.acquire(t[4]), torch.full((2048,), 4.0))  # evicts the LRU copy: t2
+        pm.release(t[4])
+        res = {h.name: pm.record(h).residency[Tier.DEVICE] for h in t}
         assert res["t2"] is Residency.ABSENT and all(r is Residency.RESIDENT for n, r in res.items() if n != "t2")
 
         seen = []
@@ -96,12 +102,13 @@ def test_eviction_is_lru_by_default_and_policy_pluggable(tmp_path):
         class Biggest:
             def order(self, candidates):
                 seen.append(list(candidates))
-                return sorted(candidates, reverse=True)
+                return sorted(candidates, key=lambda h: h.name, reverse=True)
 
         pm.set_eviction_policy(Biggest())
-        pm.acquire("t2")
-        pm.release("t2")
-        assert seen and pm.records["t4"].residency[Tier.DEVICE] is Residency.ABSENT
+        pm.acquire(t[2])
+        pm.release(t[2])
+        assert seen and all(isinstance(h, TensorHandle) for h in seen[0])
+        assert pm.record(t[4]).residency[Tier.DEVICE] is Residency.ABSENT
         with pytest.raises(ValueError, match="order"):
             pm.set_eviction_policy(object())
 
@@ -111,97 +118,97 @@ def test_budgets_never_exceeded_and_everything_pinned_raises(tmp_path):
         over = []
         for b in pm.budgets.values():
             b.add_hook(lambda tier, used, b=b: over.append((tier, used)) if used > b.limit else None)
-        for i in range(3):
-            pm.register(f"t{i}", torch.randn(2500), "host")
-        pm.acquire("t0")
-        pm.acquire("t1")
-        assert pm.prefetch("t2") is False  # no room without evicting a pinned copy
+        t = [pm.register(f"t{i}", torch.randn(2500), "host") for i in range(3)]
+        pm.acquire(t[0])
+        pm.acquire(t[1])
+        assert pm.prefetch(t[2]) is False  # no room without evicting a pinned copy
         with pytest.raises(RuntimeError, match=r"'t2': no room .* device tier .* pinned copies .*'t0', 1"):
-            pm.acquire("t2")
-        pm.release("t0")
-        assert pm.prefetch("t2") is True and pm.prefetch("t2") is True
+            pm.acquire(t[2])
+        pm.release(t[0])
+        assert pm.prefetch(t[2]) is True and pm.prefetch(t[2]) is True
         pm.flush()
-        assert pm.records["t0"].residency[Tier.DEVICE] is Residency.ABSENT
+        assert pm.record(t[0]).residency[Tier.DEVICE] is Residency.ABSENT
         assert not over and pm.peak_bytes("device") <= pm.budget("device")
 
 
 def test_acquire_waits_for_a_release_by_another_thread(tmp_path):
     with make(tmp_path, device="12KiB", wait_timeout_s=10) as pm:
-        pm.register("a", torch.randn(2500), "host")
-        pm.register("b", torch.randn(2500), "host")
-        pm.acquire("a")
-        threading.Timer(0.1, pm.release, args=("a",)).start()
+        a = pm.register("a", torch.randn(2500), "host")
+        b = pm.register("b", torch.randn(2500), "host")
+        pm.acquire(a)
+        threading.Timer(0.1, pm.release, args=(a,)).start()
         t0 = time.monotonic()
-        assert same(pm.acquire("b"), pm.read("b"))
+        assert same(pm.acquire(b), pm.read(b))
         assert time.monotonic() - t0 >= 0.05
-        pm.release("b")
+        pm.release(b)
 
 
 def test_release_errors_and_drop(tmp_path):
     with make(tmp_path) as pm:
-        pm.register("a", torch.randn(100), "nvme")
+        a = pm.register("a", torch.randn(100), "nvme")
         with pytest.raises(RuntimeError, match="without a matching acquire"):
-            pm.release("a")
-        pm.acquire("a")
+            pm.release(a)
+        pm.acquire(a)
         with pytest.raises(RuntimeError, match="pinned"):
-            pm.drop("a", "device")
+            pm.drop(a, "device")
         with pytest.raises(ValueError, match="home"):
-            pm.drop("a", "nvme")
+            pm.drop(a, "nvme")
         with pytest.raises(ValueError, match="NVMe"):
-            pm.acquire("a", "nvme")
-        pm.release("a")
+            pm.acquire(a, "nvme")
+        pm.release(a)
         cached = lambda: pm.device_pool.cached_bytes if pm.device_pool else 0  # noqa: E731
+        reserved = pm.device_pool.bucket(400) if pm.device_pool else 400  # what 400 bytes take there
         held = pm.bytes_used("device") - cached()
-        pm.drop("a", "device")
-        pm.drop("a", "device")  # absent: no-op
-        assert pm.bytes_used("device") - cached() == held - pm._reserved(Tier.DEVICE, 400)
+        pm.drop(a, "device")
+        pm.drop(a, "device")  # absent: no-op
+        assert pm.bytes_used("device") - cached() == held - reserved
 
 
 def test_dirty_release_invalidates_other_copies_and_store_updates_all(tmp_path):
     data = torch.arange(1000, dtype=torch.int64)
     with make(tmp_path) as pm:
-        pm.register("x", data, "nvme")
-        pm.acquire("x", "host")
-        pm.release("x", "host")
-        d = pm.acquire("x", "device")  # comes from the cached host copy
+        x = pm.register("x", data, "nvme")
+        pm.acquire(x, "host")
+        pm.release(x, "host")
+        d = pm.acquire(x, "device")  # comes from the cached host copy
         assert pm.telemetry.moves[-1].src == "host"
         d.mul_(3)
-        pm.release("x", "device", dirty=True)
-        assert pm.records["x"].residency[Tier.HOST] is Residency.ABSENT  # the old host copy is gone
-        assert same(pm.acquire("x", "host"), data * 3)
-        pm.release("x", "host")
-        pm.store("x", data - 7)
+        pm.release(x, "device", dirty=True)
+        assert pm.record(x).residency[Tier.HOST] is Residency.ABSENT  # the old host copy is gone
+        assert same(pm.acquire(x, "host"), data * 3)
+        pm.release(x, "host")
+        pm.store(x, data - 7)
         for tier in ("device", "host"):
-            assert same(pm.acquire("x", tier), data - 7)
-            pm.release("x", tier)
-        assert same(pm.read("x"), data - 7)
+            assert same(pm.acquire(x, tier), data - 7)
+            pm.release(x, tier)
+        assert same(pm.read(x), data - 7)
         with pytest.raises(ValueError, match="expected shape"):
-            pm.store("x", torch.zeros(3))
+            pm.store(x, torch.zeros(3))
 
 
 def test_checksum_mismatch_surfaces_in_acquire(tmp_path):
     with make(tmp_path) as pm:
-        pm.register("layers.1.exp_avg", torch.randn(3000), "nvme")
-        region = pm.records["layers.1.exp_avg"]._copies[Tier.NVME].buffer
-        with open(pm.swap.path(region), "r+b") as f:
-            f.seek(region.extents[0].offset + 7)
+        m = pm.register("layers.1", torch.randn(3000), "nvme", kind=Kind.EXP_AVG)
+        # The only tensor: its region starts the first swap file.
+        with open(pm.swap.run_dir / "swap0000.bin", "r+b") as f:
+            f.seek(7)
             f.write(b"\xff\xfe")
         with pytest.raises(ChecksumError, match=r"'layers.1.exp_avg' from .*swap0000.bin at offset 0"):
-            pm.acquire("layers.1.exp_avg", "device")
-        assert pm.records["layers.1.exp_avg"].residency[Tier.DEVICE] is Residency.ABSENT
+            pm.acquire(m, "device")
+        assert pm.record(m).residency[Tier.DEVICE] is Residency.ABSENT
         assert pm.pool.in_use_count == 0  # the staging buffer went back
 
 
 def test_writeback_failure_is_raised_by_flush(tmp_path, monkeypatch):
     with make(tmp_path) as pm:
-        pm.register("a", torch.randn(100), "nvme")
-        pm.acquire("a", "device")
+        a = pm.register("a", torch.randn(100), "nvme")
+        pm.acquire(a, "device")
 
         def broken(*args, **kwargs):
             raise OSError(28, "No space left on device")
 
         monkeypatch.setattr(nvme, "write_extent", broken)
-        pm.release("a", "device", dirty=True)
+        pm.release(a, "device", dirty=True)
         with pytest.raises(OSError, match="No space left"):
             pm.flush()
         pm.flush()  # reported once
@@ -209,20 +216,20 @@ def test_writeback_failure_is_raised_by_flush(tmp_path, monkeypatch):
 
 def test_telemetry_moves_stalls_and_chrome_trace(tmp_path):
     with make(tmp_path) as pm:
-        for i in range(3):
-            pm.register(f"b{i}", torch.randn(1000 + i), "nvme")
+        b = [pm.register(f"b{i}", torch.randn(1000 + i), "nvme") for i in range(3)]
         assert pm.telemetry.reset_step().bytes_moved["nvme"] == 4000 + 4004 + 4008  # the initial writes
-        pm.prefetch("b0")
+        pm.prefetch(b[0])
         pm.flush()
         for i in range(3):
-            pm.acquire(f"b{i}")
-            pm.release(f"b{i}", dirty=i == 1)
+            pm.acquire(b[i])
+            pm.release(b[i], dirty=i == 1)
         pm.flush()
         step = pm.telemetry.reset_step()
         assert step.prefetch_hits == 1 and step.prefetch_misses == 2
         assert step.bytes_moved["device"] == 4000 + 4004 + 4008 and step.bytes_moved["nvme"] == 4004
         assert set(step.stall_s) == {"device", "host", "nvme"}
         assert pm.telemetry.reset_step().prefetch_hits == 0
+        assert {m.tensor for m in pm.telemetry.moves} == {"b0", "b1", "b2"}  # traces get names
         kinds = {(m.src, m.dst) for m in pm.telemetry.moves}
         assert {("nvme", "host"), ("host", "device"), ("device", "host"), ("host", "nvme")} <= kinds
         path = tmp_path / "trace.json"
@@ -238,18 +245,18 @@ def test_close_frees_everything_joins_threads_and_removes_files(tmp_path):
     before = set(threading.enumerate())
     pm = make(tmp_path)
     run_dir = pm.swap.run_dir
-    pm.register("a", torch.randn(5000), "nvme")
-    pm.register("b", torch.randn(50), "host")
-    pm.prefetch("a")
-    pm.acquire("b")
-    assert "PlacementManager(rank=0" in repr(pm) and "'a'" in repr(pm.records["a"])
+    a = pm.register("a", torch.randn(5000), "nvme")
+    b = pm.register("b", torch.randn(50), "host")
+    pm.prefetch(a)
+    pm.acquire(b)
+    assert "PlacementManager(rank=0" in repr(pm) and "'a'" in repr(pm.record(a))
     pm.close()
     pm.close()
     assert not run_dir.exists() and pm.swap.allocator.used_bytes == 0
     assert all(pm.bytes_used(t) == 0 for t in Tier) and pm.pool.in_use_count == 0
     assert set(threading.enumerate()) <= before
     with pytest.raises(RuntimeError, match="closed"):
-        pm.acquire("a")
+        pm.acquire(a)
 
 
 def test_missing_nvme_parent_is_a_clear_error(tmp_path):
@@ -271,14 +278,14 @@ def test_in_flight_moves_are_typed_records(tmp_path, monkeypatch):
 
     monkeypatch.setattr(nvme, "read_extent", slow_read)
     with make(tmp_path) as pm:
-        pm.register("a", torch.randn(300), "nvme")
-        assert pm.prefetch("a", "host")
-        (move,) = pm.records["a"].in_flight
-        assert (move.tensor, move.src, move.dst, move.nbytes) == ("a", Tier.NVME, Tier.HOST, 1200)
-        assert pm.records["a"].residency[Tier.HOST] is Residency.FETCHING and not move.future.done()
+        a = pm.register("a", torch.randn(300), "nvme")
+        assert pm.prefetch(a, "host")
+        (move,) = pm.record(a).in_flight
+        assert (move.tensor, move.src, move.dst, move.nbytes) == (a, Tier.NVME, Tier.HOST, 1200)
+        assert pm.record(a).residency[Tier.HOST] is Residency.FETCHING and not move.future.done()
         gate.set()
         pm.flush()
-        assert pm.records["a"].in_flight == () and pm.records["a"].residency[Tier.HOST] is Residency.RESIDENT
+        assert pm.record(a).in_flight == () and pm.record(a).residency[Tier.HOST] is Residency.RESIDENT
 
 
 def test_threads_sharing_tight_budgets(tmp_path):
@@ -288,17 +295,19 @@ def test_threads_sharing_tight_budgets(tmp_path):
         for b in pm.budgets.values():
             b.add_hook(lambda tier, used, limit=b.limit: over.append(tier) if used > limit else None)
         expected = {}
+        handles = []
         for i in range(24):
-            expected[f"t{i}"] = torch.randn(1000 + 37 * i)
-            pm.register(f"t{i}", expected[f"t{i}"], ("nvme", "host")[i % 2])
+            data = torch.randn(1000 + 37 * i)
+            handles.append(pm.register(f"t{i}", data, ("nvme", "host")[i % 2]))
+            expected[handles[i]] = data
 
         def worker(k):
             try:
                 g = torch.Generator().manual_seed(k)
-                mine = [f"t{i}" for i in range(k, 24, 3)]  # each thread writes only its own tensors
+                mine = [handles[i] for i in range(k, 24, 3)]  # each thread writes only its own tensors
                 for _ in range(60):
                     name = mine[int(torch.randint(len(mine), (1,), generator=g))]
-                    other = f"t{int(torch.randint(24, (1,), generator=g))}"
+                    other = handles[int(torch.randint(24, (1,), generator=g))]
                     pm.prefetch(other, "device")
                     t = pm.acquire(name, "device")
                     assert torch.equal(t.cpu(), expected[name])
@@ -318,3 +327,72 @@ def test_threads_sharing_tight_budgets(tmp_path):
         for name, ref in expected.items():
             assert torch.equal(pm.read(name), ref)
         assert not over
+
+
+def test_unregister_gives_everything_back(tmp_path):
+    with make(tmp_path, nvme_budget="16KiB") as pm:
+        a = pm.register("layers.0", torch.randn(3000), "nvme", kind=Kind.PARAM)  # 12000 bytes: 3 pages
+        b = pm.register("layers.0", torch.randn(700), "host", kind=Kind.GRAD)
+        used = {t: pm.bytes_used(t) for t in Tier}
+        pm.acquire(a, "host")
+        pm.acquire(a, "device")
+        pm.release(a, "host")
+        pm.release(a, "device", dirty=True)  # a write-back in flight: unregister waits for it
+        pm.acquire(b, "device")
+        with pytest.raises(RuntimeError, match=r"unregister\('layers.0.grad'\): copies are still pinned .*'device': 1"):
+            pm.unregister(b)
+        assert pm.record(b).residency[Tier.HOST] is Residency.HOME  # refused: nothing changed
+        pm.release(b, "device")
+        pm.unregister(a)
+        pm.unregister(b)
+        assert pm.handles == () and pm.swap.allocator.used_bytes == 0
+        cached = {Tier.DEVICE: pm.device_pool.cached_bytes if pm.device_pool else 0, Tier.HOST: pm.pool.cached_bytes,
+                  Tier.NVME: 0}
+        assert all(pm.bytes_used(t) == cached[t] for t in Tier), (used, cached)
+        for h, what in ((a, "acquire"), (b, "read"), (a, "unregister"), (b, "record")):
+            with pytest.raises(KeyError, match=f"{what}: no tensor named '{h.name}' is registered"):
+                getattr(pm, what)(h)
+        # The name and the NVMe region are free again: 4 pages fit a 4-page budget only if the
+        # old region went back.
+        again = pm.register("layers.0", torch.arange(4096, dtype=torch.int32), "nvme", kind=Kind.PARAM)
+        assert again is not a and pm.bytes_used("nvme") == 16384
+        assert torch.equal(pm.read(again), torch.arange(4096, dtype=torch.int32))
+        assert pm.handles == (again,)
+
+
+def test_no_room_names_the_pinned_copies_and_the_fix(tmp_path):
+    with make(tmp_path, device="16KiB", wait_timeout_s=0.1) as pm:
+        a = pm.register("layers.2", torch.randn(2500), "host", kind=Kind.PARAM)  # 10000 bytes
+        pm.acquire(a)
+        with pytest.raises(RuntimeError, match=r"reserve_scratch\('gather layers.3', 'device'\): tensor 'gather "
+                                               r"layers.3': no room for .* on the device tier after waiting "
+                                               r"0.1 s: .* pinned copies \(name, pins\): \[\('layers.2.param', 1\)\]; "
+                                               r"release tensors before acquiring more, or raise device_budget"):
+            pm.reserve_scratch(8000, what="gather layers.3")
+        pm.release(a)
+        buf = pm.reserve_scratch(8000, what="gather layers.3")  # evicts a's unpinned copy
+        assert buf.numel() >= 8000 and pm.record(a).residency[Tier.DEVICE] is Residency.ABSENT
+        pm.free_scratch(buf)
+
+
+def test_a_wait_ends_when_another_thread_unregisters_its_tensor(tmp_path):
+    with make(tmp_path, device="12KiB", wait_timeout_s=10) as pm:
+        a = pm.register("a", torch.randn(2500), "host")
+        b = pm.register("b", torch.randn(2500), "host")
+        pm.acquire(a)  # the device is full: acquiring b waits for room
+        errors = []
+
+        def acquire_b():
+            try:
+                pm.acquire(b)
+            except KeyError as e:
+                errors.append(e)
+
+        waiter = threading.Thread(target=acquire_b)
+        waiter.start()
+        time.sleep(0.1)
+        pm.unregister(b)
+        waiter.join(5)
+        assert not waiter.is_alive() and len(errors) == 1
+        assert "acquire('b', 'device'): 'b' was unregistered by another thread meanwhile" in str(errors[0])
+        pm.release(a)

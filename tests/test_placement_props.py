@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tierzero.config import Config
+from tierzero.handles import Kind, TensorHandle
 from tierzero.placement import PlacementManager, Residency
 from tierzero.tiers import ALIGNMENT, Tier, round_up
 
@@ -54,7 +55,8 @@ def test_random_placement_sequences_match_reference(tmp_path, data):
     specs = data.draw(st.lists(st.tuples(st.integers(1, 2501), st.sampled_from(DTYPES), st.sampled_from(HOMES)),
                                min_size=n, max_size=n), label="specs")
     seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
-    ref = {f"layers.{i}.{['param', 'exp_avg', 'master'][i % 3]}": random_tensor(numel, dtype, seed + i)
+    kinds = (Kind.PARAM, Kind.EXP_AVG, Kind.MASTER)
+    ref = {(f"layers.{i}", kinds[i % 3]): random_tensor(numel, dtype, seed + i)
            for i, (numel, dtype, _) in enumerate(specs)}
     homes = {name: home for name, (_, _, home) in zip(ref, specs)}
     bucket = {name: round_up(t.numel() * t.element_size()) for name, t in ref.items()}
@@ -69,13 +71,14 @@ def test_random_placement_sequences_match_reference(tmp_path, data):
     for b in pm.budgets.values():
         b.add_hook(lambda tier, used, limit=b.limit: over.append((tier, used)) if used > limit else None)
 
-    held: list[tuple[str, Tier, torch.Tensor]] = []
+    held: list[tuple[TensorHandle, Tier, torch.Tensor]] = []
     names = list(ref)
+    handles: dict[tuple[str, Kind], TensorHandle] = {}
     pick_name = st.sampled_from(names)
     pick_tier = st.sampled_from([Tier.DEVICE, Tier.HOST])
 
     def pins_of(name):
-        return sum(1 for h in held if h[0] == name)
+        return sum(1 for h in held if h[0] is handles[name])
 
     def release(name, tier, t, can_modify):
         dirty = False
@@ -84,52 +87,56 @@ def test_random_placement_sequences_match_reference(tmp_path, data):
             ref[name] = t.detach().cpu().clone()
             dirty = True
         dirty = dirty or data.draw(st.booleans(), label="dirty anyway")
-        pm.release(name, tier, dirty=dirty)
+        pm.release(handles[name], tier, dirty=dirty)
 
     try:
         for name in names:
-            pm.register(name, ref[name], homes[name])
+            owner, kind = name
+            handles[name] = pm.register(owner, ref[name], homes[name], kind=kind)
+        assert pm.handles == tuple(handles.values())
         for step in range(data.draw(st.integers(50, 250), label="ops")):
             op = data.draw(op_names, label="op")
             name, tier = data.draw(pick_name, label="name"), data.draw(pick_tier, label="tier")
-            where = f"step {step}: {op} {name} {tier} ({pm.records[name]!r})"
+            h = handles[name]
+            where = f"step {step}: {op} {h.name} {tier} ({pm.record(h)!r})"
             if op == "cycle":
-                t = pm.acquire(name, tier)
+                t = pm.acquire(h, tier)
                 assert_same(t, ref[name], where)
                 release(name, tier, t, can_modify=pins_of(name) == 0)
             elif op == "hold" and len(held) < MAX_HELD:
-                t = pm.acquire(name, tier)
+                t = pm.acquire(h, tier)
                 assert_same(t, ref[name], where)
-                held.append((name, tier, t))
+                held.append((h, tier, t))
             elif op == "unhold" and held:
-                name, tier, t = held.pop(data.draw(st.integers(0, len(held) - 1), label="which"))
+                h, tier, t = held.pop(data.draw(st.integers(0, len(held) - 1), label="which"))
+                name = (h.owner, h.kind)
                 release(name, tier, t, can_modify=pins_of(name) == 0)
             elif op == "prefetch":
-                pm.prefetch(name, tier)
-            elif op == "drop" and tier is not homes[name] and not any(h[:2] == (name, tier) for h in held):
-                pm.drop(name, tier)
-                assert pm.records[name].residency[tier] is Residency.ABSENT
+                pm.prefetch(h, tier)
+            elif op == "drop" and tier is not homes[name] and not any(x[0] is h and x[1] is tier for x in held):
+                pm.drop(h, tier)
+                assert pm.record(h).residency[tier] is Residency.ABSENT
             elif op == "store":
                 new = random_tensor(ref[name].numel(), ref[name].dtype, seed - step)
-                pm.store(name, new)
+                pm.store(h, new)
                 ref[name] = new
-                for h in held:
-                    if h[0] == name:
-                        assert_same(h[2], new, where + " (held copy after store)")
+                for x in held:
+                    if x[0] is h:
+                        assert_same(x[2], new, where + " (held copy after store)")
             elif op == "read":
-                assert_same(pm.read(name), ref[name], where)
+                assert_same(pm.read(h), ref[name], where)
             elif op == "flush":
                 pm.flush()
             assert all(pm.bytes_used(t) <= pm.budget(t) for t in Tier), where
         while held:
-            name, tier, _ = held.pop()
-            pm.release(name, tier)
+            h, tier, _ = held.pop()
+            pm.release(h, tier)
         pm.flush()
-        for name in names:
-            assert_same(pm.read(name), ref[name], f"final read {name}")
+        for name, h in handles.items():
+            assert_same(pm.read(h), ref[name], f"final read {h.name}")
             for tier in (Tier.DEVICE, Tier.HOST):
-                assert_same(pm.acquire(name, tier), ref[name], f"final acquire {name} {tier}")
-                pm.release(name, tier)
+                assert_same(pm.acquire(h, tier), ref[name], f"final acquire {h.name} {tier}")
+                pm.release(h, tier)
         assert not over, over[:5]
         assert all(pm.peak_bytes(t) <= pm.budget(t) for t in Tier)
     finally:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tierzero.config import Config
+from tierzero.handles import Kind
 from tierzero.placement import PlacementManager, Residency
 from tierzero.streams import CopyStreams
 from tierzero.tiers import Tier
@@ -87,25 +88,27 @@ def test_placement_roundtrip_on_cuda_is_bit_exact(tmp_path, home):
     data = torch.randn(1023, 517).to(torch.bfloat16)
     with PlacementManager(cfg) as pm:
         assert pm.device.type == "cuda" and pm.pool.pinned
-        pm.register("layers.0.param", data, home)
-        t = pm.acquire("layers.0.param", "device")
+        p = pm.register("layers.0", data, home, kind=Kind.PARAM)
+        t = pm.acquire(p, "device")
         assert t.is_cuda and t.dtype is torch.bfloat16 and torch.equal(t.cpu(), data)
         t.mul_(-2).add_(1)  # modified by compute on the default stream, then written back
         expected = (data * -2 + 1)
-        pm.release("layers.0.param", "device", dirty=True)
+        pm.release(p, "device", dirty=True)
         pm.flush()
-        assert torch.equal(pm.read("layers.0.param").view(torch.int16), expected.view(torch.int16))
-        h = pm.acquire("layers.0.param", "host")
+        assert torch.equal(pm.read(p).view(torch.int16), expected.view(torch.int16))
+        h = pm.acquire(p, "host")
         assert torch.equal(h.view(torch.int16), expected.view(torch.int16))
         assert home == "device" or h.is_pinned()
-        pm.release("layers.0.param", "host")
+        pm.release(p, "host")
         # Evicted and fetched again: still the written-back contents.
         if home != "device":
-            pm.drop("layers.0.param", "device")
-            assert pm.records["layers.0.param"].residency[Tier.DEVICE] is Residency.ABSENT
-            t = pm.acquire("layers.0.param", "device")
+            pm.drop(p, "device")
+            assert pm.record(p).residency[Tier.DEVICE] is Residency.ABSENT
+            t = pm.acquire(p, "device")
             assert torch.equal(t.cpu().view(torch.int16), expected.view(torch.int16))
-            pm.release("layers.0.param", "device")
+            pm.release(p, "device")
+        pm.unregister(p)
+        assert pm.bytes_used("device") == 0  # exact-size CUDA buffers: nothing cached
 
 
 def test_placement_pipeline_with_prefetch_and_eviction_on_cuda(tmp_path):
@@ -113,21 +116,21 @@ def test_placement_pipeline_with_prefetch_and_eviction_on_cuda(tmp_path):
                  nvme_budget="1GiB")
     blocks = [torch.randn(4 * MiB // 4 + 13 * i) for i in range(16)]  # ~4 MiB each, uneven
     with PlacementManager(cfg) as pm:
-        for i, b in enumerate(blocks):
-            pm.register(f"layers.{i}.param", b, "nvme" if i % 2 else "host")
+        params = [pm.register(f"layers.{i}", b, "nvme" if i % 2 else "host", kind=Kind.PARAM)
+                  for i, b in enumerate(blocks)]
         for step in range(3):
-            pm.prefetch("layers.0.param")
+            pm.prefetch(params[0])
             for i in range(len(blocks)):
                 for j in (i + 1, i + 2):
                     if j < len(blocks):
-                        pm.prefetch(f"layers.{j}.param")
-                t = pm.acquire(f"layers.{i}.param")
+                        pm.prefetch(params[j])
+                t = pm.acquire(params[i])
                 t.add_(1.0)
                 blocks[i] += 1.0
-                pm.release(f"layers.{i}.param", dirty=True)
+                pm.release(params[i], dirty=True)
             pm.flush()
             assert pm.peak_bytes("device") <= pm.budget("device")
             assert pm.peak_bytes("host") <= pm.budget("host")
-        for i, b in enumerate(blocks):
-            assert torch.equal(pm.read(f"layers.{i}.param"), b)
+        for p, b in zip(params, blocks):
+            assert torch.equal(pm.read(p), b)
         assert pm.telemetry.prefetch_hits > 0
