@@ -319,13 +319,11 @@ def test_corrupt_swap_file_fails_the_save_and_keeps_the_previous_checkpoint(make
     train(a, opt, range(1))
     tz.save_checkpoint(tmp_path / "ck", a, opt, extra="first")
     pm = runtime.placement_manager(a)
-    rec = pm.records[opt.flat_params[1].master]
-    region = rec._copies[Tier.NVME].buffer  # where the tensor lives in the swap files
-    swap_file = pm.swap.path(region)
+    swap_file, offset = pm.nvme_location(opt.flat_params[1].master)  # where the tensor lives
     if damage == "flip":
-        _flip(Path(swap_file), region.extents[0].offset + 5)
+        _flip(Path(swap_file), offset + 5)
     else:
-        os.truncate(swap_file, region.extents[0].offset + 100)
+        os.truncate(swap_file, offset + 100)
     with pytest.raises(OSError, match="checksum mismatch" if damage == "flip" else "read past end of file") as e:
         tz.save_checkpoint(tmp_path / "ck", a, opt, extra="second")
     assert swap_file in str(e.value)

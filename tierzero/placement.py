@@ -50,6 +50,7 @@ from tierzero.config import Config, format_size
 from tierzero.eviction import EvictionPolicy, LeastRecentlyUsed, Shortfall
 from tierzero.handles import Kind, TensorHandle
 from tierzero.moves import Move, staging_needs
+from tierzero.nvme import SwapRegion
 from tierzero.residency import Residency, ResidencyTable, TensorRecord, assert_in_states
 from tierzero.streams import CopyStreams
 from tierzero.telemetry import Telemetry
@@ -268,6 +269,17 @@ class PlacementManager:
     def record(self, h: TensorHandle) -> TensorRecord:
         """The read-only view of where the tensor is: residency per tier, pins(tier), in_flight."""
         return self._record_of(h, "record")
+
+    def nvme_location(self, h: TensorHandle) -> tuple[str, int]:
+        """(swap file, byte offset) where an NVMe-homed tensor's bytes start: for tools that
+        inspect or repair swap files, and for tests that damage them on purpose."""
+        rec = self._record_of(h, "nvme_location")
+        if h.home is not Tier.NVME or self.swap is None:
+            raise ValueError(f"nvme_location({h.name!r}): the tensor is homed on {h.home.value}, not nvme")
+        with self._cond:
+            region = rec._copies[Tier.NVME].buffer
+        assert isinstance(region, SwapRegion), region
+        return self.swap.path(region), region.extents[0].offset
 
     @property
     def handles(self) -> tuple[TensorHandle, ...]:
