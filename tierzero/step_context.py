@@ -15,7 +15,7 @@ below, so the life of a step can be read in one place:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -50,34 +50,32 @@ class GatherCounts:
     on_demand: int = 0
 
 
+@dataclass(eq=False)
 class StepContext:
     """State shared by every block of one wrapped model (see the module docstring)."""
 
-    def __init__(self, pm: "PlacementManager", *, compute_dtype: torch.dtype, grad_tier: Tier,
-                 master_tier: Tier, rank: int = 0, world_size: int = 1,
-                 group: dist.ProcessGroup | None = None) -> None:
-        self.pm = pm
-        self.compute_dtype = compute_dtype
-        self.grad_tier = grad_tier
-        self.master_tier = master_tier
-        self.rank = rank
-        self.world_size = world_size
-        self.group = group
-        """The process group of the data-parallel ranks (None: the default group)."""
-        self.phase = Phase.IDLE
-        self.prefetcher: "Prefetcher | None" = None
-        self.gather_counts = GatherCounts()
-        self._held: dict[str, "Block"] = {}
-        self._held_storage: dict[int, "FlatParam"] = {}
-        """data_ptr of a held flat tensor's device copy -> its FlatParam."""
-        self._gathers: dict["FlatParam", "PendingGather"] = {}
-        """All-gathers started ahead of their block's fetch (world size > 1), in issue order; they
-        are always among the blocks the prefetcher chose last, so they fit the device room."""
-        self._device_home_bytes = 0
-        """Bytes of tensors homed on the device tier (not available for fetched copies)."""
-        self._end_backward: Callable[[], None] | None = None
-        self._callback_queued = False
-        self._grads_final: Callable[["FlatParam"], None] | None = None
+    pm: "PlacementManager"
+    compute_dtype: torch.dtype
+    grad_tier: Tier
+    master_tier: Tier
+    rank: int = 0
+    world_size: int = 1
+    group: dist.ProcessGroup | None = None
+    """The process group of the data-parallel ranks (None: the default group)."""
+    phase: Phase = field(default=Phase.IDLE, init=False)
+    prefetcher: "Prefetcher | None" = field(default=None, init=False)
+    gather_counts: GatherCounts = field(default_factory=GatherCounts, init=False)
+    _held: dict[str, "Block"] = field(default_factory=dict, init=False)
+    _held_storage: dict[int, "FlatParam"] = field(default_factory=dict, init=False)
+    """data_ptr of a held flat tensor's device copy -> its FlatParam."""
+    _gathers: dict["FlatParam", "PendingGather"] = field(default_factory=dict, init=False)
+    """All-gathers started ahead of their block's fetch (world size > 1), in issue order; they
+    are always among the blocks the prefetcher chose last, so they fit the device room."""
+    _device_home_bytes: int = field(default=0, init=False)
+    """Bytes of tensors homed on the device tier (not available for fetched copies)."""
+    _end_backward: Callable[[], None] | None = field(default=None, init=False)
+    _callback_queued: bool = field(default=False, init=False)
+    _grads_final: Callable[["FlatParam"], None] | None = field(default=None, init=False)
 
     @property
     def device(self) -> torch.device:
