@@ -156,7 +156,12 @@ class Block:
         with torch.profiler.record_function(f"tierzero::fetch {self.name}"):
             if ctx.prefetcher is not None:
                 ctx.prefetcher.on_fetch(TraceEvent(phase, self.name), ctx.held.keys())
-            self.group.fetch()
+            try:
+                self.group.fetch()
+            except BaseException:  # not held: the next iteration starts clean
+                self._holds -= 1
+                ctx.release(self)
+                raise
 
     def unhold(self) -> None:
         assert self._holds > 0, f"{self.name}: release without a hold"

@@ -20,12 +20,12 @@ import io
 import os
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Protocol, Sequence, TypeVar
 
 import numpy as np
 import torch
 
-from io_engine import PAGE, IOEngine, PreallocatedFile, aligned_empty
+from io_engine import PAGE, IOEngine, IOFuture, PreallocatedFile, aligned_empty
 from tierzero.ckpt_format import (
     CHUNK_BYTES, DATA_FILE, STATE_FILE, CheckpointError, Manifest, RankFiles, Region, round_up,
 )
@@ -41,8 +41,17 @@ def chunk_spans(length: int, chunk_bytes: int) -> list[tuple[int, int]]:
     return [(c, min(c + chunk_bytes, length)) for c in range(0, length, chunk_bytes)]
 
 
-def double_buffered(count: int, nbytes: int, start: Callable[[int, np.ndarray], list[Any]],
-                    finish: Callable[[int, list[Any]], None]) -> None:
+class Pending(Protocol):
+    """Work still running on a buffer: an io_engine IOFuture or a concurrent.futures.Future."""
+
+    def exception(self, timeout: float | None = None) -> BaseException | None: ...
+
+
+_F = TypeVar("_F", bound=Pending)
+
+
+def double_buffered(count: int, nbytes: int, start: Callable[[int, np.ndarray], list[_F]],
+                    finish: Callable[[int, list[_F]], None]) -> None:
     """Run items 0..count-1 through two page-aligned buffers of `nbytes`, item i in buffer i % 2.
 
     `start(i, buf)` begins item i and returns the futures of its work still running on `buf`;
@@ -50,7 +59,7 @@ def double_buffered(count: int, nbytes: int, start: Callable[[int, np.ndarray], 
     item's IO overlaps its neighbour's and no buffer is refilled while in use. On failure every
     started item's futures are waited for before raising: nothing runs on a buffer afterwards."""
     bufs = [aligned_empty(nbytes) for _ in range(2)]
-    pending: deque[tuple[int, list[Any]]] = deque()
+    pending: deque[tuple[int, list[_F]]] = deque()
     try:
         for i in range(count):
             if len(pending) == 2:
@@ -70,12 +79,12 @@ def double_buffered(count: int, nbytes: int, start: Callable[[int, np.ndarray], 
 
 
 def _write_chunks(engine: IOEngine, file: PreallocatedFile, buf: np.ndarray, offset: int,
-                  chunk_bytes: int) -> list[Any]:
+                  chunk_bytes: int) -> list[IOFuture]:
     """Start writing `buf` at `offset`, one checksummed request per chunk."""
     return [engine.pwrite(file, buf[s:e], offset + s, checksum=True) for s, e in chunk_spans(buf.nbytes, chunk_bytes)]
 
 
-def _checksums(futures: list[Any]) -> tuple[int, ...]:
+def _checksums(futures: list[IOFuture]) -> tuple[int, ...]:
     for f in futures:
         f.result()
     return tuple(f.checksum for f in futures)
@@ -100,14 +109,14 @@ def write_rank_files(folder: Path, rank: int, sources: Sequence[Source], state_b
     with open_engine(io_config) as engine:
         with PreallocatedFile(folder / data_name, offsets[-1]) as data:
 
-            def start(i: int, buf: np.ndarray) -> list[Any]:
+            def start(i: int, buf: np.ndarray) -> list[IOFuture]:
                 src = sources[i]
                 buf = buf[:round_up(src.nbytes)]
                 src.read_into(buf)
                 buf[src.nbytes:] = 0
                 return _write_chunks(engine, data, buf, offsets[i], chunk_bytes)
 
-            def finish(i: int, futures: list[Any]) -> None:
+            def finish(i: int, futures: list[IOFuture]) -> None:
                 regions[sources[i].key] = Region(offsets[i], sources[i].nbytes, _checksums(futures))
 
             double_buffered(len(sources), max((round_up(s.nbytes) for s in sources), default=PAGE), start, finish)

@@ -214,7 +214,7 @@ class Config:
         if model is not None:
             n = sum(p.numel() for p in model.parameters())
             per_param = state_bytes_per_param(cls(compute_dtype=overrides.get("compute_dtype", "auto")))
-            state = n * sum(per_param.values())
+            state = n * sum(per_param)
         params = grads = optim = "host"
         nvme_budget: int | str = cls.nvme_budget
         if nvme_dir is not None:

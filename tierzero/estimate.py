@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import psutil
 import torch
@@ -43,13 +44,29 @@ class Estimate:
         return all(self.per_tier[t] <= budgets[t] for t in TIER_NAMES)
 
 
-def state_bytes_per_param(cfg: Config) -> dict[str, int]:
-    """Bytes per parameter of each kind of state, keyed by the Config field naming its tier:
-    compute-dtype parameters, fp32 gradients, fp32 master weights and two moments (with fp32
-    parameters on the optimizer states' tier, the parameters are the master weights)."""
+class StateBytes(NamedTuple):
+    """Bytes per parameter of each kind of state."""
+
+    params: int
+    """Compute-dtype parameters."""
+    grads: int
+    """fp32 gradients."""
+    optimizer_states: int
+    """fp32 master weights and two moments (with fp32 parameters on the optimizer states'
+    tier, the parameters are the master weights)."""
+
+    def by_tier(self, cfg: Config) -> dict[str, int]:
+        """Bytes per parameter on each tier, as `cfg` places the kinds."""
+        out = dict.fromkeys(TIER_NAMES, 0)
+        for tier, nbytes in zip((cfg.params, cfg.grads, cfg.optimizer_states), self):
+            out[tier] += nbytes
+        return out
+
+
+def state_bytes_per_param(cfg: Config) -> StateBytes:
     compute = getattr(torch, cfg.compute_dtype_name(cuda=torch.cuda.is_available())).itemsize
     optim = OPTIMIZER_BYTES_PER_PARAM - (4 if compute == 4 and cfg.params == cfg.optimizer_states else 0)
-    return {"params": compute, "grads": GRAD_BYTES_PER_PARAM, "optimizer_states": optim}
+    return StateBytes(compute, GRAD_BYTES_PER_PARAM, optim)
 
 
 def largest_block_params(model: nn.Module, cfg: Config) -> int:
@@ -65,10 +82,8 @@ def estimate(model: nn.Module, cfg: Config) -> Estimate:
     n = sum(p.numel() for p in model.parameters())
     block = largest_block_params(model, cfg)
     per_param = state_bytes_per_param(cfg)
-    cb = per_param["params"]
-    need = dict.fromkeys(TIER_NAMES, 0)
-    for kind, nbytes in per_param.items():
-        need[getattr(cfg, kind)] += n * nbytes
+    cb = per_param.params
+    need = {tier: n * nbytes for tier, nbytes in per_param.by_tier(cfg).items()}
     home = dict(need)
     ahead = cfg.prefetch.depth if cfg.prefetch.policy == "lookahead" else 1
     if cfg.params != "device":
@@ -78,7 +93,7 @@ def estimate(model: nn.Module, cfg: Config) -> Estimate:
     if cfg.optimizer_states == "nvme":
         # read k+1, update k, write k-1: three blocks' master + moments in flight
         need["host"] += 3 * block * (OPTIMIZER_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM)
-    state = n * sum(per_param.values())
+    state = n * sum(per_param)
     return Estimate(params=n, largest_block_params=block, per_tier=need, home=home, state_bytes=state)
 
 

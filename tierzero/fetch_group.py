@@ -20,6 +20,7 @@ tensor's parameter gradients into its FlatGrad (reduce-scattered across ranks).
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -56,9 +57,14 @@ def start_gather(ctx: StepContext, flat: "FlatParam") -> PendingGather:
         ctx.pm.release(flat.param, Tier.DEVICE)
         raise
     full = scratch[:nbytes].view(ctx.compute_dtype)
-    with torch.profiler.record_function(f"tierzero::all_gather {flat.name}"), \
-            rank_errors(ctx.rank, ctx.world_size, f"all-gather of {flat.param.name}"):
-        work = start_all_gather(shard, full, ctx.group)
+    try:
+        with torch.profiler.record_function(f"tierzero::all_gather {flat.name}"), \
+                rank_errors(ctx.rank, ctx.world_size, f"all-gather of {flat.param.name}"):
+            work = start_all_gather(shard, full, ctx.group)
+    except BaseException:
+        ctx.pm.free_scratch(scratch, Tier.DEVICE)
+        ctx.pm.release(flat.param, Tier.DEVICE)
+        raise
     return PendingGather(full, work, scratch)
 
 
@@ -67,10 +73,12 @@ def finish_gather(ctx: StepContext, flat: "FlatParam", pending: PendingGather) -
     cached, evictable)."""
     if pending.work is None:
         return
-    with torch.profiler.record_function(f"tierzero::wait_all_gather {flat.name}"), \
-            rank_errors(ctx.rank, ctx.world_size, f"all-gather of {flat.param.name}"):
-        pending.work.wait()
-    ctx.pm.release(flat.param, Tier.DEVICE)
+    try:
+        with torch.profiler.record_function(f"tierzero::wait_all_gather {flat.name}"), \
+                rank_errors(ctx.rank, ctx.world_size, f"all-gather of {flat.param.name}"):
+            pending.work.wait()
+    finally:
+        ctx.pm.release(flat.param, Tier.DEVICE)
 
 
 def drop_gather(ctx: StepContext, flat: "FlatParam", pending: PendingGather) -> None:
@@ -109,25 +117,37 @@ class FetchGroup:
                     ctx.put_gather(flat, start_gather(ctx, flat))
 
     def fetch(self) -> None:
-        """Every flat tensor FREE -> HELD on its full tensor, gathered ahead or now."""
+        """Every flat tensor FREE -> HELD on its full tensor, gathered ahead or now. On failure
+        nothing stays held or reserved."""
         assert self._fetched is None, self.name
         ctx = self.ctx
         pending: list[PendingGather] = []
+        finished = 0
         try:
             for flat in self.flats:
                 ahead = ctx.take_gather(flat)
                 if ctx.world_size > 1:
                     ctx.count_gather(ahead=ahead is not None)
                 pending.append(ahead or start_gather(ctx, flat))
-        except BaseException:  # no reservation outlives a failed fetch
             for flat, p in zip(self.flats, pending):
                 finish_gather(ctx, flat, p)
-                drop_gather(ctx, flat, p)
+                finished += 1
+                flat.install(p.full)
+        except BaseException:
+            self._abandon(pending, finished)
             raise
-        for flat, p in zip(self.flats, pending):
-            finish_gather(ctx, flat, p)
-            flat.install(p.full)
         self._fetched = pending
+
+    def _abandon(self, pending: list[PendingGather], finished: int) -> None:
+        """Undo a failed fetch: the first `finished` gathers were waited for (and installed)."""
+        for i, (flat, p) in enumerate(zip(self.flats, pending)):
+            flat.uninstall()
+            try:
+                if i >= finished:
+                    with contextlib.suppress(Exception):  # the first error is the one raised
+                        finish_gather(self.ctx, flat, p)
+            finally:
+                drop_gather(self.ctx, flat, p)
 
     def free(self, *, keep_gathered: bool = False) -> None:
         """Every flat tensor HELD -> FREE; keep_gathered: the gathered copies (world size > 1)

@@ -11,7 +11,7 @@ Handles compare by identity: two registrations are two tensors even with equal f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
@@ -49,20 +49,20 @@ class TensorHandle:
     shape: torch.Size
     dtype: torch.dtype
     home: Tier
+    nbytes: int = field(init=False)
+    name: str = field(init=False)
+    """For messages, traces and checkpoints: "layers.3.param"; the owner alone for TENSOR."""
 
-    @property
-    def nbytes(self) -> int:
-        return self.shape.numel() * self.dtype.itemsize
+    def __post_init__(self) -> None:
+        # computed once: the placement manager reads both on every acquire and release
+        object.__setattr__(self, "nbytes", self.shape.numel() * self.dtype.itemsize)
+        name = self.owner if self.kind is Kind.TENSOR else f"{self.owner}.{self.kind.value}"
+        object.__setattr__(self, "name", name)
 
     @property
     def staging(self) -> Tier:
         """The tier the CPU works on this tensor in: an NVMe home goes through host memory."""
         return Tier.HOST if self.home is Tier.NVME else self.home
-
-    @property
-    def name(self) -> str:
-        """For messages, traces and checkpoints: "layers.3.param"; the owner alone for TENSOR."""
-        return self.owner if self.kind is Kind.TENSOR else f"{self.owner}.{self.kind.value}"
 
     def __repr__(self) -> str:
         return (f"TensorHandle({self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "

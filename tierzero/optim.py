@@ -59,11 +59,16 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._states: dict[FlatParam, dict[Kind, TensorHandle]] = {}
         """Per flat tensor: the master weights, then the moments, by kind."""
         self._steps: dict[FlatParam, int] = {}
-        for flat in self._flats:
-            self._states[flat] = {Kind.MASTER: flat.ensure_master(), **{
-                kind: ctx.register(flat.name, torch.zeros(flat.layout.shard_numel), ctx.master_tier, kind=kind)
-                for kind in self.state_kinds}}
-            self._steps[flat] = 0
+        try:
+            for flat in self._flats:
+                self._states[flat] = {Kind.MASTER: flat.ensure_master()}
+                for kind in self.state_kinds:
+                    self._states[flat][kind] = ctx.register(flat.name, torch.zeros(flat.layout.shard_numel),
+                                                            ctx.master_tier, kind=kind)
+                self._steps[flat] = 0
+        except BaseException:  # nothing half-registered stays behind: a retry starts clean
+            self._give_back_states()
+            raise
         _OPTIMIZER_OF[self._model_state] = self
         self._stepped: set[FlatParam] = set()
         """Flats updated during this step's backward (Config.step_in_backward)."""

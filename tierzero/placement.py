@@ -129,6 +129,7 @@ class PlacementManager:
         rec = self._record_of(h, "unregister")
         with self._cond:
             self._check_open()
+            self._check_live(rec)
             self._wait_until(lambda: not rec.in_flight or None, rec, f"unregister({h.name!r}) waiting for its moves")
             pinned = {t.value: rec.pins(t) for t in Tier if rec.pins(t)}
             if pinned:
@@ -143,6 +144,7 @@ class PlacementManager:
         rec, tier = self._lookup(h, tier, "prefetch")
         with self._cond:
             self._check_open()
+            self._check_live(rec)
             if tier is h.home or rec.residency[tier] is not Residency.ABSENT:
                 self._room.touch(h, tier)
                 return True
@@ -157,6 +159,7 @@ class PlacementManager:
                 return self._acquire_home(rec)
             with self._cond:
                 self._check_open()
+                self._check_live(rec)
                 hit = rec.residency[tier] is not Residency.ABSENT
                 if not hit:
                     self._room.check_fits(h.name, h.nbytes, tier)
@@ -182,7 +185,8 @@ class PlacementManager:
         rec, tier = self._lookup(h, tier, "release")
         with self._cond:
             self._check_open()
-            self._table.releasing(rec, tier, f"release({h.name!r}, {tier.value!r})")
+            self._check_live(rec)
+            self._table.releasing(rec, tier)
             staging = None
             if dirty and tier is not h.home:
                 # Still pinned while waiting (for an earlier write-back of this copy to finish,
@@ -202,6 +206,7 @@ class PlacementManager:
             raise ValueError(f"drop({h.name!r}, {tier.value!r}): {tier.value} is the tensor's home; "
                              "only cached copies on other tiers can be dropped")
         with self._cond:
+            self._check_live(rec)
             self._wait_until(lambda: rec.residency[tier] not in (Residency.FETCHING, Residency.WRITING_BACK) or None,
                              rec, f"drop({h.name!r}) waiting for its move")
             if rec.residency[tier] is Residency.ABSENT:
@@ -221,6 +226,7 @@ class PlacementManager:
             raise ValueError(f"store({h.name!r}): expected shape {tuple(h.shape)}, got {tuple(data.shape)}")
         with self._cond:
             self._check_open()
+            self._check_live(rec)
             needs = staging_needs(None, h.home, h.nbytes)
             bufs = self._wait_until(lambda: None if rec.in_flight else self._room.take(needs, h),
                                     rec, f"store({h.name!r}) waiting for its moves")
@@ -236,6 +242,7 @@ class PlacementManager:
             raise ValueError(f"read({h.name!r}): out holds {out.nbytes} bytes, expected at least {self.io_bytes(h)}")
         with self._cond:
             self._check_open()
+            self._check_live(rec)
             self._wait_until(lambda: not any(m.dst is h.home for m in rec.in_flight) or None,
                              rec, f"read({h.name!r}) waiting for its write-backs")
             return self._table.read_home(rec, None if out is None else torch.from_numpy(out))
@@ -277,7 +284,7 @@ class PlacementManager:
         if h.home is not Tier.NVME or self.swap is None:
             raise ValueError(f"nvme_location({h.name!r}): the tensor is homed on {h.home.value}, not nvme")
         with self._cond:
-            region = rec._copies[Tier.NVME].buffer
+            region = self._table.home_buffer(rec)
         assert isinstance(region, SwapRegion), region
         return self.swap.path(region), region.extents[0].offset
 
@@ -327,7 +334,9 @@ class PlacementManager:
             error = e
         with self._cond:
             self._closed = True
-        self._table.close()
+        self._table.close()  # joins the workers, which take the lock to commit
+        with self._cond:
+            self._cond.notify_all()  # a call still waiting for room fails now, not after its timeout
         for store in self._tiers.values():
             store.close()
         if error is not None:
@@ -353,6 +362,7 @@ class PlacementManager:
                              "acquire it on 'host' or 'device'")
         with self._cond:
             self._check_open()
+            self._check_live(rec)
             self._wait_until(lambda: not any(m.dst is h.home for m in rec.in_flight) or None,
                              rec, f"acquire({h.name!r}) waiting for write-backs to its home")
             copy = self._table.pin(rec, h.home)
@@ -368,6 +378,9 @@ class PlacementManager:
         deadline = time.monotonic() + self.wait_timeout_s
         name = subject if isinstance(subject, str) else subject.name
         while True:
+            self._check_open()
+            if not isinstance(subject, str):
+                self._check_live(subject, what)
             result = attempt()
             if result is not None and not isinstance(result, Shortfall):
                 return result
@@ -377,8 +390,6 @@ class PlacementManager:
                     raise RuntimeError(f"{what}: nothing changed for {self.wait_timeout_s} s")
                 raise RuntimeError(f"{what}: {self._no_room_message(name, result)}")
             self._cond.wait(remaining)
-            if not isinstance(subject, str) and self._table.get(subject.handle) is not subject:
-                raise KeyError(f"{what}: {name!r} was unregistered by another thread meanwhile")
 
     def _no_room_message(self, name: str, short: Shortfall) -> str:
         tier = short.tier
@@ -407,6 +418,12 @@ class PlacementManager:
             raise ValueError(f"{what}({h.name!r}, 'nvme'): only tensors homed on NVMe live there; "
                              "use 'host' or 'device'")
         return rec, tier
+
+    def _check_live(self, rec: TensorRecord, what: str = "") -> None:
+        """Under the lock: the record looked up before taking it is still registered (another
+        thread may have unregistered it in between)."""
+        if self._table.get(rec.handle) is not rec:
+            raise KeyError(f"{what or rec.name}: {rec.name!r} was unregistered by another thread meanwhile")
 
     def _check_open(self) -> None:
         if self._closed:

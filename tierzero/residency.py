@@ -173,12 +173,16 @@ class ResidencyTable:
         self.room.touch(rec.handle, tier)
         return copy
 
-    def releasing(self, rec: TensorRecord, tier: Tier, what: str) -> Copy:
-        """A release begins: the copy on `tier`, pinned by an acquire() (RuntimeError naming
-        `what` otherwise), now the most recently used."""
+    def home_buffer(self, rec: TensorRecord) -> Buffer:
+        """What holds the tensor's home bytes (a SwapRegion for an NVMe home)."""
+        return rec._copies[rec.home].buffer
+
+    def releasing(self, rec: TensorRecord, tier: Tier) -> Copy:
+        """A release begins: the copy on `tier`, pinned by an acquire() (RuntimeError otherwise),
+        now the most recently used."""
         copy = rec._copies.get(tier)
         if copy is None or copy.pins == 0:
-            raise RuntimeError(f"{what} without a matching acquire()")
+            raise RuntimeError(f"release({rec.name!r}, {tier.value!r}) without a matching acquire()")
         self.room.touch(rec.handle, tier)
         return copy
 
@@ -361,8 +365,10 @@ class ResidencyTable:
         except BaseException as e:
             outcome = Failed(e)
         with self.cond:
-            finish(plan, outcome)
-            self.cond.notify_all()
+            try:
+                finish(plan, outcome)
+            finally:  # waiters wake even if the commit itself failed
+                self.cond.notify_all()
         if isinstance(outcome, Failed):
             raise outcome.error
 

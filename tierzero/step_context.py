@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Callable, Iterator
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -77,6 +78,10 @@ class StepContext:
     _callback_queued: bool = field(default=False, init=False)
     _grads_final: Callable[["FlatParam"], None] | None = field(default=None, init=False)
 
+    def __repr__(self) -> str:
+        return (f"StepContext(rank={self.rank}/{self.world_size}, phase={self.phase.value}, "
+                f"held={list(self._held)}, gathers={len(self._gathers)})")
+
     @property
     def device(self) -> torch.device:
         return self.pm.device
@@ -131,9 +136,9 @@ class StepContext:
     # ------------------------------------------------------------------------ held blocks
 
     @property
-    def held(self) -> dict[str, "Block"]:
-        """Blocks fetched now, by name (read-only use)."""
-        return self._held
+    def held(self) -> Mapping[str, "Block"]:
+        """Blocks fetched now, by name."""
+        return MappingProxyType(self._held)
 
     def hold(self, block: "Block") -> None:
         self._held[block.name] = block

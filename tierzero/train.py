@@ -29,7 +29,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,7 @@ from tierzero.cli import add_placement_flags, placement_from_flags
 from tierzero.config import TIER_NAMES, format_size
 from tierzero.estimate import Estimate, estimate
 from tierzero.models import CONFIGS, build
+from tierzero.placement import PlacementManager
 from tierzero.runtime import close, placement_manager, step_stats
 from tierzero.sharding import RankRuntimeError
 from tierzero.telemetry import plot_run
@@ -154,7 +155,7 @@ class _Run:
     run_dir: Path
     sampler: tzdata.BatchSampler
     model: torch.nn.Module
-    pm: Any
+    pm: PlacementManager
     """The model's PlacementManager."""
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LRScheduler
