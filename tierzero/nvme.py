@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import bisect
 import fcntl
+import contextlib
 import os
+import shutil
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -24,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from io_engine import IOEngine, IOFuture, PreallocatedFile
-from tierzero.config import IOConfig
+from tierzero.config import IOConfig, format_size
 from tierzero.tiers import ALIGNMENT, Budget, round_up
 
 CHUNK_BYTES = 1 << 30
@@ -147,6 +150,30 @@ class ExtentAllocator:
         return f"ExtentAllocator(chunks={len(self._sizes)}, used={self.used_bytes}, capacity={self.capacity})"
 
 
+LOCK = ".lock"
+"""A run folder's lock file: flocked by the process that owns the folder, holding its PID."""
+
+
+def reclaim_dead_runs(rank_dir: Path) -> None:
+    """Remove run folders whose process is gone (it was killed before it could remove its swap
+    files): nothing holds their lock any more. One line on stderr for each."""
+    for run in sorted(rank_dir.glob("run-*")):
+        lock = run / LOCK
+        try:
+            with open(lock, "r+") as f:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a live process owns it
+                pid = f.read().strip() or "?"
+                size = sum(p.stat().st_size for p in run.iterdir() if p.is_file())
+                shutil.rmtree(run)
+        except FileNotFoundError:
+            continue  # no lock (being created or removed by its owner right now)
+        print(f"tierzero: removed {format_size(size)} of swap files left in {run} by process {pid}, "
+              "which is gone", file=sys.stderr)
+
+
 class SwapSpace:
     """This run's swap files on one rank: extents reserved from the NVMe budget, checksummed IO.
 
@@ -168,10 +195,18 @@ class SwapSpace:
             base.mkdir(exist_ok=True)
         rank_dir = base / f"rank{rank}"
         rank_dir.mkdir(exist_ok=True)
-        self.run_dir = rank_dir / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.run_dir.mkdir()
-        self._lock_file = open(self.run_dir / ".lock", "w")
+        reclaim_dead_runs(rank_dir)
+        name = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # Made under a hidden name and renamed once locked, so reclaim_dead_runs in another
+        # process never sees a run folder whose owner has not locked it yet.
+        making = rank_dir / f".{name}"
+        making.mkdir()
+        self._lock_file = open(making / LOCK, "w")
         fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self._lock_file.write(f"{os.getpid()}\n")
+        self._lock_file.flush()
+        self.run_dir = rank_dir / name
+        making.rename(self.run_dir)
         self.engine = IOEngine(threads=io.threads, block_size=io.block_size, direct=io.direct)
         self.allocator = ExtentAllocator()
         self._files: dict[int, PreallocatedFile] = {}
@@ -254,8 +289,10 @@ class SwapSpace:
         self._files.clear()
         fcntl.flock(self._lock_file, fcntl.LOCK_UN)
         self._lock_file.close()
-        (self.run_dir / ".lock").unlink(missing_ok=True)
+        (self.run_dir / LOCK).unlink(missing_ok=True)
         self.run_dir.rmdir()
+        with contextlib.suppress(OSError):  # other runs (other processes) may still use it
+            self.run_dir.parent.rmdir()
 
     def _grow(self, size: int) -> None:
         size -= size % ALIGNMENT

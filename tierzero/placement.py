@@ -39,8 +39,11 @@ notifies waiters, and a call that must wait for room or a move sleeps on it.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as cf
+import sys
 import time
+import weakref
 from typing import Callable, TypeVar
 
 import numpy as np
@@ -60,6 +63,19 @@ from tierzero.tiers import Budget, HostPool, Tier, round_up
 __all__ = ["PlacementManager", "Residency", "TensorRecord", "EvictionPolicy", "LeastRecentlyUsed", "Move"]
 
 _T = TypeVar("_T")
+
+_OPEN: "weakref.WeakSet[PlacementManager]" = weakref.WeakSet()
+"""Placement managers not closed yet: closed at interpreter exit, so a script that ends
+without closing its model leaves no swap files behind."""
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    for pm in list(_OPEN):
+        try:
+            pm.close()
+        except Exception as e:  # the interpreter is exiting: report, close the others
+            print(f"tierzero: closing {pm!r} at exit failed: {e}", file=sys.stderr)
 
 
 class PlacementManager:
@@ -89,12 +105,18 @@ class PlacementManager:
 
             self.swap = SwapSpace(config.nvme_dir, rank, self.budgets[Tier.NVME], config.io,
                                   checksums=config.checksums)
-        self._tiers = tier_stores(self.budgets, self.streams, self.pool, self.device_pool, self.swap)
-        self._table = ResidencyTable(self._tiers, self.streams, self.pool, self.swap, self.telemetry,
-                                     workers=max(2, config.prefetch.nvme_depth), rank=rank)
+        try:
+            self._tiers = tier_stores(self.budgets, self.streams, self.pool, self.device_pool, self.swap)
+            self._table = ResidencyTable(self._tiers, self.streams, self.pool, self.swap, self.telemetry,
+                                         workers=max(2, config.prefetch.nvme_depth), rank=rank)
+        except BaseException:
+            if self.swap is not None:
+                self.swap.close()
+            raise
         self._room = self._table.room
         self._cond = self._table.cond
         self._closed = False
+        _OPEN.add(self)
 
     # ----------------------------------------------------------------------------- public API
 
@@ -327,6 +349,7 @@ class PlacementManager:
         """Finish in-flight work, free every copy, remove the swap files, join threads; idempotent."""
         if self._closed:
             return
+        _OPEN.discard(self)
         error: BaseException | None = None
         try:
             self.flush()
