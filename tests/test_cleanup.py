@@ -11,8 +11,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
 from tierzero import train
 from tierzero.config import Config
 from tierzero.placement import PlacementManager
