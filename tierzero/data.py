@@ -1,15 +1,18 @@
-"""Training data for the CLI: a byte-level corpus and a resumable batch sampler.
+"""Training data for the CLI: a corpus of tokens and a resumable batch sampler.
 
 The default corpus is the Python standard library's own source files read as bytes: real
-text, present on every machine with Python, no download. Tokens are bytes (vocabulary 256).
+text, present on every machine with Python, no download. Tokens are bytes (vocabulary 256) for
+the built-in models; a transformers model folder's own tokenizer for a pretrained model.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping, Protocol
 
 import numpy as np
 import torch
@@ -40,16 +43,60 @@ def stdlib_corpus(max_bytes: int = 64 << 20) -> np.ndarray:
     return np.frombuffer(b"".join(parts)[:max_bytes], dtype=np.uint8)
 
 
-def file_corpus(path: str | os.PathLike[str]) -> np.ndarray:
-    """A file's bytes as a uint8 array; a clear error if it is missing or too short to train on."""
+class Tokenizer(Protocol):
+    """What the CLI needs of a tokenizer (a transformers tokenizer has it)."""
+
+    eos_token_id: int | None
+
+    def __call__(self, text: str, *, add_special_tokens: bool = ...) -> Mapping[str, list[int]]: ...
+
+    def save_pretrained(self, save_directory: str | os.PathLike[str]) -> object: ...
+
+
+def file_corpus(path: str | os.PathLike[str], tokenizer: Tokenizer | None = None) -> np.ndarray:
+    """Tokens of a training file: plain text, or JSONL (.jsonl) with a "text" field per line,
+    documents separated by the tokenizer's end-of-text token (a newline without a tokenizer).
+    Without a tokenizer the tokens are the bytes (uint8); with one, its ids (int32). A clear
+    error if the file is missing, malformed or too short to train on."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"--data {str(p)!r}: no such file; give a text file to train on")
-    data = np.fromfile(p, dtype=np.uint8)
+        raise FileNotFoundError(f"--data {str(p)!r}: no such file; give a text or JSONL file to train on")
+    docs = _jsonl_texts(p) if p.suffix == ".jsonl" else None
+    if tokenizer is None:
+        if docs is None:
+            data = np.fromfile(p, dtype=np.uint8)
+        else:
+            data = np.frombuffer("\n".join(docs).encode(), dtype=np.uint8)
+    else:
+        texts = docs if docs is not None else [p.read_text(errors="replace")]
+        ids: list[int] = []
+        for text in texts:
+            ids += tokenizer(text, add_special_tokens=False)["input_ids"]
+            if docs is not None and tokenizer.eos_token_id is not None:
+                ids.append(tokenizer.eos_token_id)
+        data = np.asarray(ids, dtype=np.int32)
     if data.size < 2:
-        raise ValueError(f"--data {str(p)!r}: the file holds {data.size} bytes; it needs at "
-                         "least seq+1 bytes of text to make one training example")
+        raise ValueError(f"--data {str(p)!r}: the file holds {data.size} tokens; it needs at "
+                         "least seq+1 tokens of text to make one training example")
     return data
+
+
+def _jsonl_texts(path: Path) -> list[str]:
+    texts = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--data {str(path)!r} line {n}: not JSON ({e.msg}); a .jsonl file "
+                                 'holds one JSON object per line, such as {"text": "..."}') from None
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                raise ValueError(f"--data {str(path)!r} line {n}: expected an object with a \"text\" string, "
+                                 f"got {line.strip()[:80]!r}")
+            texts.append(row["text"])
+    return texts
 
 
 @dataclass
@@ -64,7 +111,7 @@ class BatchSampler:
 
     def __post_init__(self) -> None:
         if self.corpus.size < self.seq + 1:
-            raise ValueError(f"corpus has {self.corpus.size} bytes but --seq {self.seq} needs at "
+            raise ValueError(f"corpus has {self.corpus.size} tokens but --seq {self.seq} needs at "
                              f"least {self.seq + 1}; use a smaller --seq or a larger --data file")
         self._gen = torch.Generator().manual_seed(self.seed)
         self._tokens = torch.from_numpy(self.corpus.astype(np.int64))

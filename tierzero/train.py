@@ -1,4 +1,8 @@
-"""`tierzero train`: train a built-in GPT with tiered state and write a complete run folder.
+"""`tierzero train`: train a model with tiered state and write a complete run folder.
+
+`--model` is a built-in GPT (tiny ... 7b, on bytes of text) or a transformers model folder
+(config.json + safetensors; built on the meta device and streamed in block by block, its own
+tokenizer for `--data`); `--export DIR` writes the trained model as a transformers folder.
 
 The run folder holds:
 - metrics.jsonl: one JSON object per step ("step", "loss", "lr", "step_s", "tokens_per_s",
@@ -41,7 +45,7 @@ from tierzero import data as tzdata
 from tierzero.cli import add_placement_flags, placement_from_flags
 from tierzero.config import TIER_NAMES, format_size
 from tierzero.estimate import Estimate, estimate
-from tierzero.models import CONFIGS, build
+from tierzero.models import CONFIGS, GPT, build
 from tierzero.placement import PlacementManager
 from tierzero.runtime import close, placement_manager, step_stats
 from tierzero.sharding import RankRuntimeError
@@ -50,7 +54,8 @@ from tierzero.telemetry import plot_run
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tierzero train", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="tiny", choices=sorted(CONFIGS), help="built-in GPT size")
+    p.add_argument("--model", default="tiny", help=f"a built-in GPT ({', '.join(CONFIGS)}) or a "
+                   "transformers model folder (config.json + safetensors) to fine-tune")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
@@ -65,8 +70,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps before cosine decay")
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (0 = off)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", default=None, help="text file to train on (default: the Python "
-                   "standard library's source, read as bytes)")
+    p.add_argument("--data", default=None, help="text file, or JSONL with a \"text\" field per line, "
+                   "to train on (default: the Python standard library's source, read as bytes); "
+                   "tokenized by the model folder's tokenizer when it has one")
+    p.add_argument("--export", default=None, metavar="DIR", help="at the end, write the trained model "
+                   "as a transformers folder (config.json, safetensors shards, tokenizer) to DIR")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--collective-timeout", type=float, default=tz.Config.collective_timeout_s,
                    help="seconds a collective waits for the other ranks before the run fails "
@@ -81,6 +89,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _check_args(args: argparse.Namespace) -> None:
+    if args.model not in CONFIGS and not Path(args.model).is_dir():
+        raise ValueError(f"--model {args.model!r}: expected a built-in model ({', '.join(CONFIGS)}) or a "
+                         "transformers model folder (config.json + model.safetensors or shards)")
     for name in ("steps", "batch", "seq"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name}: expected an int >= 1, got {getattr(args, name)}")
@@ -176,6 +187,11 @@ def _train_state(r: _Run, step: int) -> dict:
 _RESUME_MUST_MATCH = ("model", "steps", "batch", "seq", "seed", "data", "lr", "weight_decay", "warmup", "clip")
 
 
+def _pretrained(args: argparse.Namespace) -> bool:
+    """--model names a transformers folder, not a built-in GPT."""
+    return args.model not in CONFIGS
+
+
 def _resume(r: _Run) -> int:
     """Load the newest checkpoint and the training state saved with it; the step to continue at
     (0 when there is none). metrics.jsonl (rank 0's) keeps the rows of the steps before it."""
@@ -219,14 +235,12 @@ def run(args: argparse.Namespace) -> dict:
     run_dir = Path(args.run_dir)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-    corpus = tzdata.file_corpus(args.data) if args.data else tzdata.stdlib_corpus()
-    sampler = tzdata.BatchSampler(corpus, batch=args.batch, seq=args.seq, seed=args.seed)
-
     torch.manual_seed(args.seed)
-    model = build(args.model, device="meta", vocab_size=tzdata.VOCAB_SIZE, seq_len=max(args.seq, 1))
-    n_params = model.num_params()
+    model, tokenizer = _meta_model(args)
+    sampler = tzdata.BatchSampler(_corpus(args, tokenizer, model), batch=args.batch, seq=args.seq, seed=args.seed)
+    n_params = sum(p.numel() for p in model.parameters())
     est = check_room(model, cfg, world_size)
-    model = tz.wrap(model, cfg)
+    model = tz.wrap(model, cfg, weights=args.model if _pretrained(args) else None)
     try:
         opt = tz.AdamW(model, lr=args.lr, weight_decay=args.weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(args.warmup, args.steps))
@@ -234,9 +248,49 @@ def run(args: argparse.Namespace) -> dict:
         start = _resume(r) if args.resume else 0
         started = time.perf_counter()
         last_loss = _train(r, start)
-        return _finish(r, est, n_params, last_loss, started)
+        summary = _finish(r, est, n_params, last_loss, started)
+        if args.export:
+            _export(r, tokenizer)
+        return summary
     finally:
         close(model)  # frees host memory and removes the swap files
+
+
+def _meta_model(args: argparse.Namespace) -> tuple[torch.nn.Module, tzdata.Tokenizer | None]:
+    """The model built on the meta device (wrap fills it), and the tokenizer of its folder."""
+    if not _pretrained(args):
+        return build(args.model, device="meta", vocab_size=tzdata.VOCAB_SIZE, seq_len=max(args.seq, 1)), None
+    from tierzero import hf
+
+    return hf.meta_model(args.model), hf.folder_tokenizer(args.model)
+
+
+def _corpus(args: argparse.Namespace, tokenizer: tzdata.Tokenizer | None, model: torch.nn.Module):
+    corpus = tzdata.file_corpus(args.data, tokenizer) if args.data else tzdata.stdlib_corpus()
+    vocab = model.get_input_embeddings().num_embeddings if _pretrained(args) else tzdata.VOCAB_SIZE
+    if int(corpus.max()) >= vocab:
+        why = "its tokenizer" if tokenizer is not None else "bytes (the folder has no tokenizer)"
+        raise ValueError(f"--data: token id {int(corpus.max())} read as {why} is outside the model's "
+                         f"vocabulary of {vocab}; give the model folder its own tokenizer files")
+    return corpus
+
+
+def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy (targets y = x shifted by one), for either kind of model."""
+    out = model(x, y) if isinstance(model, GPT) else model(input_ids=x)
+    if isinstance(model, GPT):
+        return out.loss
+    logits = out.logits
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+def _export(r: _Run, tokenizer: tzdata.Tokenizer | None) -> None:
+    """--export: the trained model as a transformers folder (every rank gathers, rank 0 writes)."""
+    out = tz.save_pretrained(r.model, r.args.export)
+    if r.rank == 0:
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
+        print(f"tierzero train: exported the model to {out}", file=sys.stderr)
 
 
 def _train(r: _Run, start: int) -> float:
@@ -275,7 +329,7 @@ def _step(r: _Run, step: int) -> dict:
     x, y = r.sampler.next()
     local = slice(r.rank * args.batch // r.world_size, (r.rank + 1) * args.batch // r.world_size)
     x, y = x[local].to(pm.device), y[local].to(pm.device)
-    loss = r.model(x, y).loss
+    loss = _loss(r.model, x, y)
     loss.backward()
     if args.clip > 0:
         tz.clip_grad_norm_(r.model, args.clip)
