@@ -30,6 +30,8 @@ _LAZY = {
     "load_weights": "tierzero.export",
     "save_safetensors": "tierzero.safetensors_file",
     "load_safetensors": "tierzero.safetensors_file",
+    "from_pretrained": "tierzero.hf",
+    "save_pretrained": "tierzero.hf",
 }
 
 __all__ = ["Config", "IOConfig", "PrefetchConfig", "parse_size", "format_size", *_LAZY]

@@ -10,7 +10,8 @@ rank preallocates its data file (a full disk fails here, before anything is writ
 streams its tensors block by block: a tensor is read from its home tier into one of two
 page-aligned buffers (NVMe homes through io_engine) while the previous buffer's chunks are
 written with io_engine (O_DIRECT, checksummed as they go); files are fsynced; every rank
-learns every rank's outcome; rank 0 writes the manifest last, fsyncs it and the folder,
+learns every rank's outcome; rank 0 writes the model's transformers config.json when it has
+one (for `tierzero export --to DIR`), then the manifest last, fsyncs it and the folder,
 renames the folder to `ckpt-N` and fsyncs DIR, then prunes to `keep_last`. A crash at any
 moment leaves either the old set of complete checkpoints or the new one; `.tmp-*` leftovers
 are ignored by load and removed by the next save.
@@ -41,6 +42,7 @@ from torch import nn
 from io_engine import PAGE
 from tierzero import runtime
 from tierzero.flat_param import FlatParam
+from tierzero.hf import model_dtype, write_config_files
 from tierzero.handles import TensorHandle
 from tierzero.ckpt_format import (
     CHUNK_BYTES, MANIFEST, PREFIX, TMP_PREFIX, TRASH_PREFIX, VALUES, CheckpointError, FlatEntry, Manifest,
@@ -163,6 +165,7 @@ def save_checkpoint(dir: str | os.PathLike[str], model: nn.Module, optimizer: Ti
     errors = [o for o in every if isinstance(o, str)]
     if rank == 0 and not errors:
         try:
+            _write_hf_config(state, tmp)
             _publish(root, tmp, final, _manifest(state, optimizer, world_size, every), keep_last)
         except Exception as e:
             errors, failure = [f"rank 0: {e}"], e
@@ -188,6 +191,14 @@ def _publish(root: Path, tmp: Path, final: Path, manifest: Manifest, keep_last: 
             trash = root / f"{TRASH_PREFIX}{old.name}"
             os.rename(old, trash)  # a crash mid-delete leaves no half checkpoint under ckpt-*
             shutil.rmtree(trash)
+
+
+def _write_hf_config(state: runtime.TieredState, tmp: Path) -> None:
+    """Rank 0: the model's transformers config.json (and generation_config.json), when it has a
+    transformers `config`, so that `tierzero export CKPT --to DIR` can write a model folder."""
+    model = state.model
+    if callable(getattr(getattr(model, "config", None), "save_pretrained", None)):
+        write_config_files(model, tmp, model_dtype(state))
 
 
 def _manifest(state: runtime.TieredState, optimizer: TieredOptimizer | None, world_size: int,

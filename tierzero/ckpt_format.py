@@ -13,6 +13,9 @@ A checkpoint is a folder `DIR/ckpt-NNNNNNNN/` holding
     rankRRRRR.pt      written by rank R: the optimizer's param_groups, the model's persistent
                       buffers (outside the tiers) and the caller's `extra` (RNG states, data
                       position, step, scheduler), torch.save'd, checksummed
+    config.json       only for a model with a transformers `config`: its config (and
+                      generation_config.json), written by rank 0 before the manifest, so that
+                      `tierzero export CKPT --to DIR` writes a transformers model folder
 
 The manifest is written last: a `ckpt-N` folder holding one is complete. A save in progress
 writes into `.tmp-ckpt-N/` and renames it; pruning renames a folder to `.trash-ckpt-N` before

@@ -56,7 +56,7 @@ def _export(argv: list[str]) -> int:
 _COMMANDS = {
     "estimate": (_estimate, "bytes per tier for a built-in model and a config"),
     "bench-io": (_bench_io, "sweep io_engine block size x threads against fio on a directory"),
-    "export": (_export, "write a checkpoint's model as one safetensors file"),
+    "export": (_export, "write a checkpoint's model as a safetensors file or a transformers folder"),
     "train": (_train, "train a built-in GPT with tiered state into a run folder"),
 }
 

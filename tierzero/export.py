@@ -3,9 +3,11 @@
 Export (`export_checkpoint`): the checkpoint's manifest and files are checked as for a load;
 then, for every parameter (block by block in the saved order, then tied parameters' other
 names), the block holding it is read whole from all the saved shards (one block in memory at a
-time, every chunk verified), the parameter is cut out of it and cast to its original dtype, and
-written to one safetensors file, followed by the persistent buffers from rank 0's state file.
-No model and no tierzero runtime are needed: only the files.
+time, every chunk verified), the parameter is cut out of it and cast to its original dtype (or
+the one asked for), and written to one safetensors file, followed by the persistent buffers
+from rank 0's state file. Exported to a folder instead, the same tensors (tied parameters once)
+go through tierzero.hf's folder writer, next to the checkpoint's config.json: a transformers
+model folder. No model and no tierzero runtime are needed: only the files.
 
 Import (`load_weights`): a state dict, a torch.save'd one or a safetensors file goes into a
 wrapped model through its ordinary load_state_dict, after checking that every parameter is
@@ -15,6 +17,7 @@ given (any one name of a tied parameter gives it).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -23,48 +26,91 @@ import torch
 from torch import nn
 
 from io_engine import aligned_empty
-from tierzero import runtime
-from tierzero.ckpt_format import VALUES, CheckpointError, FlatEntry, open_checkpoint, round_up, torch_dtype
+from tierzero import hf, runtime
+from tierzero.ckpt_format import (VALUES, CheckpointError, FlatEntry, Manifest, open_checkpoint, round_up,
+                                  torch_dtype)
 from tierzero.ckpt_io import Reader, open_engine
-from tierzero.config import IOConfig
+from tierzero.config import IOConfig, parse_size
 from tierzero.reshard import range_ops
 from tierzero.safetensors_file import TensorSpec, load_safetensors, write_safetensors
 
 
 def export_checkpoint(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *,
-                      io_config: IOConfig | None = None) -> Path:
-    """Write the model in checkpoint `ckpt` (a folder, or the newest checkpoint in it) as one
-    safetensors file with every parameter under its name in its original dtype (tied parameters
-    under each of their names) and the persistent buffers, reading one block at a time: the
-    file is a full state dict that plain PyTorch loads without tierzero."""
+                      io_config: IOConfig | None = None, dtype: torch.dtype | None = None,
+                      max_shard_size: int | str = "5GB") -> Path:
+    """Write the model in checkpoint `ckpt` (a folder, or the newest checkpoint in it), reading
+    one block at a time, as
+
+    - `to` = FILE.safetensors: one file with every parameter under its name (tied parameters
+      under each of their names) and the persistent buffers: a full state dict that plain
+      PyTorch loads without tierzero;
+    - `to` = a folder: the transformers folder format (tierzero.hf), which
+      `AutoModelForCausalLM.from_pretrained(to)` loads: the checkpoint's config.json (saved
+      from the model's transformers config; CheckpointError when there is none), tied
+      parameters once, shards of at most `max_shard_size`, written whole or not at all.
+
+    dtype casts floating tensors (None: the parameters' original dtypes)."""
     folder, manifest = open_checkpoint(ckpt)
+    to = Path(to)
+    as_folder = to.suffix != ".safetensors"
+    if as_folder and not (folder / hf.CONFIG_FILE).is_file():
+        raise CheckpointError(
+            f"{str(folder)!r} holds no {hf.CONFIG_FILE}: it was saved from a model without a transformers "
+            f"`config` (or by an older tierzero), so it cannot be exported as a transformers folder; export "
+            f"it to a .safetensors file instead (--to {to.name}.safetensors)")
+    limit = parse_size(max_shard_size, what="export: max_shard_size")
     with open_engine(io_config or IOConfig()) as engine:
         reader = Reader(folder, manifest, engine)
         reader.check_files()
-        buffers = reader.read_state(0)["buffers"]
-        cache: dict[str, torch.Tensor] = {}
+        specs = _checkpoint_specs(reader, manifest, dtype, aliases=not as_folder)
+        if not as_folder:
+            return write_safetensors(to, specs, {"format": "pt", "tierzero_checkpoint": str(folder)})
+        return hf.write_weights_folder(to, specs, limit, lambda tmp: _copy_configs(folder, tmp, dtype))
 
-        def full(entry: FlatEntry) -> torch.Tensor:
-            """The block's whole flat values (one block cached at a time)."""
-            if entry.name not in cache:
-                cache.clear()
-                layout, dtype = entry.layout, torch_dtype(entry.kinds[VALUES])
-                dst = aligned_empty(round_up(layout.numel * dtype.itemsize))
-                reader.read_ops(f"{entry.name}/{VALUES}", list(range_ops(layout, 0, layout.numel, 0)),
-                                dtype.itemsize, dst)
-                cache[entry.name] = torch.from_numpy(dst[:layout.numel * dtype.itemsize]).view(dtype)
-            return cache[entry.name]
 
-        specs, where = [], {}
-        for entry in manifest.flats:
-            for slot, dt in zip(entry.layout.slots, entry.dtypes):
-                where[slot.fqn] = (entry, slot, torch_dtype(dt))
-        for name in [*where, *manifest.aliases]:
-            entry, slot, dtype = where[manifest.aliases.get(name, name)]
-            specs.append(TensorSpec(name, tuple(slot.shape), dtype, lambda e=entry, s=slot, d=dtype:
-                                    full(e)[s.offset:s.offset + s.numel].to(d).view(s.shape)))
-        specs += [TensorSpec(k, tuple(v.shape), v.dtype, lambda v=v: v) for k, v in buffers.items()]
-        return write_safetensors(to, specs, {"format": "pt", "tierzero_checkpoint": str(folder)})
+def _checkpoint_specs(reader: Reader, manifest: Manifest, dtype: torch.dtype | None, *,
+                      aliases: bool) -> list[TensorSpec]:
+    """Every parameter (block by block in the saved order, then, with `aliases`, tied
+    parameters' other names) and the persistent buffers from rank 0's state file."""
+    buffers = reader.read_state(0)["buffers"]
+    cache: dict[str, torch.Tensor] = {}
+
+    def full(entry: FlatEntry) -> torch.Tensor:
+        """The block's whole flat values (one block cached at a time)."""
+        if entry.name not in cache:
+            cache.clear()
+            layout, stored = entry.layout, torch_dtype(entry.kinds[VALUES])
+            dst = aligned_empty(round_up(layout.numel * stored.itemsize))
+            reader.read_ops(f"{entry.name}/{VALUES}", list(range_ops(layout, 0, layout.numel, 0)),
+                            stored.itemsize, dst)
+            cache[entry.name] = torch.from_numpy(dst[:layout.numel * stored.itemsize]).view(stored)
+        return cache[entry.name]
+
+    specs, where = [], {}
+    for entry in manifest.flats:
+        for slot, dt in zip(entry.layout.slots, entry.dtypes):
+            where[slot.fqn] = (entry, slot, hf.saved_dtype(torch_dtype(dt), dtype))
+    for name in [*where, *(manifest.aliases if aliases else ())]:
+        entry, slot, out = where[manifest.aliases.get(name, name)]
+        specs.append(TensorSpec(name, tuple(slot.shape), out, lambda e=entry, s=slot, d=out:
+                                full(e)[s.offset:s.offset + s.numel].to(d).view(s.shape)))
+    for k, v in buffers.items():
+        out = hf.saved_dtype(v.dtype, dtype)
+        specs.append(TensorSpec(k, tuple(v.shape), out, lambda v=v, d=out: v.to(d)))
+    return specs
+
+
+def _copy_configs(ckpt: Path, folder: Path, dtype: torch.dtype | None) -> None:
+    """The checkpoint's config files into `folder`; config.json records `dtype` when given (the
+    dtype transformers loads the values in)."""
+    for name in hf.CONFIG_FILES:
+        if (ckpt / name).is_file():
+            text = (ckpt / name).read_text(encoding="utf-8")
+            if name == hf.CONFIG_FILE and dtype is not None:
+                config = json.loads(text)
+                config["torch_dtype" if "torch_dtype" in config else "dtype"] = str(dtype).removeprefix("torch.")
+                text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+            hf.write_synced(folder / name, text)
 
 
 def load_weights(model: nn.Module, source: str | os.PathLike[str] | dict[str, torch.Tensor]) -> None:
@@ -108,16 +154,23 @@ def load_weights(model: nn.Module, source: str | os.PathLike[str] | dict[str, to
 
 
 def main(argv: list[str]) -> int:
-    """`tierzero export CKPT --to model.safetensors`."""
+    """`tierzero export CKPT --to model.safetensors | DIR`."""
     p = argparse.ArgumentParser(prog="tierzero export", description="write a checkpoint's model as one "
-                                "safetensors file that plain PyTorch / transformers load")
+                                "safetensors file that plain PyTorch loads, or as a transformers model "
+                                "folder that AutoModelForCausalLM.from_pretrained loads")
     p.add_argument("ckpt", help="a checkpoint folder, or a folder of checkpoints (the newest is used)")
-    p.add_argument("--to", required=True, help="output .safetensors file")
+    p.add_argument("--to", required=True, help="output: a .safetensors file, or a folder (config.json and "
+                   "safetensors shards; the checkpoint must hold the model's config.json)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="cast floating tensors to this dtype (default: the parameters' own)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest file of a folder (default 5GB)")
     args = p.parse_args(argv)
     try:
-        out = export_checkpoint(args.ckpt, args.to)
-    except (CheckpointError, OSError) as e:
+        out = export_checkpoint(args.ckpt, args.to, dtype=getattr(torch, args.dtype) if args.dtype else None,
+                                max_shard_size=args.max_shard_size)
+    except (OSError, ValueError) as e:  # CheckpointError is a ValueError
         print(f"tierzero export: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {out} ({out.stat().st_size} bytes)")
+    size = out.stat().st_size if out.is_file() else sum(f.stat().st_size for f in out.iterdir())
+    print(f"wrote {out} ({size} bytes)")
     return 0

@@ -74,7 +74,9 @@ def write_safetensors(path: str | os.PathLike[str], specs: Iterable[TensorSpec],
                 if tuple(t.shape) != tuple(spec.shape) or t.dtype != spec.dtype:
                     raise ValueError(f"write_safetensors: tensor {spec.name!r} was declared {spec.dtype} "
                                      f"{tuple(spec.shape)} but produced {t.dtype} {tuple(t.shape)}")
-                f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+                if t.numel():
+                    f.write(t.reshape(-1).view(torch.uint8).numpy())
+                del t  # the caller may free this tensor's source before producing the next one
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
