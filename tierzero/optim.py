@@ -72,6 +72,8 @@ class TieredOptimizer(torch.optim.Optimizer):
         _OPTIMIZER_OF[self._model_state] = self
         self._stepped: set[FlatParam] = set()
         """Flats updated during this step's backward (Config.step_in_backward)."""
+        self._driver: str | None = None
+        """The training loop that declared it clips and clears the flat gradients (driven_by)."""
         if self._model_state.config.step_in_backward:
             ctx.on_grads_final(self._step_in_backward)
 
@@ -127,6 +129,28 @@ class TieredOptimizer(torch.optim.Optimizer):
             self._prefetch(self._flats[i - 1], grad=False)
         with torch.profiler.record_function(f"tierzero::optimizer_step_in_backward {flat.name}"):
             self._step_flat(flat, self.param_groups[0])
+
+    def driven_by(self, loop: str) -> None:
+        """Declare that `loop` (e.g. "tierzero.hf.Trainer") drives this optimizer and handles the
+        flat gradients: clips with tz.clip_grad_norm_ and clears with this optimizer's zero_grad()."""
+        self._driver = loop
+
+    def train(self) -> None:
+        """tz optimizers have no train/eval modes. This is the schedule-free optimizers' hook,
+        which transformers' Trainer calls (through accelerate's optimizer wrapper) before every
+        training step, before the forward; it refuses the plain Trainer there. The plain Trainer
+        clips `p.grad` and clears gradients with `model.zero_grad()`, but a wrapped model keeps
+        its gradients in flat shards that neither touches: it would log grad_norm 0, never clip,
+        and sum the gradients of every step. tierzero.hf.Trainer calls `driven_by` first."""
+        if self._driver is None:
+            raise ValueError(
+                f"{type(self).__name__}.train() was called: transformers' Trainer calls it before each "
+                "training step. The plain transformers.Trainer cannot train a tierzero-wrapped model: it "
+                "clips and clears `p.grad`, which tierzero leaves None (gradients live in flat shards), "
+                "so it would log grad_norm 0, ignore max_grad_norm and sum the gradients of every step. "
+                "Use tierzero.hf.Trainer (`from tierzero.hf import Trainer`; defined in "
+                "tierzero.hf_trainer), a drop-in subclass of transformers.Trainer. In your own loop, drop "
+                "the optimizer.train() call: tz optimizers have no train/eval modes")
 
     def _prefetch(self, flat: FlatParam, *, grad: bool = True) -> None:
         if grad:
