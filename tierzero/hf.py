@@ -50,7 +50,8 @@ from tierzero.config import parse_size
 from tierzero.flat_param import FlatParam
 from tierzero.safetensors_file import TensorSpec, fsync_dir, write_safetensors
 
-__all__ = ["from_pretrained", "save_pretrained", "require_transformers", "write_weights_folder",
+__all__ = ["from_pretrained", "save_pretrained", "meta_model", "folder_tokenizer", "Trainer",
+           "require_transformers", "write_weights_folder",
            "write_config_files", "CONFIG_FILES", "SINGLE_FILE", "INDEX_FILE"]
 
 CONFIG_FILE, GENERATION_CONFIG_FILE = "config.json", "generation_config.json"
@@ -88,6 +89,13 @@ def from_pretrained(path: str | os.PathLike[str], config: Any, *, dtype: torch.d
     `model_cls(hf_config)`); model_kwargs go to that construction (e.g. attn_implementation).
     The folder's generation_config.json, when there is one, becomes `model.generation_config`.
     """
+    return runtime.wrap(meta_model(path, dtype=dtype, model_cls=model_cls, **model_kwargs), config, weights=path)
+
+
+def meta_model(path: str | os.PathLike[str], *, dtype: torch.dtype | None = None, model_cls: Any = None,
+               **model_kwargs: Any) -> nn.Module:
+    """The model of the local folder `path`, built on the meta device from its config.json (no
+    memory, no weights yet): what from_pretrained wraps, and what `tierzero train` sizes first."""
     transformers = require_transformers()
     folder = Path(path)
     if not (folder / CONFIG_FILE).is_file():
@@ -106,7 +114,32 @@ def from_pretrained(path: str | os.PathLike[str], config: Any, *, dtype: torch.d
             model = model_cls(hf_config, **model_kwargs)
     if (folder / GENERATION_CONFIG_FILE).is_file() and hasattr(model, "generation_config"):
         model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
-    return runtime.wrap(model, config, weights=path)
+    return model
+
+
+def folder_tokenizer(path: str | os.PathLike[str]) -> Any:
+    """The tokenizer saved in a model folder (transformers' AutoTokenizer), or None when the
+    folder has no tokenizer files."""
+    transformers = require_transformers()
+    folder = Path(path)
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        return None
+    return transformers.AutoTokenizer.from_pretrained(folder)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""Files whose presence says a folder has a tokenizer."""
+
+
+def __getattr__(name: str) -> Any:
+    # tierzero.hf.Trainer subclasses transformers.Trainer: imported on first use, so that this
+    # module (and save_pretrained) works without transformers installed.
+    if name == "Trainer":
+        require_transformers()
+        from tierzero.hf_trainer import Trainer
+
+        return Trainer
+    raise AttributeError(f"module 'tierzero.hf' has no attribute {name!r}")
 
 
 def config_dtype(hf_config: Any) -> torch.dtype | None:
