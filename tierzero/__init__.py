@@ -29,7 +29,8 @@ _LAZY = {
     "export_checkpoint": "tierzero.export",
     "load_weights": "tierzero.export",
     "save_safetensors": "tierzero.safetensors_file",
-    "load_safetensors": "tierzero.safetensors_file",
+    "load_safetensors": "tierzero.weights",
+    "WeightSource": "tierzero.weights",
 }
 
 __all__ = ["Config", "IOConfig", "PrefetchConfig", "parse_size", "format_size", *_LAZY]
