@@ -20,8 +20,10 @@ Phases of `tz.wrap(model, config, weights=PATH)` (and of `tz.load_weights(model,
 4. blocks (`WeightPlan.read_shard`): for each flat tensor of each block, the rows of each
    tensor that this rank's shard needs are read (`get_slice(key)[lo:hi]`), cast to the
    parameter's dtype (what `model.to(dtype)` holds), then to fp32 into one shard buffer that the
-   block registers and drops. Host memory holds one block's shard plus one tensor at a time,
-   never the model; every rank reads the same files, so nothing is broadcast.
+   block registers and drops. The library reads zero-copy from a memory map whose touched pages
+   stay resident while the file is mapped, so the files are unmapped after each block: host
+   memory holds one block's shard and the checkpoint pages of its rows, never the model. Every
+   rank reads the same files, so nothing is broadcast.
 """
 
 from __future__ import annotations
@@ -138,7 +140,9 @@ class WeightSource:
 
     def read(self, key: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Elements [start, stop) of the tensor `key` flattened, as a 1-D CPU tensor in the file's
-        dtype, reading only the rows (first dimension) that hold them."""
+        dtype, reading only the rows (first dimension) that hold them. The tensor views the
+        file's memory map (the library's zero-copy read): the pages it touches stay resident
+        until `release()`."""
         info = self._info[key]
         numel = math.prod(info.shape)
         stop = numel if stop is None else stop
@@ -154,6 +158,12 @@ class WeightSource:
 
     def read_full(self, key: str) -> torch.Tensor:
         return self.read(key).reshape(self._info[key].shape)
+
+    def release(self) -> None:
+        """Unmap the files, so that the pages read so far leave this process's memory (they are
+        mapped again, header only, by the next read); tensors returned by `read` must be dropped
+        first. Called after each block."""
+        self.close()
 
     def close(self) -> None:
         """Unmap the files; idempotent."""
@@ -179,7 +189,7 @@ def load_safetensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     with WeightSource(path) as source:
         if source.path.is_dir():
             raise ValueError(f"load_safetensors: {str(path)!r} is a folder; give one .safetensors file")
-        return {k: source.read_full(k) for k in source.keys()}
+        return {k: source.read_full(k).clone() for k in source.keys()}
 
 
 # --------------------------------------------------------------------------------- resolving
@@ -206,10 +216,13 @@ class WeightPlan:
             if a < b:
                 values = self.source.read(self.keys[slot.fqn], a - slot.offset, b - slot.offset)
                 out[a - lo:b - lo].copy_(values.to(dtype))
+                del values
+        self.source.release()  # the pages of this block's rows leave memory with the maps
         return out
 
     def read_buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        """The checkpoint's value of persistent buffer `name`, in `like`'s dtype, on the CPU."""
+        """The checkpoint's value of persistent buffer `name`, in `like`'s dtype, on the CPU (may
+        view the file's map: copy it to keep it)."""
         return self.source.read_full(self.keys[name]).to(like.dtype)
 
 
@@ -431,10 +444,11 @@ def load_buffers(model: nn.Module, plan: WeightPlan, device: torch.device) -> No
                 continue
             value = plan.read_buffer(name, b)
             if b.is_meta:
-                module._buffers[k] = value.to(device)
+                module._buffers[k] = value.to(device, copy=True)
             else:
                 with torch.no_grad():
                     b.copy_(value)
+    plan.source.release()
 
 
 def open_weights(model: nn.Module, path: str | os.PathLike[str]) -> WeightPlan:
