@@ -255,20 +255,20 @@ def _missing_shard(folder: Path) -> list[str]:
 def _wrong_shape(folder: Path) -> list[str]:
     def change(t: dict[str, torch.Tensor]) -> None:
         t[KEY] = t[KEY][:-1].contiguous()
-    return [_rewrite(folder, change, KEY), KEY, "wrong shape", "(83, 48)", r"\(84, 48\)"]
+    return [_rewrite(folder, change, KEY), KEY, "wrong shape", "(83, 48)", "model (84, 48)"]
 
 
 def _extra_key(folder: Path) -> list[str]:
     def change(t: dict[str, torch.Tensor]) -> None:
         t["model.layers.1.mlp.surprise"] = torch.ones(3)
-    return [_rewrite(folder, change, KEY), "1 unexpected", "model.layers.1.mlp.surprise"]
+    return [_rewrite(folder, change, KEY), "1 unexpected key", "model.layers.1.mlp.surprise"]
 
 
 def _missing_key(folder: Path) -> list[str]:
     def change(t: dict[str, torch.Tensor]) -> None:
         del t[KEY]
     _rewrite(folder, change, KEY)
-    return ["1 missing", KEY]
+    return ["1 missing key", KEY]
 
 
 @pytest.mark.parametrize("damage", [_missing_shard, _wrong_shape, _extra_key, _missing_key],
@@ -279,9 +279,8 @@ def test_bad_folder_fails_naming_it_and_leaves_nothing(tmp_path, damage):
     model = build("LlamaForCausalLM", llama(True), meta=True)
     with pytest.raises(ValueError) as info:
         tz.wrap(model, cfg(tmp_path), weights=folder)
-    for part in expect:
-        assert part in str(info.value) or __import__("re").search(part, str(info.value)), (part, str(info.value))
-    assert str(folder) in str(info.value)
+    for part in [*expect, str(folder)]:
+        assert part in str(info.value), (part, str(info.value))
     assert all(p.is_meta for p in model.parameters()), "the model was changed before the error"
     assert swap_files(tmp_path) == []
     with pytest.raises(ValueError, match="not wrapped"):

@@ -42,6 +42,7 @@ optimizers take one param group.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 from typing import Any
@@ -198,11 +199,13 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
         raise ValueError(f"wrap: {type(model).__name__} is or contains part of a tierzero-wrapped model; "
                          "wrap a model once (wrap the root module only)")
     rank, world_size = world(process_group)
-    if weights is None:
-        _check_meta(model)
-    plan = None if weights is None else open_weights(model, weights)
-    try:
-        if plan is not None:
+    with contextlib.ExitStack() as files:
+        plan = None
+        if weights is None:
+            _check_meta(model)
+        else:  # every mismatch is found here, before the model changes
+            plan = open_weights(model, weights)
+            files.callback(plan.source.close)
             check_buffers(model, plan)
         groups = group_modules(model, config)
         owner = assign_params(model, groups)
@@ -223,9 +226,6 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
         except BaseException:
             pm.close()
             raise
-    finally:
-        if plan is not None:
-            plan.source.close()
     for module in model.modules():
         for key, buf in module._buffers.items():
             if buf is not None and buf.device != pm.device:
@@ -357,8 +357,8 @@ def _check_meta(model: nn.Module) -> None:
         raise ValueError(
             f"wrap: the model has parameters or buffers on the meta device in modules without "
             f"reset_parameters(): {missing[:6]}{' ...' if len(missing) > 6 else ''}; give those modules "
-            "a reset_parameters() method that initialises their tensors, or build the model on a real "
-            "device")
+            "a reset_parameters() method that initialises their tensors, build the model on a real "
+            "device, or fill it from a checkpoint with tz.wrap(model, config, weights=PATH)")
 
 
 def _has_meta(module: nn.Module) -> bool:

@@ -76,7 +76,8 @@ class TensorInfo(NamedTuple):
 
 class WeightSource:
     """The tensors of a safetensors checkpoint (see the module docstring, phase 1), read one
-    tensor (or a range of its rows) at a time; files stay memory-mapped until `close()`."""
+    tensor (or a range of its rows) at a time; a file is mapped from its first read to the next
+    `release()` or `close()`."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -88,9 +89,8 @@ class WeightSource:
                 for key in handle.keys():
                     s = handle.get_slice(key)
                     self._info.setdefault(key, TensorInfo(file, tuple(s.get_shape()), s.get_dtype()))
-        except BaseException:
-            self.close()
-            raise
+        finally:
+            self.release()
 
     def _files(self) -> list[Path]:
         if self.path.is_file():
@@ -321,18 +321,18 @@ def _mismatch(model: nn.Module, source: WeightSource, missing: list[str], unexpe
 
     parts = []
     if missing:
-        parts.append(f"{len(missing)} missing: {_few(missing)}")
+        parts.append(f"{len(missing)} missing key(s), in none of the files: {_few(missing)}")
     if unexpected:
-        parts.append(f"{len(unexpected)} unexpected: {_few(unexpected)} (in {where(unexpected)})")
+        parts.append(f"{len(unexpected)} unexpected key(s): {_few(unexpected)} (in {where(unexpected)})")
     if misshaped:
-        parts.append(f"{len(misshaped)} with the wrong shape: {_few(misshaped, 3)}")
+        parts.append(f"{len(misshaped)} key(s) with the wrong shape: {_few(misshaped, 3)}")
     if converted:
-        parts.append(f"{len(converted)} that transformers converts (merges or splits) on load, which a "
+        parts.append(f"{len(converted)} key(s) that transformers converts (merges or splits) on load, which a "
                      f"streaming load does not do: {_few(converted, 3)} (in {where(converted)}); load it "
                      "once with from_pretrained and save_pretrained it")
-    raise ValueError(f"weights {str(source.path)!r} ({_few([f.name for f in source.files], 3)}) do not match "
-                     f"{type(model).__name__}: keys {'; '.join(parts)}. Give the checkpoint of this model class "
-                     "and config, or build the model from the checkpoint's config")
+    raise ValueError(f"weights {str(source.path)!r} ({len(source.files)} safetensors file(s)) do not match "
+                     f"{type(model).__name__}: {'; '.join(parts)}. Give the checkpoint of this model class and "
+                     "config, or build the model from the checkpoint's config")
 
 
 def _expected(model: nn.Module) -> dict[str, torch.Tensor]:
