@@ -28,7 +28,7 @@ from tierzero import reshard
 from tierzero import runtime
 from tierzero.config import IOConfig
 from tierzero.handles import Kind
-from tierzero.safetensors_file import load_safetensors
+from tierzero.weights import load_safetensors
 from tierzero.sharding import FlatLayout
 from tierzero.tiers import Tier
 

@@ -29,9 +29,12 @@ _LAZY = {
     "export_checkpoint": "tierzero.export",
     "load_weights": "tierzero.export",
     "save_safetensors": "tierzero.safetensors_file",
-    "load_safetensors": "tierzero.safetensors_file",
+    "load_safetensors": "tierzero.weights",
+    "WeightSource": "tierzero.weights",
     "from_pretrained": "tierzero.hf",
     "save_pretrained": "tierzero.hf",
+    "Kind": "tierzero.handles",
+    "TensorHandle": "tierzero.handles",
 }
 
 __all__ = ["Config", "IOConfig", "PrefetchConfig", "parse_size", "format_size", *_LAZY]

@@ -11,7 +11,8 @@ model folder. No model and no tierzero runtime are needed: only the files.
 
 Import (`load_weights`): a state dict, a torch.save'd one or a safetensors file goes into a
 wrapped model through its ordinary load_state_dict, after checking that every parameter is
-given (any one name of a tied parameter gives it).
+given (any one name of a tied parameter gives it); a transformers model folder is streamed into
+the flat tensors shard by shard (tierzero/weights.py resolves its keys as transformers does).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from tierzero.ckpt_format import (VALUES, CheckpointError, FlatEntry, Manifest, 
 from tierzero.ckpt_io import Reader, open_engine
 from tierzero.config import IOConfig, parse_size
 from tierzero.reshard import range_ops
-from tierzero.safetensors_file import TensorSpec, load_safetensors, write_safetensors
+from tierzero.safetensors_file import TensorSpec, write_safetensors
+from tierzero.weights import load_buffers, load_safetensors, open_weights
 
 
 def export_checkpoint(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *,
@@ -114,17 +116,21 @@ def _copy_configs(ckpt: Path, folder: Path, dtype: torch.dtype | None) -> None:
 
 
 def load_weights(model: nn.Module, source: str | os.PathLike[str] | dict[str, torch.Tensor]) -> None:
-    """Start a wrapped model from plain weights: a state dict, a torch.save'd state dict file or
-    a safetensors file. Every parameter must be given (tied parameters under any one of their
-    names); ValueError naming the file and the keys otherwise."""
-    runtime.state_of(model)
+    """Start a wrapped model from plain weights: a state dict, a torch.save'd state dict file, a
+    safetensors file, or a transformers model folder (sharded safetensors, streamed block by
+    block: see tierzero/weights.py). Every parameter must be given (tied parameters under any
+    one of their names); ValueError naming the file(s) and the keys otherwise."""
+    state = runtime.state_of(model)
     what = "state dict"
     if not isinstance(source, dict):
         path = Path(source)
         what = repr(str(path))
+        if path.is_dir():
+            _load_folder(state, path)
+            return
         if not path.is_file():
-            raise FileNotFoundError(f"load_weights: {what}: no such file; give a .safetensors file or a "
-                                    "torch.save'd state dict")
+            raise FileNotFoundError(f"load_weights: {what}: no such file; give a .safetensors file, a "
+                                    "transformers model folder or a torch.save'd state dict")
         if path.suffix == ".safetensors":
             source = load_safetensors(path)
         else:
@@ -151,6 +157,20 @@ def load_weights(model: nn.Module, source: str | os.PathLike[str] | dict[str, to
                          f"{missing[:6]}{' ...' if len(missing) > 6 else ''}, unexpected "
                          f"{unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}")
     model.load_state_dict(sd, strict=True)
+
+
+def _load_folder(state: runtime.TieredState, path: Path) -> None:
+    """Each flat tensor's shard read from the folder's files and stored in place (one block in
+    memory at a time; every rank reads its own rows: no collective), then the buffers."""
+    blocked = [f.name for f in state.flat_params() if not f.is_free]
+    if blocked:
+        raise RuntimeError(f"load_weights: blocks {blocked} are in use; load between training steps")
+    plan = open_weights(state.model, path)
+    with plan.source:
+        for flat in state.flat_params():
+            with torch.profiler.record_function(f"tierzero::load_weights {flat.name}"):
+                flat.store_values(plan.read_shard(flat.layout, state.ctx.rank, flat.orig_dtypes))
+        load_buffers(state.model, plan, state.pm.device)
 
 
 def main(argv: list[str]) -> int:

@@ -116,7 +116,14 @@ class FlatParam:
         flat = self.layout.flatten(values, dtype=torch.float32, device="cpu")
         with rank_errors(ctx.rank, ctx.world_size, f"broadcast of {self.name}.{kind.value} at wrap"):
             broadcast_from_first_(flat, ctx.group, ctx.world_size)
-        shard = flat[self.shard]
+        self.register_shard(flat[self.shard])
+
+    def register_shard(self, shard: torch.Tensor) -> None:
+        """As `register`, from this rank's shard itself (fp32, `layout.shard_numel` elements, e.g.
+        read from a checkpoint by every rank): no communication."""
+        ctx = self.ctx
+        assert shard.dtype == torch.float32 and shard.numel() == self.layout.shard_numel, (self.name, shard.shape)
+        kind = Kind.PARAM if self.trainable else Kind.FROZEN
         self._param = ctx.register(self.name, shard, self.home, kind=kind, dtype=ctx.compute_dtype)
         if self.trainable:
             self.grad = FlatGrad(self.name, self.layout, ctx)

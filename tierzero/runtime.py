@@ -6,7 +6,9 @@ Phases of one training step, once wrapped:
    layers, plus a root block for everything else and for parameters shared between blocks);
    each block's parameters are packed into flat tensors registered with the placement manager
    on `config.params` in the compute dtype, with fp32 gradients on `config.grads`; the
-   parameters become placeholders; hooks are registered once.
+   parameters become placeholders; hooks are registered once. With `weights=` the flat tensors
+   are read from a checkpoint instead, one block at a time (tierzero/weights.py), so the model
+   may be built on the meta device.
 2. forward: the root's pre-hook starts an iteration of the prefetcher; each block's pre-hook
    fetches it to the device (the prefetcher starts copies of the blocks ahead per the trace) and
    points its parameters at the device copy; its post-hook releases it and hooks its outputs.
@@ -40,6 +42,8 @@ optimizers take one param group.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import weakref
 from typing import Any
 
@@ -57,6 +61,7 @@ from tierzero.sharding import FlatLayout, broadcast_from_first_, rank_errors, wo
 from tierzero.step_context import Phase, StepContext
 from tierzero.telemetry import StepStats
 from tierzero.tiers import Tier
+from tierzero.weights import WeightPlan, check_buffers, init_buffers, load_buffers, open_weights
 
 _STATES: "weakref.WeakKeyDictionary[nn.Module, TieredState]" = weakref.WeakKeyDictionary()
 """Side table: wrapped root module -> its state."""
@@ -174,12 +179,19 @@ class TieredState:
 # ------------------------------------------------------------------------------- public API
 
 
-def wrap(model: nn.Module, config: Config, *, process_group: Any = None) -> nn.Module:
+def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
+         weights: str | os.PathLike[str] | None = None) -> nn.Module:
     """Make `model` train with its state on tiers (see the module docstring); returns `model`.
 
+    `weights`: a transformers model folder (sharded safetensors) or a .safetensors file to fill
+    the tiers from, block by block, instead of the model's own values; the model may then be
+    built on the meta device whatever its modules (see tierzero/weights.py: host memory holds
+    about one block at a time, every rank reads only its shard's rows, nothing is broadcast).
+
     Raises ValueError for a model already wrapped, an unknown `config.block_classes` name, a
-    device budget too small for the largest block plus the prefetch reserve, or meta-device
-    parameters in a module without `reset_parameters()`.
+    device budget too small for the largest block plus the prefetch reserve, meta-device
+    parameters in a module without `reset_parameters()` (without `weights`), or `weights` that do
+    not match the model (missing, unexpected, mis-shaped keys; before the model is changed).
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"wrap: expected an nn.Module, got {type(model).__name__}")
@@ -187,22 +199,33 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None) -> nn.M
         raise ValueError(f"wrap: {type(model).__name__} is or contains part of a tierzero-wrapped model; "
                          "wrap a model once (wrap the root module only)")
     rank, world_size = world(process_group)
-    _check_meta(model)
-    groups = group_modules(model, config)
-    owner = assign_params(model, groups)
-    pm = PlacementManager(config, rank=rank)
-    try:
-        compute_dtype = getattr(torch, config.compute_dtype_name(cuda=pm.device.type == "cuda"))
-        ctx = StepContext(pm=pm, compute_dtype=compute_dtype,
-                          grad_tier=Tier(config.grads), master_tier=Tier(config.optimizer_states),
-                          rank=rank, world_size=world_size, group=process_group)
-        specs = block_specs(model, groups, owner)
-        _check_device_budget(config, specs, ctx.compute_dtype, world_size)
-        blocks = [_build_block(name, modules, params, ctx, Tier(config.params), world_size)
-                  for name, modules, params in specs]
-    except BaseException:
-        pm.close()
-        raise
+    with contextlib.ExitStack() as files:
+        plan = None
+        if weights is None:
+            _check_meta(model)
+        else:  # every mismatch is found here, before the model changes
+            plan = open_weights(model, weights)
+            files.callback(plan.source.close)
+            check_buffers(model, plan)
+        groups = group_modules(model, config)
+        owner = assign_params(model, groups)
+        pm = PlacementManager(config, rank=rank)
+        try:
+            compute_dtype = getattr(torch, config.compute_dtype_name(cuda=pm.device.type == "cuda"))
+            ctx = StepContext(pm=pm, compute_dtype=compute_dtype,
+                              grad_tier=Tier(config.grads), master_tier=Tier(config.optimizer_states),
+                              rank=rank, world_size=world_size, group=process_group)
+            specs = block_specs(model, groups, owner)
+            _check_device_budget(config, specs, ctx.compute_dtype, world_size)
+            if plan is not None:
+                init_buffers(model, plan)  # while the parameters are still as built
+            blocks = [_build_block(name, modules, params, ctx, Tier(config.params), world_size, plan)
+                      for name, modules, params in specs]
+            if plan is not None:
+                load_buffers(model, plan, pm.device)
+        except BaseException:
+            pm.close()
+            raise
     for module in model.modules():
         for key, buf in module._buffers.items():
             if buf is not None and buf.device != pm.device:
@@ -292,17 +315,27 @@ def _check_device_budget(config: Config, specs: list[BlockSpec], dtype: torch.dt
 
 
 def _build_block(name: str, modules: list[nn.Module], params: list[tuple[str, nn.Parameter]],
-                 ctx: StepContext, home: Tier, world_size: int) -> Block:
+                 ctx: StepContext, home: Tier, world_size: int, plan: WeightPlan | None) -> Block:
+    """The block's flat tensors, registered from the parameters' values, or with `plan` from
+    the checkpoint (this rank's shard read, registered, dropped: one block in memory)."""
     flats = []
     for trainable in (True, False):
         ps = [(fqn, p) for fqn, p in params if p.requires_grad == trainable]
         if not ps:
             continue
-        _materialize([p for _, p in ps], modules, ctx.device)
+        if plan is None:
+            _materialize([p for _, p in ps], modules, ctx.device)
         layout = FlatLayout.build([f for f, _ in ps], [p.shape for _, p in ps], world_size,
                                   itemsize=ctx.compute_dtype.itemsize)
-        flat = FlatParam(name, [p for _, p in ps], layout, [p.dtype for _, p in ps], ctx, home)
-        flat.register([p.detach() for _, p in ps])
+        dtypes = [p.dtype for _, p in ps]
+        flat = FlatParam(name, [p for _, p in ps], layout, dtypes, ctx, home)
+        if plan is None:
+            flat.register([p.detach() for _, p in ps])
+        else:
+            with torch.profiler.record_function(f"tierzero::load_weights {name}"):
+                shard = plan.read_shard(layout, ctx.rank, dtypes)
+            _unmeta([p for _, p in ps])
+            flat.register_shard(shard)
         flats.append(flat)
     return Block(name, modules, flats, ctx)
 
@@ -324,13 +357,22 @@ def _check_meta(model: nn.Module) -> None:
         raise ValueError(
             f"wrap: the model has parameters or buffers on the meta device in modules without "
             f"reset_parameters(): {missing[:6]}{' ...' if len(missing) > 6 else ''}; give those modules "
-            "a reset_parameters() method that initialises their tensors, or build the model on a real "
-            "device")
+            "a reset_parameters() method that initialises their tensors, build the model on a real "
+            "device, or fill it from a checkpoint with tz.wrap(model, config, weights=PATH)")
 
 
 def _has_meta(module: nn.Module) -> bool:
     tensors = list(module._parameters.values()) + list(module._buffers.values())
     return any(t is not None and t.is_meta for t in tensors)
+
+
+def _unmeta(params: list[nn.Parameter]) -> None:
+    """Meta parameters become CPU ones holding no memory (same Parameter objects), so that their
+    `.data` can point at tier copies and placeholders; their values come from a checkpoint."""
+    for p in params:
+        if p.is_meta:
+            empty = torch.zeros((), dtype=p.dtype).expand(p.shape)
+            torch.utils.swap_tensors(p, nn.Parameter(empty, requires_grad=p.requires_grad))
 
 
 def _materialize(params: list[nn.Parameter], modules: list[nn.Module], device: torch.device) -> None:

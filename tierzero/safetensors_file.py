@@ -1,17 +1,18 @@
-"""The safetensors file format, written and read by tierzero itself (no dependency).
+"""The safetensors file format, written by tierzero itself (tierzero/weights.py reads it with the
+`safetensors` library).
 
 A file is: 8 bytes little-endian u64 N, then N bytes of JSON header
 {"name": {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]}, ..., "__metadata__": {..}}
 (offsets relative to the byte after the header, tensors packed in header order), then the raw
 little-endian bytes. Any reader of the format (the `safetensors` package, transformers) loads
 what `write_safetensors` writes. Writing streams one tensor at a time into a temporary file that
-is fsynced and renamed into place, so a crash never leaves a half-written file under the name.
+is fsynced and renamed into place, so a crash never leaves a half-written file under the name,
+and never holds more than one tensor in memory (the library's save_file takes them all at once).
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import struct
 from pathlib import Path
@@ -25,8 +26,6 @@ DTYPES: dict[torch.dtype, str] = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL",
 }
-_BY_NAME = {v: k for k, v in DTYPES.items()}
-_MAX_HEADER = 100 << 20
 
 
 class TensorSpec(NamedTuple):
@@ -94,43 +93,6 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike[s
     return write_safetensors(path, specs, metadata)
 
 
-def load_safetensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file as CPU tensors backed by a read-only memory map (pages
-    are read when a tensor is used); ValueError naming the file when it is not one."""
-    path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise ValueError(f"{str(path)!r}: {size} bytes, too short for a safetensors file (8-byte "
-                             "header length, JSON header, data)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > min(_MAX_HEADER, size - 8):
-            raise ValueError(f"{str(path)!r}: header length {n} does not fit the file's {size} bytes; "
-                             "the file is truncated or not a safetensors file")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{str(path)!r}: the safetensors JSON header does not parse ({e})") from None
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
-    header.pop("__metadata__", None)
-    data = np.frombuffer(mm, dtype=np.uint8) if mm is not None else np.empty(0, np.uint8)
-    out: dict[str, torch.Tensor] = {}
-    for name, entry in header.items():
-        dtype = _BY_NAME.get(entry.get("dtype"))
-        begin, end = entry.get("data_offsets", (0, -1))
-        shape = entry.get("shape", [])
-        nbytes = int(np.prod(shape, dtype=np.int64)) * (dtype.itemsize if dtype else 0)
-        if dtype is None or end - begin != nbytes or not 0 <= begin <= end <= size - 8 - n:
-            raise ValueError(f"{str(path)!r}: tensor {name!r} has a bad header entry {entry} "
-                             f"(file of {size} bytes, supported dtypes {sorted(_BY_NAME)})")
-        chunk = data[8 + n + begin: 8 + n + end]
-        with _no_readonly_warning():
-            t = torch.frombuffer(chunk, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
-        out[name] = t.view(dtype).reshape(shape)
-    return out
-
-
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     """Make a rename or a new file in `path` durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -138,17 +100,3 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-class _no_readonly_warning:
-    """torch.frombuffer warns about read-only memory; callers only read (or copy) these tensors."""
-
-    def __enter__(self) -> None:
-        import warnings
-
-        self._ctx = warnings.catch_warnings()
-        self._ctx.__enter__()
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-
-    def __exit__(self, *exc: object) -> None:
-        self._ctx.__exit__(*exc)
