@@ -10,7 +10,6 @@ must give the same logits, exactly, and the same state dict.
 from __future__ import annotations
 
 import datetime
-import inspect
 import json
 import os
 import subprocess
@@ -30,7 +29,7 @@ import tierzero as tz  # noqa: E402
 from tierzero import ckpt_format, hf, runtime  # noqa: E402
 from tierzero.cli import main as cli  # noqa: E402
 from tierzero.flat_param import FlatParam  # noqa: E402
-from tierzero.safetensors_file import load_safetensors  # noqa: E402
+from tierzero.weights import load_safetensors  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 131
@@ -275,38 +274,15 @@ def test_export_without_config_fails_clearly(tmp_path, capsys):
 # ----------------------------------------------------------------------------- from_pretrained
 
 
-def _stand_in_wrap(real_wrap, seen: dict):
-    """Until `tz.wrap(..., weights=)` lands (engineer A), a stand-in that checks what
-    from_pretrained built (on meta, its class and dtype), then builds the same model normally,
-    wraps it and loads the folder's weights with tz.load_weights."""
-
-    def wrap(model, config, *, weights):
-        seen.update(cls=type(model), meta=all(p.is_meta for p in model.parameters()),
-                    dtypes={p.dtype for p in model.parameters()}, generation=model.generation_config)
-        with hf._default_dtype(next(iter(seen["dtypes"]))):
-            real = type(model)(model.config)
-        real.generation_config = model.generation_config
-        real_wrap(real, config)
-        tensors = {k: v for f in Path(weights).glob("*.safetensors") for k, v in load_safetensors(f).items()}
-        tz.load_weights(real, tensors)
-        return real
-
-    return wrap
-
-
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
-def test_from_pretrained(trained, tmp_path, monkeypatch, dtype):
+def test_from_pretrained(trained, tmp_path, dtype):
     model, _ = trained("llama-tied")
     out = tz.save_pretrained(model, tmp_path / "out", max_shard_size=SMALL_SHARD)
-    seen: dict = {}
-    if "weights" not in inspect.signature(runtime.wrap).parameters:  # A's weights= not landed yet
-        monkeypatch.setattr(runtime, "wrap", _stand_in_wrap(runtime.wrap, seen))
+    built = hf.meta_model(out, dtype=dtype)  # what from_pretrained wraps: on meta, in the dtype asked
+    assert type(built) is transformers.LlamaForCausalLM and all(p.is_meta for p in built.parameters())
+    assert {p.dtype for p in built.parameters()} == {dtype or torch.float32}
     again = tz.from_pretrained(out, tier_config(tmp_path, "nvme-again"), dtype=dtype, attn_implementation="sdpa")
     try:
-        if seen:
-            assert seen["meta"] and seen["cls"] is transformers.LlamaForCausalLM
-            assert seen["dtypes"] == {dtype or torch.float32}
-            assert seen["generation"].eos_token_id == 2
         assert again.config._attn_implementation == "sdpa"
         assert again.generation_config.eos_token_id == 2
         if dtype is None:
@@ -319,12 +295,9 @@ def test_from_pretrained(trained, tmp_path, monkeypatch, dtype):
         runtime.close(again)
 
 
-def test_from_pretrained_model_cls_and_errors(trained, tmp_path, monkeypatch):
+def test_from_pretrained_model_cls_and_errors(trained, tmp_path):
     model, _ = trained("gpt2")
     out = tz.save_pretrained(model, tmp_path / "out")
-    seen: dict = {}
-    if "weights" not in inspect.signature(runtime.wrap).parameters:
-        monkeypatch.setattr(runtime, "wrap", _stand_in_wrap(runtime.wrap, seen))
     again = tz.from_pretrained(out, tier_config(tmp_path, "nvme-again"), model_cls=transformers.GPT2LMHeadModel)
     try:
         assert type(again) is transformers.GPT2LMHeadModel

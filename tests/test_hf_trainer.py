@@ -130,6 +130,16 @@ def test_plain_trainer_refused_at_first_step(wrapped, tmp_path):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+def test_plain_trainer_without_an_optimizer_refused_at_first_step(wrapped, tmp_path):
+    """It builds torch.optim.AdamW over the tiered model's placeholders: refused, not a silent no-op."""
+    model = wrapped()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = transformers.Trainer(model=model, args=training_args(tmp_path / "plain"), train_dataset=data())
+    with pytest.raises(ValueError, match=r"tierzero\.hf\.Trainer"):
+        trainer.train()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def test_refusals(wrapped, tmp_path):
     model = wrapped()
     with pytest.raises(ValueError, match="weight_decay=0.1.*exempts biases and norm weights"):

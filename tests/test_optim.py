@@ -198,3 +198,21 @@ def test_a_new_optimizer_takes_over_with_fresh_state(tmp_path: Any) -> None:
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=n)
     finally:
         runtime.close(model)
+
+
+def test_a_torch_optimizer_over_a_wrapped_model_is_refused() -> None:
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+    params = list(model.parameters())
+    tz.wrap(model, tz.Config(device_budget="1MiB", host_budget="4MiB", compute_dtype="float32"))
+    try:
+        opt = torch.optim.AdamW(params, lr=0.1)
+        model(torch.randn(4, 8)).sum().backward()
+        for _ in range(2):  # every step, not only the first
+            with pytest.raises(ValueError, match="would not train.*tz.AdamW"):
+                opt.step()
+        plain = nn.Linear(3, 3)  # optimizers of other models are untouched
+        plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+        plain(torch.randn(2, 3)).sum().backward()
+        plain_opt.step()
+    finally:
+        runtime.close(model)
