@@ -230,7 +230,7 @@ def test_train_cli_two_ranks(tmp_path: Path) -> None:
     assert summary["world_size"] == 2 and len(summary["peak_bytes_per_rank"]) == 2
     for peaks in summary["peak_bytes_per_rank"]:
         assert all(0 < peaks[t] <= summary["budgets"][t] for t in ("device", "host", "nvme")), peaks
-    assert sorted(os.listdir(tmp_path / "nvme")) == ["rank0", "rank1"]
+    assert os.listdir(tmp_path / "nvme") == []  # each rank removed its swap files and its rank folder
     assert json.loads(outs[0][0])["final_loss"] == summary["final_loss"] and outs[1][0].strip() == ""
 
 

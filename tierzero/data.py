@@ -76,8 +76,9 @@ def file_corpus(path: str | os.PathLike[str], tokenizer: Tokenizer | None = None
                 ids.append(tokenizer.eos_token_id)
         data = np.asarray(ids, dtype=np.int32)
     if data.size < 2:
-        raise ValueError(f"--data {str(p)!r}: the file holds {data.size} tokens; it needs at "
-                         "least seq+1 tokens of text to make one training example")
+        unit = "bytes" if tokenizer is None else "tokens"
+        raise ValueError(f"--data {str(p)!r}: the file holds {data.size} {unit}; it needs at "
+                         f"least seq+1 {unit} of text to make one training example")
     return data
 
 
