@@ -189,6 +189,7 @@ def test_dirty_release_invalidates_other_copies_and_store_updates_all(tmp_path):
 def test_checksum_mismatch_surfaces_in_acquire(tmp_path):
     with make(tmp_path) as pm:
         m = pm.register("layers.1", torch.randn(3000), "nvme", kind=Kind.EXP_AVG)
+        pm.flush()  # the register's NVMe write is asynchronous: let it land before damaging it
         # The only tensor: its region starts the first swap file.
         with open(pm.swap.run_dir / "swap0000.bin", "r+b") as f:
             f.seek(7)
@@ -217,6 +218,7 @@ def test_writeback_failure_is_raised_by_flush(tmp_path, monkeypatch):
 def test_telemetry_moves_stalls_and_chrome_trace(tmp_path):
     with make(tmp_path) as pm:
         b = [pm.register(f"b{i}", torch.randn(1000 + i), "nvme") for i in range(3)]
+        pm.flush()  # the registers' NVMe writes are asynchronous
         assert pm.telemetry.reset_step().bytes_moved["nvme"] == 4000 + 4004 + 4008  # the initial writes
         pm.prefetch(b[0])
         pm.flush()
@@ -279,6 +281,7 @@ def test_in_flight_moves_are_typed_records(tmp_path, monkeypatch):
     monkeypatch.setattr(nvme, "read_extent", slow_read)
     with make(tmp_path) as pm:
         a = pm.register("a", torch.randn(300), "nvme")
+        pm.flush()  # its asynchronous first write
         assert pm.prefetch(a, "host")
         (move,) = pm.record(a).in_flight
         assert (move.tensor, move.src, move.dst, move.nbytes) == (a, Tier.NVME, Tier.HOST, 1200)

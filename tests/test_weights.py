@@ -135,7 +135,8 @@ def test_training_matches_from_pretrained(tmp_path, wrapped, which):
     folder = save(build(cls_name, config), tmp_path / "hf")
     ref = getattr(_hf(), cls_name).from_pretrained(folder, dtype=torch.float32)
     ref.train()
-    model = wrapped(build(cls_name, config, meta=True), cfg(tmp_path), weights=folder)
+    model = tz.from_pretrained(folder, cfg(tmp_path))  # built on meta, wrapped with weights=folder
+    assert type(model).__name__ == cls_name and runtime.state_of(model) is not None
     model.train()
     opt = tz.AdamW(model, lr=3e-3, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
@@ -151,6 +152,7 @@ def test_training_matches_from_pretrained(tmp_path, wrapped, which):
         opt.step()
         opt.zero_grad()
         assert abs(got.item() - want.item()) <= 1e-5, (step, got.item(), want.item())
+    runtime.close(model)
 
 
 def test_bf16_checkpoint_gives_the_bits_of_to_bfloat16(tmp_path, wrapped):

@@ -33,8 +33,10 @@ class FlatGrad:
     def __init__(self, owner: str, layout: FlatLayout, ctx: StepContext) -> None:
         self.layout = layout
         self.ctx = ctx
-        self.handle: TensorHandle = ctx.register(owner, torch.zeros(layout.shard_numel), ctx.grad_tier,
-                                                 kind=Kind.GRAD)
+        # Room only: nothing is read before the first accumulate overwrites it whole (or a
+        # zero_grad(set_to_none=False) zeroes it), so no zeros are written to the tier at wrap.
+        self.handle: TensorHandle = ctx.register(owner, torch.empty(layout.shard_numel, device="meta"),
+                                                 ctx.grad_tier, kind=Kind.GRAD)
         self.empty = True
         self.scale: torch.Tensor | None = None
         """A factor (clip_grad_norm_) not yet applied to the stored gradient."""

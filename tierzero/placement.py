@@ -123,7 +123,11 @@ class PlacementManager:
     def register(self, owner: str, data: torch.Tensor, home: Tier | str, *, kind: Kind = Kind.TENSOR,
                  dtype: torch.dtype | None = None) -> TensorHandle:
         """Copy `data` (cast to `dtype`) to its home tier, where its bytes stay reserved; the
-        handle names the tensor in every other call."""
+        handle names the tensor in every other call. An NVMe home is written asynchronously from
+        a host staging copy (later reads wait for it; `flush()` raises its error), so a caller
+        registering many tensors reads the next while this one is written. `data` on the meta
+        device reserves the room without writing anything: the contents are undefined until the
+        first store or dirty release (a gradient before its first backward)."""
         h = TensorHandle(owner, kind, torch.Size(data.shape), dtype or data.dtype,
                          Tier.parse(home, what=f"register({owner!r}) home"))
         with self._cond:
@@ -135,7 +139,7 @@ class PlacementManager:
                 raise ValueError(f"register({h.name!r}, home='nvme'): config.nvme_dir is not set; "
                                  "give nvme_dir or choose another home tier")
             self._room.check_fits(h.name, h.nbytes, h.home)
-            staging = staging_needs(None, h.home, h.nbytes)
+            staging = [] if data.is_meta else staging_needs(None, h.home, h.nbytes)
             for tier, nbytes in staging:
                 self._room.check_fits(h.name, nbytes, tier, why="NVMe-homed tensors are staged through host memory")
             needs = [(h.home, h.nbytes)] + staging

@@ -264,22 +264,25 @@ class ResidencyTable:
         rec = TensorRecord(h, self.moves)
         home = Copy(buf, self.stores[h.home].view(buf, h))
         try:
-            if home.tensor is not None:
+            if data.is_meta:
+                pass  # room reserved, nothing to write
+            elif home.tensor is not None:
                 home.tensor.copy_(data)
                 self._streams.compute_wait(None, home.tensor)  # written on the compute stream
             else:
                 typed(flat(staging), h).copy_(data)
-                self._record(h, run_store(StorePlan(h, home, flat(staging)), self._io))
         except BaseException:
             self.stores[h.home].free(buf)
-            raise
-        finally:
             if staging is not None:
                 self._pool.free(staging)
+            raise
         rec._copies[h.home] = home
         self.room.add_home(h)
         self._records[h] = rec
         self._names[h.name] = h
+        if staging is not None:  # the NVMe write runs on a worker, as a store's does
+            self._submit(StorePlan(h, home, flat(staging)), Tier.HOST, Tier.NVME, run_store, self._finish_store,
+                         key=Tier.NVME)
         rec._residency[h.home] = Residency.HOME
         return rec
 

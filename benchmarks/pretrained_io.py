@@ -1,0 +1,212 @@
+"""A pretrained transformers checkpoint larger than the budgets, streamed in and out.
+
+Makes a sharded bf16 Llama checkpoint (config.json, shards, index; random values written
+straight to the shards, so no model is ever built in RAM) at least `--factor` times the host +
+device budgets, then, in a child process whose peak RSS the kernel reports to this one
+(`getrusage(RUSAGE_CHILDREN)`, measured from outside): `tz.from_pretrained` with the parameters
+homed on NVMe in bf16 (the model built on the meta device, its blocks streamed from the shards
+into the swap files), then `tz.save_pretrained(..., dtype=bfloat16)` to a new folder. The same
+run measures io_engine alone on the same disk (O_DIRECT sequential read and write of a file as
+large as the checkpoint), with the checkpoint's pages dropped from the page cache before the
+load, so both read the disk. Prints the load and export rates (checkpoint bytes / seconds) next
+to io_engine's, and the peak RSS growth over the child's RSS before loading (target: at most
+the budgets + 1 GiB; load >= 0.7x io_engine's sequential read rate).
+
+    .venv/bin/python benchmarks/pretrained_io.py [--dir runs/bench-pretrained] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from io_engine import IOEngine, PreallocatedFile, aligned_empty
+from tierzero.config import format_size, parse_size
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="benchmarks/pretrained_io.py", description=__doc__.splitlines()[0])
+    p.add_argument("--dir", default=str(ROOT / "runs" / "bench-pretrained"))
+    p.add_argument("--device-budget", default="256MiB")
+    p.add_argument("--host-budget", default="512MiB")
+    p.add_argument("--factor", type=float, default=4.0, help="checkpoint bytes / (host + device budgets)")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=5504)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--shard", default="512MiB", help="max shard size of the checkpoint")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def llama_config(args: argparse.Namespace, layers: int):
+    import transformers
+
+    return transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                                    intermediate_size=args.intermediate, num_hidden_layers=layers,
+                                    num_attention_heads=args.hidden // 128, num_key_value_heads=args.hidden // 128,
+                                    max_position_embeddings=2048, tie_word_embeddings=False, dtype="bfloat16")
+
+
+def make_checkpoint(args: argparse.Namespace, folder: Path) -> int:
+    """The checkpoint, layers enough for --factor x the budgets; its bytes."""
+    import transformers
+    from safetensors.torch import save_file
+
+    want = args.factor * (parse_size(args.device_budget) + parse_size(args.host_budget))
+    probe = llama_config(args, 1)
+    with torch.device("meta"):
+        one = transformers.LlamaForCausalLM(probe)
+    per_layer = sum(p.numel() for n, p in one.named_parameters() if ".layers.0." in n) * 2
+    rest = sum(p.numel() for n, p in one.named_parameters() if ".layers." not in n) * 2
+    layers = max(1, int(-(-(want - rest) // per_layer)))
+    config = llama_config(args, layers)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    folder.mkdir(parents=True)
+    config.save_pretrained(folder)
+    shard_bytes, shards, current, size = parse_size(args.shard), [], {}, 0
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * 2
+        if current and size + nbytes > shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = tuple(p.shape)
+        size += nbytes
+    shards.append(current)
+    gen = torch.Generator().manual_seed(0)
+    weight_map, total = {}, 0
+    for i, names in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {n: (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16) for n, shape in names.items()}
+        save_file(tensors, str(folder / file), metadata={"format": "pt"})
+        total += sum(t.numel() * 2 for t in tensors.values())
+        weight_map.update(dict.fromkeys(names, file))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    return total
+
+
+def drop_cache(folder: Path) -> None:
+    """Evict the folder's files from the page cache (written and fsynced pages go)."""
+    for f in folder.iterdir():
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def sequential(path: Path, nbytes: int, request: int = 64 << 20) -> tuple[float, float]:
+    """io_engine alone: (write GB/s of a new preallocated file with fsync, read GB/s)."""
+    buf = aligned_empty(request)
+    buf[:] = 3
+    with IOEngine(threads=4, block_size=4 << 20, direct=True) as engine, PreallocatedFile(path, nbytes) as f:
+        t0 = time.perf_counter()
+        for fut in [engine.pwrite(f, buf[:min(request, nbytes - o)], o) for o in range(0, nbytes, request)]:
+            fut.result()
+        os.fsync(f.handle.fd)
+        write = nbytes / (time.perf_counter() - t0) / 1e9
+        bufs = [aligned_empty(request) for _ in range(4)]
+        t0 = time.perf_counter()
+        pending = []
+        for i, off in enumerate(range(0, nbytes, request)):
+            if len(pending) == len(bufs):
+                pending.pop(0).result()
+            pending.append(engine.pread(f, bufs[i % len(bufs)][:min(request, nbytes - off)], off))
+        for fut in pending:
+            fut.result()
+        read = nbytes / (time.perf_counter() - t0) / 1e9
+    path.unlink()
+    return write, read
+
+
+def child(args: argparse.Namespace) -> None:
+    """In the measured process: RSS before, then load and export, timed."""
+    import psutil
+
+    import tierzero as tz
+    from tierzero import runtime
+
+    work = Path(args.dir)
+    import transformers  # noqa: F401  (imported before the baseline: its import is not the load)
+
+    base = psutil.Process().memory_info().rss
+    cfg = tz.Config(device_budget=args.device_budget, host_budget=args.host_budget,
+                    nvme_dir=str(work / "nvme"), params="nvme", grads="nvme", optimizer_states="nvme",
+                    compute_dtype="bfloat16")
+    t0 = time.perf_counter()
+    model = tz.from_pretrained(work / "ckpt", cfg)
+    runtime.placement_manager(model).flush()
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    tz.save_pretrained(model, work / "export", dtype=torch.bfloat16)
+    export_s = time.perf_counter() - t0
+    pm = runtime.placement_manager(model)
+    peaks = {t: pm.peak_bytes(t) for t in ("device", "host", "nvme")}
+    runtime.close(model)
+    print(json.dumps({"base_rss": base, "load_s": load_s, "export_s": export_s, "peaks": peaks}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.child:
+        child(args)
+        return 0
+    work = Path(args.dir)
+    shutil.rmtree(work, ignore_errors=True)
+    ckpt_bytes = make_checkpoint(args, work / "ckpt")
+    budgets = parse_size(args.device_budget) + parse_size(args.host_budget)
+    seq_write, seq_read = sequential(work / "yardstick.bin", ckpt_bytes)
+    drop_cache(work / "ckpt")
+    cmd = [sys.executable, __file__, "--child", "1", *[a for a in (argv or sys.argv[1:]) if a != "--json"]]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if proc.returncode != 0:
+        print(proc.stderr, file=sys.stderr)
+        return 1
+    peak_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    assert peak_rss >= before * 1024
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    exported = sum(f.stat().st_size for f in (work / "export").glob("*.safetensors"))
+    result = {
+        "checkpoint_bytes": ckpt_bytes, "budgets": budgets, "factor": ckpt_bytes / budgets,
+        "load_s": got["load_s"], "export_s": got["export_s"],
+        "load_gbps": ckpt_bytes / got["load_s"] / 1e9, "export_gbps": exported / got["export_s"] / 1e9,
+        "seq_read_gbps": seq_read, "seq_write_gbps": seq_write,
+        "load_vs_read": ckpt_bytes / got["load_s"] / 1e9 / seq_read,
+        "export_vs_write": exported / got["export_s"] / 1e9 / seq_write,
+        "base_rss": got["base_rss"], "peak_rss": peak_rss, "rss_growth": peak_rss - got["base_rss"],
+        "rss_limit": budgets + (1 << 30), "peaks": got["peaks"],
+    }
+    result["rss_ok"] = result["rss_growth"] <= result["rss_limit"]
+    shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"checkpoint {format_size(ckpt_bytes)} bf16 = {result['factor']:.1f}x the budgets "
+              f"({format_size(budgets)})")
+        print(f"load   {result['load_s']:.1f} s  {result['load_gbps']:.2f} GB/s = {result['load_vs_read']:.2f}x "
+              f"io_engine's sequential read ({seq_read:.2f} GB/s)")
+        print(f"export {result['export_s']:.1f} s  {result['export_gbps']:.2f} GB/s = "
+              f"{result['export_vs_write']:.2f}x io_engine's sequential write ({seq_write:.2f} GB/s)")
+        print(f"peak RSS {format_size(peak_rss)}, growth {format_size(result['rss_growth'])} "
+              f"(limit budgets + 1 GiB = {format_size(result['rss_limit'])}): "
+              f"{'ok' if result['rss_ok'] else 'OVER'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
