@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from io_engine import IOEngine, PreallocatedFile, aligned_empty
+from checkpoint_io import _sequential as io_engine_sequential  # this folder's sibling script
+from io_engine import IOEngine
 from tierzero.config import format_size, parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,30 +113,6 @@ def drop_cache(folder: Path) -> None:
             os.close(fd)
 
 
-def sequential(path: Path, nbytes: int, request: int = 64 << 20) -> tuple[float, float]:
-    """io_engine alone: (write GB/s of a new preallocated file with fsync, read GB/s)."""
-    buf = aligned_empty(request)
-    buf[:] = 3
-    with IOEngine(threads=4, block_size=4 << 20, direct=True) as engine, PreallocatedFile(path, nbytes) as f:
-        t0 = time.perf_counter()
-        for fut in [engine.pwrite(f, buf[:min(request, nbytes - o)], o) for o in range(0, nbytes, request)]:
-            fut.result()
-        os.fsync(f.handle.fd)
-        write = nbytes / (time.perf_counter() - t0) / 1e9
-        bufs = [aligned_empty(request) for _ in range(4)]
-        t0 = time.perf_counter()
-        pending = []
-        for i, off in enumerate(range(0, nbytes, request)):
-            if len(pending) == len(bufs):
-                pending.pop(0).result()
-            pending.append(engine.pread(f, bufs[i % len(bufs)][:min(request, nbytes - off)], off))
-        for fut in pending:
-            fut.result()
-        read = nbytes / (time.perf_counter() - t0) / 1e9
-    path.unlink()
-    return write, read
-
-
 def child(args: argparse.Namespace) -> None:
     """In the measured process: RSS before, then load and export, timed."""
     import psutil
@@ -176,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(work, ignore_errors=True)
     ckpt_bytes = make_checkpoint(args, work / "ckpt")
     budgets = parse_size(args.device_budget) + parse_size(args.host_budget)
-    seq_write, seq_read = sequential(work / "yardstick.bin", ckpt_bytes)
+    with IOEngine(threads=4, block_size=4 << 20, direct=True) as engine:  # the same yardstick as checkpoint_io
+        seq_write, _, seq_read = io_engine_sequential(engine, work / "yardstick.bin", ckpt_bytes)
     drop_cache(work / "ckpt")
     cmd = [sys.executable, __file__, "--child", "1", *[a for a in (argv or sys.argv[1:]) if a != "--json"]]
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
