@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tierzero import runtime
-from tierzero.config import parse_size
+from tierzero.config import Config, parse_size
 from tierzero.flat_param import FlatParam
 from tierzero.safetensors_file import TensorSpec, fsync_dir, write_safetensors
 
@@ -77,7 +77,7 @@ def require_transformers() -> Any:
 # ------------------------------------------------------------------------------ in
 
 
-def from_pretrained(path: str | os.PathLike[str], config: Any, *, dtype: torch.dtype | None = None,
+def from_pretrained(path: str | os.PathLike[str], config: Config, *, dtype: torch.dtype | None = None,
                     model_cls: Any = None, **model_kwargs: Any) -> nn.Module:
     """A transformers causal LM from the local folder `path`, wrapped by tierzero with its
     weights streamed in: the folder's config.json is read, the model is built on the meta
