@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 import tierzero as tz
 from tierzero import runtime
+from pairs import clipped_step
 from test_zero3 import GLOBAL_BATCH, device_budget, global_batches, make_model
 
 SAVE_AT = 4
@@ -45,15 +46,7 @@ def run_rank(rank: int, world_size: int, init_file: str, out_dir: str, ckpt: str
         for step, (x, y) in enumerate(batches):
             if load and step < SAVE_AT:
                 continue
-            loss = model(x[rows], y[rows]).loss
-            loss.backward()
-            tz.clip_grad_norm_(model, 0.5)
-            opt.step()
-            opt.zero_grad()
-            total = loss.detach().clone()
-            if world_size > 1:
-                dist.all_reduce(total)
-            losses.append(total.item() / world_size)
+            losses.append(clipped_step(model, opt, model(x[rows], y[rows]).loss, 0.5, world_size)[0])
             if not load and step + 1 == SAVE_AT:
                 tz.save_checkpoint(ckpt, model, opt, extra={"step": SAVE_AT})
                 losses = []

@@ -27,6 +27,7 @@ from torch import nn
 
 import tierzero as tz
 from tierzero import runtime
+from pairs import clipped_step
 from tierzero.flat_param import FlatParam
 from tierzero.weights import WeightPlan, WeightSource
 
@@ -523,15 +524,7 @@ def _zero_train(rank: int, world_size: int, folder: str, out: str, init_file: st
         rows = slice(rank * ZERO_BATCH // world_size, (rank + 1) * ZERO_BATCH // world_size)
         losses = []
         for x in batches(config.vocab_size, STEPS, rows=ZERO_BATCH):
-            loss = model(x[rows], labels=x[rows]).loss
-            loss.backward()
-            tz.clip_grad_norm_(model, 1.0)
-            opt.step()
-            opt.zero_grad()
-            total = loss.detach().clone()
-            if world_size > 1:
-                dist.all_reduce(total)
-            losses.append(total.item() / world_size)
+            losses.append(clipped_step(model, opt, model(x[rows], labels=x[rows]).loss, 1.0, world_size)[0])
         torch.save({"losses": losses, "read_bytes": sum(n for _, n in log)}, os.path.join(out, f"rank{rank}.pt"))
         runtime.close(model)
     finally:

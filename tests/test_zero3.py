@@ -31,6 +31,7 @@ from torch import nn
 
 import tierzero as tz
 from tierzero import runtime
+from pairs import clipped_step
 from tierzero.grouping import blocks_of
 from tierzero.models import GPT, GPTConfig
 from tierzero.tiers import Tier
@@ -88,14 +89,9 @@ def train_rank(rank: int, world_size: int, init_file: str, out_dir: str) -> None
         rows = slice(rank * GLOBAL_BATCH // world_size, (rank + 1) * GLOBAL_BATCH // world_size)
         losses, norms = [], []
         for x, y in global_batches():
-            loss = model(x[rows], y[rows]).loss
-            loss.backward()
-            norms.append(tz.clip_grad_norm_(model, 0.5).item())
-            opt.step()
-            opt.zero_grad()
-            total = loss.detach().clone()
-            dist.all_reduce(total)
-            losses.append(total.item() / world_size)
+            loss, norm = clipped_step(model, opt, model(x[rows], y[rows]).loss, 0.5, world_size)
+            losses.append(loss)
+            norms.append(norm)
         # state_dict works on every rank (a gather) and loads back into the shards
         sd = model.state_dict()
         model.load_state_dict(sd)
