@@ -96,3 +96,25 @@ def test_a_failing_plot_does_not_fail_a_finished_run(tmp_path: Path, monkeypatch
     for name in ("metrics.jsonl", "trace.json", "summary.json"):
         assert (tmp_path / "run" / name).is_file()
     assert swap_files(tmp_path / "nvme") == []
+
+
+def test_a_disk_error_while_wrap_writes_fails_wrap_and_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
+    from torch import nn
+
+    import tierzero as tz
+    from tierzero import nvme
+
+    def broken(*args, **kwargs):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(nvme, "write_extent", broken)  # the registers' asynchronous NVMe writes fail
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    cfg = tz.Config(device_budget="1MiB", host_budget="4MiB", nvme_dir=str(tmp_path / "nvme"), params="nvme",
+                    compute_dtype="float32")
+    try:
+        tz.wrap(model, cfg)
+    except OSError as e:
+        assert "Input/output error" in str(e)
+    else:
+        raise AssertionError("wrap returned a model whose weights never reached the disk")
+    assert swap_files(tmp_path / "nvme") == []

@@ -355,3 +355,15 @@ def test_two_ranks_gather_and_rank_0_writes(tmp_path):
     assert set(theirs) == set(expected["state"])
     assert all(torch.equal(theirs[k], v) for k, v in expected["state"].items())
     assert torch.equal(logits(loaded), expected["logits"])
+
+
+def test_saving_over_a_model_folder_keeps_its_other_files(trained, tmp_path):
+    model, _ = trained("llama-tied")
+    out = tmp_path / "out"
+    tz.save_pretrained(model, out, max_shard_size=SMALL_SHARD)
+    (out / "tokenizer.json").write_text("{}")
+    (out / "README.md").write_text("notes")
+    tz.save_pretrained(model, out)  # one file now: the old shards and index go, the rest stays
+    assert (out / "tokenizer.json").read_text() == "{}" and (out / "README.md").read_text() == "notes"
+    assert (out / "model.safetensors").is_file() and not (out / "model.safetensors.index.json").exists()
+    assert not list(out.glob("model-*.safetensors"))

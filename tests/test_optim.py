@@ -216,3 +216,23 @@ def test_a_torch_optimizer_over_a_wrapped_model_is_refused() -> None:
         plain_opt.step()
     finally:
         runtime.close(model)
+
+
+def test_a_torch_optimizer_stepped_before_wrap_or_given_more_params_is_refused_after() -> None:
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+    params = list(model.parameters())
+    early = torch.optim.SGD(params[:2], lr=0.1)
+    model(torch.randn(4, 8)).sum().backward()
+    early.step()  # clean: the model is not wrapped yet
+    later = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    later.step()  # clean: another model's parameters
+    tz.wrap(model, tz.Config(device_budget="1MiB", host_budget="4MiB", compute_dtype="float32"))
+    try:
+        with pytest.raises(ValueError, match="would not train"):
+            early.step()  # the same Parameter objects, now wrapped
+        later.step()
+        later.add_param_group({"params": params[2:]})
+        with pytest.raises(ValueError, match="would not train"):
+            later.step()
+    finally:
+        runtime.close(model)

@@ -89,7 +89,8 @@ def from_pretrained(path: str | os.PathLike[str], config: Config, *, dtype: torc
     `model_cls(hf_config)`); model_kwargs go to that construction (e.g. attn_implementation).
     The folder's generation_config.json, when there is one, becomes `model.generation_config`.
     """
-    return runtime.wrap(meta_model(path, dtype=dtype, model_cls=model_cls, **model_kwargs), config, weights=path)
+    model = runtime.wrap(meta_model(path, dtype=dtype, model_cls=model_cls, **model_kwargs), config, weights=path)
+    return model.eval()  # as transformers' from_pretrained returns it; training sets train()
 
 
 def meta_model(path: str | os.PathLike[str], *, dtype: torch.dtype | None = None, model_cls: Any = None,
@@ -379,10 +380,16 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
+def _is_weights_file(name: str) -> bool:
+    """A weights file of transformers' folder format (replaced whole by a new save)."""
+    return name == INDEX_FILE or (name.startswith("model") and name.endswith(".safetensors"))
+
+
 @contextlib.contextmanager
 def staged_folder(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
     """A temporary folder next to `out_dir` to write into; on a clean exit it is fsynced and
-    renamed to `out_dir` (an existing one renamed away first, then deleted); on an error it is
+    renamed to `out_dir` (an existing one renamed away first, then deleted, its files other than
+    the weights copied over first: a tokenizer saved beside the model stays); on an error it is
     deleted and `out_dir` left as it was. An existing `out_dir` must be empty or a model folder
     (holding config.json or .safetensors files): anything else is refused, not replaced."""
     out = Path(out_dir).absolute()
@@ -398,6 +405,10 @@ def staged_folder(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
+        if out.is_dir():  # what the folder holds besides the model (tokenizer, README, ...) stays
+            for f in out.iterdir():
+                if not (tmp / f.name).exists() and not _is_weights_file(f.name):
+                    (shutil.copytree if f.is_dir() else shutil.copy2)(f, tmp / f.name)
         fsync_dir(tmp)
         if out.exists():
             old = out.with_name(f".old-{out.name}-{os.getpid()}")

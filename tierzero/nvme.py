@@ -165,6 +165,8 @@ def reclaim_dead_runs(rank_dir: Path) -> None:
                     fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     continue  # a live process owns it
+                if os.fstat(f.fileno()).st_nlink == 0:
+                    continue  # its owner is removing the folder right now
                 pid = f.read().strip() or "?"
                 size = sum(p.stat().st_size for p in run.iterdir() if p.is_file())
                 shutil.rmtree(run)
@@ -200,7 +202,7 @@ class SwapSpace:
         # Made under a hidden name and renamed once locked, so reclaim_dead_runs in another
         # process never sees a run folder whose owner has not locked it yet.
         making = rank_dir / f".{name}"
-        making.mkdir()
+        making.mkdir(parents=True)  # the rank folder again, if another run's close just removed it
         self._lock_file = open(making / LOCK, "w")
         fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._lock_file.write(f"{os.getpid()}\n")
@@ -287,10 +289,12 @@ class SwapSpace:
             f.close()
             os.unlink(f.path)
         self._files.clear()
-        fcntl.flock(self._lock_file, fcntl.LOCK_UN)
-        self._lock_file.close()
+        # The lock is held until the folder is gone: a reclaim_dead_runs in another process
+        # never takes a live run's lock (it skips a lock file already unlinked, too).
         (self.run_dir / LOCK).unlink(missing_ok=True)
         self.run_dir.rmdir()
+        fcntl.flock(self._lock_file, fcntl.LOCK_UN)
+        self._lock_file.close()
         with contextlib.suppress(OSError):  # other runs (other processes) may still use it
             self.run_dir.parent.rmdir()
 

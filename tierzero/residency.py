@@ -260,7 +260,7 @@ class ResidencyTable:
 
     def to_home(self, h: TensorHandle, data: torch.Tensor, buf: Buffer, staging: torch.Tensor | None) -> TensorRecord:
         """(unregistered) -> HOME: write `data` into the reserved home `buf` (an NVMe home through
-        `staging`, synchronously); both buffers are given back if the write fails."""
+        `staging`, by a worker: its error goes to flush()); nothing for a meta `data`."""
         rec = TensorRecord(h, self.moves)
         home = Copy(buf, self.stores[h.home].view(buf, h))
         try:

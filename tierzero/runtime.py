@@ -49,13 +49,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tierzero.blocks import Block, SavedParamViews, output_tensors
 from tierzero.config import Config, format_size
 from tierzero.fetch_group import discard_gathers, gather_ahead
 from tierzero.flat_param import FlatParam, fetched_bytes
 from tierzero.grouping import ROOT, BlockSpec, assign_params, block_specs, group_modules, unique_params
+from tierzero.optimizer_guard import refuse_other_optimizers
 from tierzero.placement import PlacementManager
 from tierzero.prefetch import Prefetcher, Unit, policy_from_config
 from tierzero.sharding import FlatLayout, broadcast_from_first_, rank_errors, world
@@ -224,6 +224,7 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
                       for name, modules, params in specs]
             if plan is not None:
                 load_buffers(model, plan, pm.device)
+            pm.flush()  # the registers' NVMe writes landed: a disk error fails wrap, here
         except BaseException:
             pm.close()
             raise
@@ -235,7 +236,7 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
     _STATES[model] = state
     for m in model.modules():
         _OWNED[m] = model
-    _refuse_other_optimizers(model)
+    refuse_other_optimizers(model)
     return model
 
 
@@ -262,47 +263,6 @@ def _start(model: nn.Module, config: Config, ctx: StepContext, blocks: list[Bloc
     pm.set_eviction_policy(prefetcher)
     state.register_hooks()
     return state
-
-
-_TIERED_PARAMS: dict[int, tuple["weakref.ref[nn.Parameter]", "weakref.ref[nn.Module]"]] = {}
-"""Side table: id of every parameter of a wrapped model -> (the parameter, that model), weakly
-(keyed by id: tensors compare elementwise, so they cannot be dict keys themselves)."""
-_CHECKED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
-"""Optimizers whose parameters _check_optimizer has looked at."""
-_optimizer_hook: Any = None
-
-
-def _refuse_other_optimizers(model: nn.Module) -> None:
-    """A torch optimizer other than tierzero's over a wrapped model's parameters would step
-    placeholders that never get a gradient (tierzero keeps gradients in flat shards): the model
-    would silently not train (transformers' plain Trainer builds one). A global optimizer
-    step pre-hook (torch's documented API), installed once, refuses it at its first step."""
-    global _optimizer_hook
-    for p in model.parameters():
-        _TIERED_PARAMS[id(p)] = (weakref.ref(p, lambda _, i=id(p): _TIERED_PARAMS.pop(i, None)), weakref.ref(model))
-    if _optimizer_hook is None:
-        _optimizer_hook = register_optimizer_step_pre_hook(_check_optimizer)
-
-
-def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if optimizer in _CHECKED:
-        return
-    _CHECKED.add(optimizer)
-    from tierzero.optim import TieredOptimizer
-
-    if isinstance(optimizer, TieredOptimizer):
-        return
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            entry = _TIERED_PARAMS.get(id(p))
-            model = entry[1]() if entry is not None and entry[0]() is p else None
-            if model is not None:
-                _CHECKED.discard(optimizer)  # refused at every step, not only the first
-                raise ValueError(
-                    f"{type(optimizer).__name__} steps parameters of the tierzero-wrapped "
-                    f"{type(model).__name__}, whose gradients live in tierzero's flat shards, not "
-                    "in p.grad: it would not train. Use tz.AdamW(model, ...) or tz.SGD(model, ...) "
-                    "(with transformers' Trainer: tierzero.hf.Trainer, which builds one)")
 
 
 def state_of(model: nn.Module) -> TieredState:

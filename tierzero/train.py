@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -265,14 +266,29 @@ def _meta_model(args: argparse.Namespace) -> tuple[torch.nn.Module, tzdata.Token
     return hf.meta_model(args.model), hf.folder_tokenizer(args.model)
 
 
-def _corpus(args: argparse.Namespace, tokenizer: tzdata.Tokenizer | None, model: torch.nn.Module):
-    corpus = tzdata.file_corpus(args.data, tokenizer) if args.data else tzdata.stdlib_corpus()
-    vocab = model.get_input_embeddings().num_embeddings if _pretrained(args) else tzdata.VOCAB_SIZE
+def _corpus(args: argparse.Namespace, tokenizer: tzdata.Tokenizer | None, model: torch.nn.Module) -> np.ndarray:
+    """The training tokens: bytes for a built-in model, the folder's tokenizer for a pretrained
+    one (the default corpus too), whose ids must fit the model's vocabulary."""
+    if not _pretrained(args):
+        return tzdata.file_corpus(args.data) if args.data else tzdata.stdlib_corpus()
+    if tokenizer is None:
+        raise ValueError(f"--model {args.model!r}: the folder has no tokenizer (tokenizer.json, "
+                         "tokenizer_config.json, ...), so its token ids cannot be made from text; save the "
+                         "model's tokenizer into the folder (tokenizer.save_pretrained(folder))")
+    if args.data:
+        corpus = tzdata.file_corpus(args.data, tokenizer)
+    else:  # the standard library's source, as text through the model's own tokenizer
+        text = tzdata.stdlib_corpus(DEFAULT_TEXT_BYTES).tobytes().decode("utf-8", errors="replace")
+        corpus = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
+    vocab = model.get_input_embeddings().num_embeddings
     if int(corpus.max()) >= vocab:
-        why = "its tokenizer" if tokenizer is not None else "bytes (the folder has no tokenizer)"
-        raise ValueError(f"--data: token id {int(corpus.max())} read as {why} is outside the model's "
-                         f"vocabulary of {vocab}; give the model folder its own tokenizer files")
+        raise ValueError(f"--data: token id {int(corpus.max())} from the folder's tokenizer is outside the "
+                         f"model's vocabulary of {vocab}; the tokenizer files do not belong to this model")
     return corpus
+
+
+DEFAULT_TEXT_BYTES = 4 << 20
+"""Text of the default corpus tokenized for a pretrained model (tokenizing all of it is slow)."""
 
 
 def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -329,7 +329,8 @@ def _mismatch(model: nn.Module, source: WeightSource, missing: list[str], unexpe
     if converted:
         parts.append(f"{len(converted)} key(s) that transformers converts (merges or splits) on load, which a "
                      f"streaming load does not do: {_few(converted, 3)} (in {where(converted)}); load it "
-                     "once with from_pretrained and save_pretrained it")
+                     "once with transformers' from_pretrained and save it in the converted layout "
+                     "(save_pretrained(folder, save_original_format=False))")
     raise ValueError(f"weights {str(source.path)!r} ({len(source.files)} safetensors file(s)) do not match "
                      f"{type(model).__name__}: {'; '.join(parts)}. Give the checkpoint of this model class and "
                      "config, or build the model from the checkpoint's config")
