@@ -73,3 +73,16 @@ def test_a_folder_that_is_not_a_model_fails_at_start(tmp_path: Path, capsys) -> 
 
     assert train.main(["--model", str(tmp_path / "nope"), "--steps", "1"]) == 2
     assert "built-in model" in capsys.readouterr().err
+
+
+def test_a_folder_without_a_tokenizer_is_refused(tmp_path: Path, capsys) -> None:
+    from tierzero import train
+
+    folder = tmp_path / "llama"
+    make_folder(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (folder / name).unlink(missing_ok=True)
+    args = ["--model", str(folder), "--steps", "1", "--batch", "2", "--seq", "16", "--no-progress",
+            "--run-dir", str(tmp_path / "run")]
+    assert train.main(args) == 2
+    assert "no tokenizer" in capsys.readouterr().err

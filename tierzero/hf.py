@@ -47,6 +47,7 @@ from torch import nn
 
 from tierzero import runtime
 from tierzero.config import Config, parse_size
+from tierzero.data import Tokenizer
 from tierzero.flat_param import FlatParam
 from tierzero.safetensors_file import TensorSpec, fsync_dir, write_safetensors
 
@@ -118,7 +119,7 @@ def meta_model(path: str | os.PathLike[str], *, dtype: torch.dtype | None = None
     return model
 
 
-def folder_tokenizer(path: str | os.PathLike[str]) -> Any:
+def folder_tokenizer(path: str | os.PathLike[str]) -> Tokenizer | None:
     """The tokenizer saved in a model folder (transformers' AutoTokenizer), or None when the
     folder has no tokenizer files."""
     transformers = require_transformers()
