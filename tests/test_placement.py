@@ -399,3 +399,26 @@ def test_a_wait_ends_when_another_thread_unregisters_its_tensor(tmp_path):
         assert not waiter.is_alive() and len(errors) == 1
         assert "acquire('b', 'device'): 'b' was unregistered by another thread meanwhile" in str(errors[0])
         pm.release(a)
+
+
+def test_a_failed_home_write_is_refused_by_reads_until_a_new_store(tmp_path, monkeypatch):
+    with make(tmp_path) as pm:
+        a = pm.register("a", torch.randn(1000), "nvme")
+        pm.flush()
+        real = nvme.write_extent
+
+        def broken(*args, **kwargs):
+            raise OSError(5, "Input/output error")
+
+        monkeypatch.setattr(nvme, "write_extent", broken)
+        pm.store(a, torch.ones(1000))  # asynchronous: its failure comes later
+        with pytest.raises(RuntimeError, match="last write to the nvme tier failed.*Input/output error"):
+            pm.read(a)
+        with pytest.raises(RuntimeError, match="values there are lost"):
+            pm.acquire(a, "host")
+        assert pm.record(a).pins(Tier.HOST) == 0 and pm.pool.in_use_count == 0
+        with pytest.raises(OSError, match="Input/output error"):
+            pm.flush()  # reported there too, once
+        monkeypatch.setattr(nvme, "write_extent", real)
+        pm.store(a, torch.full((1000,), 2.0))
+        assert torch.equal(pm.read(a), torch.full((1000,), 2.0))

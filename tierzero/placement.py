@@ -392,6 +392,7 @@ class PlacementManager:
             self._check_live(rec)
             self._wait_until(lambda: not any(m.dst is h.home for m in rec.in_flight) or None,
                              rec, f"acquire({h.name!r}) waiting for write-backs to its home")
+            self._table.check_home(rec)
             copy = self._table.pin(rec, h.home)
         self.streams.compute_wait(None, copy.tensor)
         return copy.tensor

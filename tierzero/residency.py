@@ -75,6 +75,8 @@ class TensorRecord:
         self._view = MappingProxyType(self._residency)
         self._copies: dict[Tier, Copy] = {}
         self._moves = moves
+        self._home_error: BaseException | None = None
+        """The last write to the home failed: its contents there are lost until the next write."""
 
     @property
     def name(self) -> str:
@@ -155,8 +157,17 @@ class ResidencyTable:
     def __len__(self) -> int:
         return len(self._records)
 
+    def check_home(self, rec: TensorRecord) -> None:
+        """Refuse to read a home whose last write failed (its error also went to flush())."""
+        if rec._home_error is not None:
+            raise RuntimeError(
+                f"tensor {rec.name!r}: its last write to the {rec.home.value} tier failed "
+                f"({rec._home_error}); the values there are lost: store new values (or load a "
+                "checkpoint) before reading it") from rec._home_error
+
     def read_home(self, rec: TensorRecord, out: torch.Tensor | None) -> torch.Tensor:
         """The home's contents on the CPU: fresh, or in `out` (flat uint8, page-aligned)."""
+        self.check_home(rec)
         h, home = rec.handle, rec._copies[rec.home]
         if home.tensor is not None:
             if out is None:
@@ -213,6 +224,7 @@ class ResidencyTable:
         else:
             home.tensor.copy_(data)
             self._streams.compute_wait(None, home.tensor)  # written on the compute stream
+            rec._home_error = None
         for tier, copy in rec._copies.items():
             if tier is not rec.home:
                 copy.tensor.copy_(data)
@@ -226,6 +238,8 @@ class ResidencyTable:
         host = rec._copies.get(Tier.HOST)
         if tier is Tier.DEVICE and h.home is Tier.NVME and host is not None and not host.stale:
             src = Tier.HOST  # a cached host copy saves the NVMe read and the staging buffer
+        if src is rec.home:
+            self.check_home(rec)
         needs = [(tier, h.nbytes)] + staging_needs(src, tier, h.nbytes)
         bufs = self.room.take(needs, h)
         if isinstance(bufs, Shortfall):
@@ -381,11 +395,15 @@ class ResidencyTable:
         self._commit(plan.handle, outcome)
 
     def _commit(self, h: TensorHandle, outcome: Outcome) -> None:
-        """A write to the home finished: its legs go to telemetry, its error to the next flush()."""
+        """A write to the home finished: its legs go to telemetry, its error to the next flush()
+        and to the record (reads of the home refuse until the next write succeeds)."""
+        rec = self._records[h]
         if isinstance(outcome, Done):
             self._record(h, outcome)
+            rec._home_error = None
         else:
             self.errors.append(outcome.error)
+            rec._home_error = outcome.error
 
     def _record(self, h: TensorHandle, done: Done) -> None:
         for span in done.spans:
