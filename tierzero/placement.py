@@ -55,7 +55,7 @@ from tierzero.handles import Kind, TensorHandle
 from tierzero.moves import Move, staging_needs
 from tierzero.nvme import SwapRegion
 from tierzero.residency import Residency, ResidencyTable, TensorRecord, assert_in_states
-from tierzero.streams import CopyStreams
+from tierzero.streams import CopyStreams, resolve_device
 from tierzero.telemetry import Telemetry
 from tierzero.tier_store import flat, tier_stores
 from tierzero.tiers import Budget, HostPool, Tier, round_up
@@ -90,7 +90,7 @@ class PlacementManager:
                  wait_timeout_s: float = 60.0) -> None:
         self.config = config
         self.rank = rank
-        self.device = _resolve_device(device)
+        self.device = resolve_device(device)
         self.wait_timeout_s = wait_timeout_s
         self.telemetry = Telemetry()
         self.streams = CopyStreams(self.device)
@@ -456,12 +456,3 @@ class PlacementManager:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("PlacementManager is closed")
-
-
-def _resolve_device(device: torch.device | str | None) -> torch.device:
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device

@@ -101,3 +101,13 @@ class CopyStreams:
 
     def __repr__(self) -> str:
         return f"CopyStreams({self.device}, {'cuda h2d+d2h' if self.cuda else 'synchronous'})"
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """The device a placement manager works with: `device`, else the current CUDA device, else the CPU."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
