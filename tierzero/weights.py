@@ -41,14 +41,14 @@ from typing import Any, Callable, Iterable, NamedTuple
 import torch
 from torch import nn
 
+from tierzero.safetensors_file import DTYPES
 from tierzero.sharding import FlatLayout
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-           "U8": torch.uint8, "BOOL": torch.bool}
+_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
+"""safetensors' dtype names -> torch dtypes (the writer's table, inverted)."""
 
 
 def _safe_open() -> Callable[..., Any]:
