@@ -33,6 +33,13 @@ _LAZY = {
     "WeightSource": "tierzero.weights",
     "from_pretrained": "tierzero.hf",
     "save_pretrained": "tierzero.hf",
+    "PrefetchPolicy": "tierzero.policies",
+    "PrefetchView": "tierzero.policies",
+    "Fetch": "tierzero.policies",
+    "NoPrefetch": "tierzero.policies",
+    "Lookahead": "tierzero.policies",
+    "BytesAhead": "tierzero.policies",
+    "Adaptive": "tierzero.policies",
     "Kind": "tierzero.handles",
     "TensorHandle": "tierzero.handles",
 }

@@ -162,6 +162,8 @@ class Block:
                 self._holds -= 1
                 ctx.release(self)
                 raise
+            if ctx.prefetcher is not None:
+                ctx.prefetcher.fetched()
 
     def unhold(self) -> None:
         assert self._holds > 0, f"{self.name}: release without a hold"

@@ -48,26 +48,36 @@ class IOConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class PrefetchConfig:
-    """How far ahead of compute blocks are fetched, from the trace recorded in the first step."""
+    """How blocks are fetched ahead of compute, from the trace recorded in the first step (see
+    tierzero/policies.py and `tierzero tune`, which measures the choices on a model)."""
 
-    policy: Literal["none", "lookahead", "bytes"] = "lookahead"
-    """none: fetch on demand; lookahead: the next `depth` blocks; bytes: as many upcoming blocks
-    as fit `reserve` bytes of the device budget."""
+    policy: str | Any = "lookahead"
+    """"none": on demand; "lookahead": the next `depth` blocks; "bytes": as many upcoming blocks
+    as fit `reserve` bytes of the device budget; "adaptive": each block just early enough, from
+    the compute and copy times of earlier steps; a dotted path "package.module.Class" to a
+    tz.PrefetchPolicy class (built with `options`); or a policy object."""
     depth: int = 2
     """Blocks fetched ahead to the device tier with policy "lookahead"."""
     reserve: int | str = 0
     """Bytes of the device budget set aside for prefetched blocks with policy "bytes"
     (0 = half the device budget)."""
     nvme_depth: int = 4
-    """Blocks read ahead from NVMe into host staging (further ahead than device copies)."""
+    """Blocks read ahead from NVMe into host memory (the built-ins; "adaptive" reads ahead what
+    its times ask for, within the host room), and the placement manager's move workers (at
+    least 2), so the NVMe reads that run at once."""
+    options: Mapping[str, Any] = field(default_factory=dict)
+    """Keyword arguments of a policy class named by dotted path."""
 
     def __post_init__(self) -> None:
-        _check_choice("prefetch.policy", self.policy, ("none", "lookahead", "bytes"))
+        from tierzero.policies import check_policy
+
+        check_policy(self.policy, self.options)
         for name in ("depth", "nvme_depth"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"prefetch.{name}: expected an int >= 0, got {v!r}")
         object.__setattr__(self, "reserve", parse_size(self.reserve, what="prefetch.reserve"))
+        object.__setattr__(self, "options", dict(self.options))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,7 +102,8 @@ class Config:
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """dtype of parameters on the device: "auto" = bfloat16 with CUDA, float32 without."""
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
-    """Prefetch policy (see PrefetchConfig)."""
+    """Prefetch policy (see PrefetchConfig); a policy object here stands for
+    PrefetchConfig(policy=that object)."""
     io: IOConfig = field(default_factory=IOConfig)
     """io_engine settings for the NVMe tier."""
     step_in_backward: bool = False
@@ -121,10 +132,13 @@ class Config:
         _check_choice("compute_dtype", self.compute_dtype, ("auto", "float32", "bfloat16", "float16"))
         if isinstance(self.prefetch, Mapping):
             object.__setattr__(self, "prefetch", PrefetchConfig(**self.prefetch))
+        elif callable(getattr(self.prefetch, "plan", None)):
+            object.__setattr__(self, "prefetch", PrefetchConfig(policy=self.prefetch))
         if isinstance(self.io, Mapping):
             object.__setattr__(self, "io", IOConfig(**self.io))
         if not isinstance(self.prefetch, PrefetchConfig):
-            raise ValueError(f"prefetch: expected a PrefetchConfig or a mapping, got {self.prefetch!r}")
+            raise ValueError(f"prefetch: expected a PrefetchConfig, a mapping or a prefetch policy object "
+                             f"(tz.PrefetchPolicy: a plan(view) method), got {self.prefetch!r}")
         if not isinstance(self.io, IOConfig):
             raise ValueError(f"io: expected an IOConfig or a mapping, got {self.io!r}")
         object.__setattr__(self, "block_classes", tuple(self.block_classes))

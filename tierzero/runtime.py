@@ -256,8 +256,7 @@ def _start(model: nn.Module, config: Config, ctx: StepContext, blocks: list[Bloc
         gather_ahead(ctx, [groups[u.name] for u in units])
 
     prefetcher = Prefetcher(pm, [b.unit for b in blocks if b.flats], policy_from_config(config),
-                            nvme_depth=config.prefetch.nvme_depth, device_room=ctx.device_room,
-                            fetch_ahead=None if ctx.world_size == 1 else gather_units,
+                            device_room=ctx.device_room, fetch_ahead=None if ctx.world_size == 1 else gather_units,
                             device_wraps=ctx.world_size == 1)
     ctx.attach(prefetcher, state.end_backward)
     pm.set_eviction_policy(prefetcher)

@@ -2,7 +2,9 @@
 
 The placement manager reports every finished move (`record_move`), every wait of a caller of
 acquire (`record_stall`), every change of a tier's reserved bytes (`on_bytes`, a budget hook) and
-whether an acquire found its data already there or on its way (`record_prefetch`). Counters of
+whether an acquire found its data already there or on its way (`record_prefetch`); the
+prefetcher adds one span per block fetch (`record_span`) and what the trace needs to be replayed
+(`info`, written as the trace's "otherData"). Counters of
 the current step are returned and cleared by `reset_step()`; `write_chrome_trace(path)` writes
 the whole run for chrome://tracing or https://ui.perfetto.dev; `plot_run(run_dir)` draws a
 `tierzero train` run folder's tiers.png.
@@ -34,6 +36,16 @@ class MoveEvent(NamedTuple):
     nbytes: int
     start: float
     end: float
+
+
+class Span(NamedTuple):
+    """Something that took time on a named track of the Chrome trace (a block fetch)."""
+
+    track: str
+    name: str
+    start: float
+    end: float
+    args: dict
 
 
 @dataclass
@@ -69,6 +81,9 @@ class Telemetry:
         self.prefetch_hits = 0
         self.prefetch_misses = 0
         self._step = StepStats()
+        self.spans: deque[Span] = deque(maxlen=MAX_EVENTS)
+        self.info: dict[str, object] = {}
+        """Facts about the run for readers of the trace (units, budgets), its "otherData"."""
 
     def on_bytes(self, tier: str, used: int) -> None:
         """Budget hook: a tier's reserved bytes changed."""
@@ -102,6 +117,26 @@ class Telemetry:
                 self.prefetch_misses += 1
                 self._step.prefetch_misses += 1
 
+    def record_span(self, track: str, name: str, start: float, end: float, args: dict) -> None:
+        with self._lock:
+            self.spans.append(Span(track, name, start, end, args))
+
+    def total_stall_s(self) -> float:
+        """Seconds callers of acquire() waited, over the whole run."""
+        with self._lock:
+            return sum(self.stall_s.values())
+
+    def moves_since(self, t: float) -> list[MoveEvent]:
+        """The moves that started at or after `t` (time.perf_counter()), oldest first."""
+        with self._lock:
+            out = []
+            for m in reversed(self.moves):
+                if m.end < t:
+                    break
+                if m.start >= t:
+                    out.append(m)
+        return out[::-1]
+
     def reset_step(self) -> StepStats:
         """Return this step's counters and start counting the next step."""
         with self._lock:
@@ -112,6 +147,7 @@ class Telemetry:
         """The run as a Chrome trace: one track per copy direction, one counter per tier."""
         with self._lock:
             moves = list(self.moves)
+            spans = list(self.spans)
             timeline = {t: list(v) for t, v in self.timeline.items()}
         pid = os.getpid()
         us = lambda t: (t - self.t0) * 1e6  # noqa: E731 - trace times are microseconds from start
@@ -126,11 +162,18 @@ class Telemetry:
             events.append({"ph": "X", "pid": pid, "tid": tracks[track], "name": m.tensor, "cat": "move",
                            "ts": us(m.start), "dur": max(us(m.end) - us(m.start), 0.001),
                            "args": {"bytes": m.nbytes}})
+        for s in spans:
+            if s.track not in tracks:
+                tracks[s.track] = len(tracks) + 1
+                events.append({"ph": "M", "pid": pid, "tid": tracks[s.track], "name": "thread_name",
+                               "args": {"name": s.track}})
+            events.append({"ph": "X", "pid": pid, "tid": tracks[s.track], "name": s.name, "cat": s.track,
+                           "ts": us(s.start), "dur": max(us(s.end) - us(s.start), 0.001), "args": s.args})
         for tier, points in timeline.items():
             for t, used in points:
                 events.append({"ph": "C", "pid": pid, "name": f"{tier} bytes", "ts": us(t),
                                "args": {"bytes": used}})
-        return {"traceEvents": events, "displayTimeUnit": "ms"}
+        return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"tierzero": dict(self.info)}}
 
     def write_chrome_trace(self, path: str | os.PathLike[str]) -> None:
         """Write the Chrome trace JSON (open in https://ui.perfetto.dev or chrome://tracing)."""
