@@ -153,6 +153,8 @@ def test_adaptive_asks_just_early_enough() -> None:
     # Slow compute (1 s per block) against fast copies: only the next block, no reads ahead.
     slow = BlockTimes([1.0] * 5, {(u.name, t): 0.01 for u in UNITS for t in (D, H)})
     assert Adaptive().plan(view(0, times=slow)) == [Fetch("b1", D)]
+    # ... and the unit after it, on NVMe, read into host, so its device copy starts from there.
+    assert Adaptive().plan(view(1, times=slow)) == [Fetch("b2", D), Fetch("b3", H)]
     # Copies as slow as compute: further ahead, NVMe units read into host before their turn.
     fast = BlockTimes([0.01] * 5, {(u.name, t): 0.01 for u in UNITS for t in (D, H)})
     assert Adaptive().plan(view(0, times=fast)) == [Fetch(f"b{i}", D) for i in (1, 2, 3, 4)]

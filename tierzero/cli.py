@@ -1,4 +1,4 @@
-"""The `tierzero` command: train | estimate | bench-io | export.
+"""The `tierzero` command: train | estimate | bench-io | export | tune.
 
 Each subcommand lives in the module that owns its work; this file dispatches to it and holds
 the flags that several subcommands share.
@@ -53,11 +53,18 @@ def _export(argv: list[str]) -> int:
     return export.main(argv)
 
 
+def _tune(argv: list[str]) -> int:
+    from tierzero import tune
+
+    return tune.main(argv)
+
+
 _COMMANDS = {
     "estimate": (_estimate, "bytes per tier for a built-in model and a config"),
     "bench-io": (_bench_io, "sweep io_engine block size x threads against fio on a directory"),
     "export": (_export, "write a checkpoint's model as a safetensors file or a transformers folder"),
     "train": (_train, "train a built-in GPT with tiered state into a run folder"),
+    "tune": (_tune, "measure (or predict) prefetch settings on a model and print the best as config"),
 }
 
 

@@ -303,7 +303,9 @@ class Adaptive(PrefetchPolicy):
     on the device), within the device room; the next unit always comes, as no later decision
     precedes its use. NVMe-homed units are read into host by the same rule, so the read lands
     before the device copy must start: the slower the disk against compute, the further ahead,
-    within the host room. Until one iteration is measured it acts as Lookahead(1, nvme_depth).
+    within the host room; and at least the unit after the device plan, so device copies start
+    from a host copy (which stays cached, evictable, and saves the next read of it). Until one
+    iteration is measured it acts as Lookahead(1, nvme_depth).
     """
 
     margin: float = 1.5
@@ -348,6 +350,7 @@ class Adaptive(PrefetchPolicy):
             device.append(Fetch(up.unit.name, Tier.DEVICE))
             room -= up.unit.nbytes
         chosen = {f.unit for f in device}
+        host_far = max(host_far, len(device) + 1)  # the next plan's device copy starts from host
         reads = [Fetch(up.unit.name, Tier.HOST) for up, where in ups[:host_far]
                  if up.unit.nvme and up.unit.name not in chosen and (not where or Tier.HOST in where)]
         return device + reads

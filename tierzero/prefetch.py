@@ -76,6 +76,8 @@ class _Iteration:
     start: float = field(default_factory=lambda: _clock())
     host_room: int = 0
     """Host bytes for unit copies at the first fetch (see Prefetcher._room)."""
+    gap_stall: float = 0.0
+    """Stall seconds between the previous iteration's end and this one's first fetch."""
 
 
 class _Pending(NamedTuple):
@@ -112,13 +114,16 @@ class Prefetcher:
         self._times: dict[Hashable, BlockTimes] = {}
         self._it: _Iteration | None = None
         self._pending: _Pending | None = None
+        self._ended: tuple[float, float] | None = None
+        """(time, run's stall seconds) at the last end()."""
         self._iterations = 0
         self._warned = False
         self.deviations = 0
         """Iterations that deviated from their trace (each re-recorded)."""
         cfg = pm.config
         pm.telemetry.info.update(
-            units={u.name: {"bytes": u.nbytes, "nvme": u.nvme} for u in units}, policy=describe(policy),
+            units={u.name: {"bytes": u.nbytes, "nvme": u.nvme, "tensors": [t.name for t in u.tensors]} for u in units},
+            policy=describe(policy),
             device_room=device_room(), device_wraps=device_wraps, workers=max(2, cfg.prefetch.nvme_depth),
             io_threads=cfg.io.threads, io_block_size=cfg.io.block_size)
 
@@ -138,6 +143,7 @@ class Prefetcher:
         if not it.marks:
             self._learn_last(it.key, now, stall)
             it.host_room = self._room(Tier.HOST)
+            it.gap_stall = stall - self._ended[1] if self._ended is not None else 0.0
         it.marks.append(_Mark(event, now, stall, None, tuple(sorted(held - {event.unit}))))
         it.recording.append(event)
         if it.trace is None or it.deviated:
@@ -160,6 +166,7 @@ class Prefetcher:
         if it is None or not it.recording:
             return
         now, stall = _clock(), self.pm.telemetry.total_stall_s()
+        self._ended = (now, stall)
         new = tuple(it.recording)
         if it.trace is not None and not it.deviated and new != it.trace:
             self._deviate(it, f"the iteration ended after {len(new)} of {len(it.trace)} fetches")
@@ -209,7 +216,8 @@ class Prefetcher:
             self.pm.telemetry.record_span(TRACK, f"{m.event.phase} {m.event.unit}", m.start, end, {
                 "iteration": self._iterations, "key": repr(it.key), "pos": i, "phase": str(m.event.phase),
                 "unit": m.event.unit, "held": list(m.held), "stall_s": own,
-                "other_stall_s": stall_end - m.stall0 - own, **({"host_room": it.host_room} if i == 0 else {})})
+                "other_stall_s": stall_end - m.stall0 - own,
+                **({"host_room": it.host_room, "gap_stall_s": it.gap_stall} if i == 0 else {})})
         self._pending = None
         if tuple(it.recording) != self._traces.get(it.key):
             return
