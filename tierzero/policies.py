@@ -304,8 +304,10 @@ class Adaptive(PrefetchPolicy):
     precedes its use. NVMe-homed units are read into host by the same rule, so the read lands
     before the device copy must start: the slower the disk against compute, the further ahead,
     within the host room; and at least the unit after the device plan, so device copies start
-    from a host copy (which stays cached, evictable, and saves the next read of it). Until one
-    iteration is measured it acts as Lookahead(1, nvme_depth).
+    from a host copy (which stays cached, evictable, and saves the next read of it), and the
+    next `nvme_depth` units, so reads stay in flight beside compute when the times say they
+    could wait (times are noisy; host room is cheaper than a stall). Until one iteration is
+    measured it acts as Lookahead(1, nvme_depth).
     """
 
     margin: float = 1.5
@@ -313,7 +315,7 @@ class Adaptive(PrefetchPolicy):
     slack_s: float = 0.001
     """Seconds added to every copy time (thread hand-offs)."""
     nvme_depth: int = 4
-    """Read-ahead before anything is learned."""
+    """The least read-ahead from NVMe, in units (more when the times ask for it)."""
 
     def plan(self, view: PrefetchView) -> list[Fetch]:
         times = view.times
@@ -350,7 +352,9 @@ class Adaptive(PrefetchPolicy):
             device.append(Fetch(up.unit.name, Tier.DEVICE))
             room -= up.unit.nbytes
         chosen = {f.unit for f in device}
-        host_far = max(host_far, len(device) + 1)  # the next plan's device copy starts from host
+        # At least the unit after the device plan (its next copy then starts from host) and
+        # the next nvme_depth units: reads in flight beside compute guard against noisy times.
+        host_far = max(host_far, len(device) + 1, self.nvme_depth)
         reads = [Fetch(up.unit.name, Tier.HOST) for up, where in ups[:host_far]
                  if up.unit.nvme and up.unit.name not in chosen and (not where or Tier.HOST in where)]
         return device + reads
