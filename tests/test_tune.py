@@ -72,6 +72,26 @@ def test_a_policy_cannot_put_the_model_over_its_rooms() -> None:
     assert p.copies >= 4  # still trains through every block, within two blocks of room
 
 
+def test_calibration_from_busy_time_and_bench_io_threads() -> None:
+    rec = recording()
+    rec.busy = {("nvme", "host"): (4 * BLOCK, 8 * MS), ("host", "device"): (8 * BLOCK, 0.8 * MS)}
+    rec.miss_overheads = [0.3 * MS, 0.1 * MS, 0.2 * MS]
+    model = TierModel.calibrate(rec)
+    assert model.leg_seconds("nvme", "host", BLOCK) == pytest.approx(2 * MS)
+    assert model.leg_seconds("host", "device", BLOCK) == pytest.approx(0.1 * MS)
+    assert model.overhead_s == pytest.approx(0.2 * MS)
+    bench = {"engine": [{"op": "read", "threads": t, "block_size": 1 << 22, "gbps": g} for t, g in ((2, 1.0), (4, 2.0))]
+             + [{"op": "write", "threads": 8, "block_size": 1 << 22, "gbps": 9.0}]}
+    # Recorded with 2 workers reading one piece each (blocks are smaller than io pieces): 2 at once.
+    assert TierModel.calibrate(rec, bench, io_threads=8).leg_seconds("nvme", "host", BLOCK) == pytest.approx(2 * MS)
+    faster = TierModel.calibrate(rec, bench, io_threads=8, workers=6)  # nearest measured: 4 at once
+    assert faster.leg_seconds("nvme", "host", BLOCK) == pytest.approx(1 * MS)
+    slower = TierModel.calibrate(rec, bench, io_threads=1, workers=6)  # nearest measured: 2 at once
+    assert slower.leg_seconds("nvme", "host", BLOCK) == pytest.approx(2 * MS)
+    with pytest.raises(ValueError, match="no engine read results"):
+        TierModel.calibrate(rec, {"engine": []}, io_threads=8, workers=6)
+
+
 # ------------------------------------------------------------------------------ the command
 
 

@@ -9,8 +9,9 @@ disk for NVMe reads and writes, one copy channel toward the device, one back), f
 served, taking `bytes * seconds_per_byte`; a move ends `overhead_s` after its last leg (thread
 hand-off, commit). The rates come from the recording's own moves (bytes over the seconds such
 legs ran); the overhead from its on-demand fetches (their wait less their legs); a `tierzero
-bench-io --json` result scales the disk's rates by io threads (its sequential GB/s at the
-candidate's threads over that at the recorded ones). Compute is the recording's, divided by
+bench-io --json` result scales the disk's rates by read concurrency: the pieces of reads in
+flight at once (workers x pieces per unit read, at most io threads), its sequential GB/s at
+the candidate's concurrency over that at the recording's. Compute is the recording's, divided by
 `speedup` (e.g. 50: "what would a GPU fifty times faster need from this disk?").
 
 How a policy is replayed (`simulate`): the recorded fetches in order, three iterations (the
@@ -65,26 +66,36 @@ class TierModel:
 
     @classmethod
     def calibrate(cls, rec: Recording, bench: Mapping[str, Any] | None = None, *,
-                  io_threads: int | None = None) -> "TierModel":
+                  io_threads: int | None = None, workers: int | None = None) -> "TierModel":
         """Rates from the time the recording's legs were busy; the disk's scaled by `bench` (a
-        bench-io --json result) from the recorded io threads to `io_threads`."""
+        bench-io --json result) from the recording's read concurrency to that of `io_threads`
+        and `workers` (see `read_concurrency`)."""
         rates = {}
         for leg in CHANNELS:
             nbytes, busy = rec.busy.get(leg, (0, 0.0))
             rates[leg] = Rate(busy / nbytes if nbytes else 0.0)
         source = "the recording"
-        threads = io_threads or rec.io_threads
-        if bench is not None and threads != rec.io_threads:
-            at = _bench_read_gbps(bench, rec.io_threads, rec.io_block_size)
-            to = _bench_read_gbps(bench, threads, rec.io_block_size)
+        was = read_concurrency(rec, rec.io_threads, rec.workers)
+        now = read_concurrency(rec, io_threads or rec.io_threads, workers or rec.workers)
+        if bench is not None and now != was:
+            at = _bench_read_gbps(bench, was, rec.io_block_size)
+            to = _bench_read_gbps(bench, now, rec.io_block_size)
             for leg in (("nvme", "host"), ("host", "nvme")):
                 rates[leg] = Rate(rates[leg].seconds_per_byte * at / to)
-            source = f"the recording, scaled by bench-io ({at:.2f} -> {to:.2f} GB/s at {threads} threads)"
+            source = f"the recording, scaled by bench-io ({at:.2f} -> {to:.2f} GB/s, {was} -> {now} requests at once)"
         overhead = statistics.median(rec.miss_overheads) if rec.miss_overheads else 0.0002
         return cls(rates, max(0.0, overhead), source)
 
     def leg_seconds(self, src: str, dst: str, nbytes: int) -> float:
         return self.rates[(src, dst)].seconds(nbytes)
+
+
+def read_concurrency(rec: Recording, io_threads: int, workers: int) -> int:
+    """Pieces of NVMe reads that can be in flight at once: each worker reads one unit at a time,
+    split into io block_size pieces, served by io_threads threads."""
+    sizes = sorted(u.nbytes for u in rec.units.values() if u.nvme) or [rec.io_block_size]
+    pieces = -(-sizes[len(sizes) // 2] // rec.io_block_size)
+    return max(1, min(io_threads, workers * pieces))
 
 
 def _bench_read_gbps(bench: Mapping[str, Any], threads: int, block_size: int) -> float:

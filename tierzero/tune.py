@@ -47,9 +47,9 @@ from tierzero.recording import Recording
 from tierzero.tier_model import Prediction, TierModel, simulate
 
 POLICIES = "none,lookahead:1,lookahead:2,lookahead:4,bytes,adaptive"
-RECORD_STEPS = 4
+RECORD_STEPS = 6
 """Steps of the recording run: the first records the block order, the last closes the
-iteration replayed (see Recording.from_trace)."""
+iterations replayed (the four between, merged: see Recording.from_trace)."""
 STALL_TIE_S = 0.001
 """Measured stalls equal to this precision are a tie, broken by step time."""
 
@@ -256,7 +256,7 @@ def tune(args: argparse.Namespace) -> dict[str, Any]:
             recording = Recording.from_trace(trace, where="the recording")
         rows = []
         for c in cands:
-            model = TierModel.calibrate(recording, bench, io_threads=c.io_threads)
+            model = TierModel.calibrate(recording, bench, io_threads=c.io_threads, workers=max(2, c.nvme_depth))
             cfg = c.config(trainer.base if trainer else tz.Config(device_budget=recording.device_room))
             pred = simulate(recording, policy_from_config(cfg), model, workers=max(2, c.nvme_depth),
                             speedup=args.compute_speedup)
