@@ -112,9 +112,10 @@ def test_tune_runs_candidates_and_picks_the_least_stall(tmp_path: Any, capsys: A
     for r in rows:
         assert r["stall_s"] >= 0 and r["step_s"] > 0 and r["predicted_stall_s"] >= 0
         assert len(r["stall_s_each"]) == 2
-    least = min(round(r["stall_s"] / tune.STALL_TIE_S) for r in rows)
-    assert round(report["best"]["stall_s"] / tune.STALL_TIE_S) == least
     assert report["best"] in rows
+    assert report["best"]["stall_s"] == min(r["stall_s"] for r in rows)
+    ties = [r for r in rows if r["stall_s"] == report["best"]["stall_s"]]
+    assert report["best"]["step_s"] == min(r["step_s"] for r in ties)
     assert 'policy = "' + report["best"]["policy"] + '"' in report["snippets"]["toml"]
 
 

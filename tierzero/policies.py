@@ -294,20 +294,21 @@ class BytesAhead(PrefetchPolicy):
 class Adaptive(PrefetchPolicy):
     """Each copy just early enough, from the times learned in earlier iterations; no depth.
 
-    At the fetch of position p the next decision comes after block p's compute. A unit must be
-    asked for now if, left to that decision, its copy would land after its use: the compute
-    until its use, less block p's, is shorter than `margin` times the copy time of it and of the
-    nearer units that also need copies (they queue on the same workers and disk), plus
-    `slack_s`. A device copy of an NVMe-homed unit not in host memory counts its read too. The
-    device plan runs up to the farthest unit that must start now (nearer ones stay, or come,
-    on the device), within the device room; the next unit always comes, as no later decision
-    precedes its use. NVMe-homed units are read into host by the same rule, so the read lands
-    before the device copy must start: the slower the disk against compute, the further ahead,
-    within the host room; and at least the unit after the device plan, so device copies start
-    from a host copy (which stays cached, evictable, and saves the next read of it), and the
-    next `nvme_depth` units, so reads stay in flight beside compute when the times say they
-    could wait (times are noisy; host room is cheaper than a stall). Until one iteration is
-    measured it acts as Lookahead(1, nvme_depth).
+    At the fetch of position p the policy decides again at every later fetch. A unit must be
+    asked for now if, left to the decision after next (after two blocks of compute: one of
+    slack against compute and copy times that vary), its copy would land after its use: the
+    compute until its use, less those two blocks', is shorter than `margin` times the copy time
+    of it and of the nearer units that also need copies (they queue on the same workers and
+    disk), plus `slack_s`. A device copy of an NVMe-homed unit not in host memory counts its
+    read too. The device plan runs up to the farthest unit that must start now (nearer ones
+    stay, or come, on the device), within the device room; so with compute much slower than
+    copies it keeps two blocks coming, and more as compute gets faster. NVMe-homed units are
+    read into host by the same rule, so the read lands before the device copy must start: the
+    slower the disk against compute, the further ahead, within the host room; and at least the
+    unit after the device plan, so device copies start from a host copy (which stays cached,
+    evictable, and saves the next read of it), and the next `nvme_depth` units, so reads stay
+    in flight beside compute when the times say they could wait (host room is cheaper than a
+    stall). Until one iteration is measured it acts as Lookahead(1, nvme_depth).
     """
 
     margin: float = 1.5
@@ -321,7 +322,9 @@ class Adaptive(PrefetchPolicy):
         times = view.times
         if not times.known:
             return Lookahead(1, self.nvme_depth).plan(view)
-        now = times.compute_s(view.pos)
+        # Units are asked for unless the decision after next (two blocks of compute from now:
+        # one of slack against times that vary) still leaves their copies time to land.
+        later = times.compute_s(view.pos) + times.compute_s(view.pos + 1)
         rooms = {Tier.DEVICE: view.room(Tier.DEVICE), Tier.HOST: view.room(Tier.HOST)}
         in_iteration = len(view.trace) - view.pos  # device copies stop here unless view.wraps
         ups: list[tuple[Upcoming, frozenset[Tier]]] = []
@@ -336,7 +339,7 @@ class Adaptive(PrefetchPolicy):
             read_q += (times.fetch_s(name, Tier.HOST) or 0.0) if up.unit.nvme and not where else 0.0
             copy_q += copy
             ups.append((up, where))
-            ahead = view.until(up.distance) - now
+            ahead = view.until(up.distance) - later
             if (view.wraps or up.distance < in_iteration) and ahead < self.margin * (copy_q + read_q) + self.slack_s:
                 device_far = len(ups)
             if up.unit.nvme and ahead < self.margin * (read_q + copy) + self.slack_s:

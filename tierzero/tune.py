@@ -9,8 +9,8 @@ every copy on demand, so its copy times are clean), or a run's trace is read (`-
 tier model (tier_model.py) replays that recording under every candidate and predicts its stall.
 Then, unless `--simulate`, each candidate trains the model for real: a fresh wrap, the same
 batches, `--warmup` steps (the first records the block order) and `--steps` measured ones; its
-stall and step time are the medians. The best is the least measured stall (at a millisecond),
-ties going to the shorter step; with `--simulate` the least predicted stall. It is printed with
+stall and step time are the medians. The best is the least measured stall, equal stalls going
+to the shorter step; with `--simulate` the least predicted stall. It is printed with
 the table and as config snippets (TOML and Python); `--json` prints one object instead:
 {"candidates": [{"policy", "settings", "stall_s", "step_s", "predicted_stall_s", ...}], "best"}.
 
@@ -50,8 +50,6 @@ POLICIES = "none,lookahead:1,lookahead:2,lookahead:4,bytes,adaptive"
 RECORD_STEPS = 6
 """Steps of the recording run: the first records the block order, the last closes the
 iterations replayed (the four between, merged: see Recording.from_trace)."""
-STALL_TIE_S = 0.001
-"""Measured stalls equal to this precision are a tie, broken by step time."""
 
 
 @dataclass(frozen=True)
@@ -274,7 +272,7 @@ def tune(args: argparse.Namespace) -> dict[str, Any]:
                 row["step_s_each"] = [round(t, 4) for _, t in kept]
     key = "predicted_stall_s" if args.simulate else "stall_s"
     step_key = "predicted_step_s" if args.simulate else "step_s"
-    best = min(range(len(rows)), key=lambda i: (round(rows[i][key] / STALL_TIE_S), rows[i][step_key]))
+    best = min(range(len(rows)), key=lambda i: (rows[i][key], rows[i][step_key]))
     return {"candidates": rows, "best": rows[best], "best_index": best, "chosen_by": key,
             "recording": recording.summary(), "compute_speedup": args.compute_speedup,
             "snippets": cands[best].snippets(), "setup": _setup(args, trainer)}
@@ -328,8 +326,8 @@ def format_table(report: dict[str, Any]) -> str:
         mark = "  <- best" if i == report["best_index"] else ""
         lines.append(f"{r['policy']:<10} {settings:<34} {stall:>9} {step:>8} {r['predicted_stall_s']:>12.4f} "
                      f"{r['predicted_step_s']:>11.3f} {r['predicted_disk_busy_s']:>11.3f}{mark}")
-    how = ("least measured stall (ties within 1 ms: shorter step)" if report["chosen_by"] == "stall_s"
-           else "least predicted stall (ties within 1 ms: shorter predicted step)")
+    how = ("least measured stall; equal stalls: the shorter step" if report["chosen_by"] == "stall_s"
+           else "least predicted stall; equal stalls: the shorter predicted step")
     best = report["best"]
     lines += ["", f"best: {best['policy']} " + " ".join(f"{k}={v}" for k, v in best["settings"].items()) + f" ({how})",
               "TOML (a config file for tz.Config.from_file):"]
