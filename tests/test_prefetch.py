@@ -125,7 +125,9 @@ def test_builtins_plan_nearest_units_that_fit() -> None:
 
 def test_policy_from_config() -> None:
     assert policy_from_config(tz.Config(prefetch=tz.PrefetchConfig(policy="none"))) == NoPrefetch(4)
-    assert policy_from_config(tz.Config(prefetch=tz.PrefetchConfig(depth=3, nvme_depth=1))) == Lookahead(3, 1)
+    assert policy_from_config(tz.Config()) == Adaptive(nvme_depth=4)  # the default
+    assert policy_from_config(tz.Config(prefetch=tz.PrefetchConfig(policy="lookahead", depth=3, nvme_depth=1))) \
+        == Lookahead(3, 1)
     cfg = tz.Config(device_budget=1000, prefetch=tz.PrefetchConfig(policy="bytes"))
     assert policy_from_config(cfg) == BytesAhead(500, 4)
     assert policy_from_config(tz.Config(prefetch={"policy": "adaptive", "nvme_depth": 2})) == Adaptive(nvme_depth=2)

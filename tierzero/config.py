@@ -51,11 +51,12 @@ class PrefetchConfig:
     """How blocks are fetched ahead of compute, from the trace recorded in the first step (see
     tierzero/policies.py and `tierzero tune`, which measures the choices on a model)."""
 
-    policy: str | Any = "lookahead"
-    """"none": on demand; "lookahead": the next `depth` blocks; "bytes": as many upcoming blocks
-    as fit `reserve` bytes of the device budget; "adaptive": each block just early enough, from
-    the compute and copy times of earlier steps; a dotted path "package.module.Class" to a
-    tz.PrefetchPolicy class (built with `options`); or a policy object."""
+    policy: str | Any = "adaptive"
+    """"adaptive" (the default): each block just early enough, from the compute and copy times
+    of earlier steps; "none": on demand; "lookahead": the next `depth` blocks; "bytes": as many
+    upcoming blocks as fit `reserve` bytes of the device budget; a dotted path
+    "package.module.Class" to a tz.PrefetchPolicy class (built with `options`); or a policy
+    object."""
     depth: int = 2
     """Blocks fetched ahead to the device tier with policy "lookahead"."""
     reserve: int | str = 0

@@ -85,7 +85,9 @@ def estimate(model: nn.Module, cfg: Config) -> Estimate:
     cb = per_param.params
     need = {tier: n * nbytes for tier, nbytes in per_param.by_tier(cfg).items()}
     home = dict(need)
-    ahead = cfg.prefetch.depth if cfg.prefetch.policy == "lookahead" else 1
+    # adaptive keeps at least two blocks coming (more only where the room allows)
+    policy = cfg.prefetch.policy if isinstance(cfg.prefetch.policy, str) else "object"
+    ahead = {"lookahead": cfg.prefetch.depth, "adaptive": 2}.get(policy, 1)
     if cfg.params != "device":
         need["device"] += block * cb * (1 + ahead)
     if cfg.params == "nvme":
