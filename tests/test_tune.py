@@ -102,11 +102,12 @@ def tiny_args(tmp_path: Any, *extra: str) -> list[str]:
 
 
 def test_tune_runs_candidates_and_picks_the_least_stall(tmp_path: Any, capsys: Any) -> None:
-    rc = tune.main(tiny_args(tmp_path, "--steps", "2", "--policies", "none,lookahead:1", "--nvme-depths", "0",
-                             "--io-threads", "2", "--json"))
+    rc = tune.main(tiny_args(tmp_path, "--steps", "2", "--policies", "none,lookahead:1,bytes:1GiB",
+                             "--nvme-depths", "0", "--io-threads", "2", "--json"))
     assert rc == 0
     report = json.loads(capsys.readouterr().out)
-    rows = report["candidates"]
+    *rows, refused = report["candidates"]
+    assert "prefetch reserve" in refused["error"] and refused["stall_s"] is None
     assert [(r["policy"], r["settings"]) for r in rows] == [
         ("none", {"nvme_depth": 0, "io_threads": 2}), ("lookahead", {"depth": 1, "nvme_depth": 0, "io_threads": 2})]
     for r in rows:

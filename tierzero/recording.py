@@ -13,8 +13,9 @@ followed by another, which closes its last fetch's compute: the optimizer step) 
                 each placed by the fetch it followed and the seconds after it
     busy        per leg kind, bytes moved and seconds such legs ran (overlaps counted once)
 
-Several iterations are merged: per fetch the median of each figure, busy bytes and seconds
-summed, the background of the latest.
+Several iterations are merged, of one trace or of several recorded at different times
+(`from_traces`: drift of a shared machine evens out): per fetch the median of each figure, busy
+bytes and seconds summed, the background of the latest.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import os
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple, Sequence
 
 from tierzero.policies import FetchPhase, TraceEvent, Unit
 
@@ -100,6 +101,37 @@ class Recording:
         (each after one with the same block order, and followed by another), the `last` latest
         of them (None: all) merged: per fetch the median compute and stalls, the channels' bytes
         and busy seconds summed, the background moves of the latest."""
+        return cls._merge([cls._parts(trace, last, where)])
+
+    @classmethod
+    def from_traces(cls, traces: Sequence[Mapping[str, Any]], *, where: str = "the traces") -> "Recording":
+        """The replayable iterations of several traces of the same model and settings (recorded
+        at different times, so drift of the machine in between evens out), merged as above."""
+        return cls._merge([cls._parts(t, None, f"{where} #{i + 1}") for i, t in enumerate(traces)])
+
+    @classmethod
+    def _merge(cls, traces: list[tuple[dict, dict[str, Unit], list["_Part"]]]) -> "Recording":
+        info, units, _ = traces[-1]
+        parts = [p for _, _, ps in traces for p in ps]
+        if any(len(p.slots) != len(parts[0].slots) or [s.event for s in p.slots] != [s.event for s in parts[0].slots]
+               for p in parts):
+            raise ValueError("the recordings differ in their block order; record the same model and settings")
+        slots = [Slot(ss[0].event, ss[0].held, *(statistics.median(getattr(s, f) for s in ss)
+                                                  for f in ("compute_s", "stall_s", "other_stall_s")))
+                 for ss in zip(*(p.slots for p in parts))]
+        busy: dict[tuple[str, str], tuple[int, float]] = {}
+        for p in parts:
+            for leg, (n, sec) in p.busy.items():
+                n0, s0 = busy.get(leg, (0, 0.0))
+                busy[leg] = (n0 + n, s0 + sec)
+        return cls(slots, units, parts[-1].background, [leg for p in parts for leg in p.legs], busy,
+                   info["device_room"], min(p.host_room for p in parts), info["workers"], info["io_threads"],
+                   info["io_block_size"], info.get("device_wraps", True), info.get("policy", "?"),
+                   [o for p in parts for o in p.miss_overheads])
+
+    @staticmethod
+    def _parts(trace: Mapping[str, Any], last: int | None, where: str) -> tuple[dict, dict[str, Unit], list["_Part"]]:
+        """The trace's facts, units, and its replayable iterations (the `last` latest)."""
         info = (trace.get("otherData") or {}).get("tierzero") or {}
         events = trace.get("traceEvents", [])
         spans = [e for e in events if e.get("ph") == "X" and e.get("cat") == "blocks"
@@ -119,19 +151,7 @@ class Recording:
         units = {name: Unit(name, tuple(u.get("tensors", ())), u["bytes"], u["nvme"]) for name, u in info["units"].items()}
         tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
         moves = [e for e in events if e.get("ph") == "X" and e.get("cat") == "move"]
-        parts = [_iteration(by_it[i], by_it[i + 1], moves, tracks, units) for i in full[-(last or len(full)):]]
-        slots = [Slot(ss[0].event, ss[0].held, *(statistics.median(getattr(s, f) for s in ss)
-                                                  for f in ("compute_s", "stall_s", "other_stall_s")))
-                 for ss in zip(*(p.slots for p in parts))]
-        busy: dict[tuple[str, str], tuple[int, float]] = {}
-        for p in parts:
-            for leg, (n, sec) in p.busy.items():
-                n0, s0 = busy.get(leg, (0, 0.0))
-                busy[leg] = (n0 + n, s0 + sec)
-        return cls(slots, units, parts[-1].background, [leg for p in parts for leg in p.legs], busy,
-                   info["device_room"], min(p.host_room for p in parts), info["workers"], info["io_threads"],
-                   info["io_block_size"], info.get("device_wraps", True), info.get("policy", "?"),
-                   [o for p in parts for o in p.miss_overheads])
+        return info, units, [_iteration(by_it[i], by_it[i + 1], moves, tracks, units) for i in full[-(last or len(full)):]]
 
     @property
     def compute_s(self) -> float:

@@ -4,12 +4,14 @@
                   [--steps K] [--simulate] [--compute-speedup F] [--json]
 
 Candidates are policy x its knobs x NVMe read-ahead depth x io threads (`--policies`,
-`--nvme-depths`, `--io-threads`). First a few steps are recorded (policy none, no read-ahead:
-every copy on demand, so its copy times are clean), or a run's trace is read (`--trace`); the
-tier model (tier_model.py) replays that recording under every candidate and predicts its stall.
-Then, unless `--simulate`, each candidate trains the model for real: a fresh wrap, the same
-batches, `--warmup` steps (the first records the block order) and `--steps` measured ones; its
-stall and step time are the medians. The best is the least measured stall, equal stalls going
+`--nvme-depths`, `--io-threads`). A few steps are recorded (policy none, no read-ahead: every
+copy on demand, so its copy times are clean), or a run's trace is read (`--trace`); the tier
+model (tier_model.py) replays the recording under every candidate and predicts its stall.
+Unless `--simulate`, each candidate trains the model for real: a fresh wrap, the same batches,
+`--warmup` steps (the first records the block order) and `--steps` measured ones; its stall and
+step time are the medians. Then steps are recorded again and merged with the first recording,
+so that drift of a shared machine over the run evens out in the predictions (the report keeps
+the recorded stall of each, a measure of that drift). The best is the least measured stall, equal stalls going
 to the shorter step; with `--simulate` the least predicted stall. It is printed with
 the table and as config snippets (TOML and Python); `--json` prints one object instead:
 {"candidates": [{"policy", "settings", "stall_s", "step_s", "predicted_stall_s", ...}], "best"}.
@@ -44,7 +46,7 @@ from tierzero.models import CONFIGS, build
 from tierzero.policies import policy_from_config
 from tierzero.runtime import close, placement_manager, step_stats
 from tierzero.recording import Recording
-from tierzero.tier_model import Prediction, TierModel, simulate
+from tierzero.tier_model import TierModel, simulate
 
 POLICIES = "none,lookahead:1,lookahead:2,lookahead:4,bytes,adaptive"
 RECORD_STEPS = 6
@@ -236,51 +238,78 @@ class Trainer:
 
 
 def tune(args: argparse.Namespace) -> dict[str, Any]:
-    """Record (or read) a step, predict every candidate, run them unless --simulate; the report."""
+    """Record (or read) steps, run the candidates unless --simulate, record again after them,
+    predict every candidate from the recordings; the report."""
     _check(args)
     cands = candidates(args.policies, args.nvme_depths, args.io_threads)
     bench = _read_json(args.bench_io, "--bench-io") if args.bench_io else None
     trainer = Trainer(args) if args.model is not None else None
-    runs = 0 if args.simulate else len(cands) * (args.warmup + args.steps)
-    total = runs + (0 if args.trace else RECORD_STEPS)
-    with Progress(total, enabled=not args.no_progress and not args.json) as bar:
-        if args.trace:
-            recording = Recording.load(args.trace)
-        else:
-            assert trainer is not None
-            base = Candidate("none", None, 0, args.io_threads[0])
-            _, trace = trainer.run(base.config(trainer.base), RECORD_STEPS,
-                                   lambda i, stall, step: bar.advance(f"recording step {i + 1}: step {step:.3f} s"))
-            recording = Recording.from_trace(trace, where="the recording")
-        rows = []
-        for c in cands:
-            model = TierModel.calibrate(recording, bench, io_threads=c.io_threads, workers=max(2, c.nvme_depth))
-            cfg = c.config(trainer.base if trainer else tz.Config(device_budget=recording.device_room))
-            pred = simulate(recording, policy_from_config(cfg), model, workers=max(2, c.nvme_depth),
-                            speedup=args.compute_speedup)
-            rows.append(_row(c, pred, model))
+    recordings = 0 if args.trace else 1 if args.simulate else 2
+    total = (0 if args.simulate else len(cands) * (args.warmup + args.steps)) + recordings * RECORD_STEPS
+    rows = [{"policy": c.policy, "settings": c.settings(), "stall_s": None, "step_s": None,
+             "predicted_stall_s": None} for c in cands]
+    traces = []
+    with Progress(total, enabled=not args.no_progress) as bar:
+        if recordings:
+            traces.append(_record(trainer, args, bar, "before"))
         if not args.simulate:
-            assert trainer is not None
-            for i, (c, row) in enumerate(zip(cands, rows)):
-                label = f"{i + 1}/{len(cands)} {c.policy} {c.label()}"
-                measured, _ = trainer.run(c.config(trainer.base), args.warmup + args.steps, lambda k, stall, step:
-                                          bar.advance(f"{label} step {k + 1}: stall {stall:.4f} s step {step:.3f} s"))
-                kept = measured[args.warmup:]
-                row["stall_s"] = statistics.median(s for s, _ in kept)
-                row["step_s"] = statistics.median(t for _, t in kept)
-                row["stall_s_each"] = [round(s, 5) for s, _ in kept]
-                row["step_s_each"] = [round(t, 4) for _, t in kept]
+            _measure(trainer, args, cands, rows, bar)
+        if recordings == 2:  # before and after the candidates: drift of the machine evens out
+            traces.append(_record(trainer, args, bar, "after"))
+    recording = Recording.load(args.trace) if args.trace else Recording.from_traces(traces, where="the recordings")
+    for c, row in zip(cands, rows):
+        row.update(_predict(c, recording, bench, args, trainer))
     key = "predicted_stall_s" if args.simulate else "stall_s"
     step_key = "predicted_step_s" if args.simulate else "step_s"
-    best = min(range(len(rows)), key=lambda i: (rows[i][key], rows[i][step_key]))
+    ran = [i for i, r in enumerate(rows) if r[key] is not None]
+    if not ran:
+        raise ValueError(f"every candidate was refused; the first: {rows[0].get('error')}")
+    best = min(ran, key=lambda i: (rows[i][key], rows[i][step_key]))
+    summary = recording.summary()
+    if len(traces) > 1:  # the same setting's stall at each recording: how much the machine drifted
+        summary["stall_s_each_recording"] = [round(Recording.from_trace(t).summary()["stall_s"], 4) for t in traces]
     return {"candidates": rows, "best": rows[best], "best_index": best, "chosen_by": key,
-            "recording": recording.summary(), "compute_speedup": args.compute_speedup,
+            "recording": summary, "compute_speedup": args.compute_speedup,
             "snippets": cands[best].snippets(), "setup": _setup(args, trainer)}
 
 
-def _row(c: Candidate, pred: Prediction, model: TierModel) -> dict[str, Any]:
-    return {"policy": c.policy, "settings": c.settings(), "stall_s": None, "step_s": None,
-            "predicted_stall_s": round(pred.stall_s, 5), "predicted_step_s": round(pred.step_s, 5),
+def _record(trainer: Trainer | None, args: argparse.Namespace, bar: Progress, when: str) -> dict:
+    """The Chrome trace of RECORD_STEPS steps fetching on demand (policy none, no read-ahead)."""
+    assert trainer is not None
+    base = Candidate("none", None, 0, args.io_threads[0])
+    _, trace = trainer.run(base.config(trainer.base), RECORD_STEPS,
+                           lambda i, stall, step: bar.advance(f"recording ({when}) step {i + 1}: step {step:.3f} s"))
+    return trace
+
+
+def _measure(trainer: Trainer | None, args: argparse.Namespace, cands: list[Candidate], rows: list[dict],
+             bar: Progress) -> None:
+    """Each candidate's real steps: medians of the measured ones into its row."""
+    assert trainer is not None
+    for i, (c, row) in enumerate(zip(cands, rows)):
+        label = f"{i + 1}/{len(cands)} {c.policy} {c.label()}"
+        try:
+            measured, _ = trainer.run(c.config(trainer.base), args.warmup + args.steps, lambda k, stall, step:
+                                      bar.advance(f"{label} step {k + 1}: stall {stall:.4f} s step {step:.3f} s"))
+        except ValueError as e:  # a setting this model or budget refuses (a reserve too large)
+            row["error"] = str(e)
+            for _ in range(args.warmup + args.steps):
+                bar.advance(f"{label}: refused")
+            continue
+        kept = measured[args.warmup:]
+        row["stall_s"] = statistics.median(s for s, _ in kept)
+        row["step_s"] = statistics.median(t for _, t in kept)
+        row["stall_s_each"] = [round(s, 5) for s, _ in kept]
+        row["step_s_each"] = [round(t, 4) for _, t in kept]
+
+
+def _predict(c: Candidate, recording: Recording, bench: dict | None, args: argparse.Namespace,
+             trainer: Trainer | None) -> dict[str, Any]:
+    workers = max(2, c.nvme_depth)
+    model = TierModel.calibrate(recording, bench, io_threads=c.io_threads, workers=workers)
+    cfg = c.config(trainer.base if trainer else tz.Config(device_budget=recording.device_room))
+    pred = simulate(recording, policy_from_config(cfg), model, workers=workers, speedup=args.compute_speedup)
+    return {"predicted_stall_s": round(pred.stall_s, 5), "predicted_step_s": round(pred.step_s, 5),
             "predicted_disk_busy_s": round(pred.disk_s, 5), "predicted_device_copies": pred.copies,
             "model": {"disk_read_gbps": _gbps(model, ("nvme", "host")), "h2d_gbps": _gbps(model, ("host", "device")),
                       "move_overhead_s": round(model.overhead_s, 6), "disk_rate_from": model.source}}
@@ -316,18 +345,23 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [f"tierzero tune: {setup['model'] or setup['trace']}, recorded step: {rec['fetches']} fetches of "
              f"{rec['units']} blocks, compute {rec['compute_s']:.3f} s, device room "
              f"{format_size(rec['device_room'])}, host room {format_size(rec['host_room'])}"
-             + (f"; predictions for compute {speed:g}x faster" if speed != 1 else ""),
+             + (f"; predictions for compute {speed:g}x faster" if speed != 1 else "")
+             + (f"; recorded on-demand stall before / after the candidates: "
+                + " / ".join(f"{x:.4f}" for x in rec["stall_s_each_recording"]) + " s"
+                if "stall_s_each_recording" in rec else ""),
              f"{'policy':<10} {'settings':<34} {'stall s':>9} {'step s':>8} {'pred stall s':>12} "
              f"{'pred step s':>11} {'disk busy s':>11}"]
     for i, r in enumerate(report["candidates"]):
         settings = " ".join(f"{k}={format_size(v) if k == 'reserve' else v}" for k, v in r["settings"].items())
-        stall = "-" if r["stall_s"] is None else f"{r['stall_s']:.4f}"
+        stall = "refused" if r.get("error") else "-" if r["stall_s"] is None else f"{r['stall_s']:.4f}"
         step = "-" if r["step_s"] is None else f"{r['step_s']:.3f}"
         mark = "  <- best" if i == report["best_index"] else ""
         lines.append(f"{r['policy']:<10} {settings:<34} {stall:>9} {step:>8} {r['predicted_stall_s']:>12.4f} "
                      f"{r['predicted_step_s']:>11.3f} {r['predicted_disk_busy_s']:>11.3f}{mark}")
     how = ("least measured stall; equal stalls: the shorter step" if report["chosen_by"] == "stall_s"
            else "least predicted stall; equal stalls: the shorter predicted step")
+    lines += [f"refused: {r['policy']} {' '.join(f'{k}={v}' for k, v in r['settings'].items())}: {r['error']}"
+              for r in report["candidates"] if r.get("error")]
     best = report["best"]
     lines += ["", f"best: {best['policy']} " + " ".join(f"{k}={v}" for k, v in best["settings"].items()) + f" ({how})",
               "TOML (a config file for tz.Config.from_file):"]
