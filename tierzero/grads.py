@@ -6,6 +6,9 @@ Its life in a step:
     accumulate  after the block's backward, the parameters' .grad are flattened (and
                 reduce-scattered, averaged, across ranks) into the shard; the first time in a
                 step the shard is overwritten, later times (gradient accumulation) added to
+    norms       with clipping on (StepContext.clip_norm_type, set by the first tz.clip_grad_norm_),
+                each accumulate computes the shard's norms while the bytes are at hand, so
+                clipping reads no gradient: they stand until the stored gradient changes
     scale       tz.clip_grad_norm_ records a factor without touching the stored bytes
     scaled      readers (the optimizer, the norm) see the gradient times the pending factor;
                 the next accumulate folds the factor into the stored bytes first
@@ -40,16 +43,19 @@ class FlatGrad:
         self.empty = True
         self.scale: torch.Tensor | None = None
         """A factor (clip_grad_norm_) not yet applied to the stored gradient."""
+        self._norms: tuple[float, list[torch.Tensor]] | None = None
+        """(norm type, norms_of() of the stored gradient), computed as it was written."""
 
     @contextlib.contextmanager
-    def acquire(self, *, writable: bool = False) -> Iterator[torch.Tensor]:
-        """The stored shard (without the pending factor) on the tier the CPU works on."""
+    def acquire(self, *, writable: bool = False, overwrite: bool = False) -> Iterator[torch.Tensor]:
+        """The stored shard (without the pending factor) on the tier the CPU works on;
+        overwrite=True: the caller writes all of it, so the stored bytes are not read."""
         pm, tier = self.ctx.pm, self.handle.staging
-        buf = pm.acquire(self.handle, tier)
+        buf = pm.acquire(self.handle, tier, overwrite=overwrite)
         try:
             yield buf
         finally:
-            pm.release(self.handle, tier, dirty=writable)
+            pm.release(self.handle, tier, dirty=writable or overwrite)
 
     def prefetch(self) -> None:
         self.ctx.pm.prefetch(self.handle, self.handle.staging)
@@ -64,6 +70,26 @@ class FlatGrad:
     def scale_by(self, factor: torch.Tensor) -> None:
         if not self.empty:
             self.scale = factor if self.scale is None else self.scale * factor
+            self._norms = None  # of the unscaled bytes: clipping twice reads again
+
+    def norms_of(self, g: torch.Tensor, norm_type: float) -> list[torch.Tensor]:
+        """The norms clip_grad_norm_ combines, of `g` (the stored shard) times the pending
+        factor: at world size 1 one per parameter, as torch.nn.utils.clip_grad_norm_ computes
+        them (the same bits); with several ranks one of the whole shard (padding is zeros)."""
+        if self.layout.world_size == 1:
+            return [torch.linalg.vector_norm(self.scaled(g[s.offset:s.offset + s.numel]), norm_type)
+                    for s in self.layout.slots]
+        return [torch.linalg.vector_norm(self.scaled(g), norm_type)]
+
+    def has_norms(self, norm_type: float) -> bool:
+        return self._norms is not None and self._norms[0] == norm_type
+
+    def norms(self, norm_type: float) -> list[torch.Tensor]:
+        """norms_of() the stored gradient: as computed in backward, or read now."""
+        if self._norms is not None and self.has_norms(norm_type):
+            return self._norms[1]
+        with self.acquire() as g:
+            return self.norms_of(g, norm_type)
 
     def accumulate(self, params: list[nn.Parameter]) -> None:
         """Move the parameters' .grad into the shard; idempotent (no .grad: no-op)."""
@@ -74,7 +100,7 @@ class FlatGrad:
             p.grad = None  # frees the device copy as soon as it is accumulated
         ctx = self.ctx
         with torch.profiler.record_function(f"tierzero::accumulate_grad {self.handle.owner}"), \
-                self.acquire(writable=True) as buf:
+                self.acquire(writable=True, overwrite=self.empty) as buf:
             if self.empty and self.layout.world_size == 1 and buf.device == ctx.device:
                 # No collective and no copy between devices: flatten straight into the
                 # gradient, without a block-sized temporary.
@@ -87,15 +113,18 @@ class FlatGrad:
                     buf.copy_(shard)
                 else:
                     self.scaled(buf, inplace=True).add_(shard.to(buf.device))
-        self.scale = None
+            self.scale = None
+            norm_type = ctx.clip_norm_type
+            self._norms = None if norm_type is None else (norm_type, self.norms_of(buf, norm_type))
         self.empty = False
 
     def clear(self, *, set_to_none: bool = True) -> None:
         """Forget the gradient (set_to_none) or make it zeros."""
         self.scale = None
+        self._norms = None
         self.empty = set_to_none
         if not set_to_none:
-            with self.acquire(writable=True) as buf:
+            with self.acquire(overwrite=True) as buf:
                 buf.zero_()
 
     def __repr__(self) -> str:

@@ -334,27 +334,26 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     """torch.nn.utils.clip_grad_norm_ over a wrapped model's flat gradients: returns the total
     norm (fp32) and scales the gradients by min(1, max_norm / (norm + 1e-6)) (applied lazily,
     when the optimizer or the next backward reads them). With several ranks the norm is the
-    global one over every rank's gradient shard (a collective: every rank calls it)."""
+    global one over every rank's gradient shard (a collective: every rank calls it).
+
+    From the first call on, backward computes each block's norms as it writes the gradient, so
+    later calls read no gradient (a different norm_type than the last call's reads once)."""
     state = runtime.state_of(model)
     if state.config.step_in_backward:
         raise ValueError("clip_grad_norm_: the model was wrapped with Config(step_in_backward=True), "
                          "so its blocks were updated during backward with unclipped gradients; "
                          "wrap it with step_in_backward=False to clip gradients")
     flats = [f for f in state.flat_params(trainable=True) if not _grad(f).empty]
+    ctx = state.ctx
+    ctx.clips_with(float(norm_type))
     if not flats:
         return torch.tensor(0.0)
-    ctx = state.ctx
     norms: dict[tuple[FlatParam, int], torch.Tensor] = {}
     for i, flat in enumerate(flats):
-        if i + 1 < len(flats):
+        if i + 1 < len(flats) and not _grad(flats[i + 1]).has_norms(float(norm_type)):
             _grad(flats[i + 1]).prefetch()
-        grad = _grad(flat)
-        with grad.acquire() as g:
-            if ctx.world_size == 1:
-                for j, s in enumerate(flat.layout.slots):
-                    norms[flat, j] = torch.linalg.vector_norm(grad.scaled(g[s.offset:s.offset + s.numel]), norm_type)
-            else:
-                norms[flat, 0] = torch.linalg.vector_norm(grad.scaled(g), norm_type)
+        for j, n in enumerate(_grad(flat).norms(float(norm_type))):
+            norms[flat, j] = n
     if ctx.world_size == 1:
         # The norm of the per-parameter norms in the model's parameter order, as torch computes
         # it: the same bits as torch.nn.utils.clip_grad_norm_(model.parameters()).

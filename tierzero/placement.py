@@ -9,6 +9,7 @@ most one cached copy whose state is a `Residency`. The data flow of one tensor:
     prefetch    start a copy toward a tier, best effort: reserve room there (evicting unpinned
                 cached copies by the eviction policy), then a worker thread runs the copy
     acquire     wait for that copy, or start it and wait; pin it; order compute after its event
+                (overwrite=True: a caller that writes it whole gets a fresh copy, nothing read)
     release     unpin; dirty: write the copy back to its home (async) and invalidate the other
                 cached copies, which now hold old data
     store       overwrite the contents: every cached copy now, the home too (an NVMe home
@@ -104,7 +105,7 @@ class PlacementManager:
             from tierzero.nvme import SwapSpace
 
             self.swap = SwapSpace(config.nvme_dir, rank, self.budgets[Tier.NVME], config.io,
-                                  checksums=config.checksums)
+                                  checksums=config.checksums, telemetry=self.telemetry)
         try:
             self._tiers = tier_stores(self.budgets, self.streams, self.pool, self.device_pool, self.swap)
             self._table = ResidencyTable(self._tiers, self.streams, self.pool, self.swap, self.telemetry,
@@ -177,8 +178,12 @@ class PlacementManager:
             self._room.check_fits(h.name, h.nbytes, tier)
             return self._table.try_fetch(rec, tier) is True
 
-    def acquire(self, h: TensorHandle, tier: Tier | str = Tier.DEVICE) -> torch.Tensor:
-        """The tensor on `tier` (registered shape and dtype), pinned until release()."""
+    def acquire(self, h: TensorHandle, tier: Tier | str = Tier.DEVICE, *, overwrite: bool = False) -> torch.Tensor:
+        """The tensor on `tier` (registered shape and dtype), pinned until release().
+
+        overwrite=True: the caller will write every element and release(dirty=True), so when
+        there is no copy on `tier` yet its bytes are not read: a fresh uninitialised copy is
+        made there (no NVMe read; a gradient's first write in a step, say)."""
         rec, tier = self._lookup(h, tier, "acquire")
         with torch.profiler.record_function(f"tierzero::acquire {h.name}"):
             if tier is h.home:
@@ -189,8 +194,13 @@ class PlacementManager:
                 hit = rec.residency[tier] is not Residency.ABSENT
                 if not hit:
                     self._room.check_fits(h.name, h.nbytes, tier)
-                    self._wait_until(lambda: self._table.try_fetch(rec, tier), rec,
-                                     f"acquire({h.name!r}, {tier.value!r})")
+                    if overwrite:
+                        bufs = self._wait_until(lambda: self._room.take([(tier, h.nbytes)], h), rec,
+                                                f"acquire({h.name!r}, {tier.value!r}, overwrite=True)")
+                        self._table.install_blank(rec, tier, bufs[0])
+                    else:
+                        self._wait_until(lambda: self._table.try_fetch(rec, tier), rec,
+                                         f"acquire({h.name!r}, {tier.value!r})")
                 copy = self._table.pin(rec, tier)
                 move = self._table.moves.get(h, tier)
             self.telemetry.record_prefetch(hit)

@@ -175,7 +175,7 @@ class ResidencyTable:
             return typed(out, h).copy_(home.tensor)
         where = region(home.buffer)
         buf = torch.from_numpy(aligned_empty(where.length)) if out is None else out
-        self._io.nvme().read(where, buf.numpy(), h.name)
+        self._io.nvme().read(where, buf.numpy(), h.name, h.kind.traffic)
         return typed(buf, h)
 
     def pin(self, rec: TensorRecord, tier: Tier) -> Copy:
@@ -319,6 +319,16 @@ class ResidencyTable:
         self.room.cached(rec.handle, plan.dst)
         self._submit(plan, plan.src, plan.dst, run_fetch, self._finish_fetch, key=plan.dst)
         rec._residency[plan.dst] = Residency.FETCHING
+
+    def install_blank(self, rec: TensorRecord, tier: Tier, buf: Buffer) -> None:
+        """ABSENT -> RESIDENT: an uninitialised copy in the reserved `buf`, for a caller that
+        overwrites it whole and releases it dirty (acquire(overwrite=True)); no move. Stale
+        until then: never a fetch's source, and dropped if released clean (the caller failed)."""
+        assert_in_states(rec, tier, Residency.ABSENT)
+        assert tier is not rec.home, rec
+        rec._copies[tier] = Copy(buf, self.stores[tier].view(buf, rec.handle), stale=True)
+        self.room.cached(rec.handle, tier)
+        rec._residency[tier] = Residency.RESIDENT
 
     def _finish_fetch(self, plan: FetchPlan, outcome: Outcome) -> None:
         """FETCHING -> RESIDENT, or -> ABSENT when the copy failed or went stale."""

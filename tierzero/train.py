@@ -7,7 +7,9 @@ tokenizer for `--data`); `--export DIR` writes the trained model as a transforme
 The run folder holds:
 - metrics.jsonl: one JSON object per step ("step", "loss", "lr", "step_s", "tokens_per_s",
   "stall_s", "prefetch_hits", "prefetch_misses", "bytes" {"device", "host", "nvme"} in use at
-  the step's end, "moved_bytes" per destination tier, "nvme_read_bytes");
+  the step's end, "moved_bytes" per destination tier, "nvme_read_bytes", "nvme_write_bytes"
+  and "nvme_busy_s" (time with a swap file read or write in flight), "nvme_bytes" by kind
+  {"params", "grads", "master", "moments", "other"}: {"read", "write"});
 - trace.json: the Chrome trace of every move (open in https://ui.perfetto.dev);
 - tiers.png: per-tier bytes over time and stall per step;
 - summary.json: "state_bytes" (params + grads + optimizer states), "budgets" and
@@ -362,11 +364,13 @@ def _step(r: _Run, step: int) -> dict:
         "prefetch_misses": stats.prefetch_misses,
         "bytes": {t: pm.bytes_used(t) for t in TIER_NAMES},
         "moved_bytes": stats.bytes_moved, "nvme_read_bytes": stats.nvme_read_bytes,
+        "nvme_write_bytes": stats.nvme_write_bytes, "nvme_busy_s": stats.nvme_busy_s,
+        "nvme_bytes": stats.nvme_by_kind,
     }
 
 
 def _progress_text(row: dict) -> str:
-    nvme_gbps = (row["nvme_read_bytes"] + row["moved_bytes"]["nvme"]) / row["step_s"] / 1e9
+    nvme_gbps = (row["nvme_read_bytes"] + row["nvme_write_bytes"]) / row["step_s"] / 1e9
     return (f"loss {row['loss']:.4f} {row['tokens_per_s']:.0f} tok/s "
             f"dev {format_size(row['bytes']['device'])} "
             f"host {format_size(row['bytes']['host'])} "
