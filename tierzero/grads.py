@@ -55,7 +55,9 @@ class FlatGrad:
         try:
             yield buf
         finally:
-            pm.release(self.handle, tier, dirty=writable or overwrite)
+            # lazily: a gradient that stays in host memory until the step is used and cleared
+            # there, never written to an NVMe home (written only when its room is needed)
+            pm.release(self.handle, tier, dirty=writable or overwrite, lazy=True)
 
     def prefetch(self) -> None:
         self.ctx.pm.prefetch(self.handle, self.handle.staging)
@@ -123,7 +125,9 @@ class FlatGrad:
         self.scale = None
         self._norms = None
         self.empty = set_to_none
-        if not set_to_none:
+        if set_to_none:
+            self.ctx.pm.discard(self.handle)  # a dirty host copy is never written home
+        else:
             with self.acquire(overwrite=True) as buf:
                 buf.zero_()
 

@@ -133,11 +133,10 @@ class TieredOptimizer(torch.optim.Optimizer):
         todo = [f for f in self._flats if not _grad(f).empty and f not in self._stepped]
         self._stepped.clear()
         for i, flat in enumerate(todo):
-            if i + 1 < len(todo):
-                self._prefetch(todo[i + 1])
+            nxt = todo[i + 1] if i + 1 < len(todo) else None
             self._steps[flat] += 1
             with torch.profiler.record_function(f"tierzero::optimizer_step {flat.name}"):
-                self._step_flat(flat, group)
+                self._step_flat(flat, group, then=None if nxt is None else lambda f=nxt: self._prefetch(f))
         return loss
 
     @torch.no_grad()
@@ -152,10 +151,11 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._stepped.add(flat)
         self._steps[flat] += 1
         i = self._flats.index(flat)
-        if i > 0:  # backward finishes blocks in reverse order: read the previous one's state now
-            self._prefetch(self._flats[i - 1], grad=False)
+        # backward finishes blocks in reverse order: read the previous one's state meanwhile
+        prev = (lambda: self._prefetch(self._flats[i - 1], grad=False)) if i > 0 else None
         with torch.profiler.record_function(f"tierzero::optimizer_step_in_backward {flat.name}"):
-            self._step_flat(flat, self.param_groups[0])
+            self._step_flat(flat, self.param_groups[0], then=prev)
+        _grad(flat).clear()  # used up: its host room goes back now, and it never reaches NVMe
 
     def driven_by(self, loop: str) -> None:
         """Declare that `loop` (e.g. "tierzero.hf.Trainer") drives this optimizer and handles the
@@ -186,13 +186,17 @@ class TieredOptimizer(torch.optim.Optimizer):
         for handle in self._live_states(flat).values():
             pm.prefetch(handle, handle.staging)
 
-    def _step_flat(self, flat: FlatParam, group: dict[str, Any]) -> None:
+    def _step_flat(self, flat: FlatParam, group: dict[str, Any], *, then: Callable[[], None] | None) -> None:
+        """Update `flat`; `then` (the next block's prefetch) runs once this block's state is
+        pinned, so the read-ahead can never evict what this update is about to use."""
         pm = self._model_state.pm
         handles = list(self._live_states(flat).values())
         flat_grad = _grad(flat)
         with flat_grad.acquire() as grad:
             tensors = [pm.acquire(h, h.staging) for h in handles]
             try:
+                if then is not None:
+                    then()
                 for pieces in _update_batches(flat.layout, self._model_state.ctx.rank):
                     grads = [flat_grad.scaled(grad[lo:hi]) for lo, hi in pieces]
                     self._update(group, self._steps[flat], grads,

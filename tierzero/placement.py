@@ -216,15 +216,25 @@ class PlacementManager:
             self.streams.compute_wait(copy.event, copy.tensor)
             return copy.tensor
 
-    def release(self, h: TensorHandle, tier: Tier | str = Tier.DEVICE, *, dirty: bool = False) -> None:
-        """Unpin; dirty=True writes this copy's contents back to the home tier (async)."""
+    def release(self, h: TensorHandle, tier: Tier | str = Tier.DEVICE, *, dirty: bool = False,
+                lazy: bool = False) -> None:
+        """Unpin; dirty=True writes this copy's contents back to the home tier (async).
+
+        lazy=True (with dirty, for a host copy of an NVMe home): keep the copy dirty instead; it
+        is written home only when its room is needed (or by flush()), and never if discard()
+        comes first: a gradient used and cleared within a step never reaches the disk. Where a
+        write-back would need a staging buffer (a device copy of an NVMe home) it is eager."""
         rec, tier = self._lookup(h, tier, "release")
+        lazy = lazy and dirty and tier is not h.home and not staging_needs(tier, h.home, h.nbytes)
         with self._cond:
             self._check_open()
             self._check_live(rec)
             self._table.releasing(rec, tier)
             staging = None
-            if dirty and tier is not h.home:
+            if lazy:
+                self._wait_until(lambda: rec.residency[tier] is not Residency.WRITING_BACK or None, rec,
+                                 f"release({h.name!r}, {tier.value!r}, lazy=True) waiting for its write-back")
+            elif dirty and tier is not h.home:
                 # Still pinned while waiting (for an earlier write-back of this copy to finish,
                 # and for a staging buffer), so the dirty copy cannot be evicted meanwhile.
                 needs = staging_needs(tier, h.home, h.nbytes)
@@ -232,18 +242,29 @@ class PlacementManager:
                     lambda: None if rec.residency[tier] is Residency.WRITING_BACK else self._room.take(needs, h),
                     rec, f"release({h.name!r}, {tier.value!r}, dirty=True)")
                 staging = flat(bufs[0]) if bufs else None
-            self._table.release(rec, tier, dirty=dirty, staging=staging)
+            self._table.release(rec, tier, dirty=dirty, staging=staging, lazy=lazy)
+            self._cond.notify_all()
+
+    def discard(self, h: TensorHandle) -> None:
+        """Forget the tensor's contents: its cached copies are dropped unwritten, dirty ones too
+        (a pinned or moving copy when it is free); the home keeps whatever it held last. For
+        data that is dead, such as a gradient set to None; read it again only after writing it."""
+        rec = self._record_of(h, "discard")
+        with self._cond:
+            self._check_live(rec)
+            self._table.discard(rec)
             self._cond.notify_all()
 
     def drop(self, h: TensorHandle, tier: Tier | str) -> None:
-        """Free an unpinned cached copy now (after its write-back, if one is in flight)."""
+        """Free an unpinned cached copy now (after its write-back, if one is in flight or it is
+        dirty)."""
         rec, tier = self._lookup(h, tier, "drop")
         if tier is h.home:
             raise ValueError(f"drop({h.name!r}, {tier.value!r}): {tier.value} is the tensor's home; "
                              "only cached copies on other tiers can be dropped")
         with self._cond:
             self._check_live(rec)
-            self._wait_until(lambda: rec.residency[tier] not in (Residency.FETCHING, Residency.WRITING_BACK) or None,
+            self._wait_until(lambda: self._table.settled_clean(rec, tier) or None,
                              rec, f"drop({h.name!r}) waiting for its move")
             if rec.residency[tier] is Residency.ABSENT:
                 return
@@ -331,7 +352,12 @@ class PlacementManager:
             return tuple(rec.handle for rec in self._table.records())
 
     def flush(self) -> None:
-        """Wait for every move in flight; raise the first write-back error since the last flush."""
+        """Write every dirty cached copy home, wait for every move in flight; raise the first
+        write-back error since the last flush."""
+        with self._cond:
+            for rec, tier in self._table.dirty_copies():
+                if not rec.pins(tier):
+                    self._table.start_writeback(rec, tier, None)
         while True:
             with self._cond:
                 futures = [m.future for m in self._table.moves.all()]
