@@ -22,6 +22,7 @@ from io_engine.files import free_disk_bytes
 from tierzero.cli import add_placement_flags, placement_from_flags
 from tierzero.config import TIER_NAMES, Config, format_size, parse_size
 from tierzero.grouping import ROOT, blocks_of
+from tierzero.traffic import add_rate_flags, rates_from_flags, step_traffic
 
 OPTIMIZER_BYTES_PER_PARAM = 12
 """fp32 master weight + exp_avg + exp_avg_sq."""
@@ -147,8 +148,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--host-budget", default=None)
     p.add_argument("--nvme-dir", default=None)
     add_placement_flags(p)
+    p.add_argument("--step-in-backward", action="store_true",
+                   help="update each block as backward finishes it (no gradient traffic)")
+    add_rate_flags(p)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    try:
+        rates = rates_from_flags(args)
+    except (ValueError, FileNotFoundError) as e:
+        p.error(str(e))
 
     machine = machine_budgets(args.nvme_dir)
     budgets = dict(machine)
@@ -157,9 +165,11 @@ def main(argv: list[str]) -> int:
     if args.host_budget:
         budgets["host"] = parse_size(args.host_budget, what="--host-budget")
     cfg = Config(nvme_dir=args.nvme_dir, device_budget=budgets["device"], host_budget=budgets["host"],
-                 **placement_from_flags(args))
+                 step_in_backward=args.step_in_backward, **placement_from_flags(args))
     model = build(args.model, device="meta")
     est = estimate(model, cfg)
+    traffic = step_traffic(est.params, cfg)
+    floor = None if rates is None else rates.floor_s(traffic.read, traffic.write)
     largest, placement = largest_trainable(machine, args.nvme_dir)
     result = {
         "model": args.model, "params": est.params, "state_bytes": est.state_bytes,
@@ -167,6 +177,8 @@ def main(argv: list[str]) -> int:
                       "optimizer_states": cfg.optimizer_states},
         "bytes": est.per_tier, "budgets": budgets, "fits": est.fits(budgets),
         "machine": machine, "largest_trainable": largest, "largest_placement": placement,
+        "nvme_step_bytes": traffic.to_json(), "nvme_bytes_per_param": traffic.per_param(est.params),
+        "drive": None if rates is None else rates.to_json(), "nvme_floor_s": floor,
     }
     if args.json:
         print(json.dumps(result))
@@ -176,6 +188,14 @@ def main(argv: list[str]) -> int:
     for t in TIER_NAMES:
         mark = "ok" if est.per_tier[t] <= budgets[t] else "OVER BUDGET"
         print(f"  {t:6s} needs {format_size(est.per_tier[t]):>12s} of {format_size(budgets[t]):>12s}  {mark}")
+    if traffic.read or traffic.write:
+        per = traffic.per_param(est.params)
+        print(f"  one step moves at least {format_size(traffic.read)} from NVMe and {format_size(traffic.write)} "
+              f"to it ({per['total']:.1f} bytes per parameter: "
+              + ", ".join(f"{k} {v:.0f}" for k, v in per.items() if k != "total") + ")")
+        print(f"  NVMe floor: {floor:.2f} s per step at {rates.read_gbps:.2f} GB/s read, {rates.write_gbps:.2f} GB/s "
+              f"write ({rates.source})" if floor is not None else
+              "  NVMe floor: give --bench-io FILE (from `tierzero bench-io --json`) or --read-gbps/--write-gbps")
     print(f"this machine (free GPU/RAM/disk x0.8: "
           f"{', '.join(f'{t} {format_size(machine[t])}' for t in TIER_NAMES)}) can train up to: "
           f"{largest or 'none of the built-in models'}"
