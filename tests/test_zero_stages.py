@@ -305,7 +305,7 @@ def test_state_and_traffic_follow_the_model(tmp_path: Path, runs: dict[str, Any]
     cfg = config(str(tmp_path), model, world_size, case)
     zm = ZeroModel.of(cfg, world_size, cuda=False)
     layout = zm.layout_per_rank(model, cfg)
-    comm = zm.comm_per_step(*param_counts(model, cfg), backwards=ACCUM)
+    comm = zm.comm_per_step(param_counts(model, cfg), backwards=ACCUM)
     for r, results in enumerate(runs[world]):
         res = results[f"stage{stage}-{grad_dtype}"]
         assert res["home"]["kinds"] == {k: v for k, v in layout.as_dict().items() if k != "total"}, (r, res["home"])

@@ -2,8 +2,9 @@
 
 The figures are tierzero's own state: compute-dtype parameters on `params`, gradients
 (Config.grad_dtype) on `grads`, fp32 master weights and two AdamW moments on
-`optimizer_states`, plus the working sets the runtime keeps: on the device the block being
-computed and the blocks prefetched ahead of it; on the host the NVMe read-ahead staging and the
+`optimizer_states`, plus the working sets the runtime keeps: on the device the root block (held
+through the forward and the backward), the block being computed and the blocks prefetched
+ahead of it; on the host the NVMe read-ahead staging and the
 optimizer's streaming buffers. Activations are the caller's and are not counted. Across N
 data-parallel ranks the state each rank holds, and the bytes its collectives move per step,
 follow the ZeRO stage (tierzero.zero_model: the ZeRO paper's model).
@@ -87,7 +88,8 @@ def largest_block_params(model: nn.Module, cfg: Config) -> int:
 def estimate(model: nn.Module, cfg: Config, world_size: int = 1) -> Estimate:
     """Bytes per tier that each of `world_size` ranks needs to train `model` under `cfg` (model
     may be on the meta device)."""
-    n, trainable, kept = param_counts(model, cfg)
+    counts = param_counts(model, cfg)
+    n, trainable = counts.params, counts.trainable
     block = largest_block_params(model, cfg)
     per_param = state_bytes_per_param(cfg)
     cb = per_param.params
@@ -97,7 +99,7 @@ def estimate(model: nn.Module, cfg: Config, world_size: int = 1) -> Estimate:
     home = dict(need)
     ahead = cfg.prefetch.depth if cfg.prefetch.policy == "lookahead" else 1
     if cfg.params != "device" or zm.zero.gathers:
-        need["device"] += block * cb * (1 + ahead)
+        need["device"] += (counts.root + block * (1 + ahead)) * cb
     if cfg.params == "nvme":
         need["host"] += block * cb * cfg.prefetch.nvme_depth
     if cfg.optimizer_states == "nvme":
@@ -106,7 +108,7 @@ def estimate(model: nn.Module, cfg: Config, world_size: int = 1) -> Estimate:
     state = n * per_param.params + trainable * (per_param.grads + per_param.optimizer_states)
     return Estimate(params=n, largest_block_params=block, per_tier=need, home=home, state_bytes=state,
                     world_size=world_size, per_rank=per_rank, layout_per_rank=zm.layout_per_rank(model, cfg),
-                    comm=zm.comm_per_step(n, trainable, kept))
+                    comm=zm.comm_per_step(counts))
 
 
 def machine_budgets(nvme_dir: str | None, headroom: float = 0.8) -> dict[str, int]:

@@ -34,6 +34,7 @@ multiple of N (sharding.FlatLayout), a fraction of a percent more.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -105,17 +106,17 @@ class ZeroModel:
             grads=self.grad_bytes * (trainable if self.zero.grads_whole else share(trainable)),
             optimizer_states=self.optimizer_bytes * share(trainable))
 
-    def comm_per_step(self, params: int, trainable: int, kept: int, *, backwards: int = 1) -> CommBytes:
-        """Bytes one rank's collectives cover in a step of `backwards` backward passes; `kept`:
-        parameters of the block that stays gathered from its forward to its backward (stage 3)."""
+    def comm_per_step(self, counts: "ParamCounts", *, backwards: int = 1) -> CommBytes:
+        """Bytes one rank's collectives cover in a step of `backwards` backward passes."""
         if self.zero.world_size == 1:
             return CommBytes()
-        grads = backwards * self.grad_bytes * trainable
+        c = self.compute_bytes
+        grads = backwards * self.grad_bytes * counts.trainable
         if self.zero.stage == 1:
-            return CommBytes(all_gather=self.compute_bytes * trainable, all_reduce=grads)
+            return CommBytes(all_gather=c * counts.trainable, all_reduce=grads)
         if self.zero.stage == 2:
-            return CommBytes(all_gather=self.compute_bytes * trainable, reduce_scatter=grads)
-        return CommBytes(all_gather=backwards * self.compute_bytes * (2 * params - kept), reduce_scatter=grads)
+            return CommBytes(all_gather=c * counts.trainable, reduce_scatter=grads)
+        return CommBytes(all_gather=backwards * c * (2 * counts.params - counts.kept), reduce_scatter=grads)
 
     def layout_per_rank(self, model: nn.Module, cfg: Config) -> StateSizes:
         """Bytes one rank registers for `model`: the flat tensors of `tz.wrap(model, cfg)`,
@@ -136,12 +137,24 @@ class ZeroModel:
         return StateSizes(params, grads, optim)
 
 
-def param_counts(model: nn.Module, cfg: Config) -> tuple[int, int, int]:
-    """(Ψ, Ψt, Ψk): parameters, trainable ones, and those of the block the forward releases
-    last (the root block when it holds any, else the last block; see the module docstring)."""
+class ParamCounts(NamedTuple):
+    """Parameters of a model as `tz.wrap(model, cfg)` groups them into blocks."""
+
+    params: int
+    """Ψ."""
+    trainable: int
+    """Ψt."""
+    kept: int
+    """Ψk: those of the block the forward releases last, which stays gathered for its
+    backward: the root block when it holds any, else the last block (module docstring)."""
+    root: int
+    """The root block's."""
+
+
+def param_counts(model: nn.Module, cfg: Config) -> ParamCounts:
     blocks = blocks_of(model, cfg)
-    params = sum(p.numel() for _, _, ps in blocks for _, p in ps)
-    trainable = sum(p.numel() for _, _, ps in blocks for _, p in ps if p.requires_grad)
     sizes = {name: sum(p.numel() for _, p in ps) for name, _, ps in blocks}
     kept = sizes[ROOT] or (sizes[blocks[-2][0]] if len(blocks) > 1 else 0)
-    return params, trainable, kept
+    return ParamCounts(params=sum(sizes.values()),
+                       trainable=sum(p.numel() for _, _, ps in blocks for _, p in ps if p.requires_grad),
+                       kept=kept, root=sizes[ROOT])
