@@ -176,12 +176,20 @@ class FetchGroup:
 
 
 def gather_ahead(ctx: StepContext, groups: list[FetchGroup]) -> None:
-    """The prefetcher's choice when blocks are gathered (stage 3, world size > 1): start the all-gathers of `groups`, drop those
-    started earlier for blocks neither chosen now nor held (so what is in flight always fits the
-    room the choice was made in). Every rank makes the same choice."""
+    """The prefetcher's choice when blocks are gathered (stage 3, world size > 1): start the
+    all-gathers of `groups`; of those started earlier for blocks neither chosen now nor held,
+    keep the ones that fit the device room left beside the chosen blocks, in the order they were
+    started, and drop the rest (so what is in flight always fits the room the choice was made
+    in, and a block the lookahead reached earlier, as it does across the turn from forward to
+    backward, is not gathered twice). Every rank makes the same choice."""
     keep = {g.name for g in groups} | set(ctx.held)
+    room = ctx.device_room() - sum(f.nbytes for g in groups for f in g.flats)
     for flat in ctx.gathered_flats():
-        if flat.name not in keep:
+        if flat.name in keep:
+            continue
+        if flat.nbytes <= room:
+            room -= flat.nbytes
+        else:
             discard_gather(ctx, flat)
     for group in groups:
         group.gather_ahead()
