@@ -71,6 +71,8 @@ class Case(NamedTuple):
     """Save a checkpoint into this folder after step SAVE_AT."""
     load: str | None = None
     """Load the checkpoint in this folder and train from step SAVE_AT."""
+    weights: str | None = None
+    """Build the model on the meta device and fill it from this safetensors file (wrap's weights=)."""
 
 
 def micro_batches() -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -118,11 +120,16 @@ def home_bytes(model: torch.nn.Module) -> dict[str, dict[str, int]]:
 
 
 def run_case(rank: int, world_size: int, out_dir: str, case: Case) -> dict[str, Any]:
-    model = make_model()
+    if case.weights is None:
+        model = make_model()
+    else:
+        with torch.device("meta"):
+            model = make_model()
     cfg = config(out_dir, model, world_size, case)
-    tz.wrap(model, cfg)
+    tz.wrap(model, cfg, weights=case.weights)
     opt = tz.AdamW(model, lr=LR, weight_decay=0.1)
-    result: dict[str, Any] = {"losses": [], "norms": [], "comm": [], "home": home_bytes(model)}
+    result: dict[str, Any] = {"losses": [], "norms": [], "comm": [], "home": home_bytes(model),
+                              "initial": tz.full_state_dict(model) if case.weights else {}}
     start = 0
     if case.load:
         start = tz.load_checkpoint(case.load, model, opt)["step"]
@@ -179,14 +186,15 @@ def parity_cases() -> list[Case]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """2 ranks (stage 2 saves), then 3 ranks (stage 3 saves; stage 3 loads the stage-2 save),
-    then 2 ranks again (stage 2 loads the stage-3 save)."""
+    then 2 ranks again (stage 2 loads the stage-3 save; stage 1 is filled by wrap's weights=)."""
     tmp = tmp_path_factory.mktemp("zero-stages")
+    weights = str(tz.save_safetensors(make_model().state_dict(), tmp / "model.safetensors"))
     two, three = str(tmp / "ckpt-stage2-2ranks"), str(tmp / "ckpt-stage3-3ranks")
     cases2 = [c._replace(save=two) if c.name == "stage2-float32" else c for c in parity_cases()]
     cases3 = [c._replace(save=three) if c.name == "stage3-float32" else c for c in parity_cases()]
     world2 = run_world(tmp, "world2", 2, cases2)
     world3 = run_world(tmp, "world3", 3, cases3 + [Case("load-stage3", 3, load=two)])
-    back = run_world(tmp, "back", 2, [Case("load-stage2", 2, load=three)])
+    back = run_world(tmp, "back", 2, [Case("load-stage2", 2, load=three), Case("weights-stage1", 1, weights=weights)])
     return {"world2": world2, "world3": world3, "back": back}
 
 
@@ -337,3 +345,15 @@ def test_checkpoints_load_across_stages_and_world_sizes(runs: dict[str, Any], re
                                    rtol=1e-5, atol=0, msg=lambda m: f"{what}: losses after the load: {m}")
         torch.testing.assert_close(torch.tensor(loaded["losses"]), torch.tensor(ref_losses[SAVE_AT:]),
                                    rtol=1e-5, atol=0)
+
+
+def test_weights_fill_whole_parameters_at_stage1(runs: dict[str, Any], references: dict) -> None:
+    """wrap(meta_model, weights=FILE) at stage 1 on 2 ranks: each rank reads its shard's rows and
+    the shards are all-gathered into every rank's whole parameters; the training that follows
+    is the one-process run's."""
+    res = runs["back"][0]["weights-stage1"]
+    plain = make_model().state_dict()
+    assert res["initial"].keys() == plain.keys()
+    for key, value in plain.items():
+        assert torch.equal(res["initial"][key], value), key
+    torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(references["float32"][0]), rtol=1e-5, atol=0)

@@ -19,7 +19,7 @@ def add_placement_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer-states", default=None, choices=TIER_NAMES,
                    help="tier of fp32 master weights and moments (default: as --params)")
     p.add_argument("--grads", default=None, choices=TIER_NAMES,
-                   help="tier of fp32 gradients (default: as --params)")
+                   help="tier of gradients (default: as --params)")
 
 
 def placement_from_flags(args: argparse.Namespace) -> dict[str, str]:

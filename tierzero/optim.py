@@ -1,4 +1,4 @@
-"""Tiered optimizers and gradient clipping over a wrapped model's flat fp32 gradients.
+"""Tiered optimizers and gradient clipping over a wrapped model's flat gradients.
 
 tz.AdamW / tz.SGD are torch.optim.Optimizer subclasses (param_groups with "lr" and friends, so
 torch's LR schedulers work) whose state lives in the placement manager on
