@@ -26,6 +26,7 @@ from tierzero.cli import add_placement_flags, add_zero_flags, placement_from_fla
 from tierzero.config import TIER_NAMES, Config, format_size, parse_size
 from tierzero.grouping import ROOT, blocks_of
 from tierzero.sharding import CommBytes
+from tierzero.traffic import add_rate_flags, rates_from_flags, step_traffic
 from tierzero.zero_model import OPTIMIZER_BYTES_PER_PARAM, StateSizes, ZeroModel, param_counts
 
 
@@ -165,10 +166,17 @@ def main(argv: list[str]) -> int:
     p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (figures are per rank)")
     p.add_argument("--compute-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="dtype of the parameters (auto: bfloat16 with CUDA, float32 without)")
+    p.add_argument("--step-in-backward", action="store_true",
+                   help="update each block as backward finishes it (no gradient traffic)")
+    add_rate_flags(p)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.world_size < 1:
         p.error(f"--world-size: expected an int >= 1, got {args.world_size}")
+    try:
+        rates = rates_from_flags(args)
+    except (ValueError, FileNotFoundError) as e:
+        p.error(str(e))
 
     machine = machine_budgets(args.nvme_dir)
     budgets = dict(machine)
@@ -177,10 +185,13 @@ def main(argv: list[str]) -> int:
     if args.host_budget:
         budgets["host"] = parse_size(args.host_budget, what="--host-budget")
     cfg = Config(nvme_dir=args.nvme_dir, device_budget=budgets["device"], host_budget=budgets["host"],
-                 compute_dtype=args.compute_dtype, **placement_from_flags(args), **zero_from_flags(args))
+                 compute_dtype=args.compute_dtype, step_in_backward=args.step_in_backward,
+                 **placement_from_flags(args), **zero_from_flags(args))
     model = build(args.model, device="meta")
     est = estimate(model, cfg, args.world_size)
     assert est.per_rank is not None and est.layout_per_rank is not None and est.comm is not None
+    traffic = step_traffic(est.params, cfg, world_size=args.world_size)
+    floor = None if rates is None else rates.floor_s(traffic.read, traffic.write)
     largest, placement = largest_trainable(machine, args.nvme_dir)
     result = {
         "model": args.model, "params": est.params, "state_bytes": est.state_bytes,
@@ -193,6 +204,8 @@ def main(argv: list[str]) -> int:
         "comm_bytes_per_step": {**est.comm.as_dict(), "total": est.comm.total},
         "bytes": est.per_tier, "budgets": budgets, "fits": est.fits(budgets),
         "machine": machine, "largest_trainable": largest, "largest_placement": placement,
+        "nvme_step_bytes": traffic.to_json(), "nvme_bytes_per_param": traffic.per_param(est.params),
+        "drive": None if rates is None else rates.to_json(), "nvme_floor_s": floor,
     }
     if args.json:
         print(json.dumps(result))
@@ -207,6 +220,14 @@ def main(argv: list[str]) -> int:
     for t in TIER_NAMES:
         mark = "ok" if est.per_tier[t] <= budgets[t] else "OVER BUDGET"
         print(f"  {t:6s} needs {format_size(est.per_tier[t]):>12s} of {format_size(budgets[t]):>12s}  {mark}")
+    if traffic.read or traffic.write:
+        per = traffic.per_param(est.params)
+        print(f"  one step moves at least {format_size(traffic.read)} from NVMe and {format_size(traffic.write)} "
+              f"to it ({per['total']:.1f} bytes per parameter: "
+              + ", ".join(f"{k} {v:.0f}" for k, v in per.items() if k != "total") + ")")
+        print(f"  NVMe floor: {floor:.2f} s per step at {rates.read_gbps:.2f} GB/s read, {rates.write_gbps:.2f} GB/s "
+              f"write ({rates.source})" if floor is not None else
+              "  NVMe floor: give --bench-io FILE (from `tierzero bench-io --json`) or --read-gbps/--write-gbps")
     print(f"this machine (free GPU/RAM/disk x0.8: "
           f"{', '.join(f'{t} {format_size(machine[t])}' for t in TIER_NAMES)}) can train up to: "
           f"{largest or 'none of the built-in models'}"

@@ -9,8 +9,10 @@ is ever held while waiting for another. Room also counts the bytes homed on each
 refuse at once a tensor that can never fit.
 
 Room keeps no residency: PlacementManager tells it which copies exist (`cached`, `touch`,
-`forget`) and lends it two callbacks, `evictable(handle, tier)` and `evict(handle, tier)` (its
-drop transition). Not thread-safe on its own; used under the manager's lock.
+`forget`) and lends it callbacks: `evictable(handle, tier)`, `evict(handle, tier)` (its drop
+transition), and `clean(tier, nbytes)`, called when a need falls short, which starts writing
+back dirty cached copies there (lazy releases) so they become evictable once written. Not
+thread-safe on its own; used under the manager's lock.
 """
 
 from __future__ import annotations
@@ -52,11 +54,13 @@ class Room:
 
     def __init__(self, stores: Mapping[Tier, TierStore],
                  evictable: Callable[[TensorHandle, Tier], bool],
-                 evict: Callable[[TensorHandle, Tier], None]) -> None:
+                 evict: Callable[[TensorHandle, Tier], None],
+                 clean: Callable[[Tier, int], None]) -> None:
         self.stores = stores
         self.policy: EvictionPolicy = LeastRecentlyUsed()
         self._evictable = evictable
         self._evict = evict
+        self._clean = clean
         self._lru: OrderedDict[tuple[TensorHandle, Tier], None] = OrderedDict()
         self._homes = dict.fromkeys(Tier, 0)
 
@@ -72,6 +76,10 @@ class Room:
 
     def forget(self, handle: TensorHandle, tier: Tier) -> None:
         self._lru.pop((handle, tier), None)
+
+    def cached_on(self, tier: Tier) -> list[TensorHandle]:
+        """Tensors with a cached copy on `tier`, least recently used first."""
+        return [h for (h, t) in self._lru if t is tier]
 
     def add_home(self, handle: TensorHandle) -> None:
         self._homes[handle.home] += self.stores[handle.home].reserved(handle.nbytes)
@@ -108,6 +116,7 @@ class Room:
             if buf is None:
                 for (t, _), b in zip(needs, got):
                     self.stores[t].free(b)
+                self._clean(tier, nbytes)
                 return Shortfall(tier, nbytes)
             got.append(buf)
         return got

@@ -5,7 +5,8 @@ torch's LR schedulers work) whose state lives in the placement manager on
 `config.optimizer_states`: fp32 master weights (owned by the runtime's FlatParam) and the
 moments, one flat tensor of each per block. A step walks the blocks in order as a three-stage
 pipeline: block k+1's gradient, master weights and moments are being read (prefetched to the
-host) while block k is updated on the CPU with torch's math in fp32 and block k-1's updated
+host) while block k is updated on the CPU in fp32 by torch's fused kernels (bit for bit what
+torch.optim.AdamW/SGD(fused=True) compute for the same parameters) and block k-1's updated
 state and new compute-dtype parameters are being written to their home tier (dirty releases
 and `store` write NVMe asynchronously; host budget reservations bound how far it runs ahead).
 With Config.step_in_backward each block is updated as soon as backward has made its gradient
@@ -26,12 +27,37 @@ from tierzero import runtime
 from tierzero.flat_param import FlatParam
 from tierzero.grads import FlatGrad
 from tierzero.handles import Kind, TensorHandle
-from tierzero.sharding import all_reduce_, rank_errors
+from tierzero.sharding import FlatLayout, all_reduce_, rank_errors
 from tierzero.step_context import StepContext
 
 
 UPDATE_CHUNK = 1 << 22
-"""Elements updated at a time (16 MiB of fp32)."""
+"""Elements updated at a time (16 MiB of fp32): bounds the scaled gradient's temporary."""
+
+
+def _update_batches(layout: FlatLayout, rank: int) -> list[list[tuple[int, int]]]:
+    """This rank's shard of `layout` as (lo, hi) pieces in shard coordinates, in batches of at
+    most UPDATE_CHUNK elements: each piece lies inside one parameter (padding is never updated),
+    and a parameter longer than UPDATE_CHUNK is cut at multiples of UPDATE_CHUNK from its own
+    start. torch's fused CPU kernels run a vector loop and then a scalar loop for the last
+    `numel % vector width` elements, whose roundings differ; cutting where a separate tensor per
+    parameter would end puts every element in the same loop as torch.optim.AdamW(fused=True)
+    over the model's parameters, so the bits are the same (at world size 1; a shard that cuts a
+    parameter moves its tail)."""
+    start, stop = layout.shard_range(rank)
+    batches: list[list[tuple[int, int]]] = [[]]
+    room = UPDATE_CHUNK
+    for slot in layout.slots:
+        lo, end = max(slot.offset, start), min(slot.offset + slot.numel, stop)
+        while lo < end:
+            hi = min(end, slot.offset + ((lo - slot.offset) // UPDATE_CHUNK + 1) * UPDATE_CHUNK)
+            if hi - lo > room:
+                batches.append([])
+                room = UPDATE_CHUNK
+            batches[-1].append((lo - start, hi - start))
+            room -= hi - lo
+            lo = hi
+    return [b for b in batches if b]
 
 
 class TieredOptimizer(torch.optim.Optimizer):
@@ -107,11 +133,10 @@ class TieredOptimizer(torch.optim.Optimizer):
         todo = [f for f in self._flats if not _grad(f).empty and f not in self._stepped]
         self._stepped.clear()
         for i, flat in enumerate(todo):
-            if i + 1 < len(todo):
-                self._prefetch(todo[i + 1])
+            nxt = todo[i + 1] if i + 1 < len(todo) else None
             self._steps[flat] += 1
             with torch.profiler.record_function(f"tierzero::optimizer_step {flat.name}"):
-                self._step_flat(flat, group)
+                self._step_flat(flat, group, then=None if nxt is None else lambda f=nxt: self._prefetch(f))
         return loss
 
     @torch.no_grad()
@@ -126,10 +151,11 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._stepped.add(flat)
         self._steps[flat] += 1
         i = self._flats.index(flat)
-        if i > 0:  # backward finishes blocks in reverse order: read the previous one's state now
-            self._prefetch(self._flats[i - 1], grad=False)
+        # backward finishes blocks in reverse order: read the previous one's state meanwhile
+        prev = (lambda: self._prefetch(self._flats[i - 1], grad=False)) if i > 0 else None
         with torch.profiler.record_function(f"tierzero::optimizer_step_in_backward {flat.name}"):
-            self._step_flat(flat, self.param_groups[0])
+            self._step_flat(flat, self.param_groups[0], then=prev)
+        _grad(flat).clear()  # used up: its host room goes back now, and it never reaches NVMe
 
     def driven_by(self, loop: str) -> None:
         """Declare that `loop` (e.g. "tierzero.hf.Trainer") drives this optimizer and handles the
@@ -160,25 +186,29 @@ class TieredOptimizer(torch.optim.Optimizer):
         for handle in self._live_states(flat).values():
             pm.prefetch(handle, handle.staging)
 
-    def _step_flat(self, flat: FlatParam, group: dict[str, Any]) -> None:
+    def _step_flat(self, flat: FlatParam, group: dict[str, Any], *, then: Callable[[], None] | None) -> None:
+        """Update `flat`; `then` (the next block's prefetch) runs once this block's state is
+        pinned, so the read-ahead can never evict what this update is about to use."""
         pm = self._model_state.pm
         handles = list(self._live_states(flat).values())
         flat_grad = _grad(flat)
         with flat_grad.acquire() as grad:
             tensors = [pm.acquire(h, h.staging) for h in handles]
             try:
-                # In chunks, so the math's temporaries (the scaled gradient, AdamW's denominator)
-                # are a few MiB instead of a block's size; elementwise, so the bits are the same.
-                for lo in range(0, grad.numel(), UPDATE_CHUNK):
-                    g = flat_grad.scaled(grad[lo:lo + UPDATE_CHUNK])
-                    self._update(group, self._steps[flat], g, *(t[lo:lo + UPDATE_CHUNK] for t in tensors))
+                if then is not None:
+                    then()
+                for pieces in _update_batches(flat.layout, self._model_state.ctx.rank):
+                    grads = [flat_grad.scaled(grad[lo:hi]) for lo, hi in pieces]
+                    self._update(group, self._steps[flat], grads,
+                                 *([t[lo:hi] for lo, hi in pieces] for t in tensors))
                 flat.master_updated(tensors[0])
             finally:
                 for h in handles:
                     pm.release(h, h.staging, dirty=True)
 
-    def _update(self, group: dict[str, Any], step: int, grad: torch.Tensor, param: torch.Tensor,
-                *states: torch.Tensor) -> None:
+    def _update(self, group: dict[str, Any], step: int, grads: list[torch.Tensor],
+                params: list[torch.Tensor], *states: list[torch.Tensor]) -> None:
+        """Update `params` (fp32 master pieces) and `states` in place from `grads`, piece by piece."""
         raise NotImplementedError
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -257,7 +287,9 @@ def _global_norm(shard_norms: list[torch.Tensor], norm_type: float, ctx: StepCon
 
 
 class AdamW(TieredOptimizer):
-    """torch.optim.AdamW's math (decoupled weight decay, bias correction) on tiered fp32 state."""
+    """torch.optim.AdamW (decoupled weight decay, bias correction) on tiered fp32 state, by torch's
+    fused CPU kernel: one pass over memory where the elementwise ops take about eight, and the
+    same bits as torch.optim.AdamW(fused=True)."""
 
     state_kinds = (Kind.EXP_AVG, Kind.EXP_AVG_SQ)
 
@@ -268,22 +300,19 @@ class AdamW(TieredOptimizer):
                              f"lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
         super().__init__(model, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
-    def _update(self, group: dict[str, Any], step: int, grad: torch.Tensor, param: torch.Tensor,
-                *states: torch.Tensor) -> None:
-        exp_avg, exp_avg_sq = states
-        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        if wd != 0:
-            param.mul_(1 - lr * wd)
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        bias_correction1 = 1 - beta1 ** step
-        bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-        param.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
+    def _update(self, group: dict[str, Any], step: int, grads: list[torch.Tensor],
+                params: list[torch.Tensor], *states: list[torch.Tensor]) -> None:
+        exp_avgs, exp_avg_sqs = states
+        beta1, beta2 = group["betas"]
+        steps = [torch.tensor(float(step))] * len(params)
+        torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=group["lr"], beta1=beta1,
+                            beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                            amsgrad=False, maximize=False)
 
 
 class SGD(TieredOptimizer):
-    """torch.optim.SGD's math (momentum, weight decay; no dampening or Nesterov)."""
+    """torch.optim.SGD (momentum, weight decay; no dampening or Nesterov) by torch's fused CPU
+    kernel: the same bits as torch.optim.SGD(fused=True)."""
 
     state_kinds = (Kind.MOMENTUM,)
 
@@ -295,18 +324,12 @@ class SGD(TieredOptimizer):
             self.state_kinds = ()
         super().__init__(model, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
 
-    def _update(self, group: dict[str, Any], step: int, grad: torch.Tensor, param: torch.Tensor,
-                *states: torch.Tensor) -> None:
-        if group["weight_decay"] != 0:
-            grad = grad.add(param, alpha=group["weight_decay"])
-        if states:
-            (buf,) = states
-            if step == 1:
-                buf.copy_(grad)
-            else:
-                buf.mul_(group["momentum"]).add_(grad)
-            grad = buf
-        param.add_(grad, alpha=-group["lr"])
+    def _update(self, group: dict[str, Any], step: int, grads: list[torch.Tensor],
+                params: list[torch.Tensor], *states: list[torch.Tensor]) -> None:
+        # On the first step the momentum buffer becomes the gradient (plus weight decay).
+        torch._fused_sgd_(params, grads, states[0] if states else [], weight_decay=group["weight_decay"],
+                          momentum=group["momentum"], lr=group["lr"], dampening=0.0, nesterov=False,
+                          maximize=False, is_first_step=step == 1)
 
 
 @torch.no_grad()
@@ -315,27 +338,26 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     """torch.nn.utils.clip_grad_norm_ over a wrapped model's flat gradients: returns the total
     norm (fp32) and scales the gradients by min(1, max_norm / (norm + 1e-6)) (applied lazily,
     when the optimizer or the next backward reads them). With several ranks the norm is the
-    global one over every rank's gradient shard (a collective: every rank calls it)."""
+    global one over every rank's gradient shard (a collective: every rank calls it).
+
+    From the first call on, backward computes each block's norms as it writes the gradient, so
+    later calls read no gradient (a different norm_type than the last call's reads once)."""
     state = runtime.state_of(model)
     if state.config.step_in_backward:
         raise ValueError("clip_grad_norm_: the model was wrapped with Config(step_in_backward=True), "
                          "so its blocks were updated during backward with unclipped gradients; "
                          "wrap it with step_in_backward=False to clip gradients")
     flats = [f for f in state.flat_params(trainable=True) if not _grad(f).empty]
+    ctx = state.ctx
+    ctx.clips_with(float(norm_type))
     if not flats:
         return torch.tensor(0.0)
-    ctx = state.ctx
     norms: dict[tuple[FlatParam, int], torch.Tensor] = {}
     for i, flat in enumerate(flats):
-        if i + 1 < len(flats):
+        if i + 1 < len(flats) and not _grad(flats[i + 1]).has_norms(float(norm_type)):
             _grad(flats[i + 1]).prefetch()
-        grad = _grad(flat)
-        with grad.acquire() as g:
-            if ctx.world_size == 1:
-                for j, s in enumerate(flat.layout.slots):
-                    norms[flat, j] = torch.linalg.vector_norm(grad.scaled(g[s.offset:s.offset + s.numel]), norm_type)
-            else:
-                norms[flat, 0] = torch.linalg.vector_norm(grad.scaled(g), norm_type)
+        for j, n in enumerate(_grad(flat).norms(float(norm_type))):
+            norms[flat, j] = n
     if ctx.world_size == 1:
         # The norm of the per-parameter norms in the model's parameter order, as torch computes
         # it: the same bits as torch.nn.utils.clip_grad_norm_(model.parameters()).

@@ -84,6 +84,9 @@ class StepContext:
     _end_backward: Callable[[], None] | None = field(default=None, init=False)
     _callback_queued: bool = field(default=False, init=False)
     _grads_final: Callable[["FlatParam"], None] | None = field(default=None, init=False)
+    clip_norm_type: float | None = field(default=None, init=False)
+    """The norm tz.clip_grad_norm_ last computed: each FlatGrad computes it as its gradient is
+    written in backward, so clipping needs no second read of the gradients."""
 
     def __repr__(self) -> str:
         return (f"StepContext(rank={self.rank}/{self.world_size}, phase={self.phase.value}, "
@@ -116,6 +119,10 @@ class StepContext:
         """Call `callback` once per backward with each trainable flat tensor whose gradient is
         final (a tiered optimizer under Config.step_in_backward)."""
         self._grads_final = callback
+
+    def clips_with(self, norm_type: float) -> None:
+        """tz.clip_grad_norm_ was called with `norm_type`: backward computes it from now on."""
+        self.clip_norm_type = norm_type
 
     @property
     def wants_grads_final(self) -> bool:
