@@ -3,7 +3,7 @@ disk's limit). Byte counts come from the swap files' own reads and writes."""
 
 from __future__ import annotations
 
-import copy
+import json
 from typing import Any
 
 import pytest
@@ -16,6 +16,7 @@ from tierzero.handles import Kind
 from tierzero.models import GPT, GPTConfig
 from tierzero.placement import PlacementManager, Residency
 from tierzero.tiers import Tier
+from tierzero.traffic import DriveRates, rates_from_bench, step_traffic
 
 
 def pm_for(tmp_path: Any) -> PlacementManager:
@@ -94,3 +95,78 @@ def test_step_traffic_by_kind(tmp_path: Any, step_in_backward: bool, host: str) 
             assert 0 < grads["write"] <= io[Kind.GRAD] and grads["read"] <= grads["write"]
     finally:
         runtime.close(model)
+
+
+# ------------------------------------------------------------------------ the least traffic, the floor
+
+@pytest.mark.parametrize("placement,sib,per_param", [
+    (dict(params="nvme", grads="nvme", optimizer_states="nvme", compute_dtype="float32"), False, 40),
+    (dict(params="nvme", grads="nvme", optimizer_states="nvme", compute_dtype="float32"), True, 28),
+    (dict(params="host", grads="host", optimizer_states="nvme", compute_dtype="float32"), False, 24),
+    (dict(params="nvme", grads="host", optimizer_states="nvme", compute_dtype="bfloat16"), False, 6 + 24),
+    (dict(params="host", grads="host", optimizer_states="host", compute_dtype="float32"), False, 0),
+])
+def test_step_traffic_by_placement(tmp_path: Any, placement: dict, sib: bool, per_param: int) -> None:
+    # params read for forward and backward and written once; grads written and read once;
+    # master (or the fp32 params that double as it: read by the step unless backward's copy
+    # serves it) and moments read and written once
+    n = 1000
+    t = step_traffic(n, Config(nvme_dir=str(tmp_path), step_in_backward=sib, **placement))
+    assert t.read + t.write == per_param * n
+    assert step_traffic(n, Config(nvme_dir=str(tmp_path), step_in_backward=sib, **placement),
+                        world_size=4).write == t.write // 4
+
+
+def test_drive_rates_from_a_bench_io_file_and_flags(tmp_path: Any) -> None:
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"summary": {"engine_read_gbps": 3.5, "engine_write_gbps": 2.0}}))
+    rates = rates_from_bench(bench)
+    assert rates.floor_s(3.5e9, 1e9) == pytest.approx(1.5)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="not a `tierzero bench-io --json` result"):
+        rates_from_bench(bad)
+    with pytest.raises(FileNotFoundError, match="bench-io --dir"):
+        rates_from_bench(tmp_path / "none.json")
+    with pytest.raises(ValueError, match="positive"):
+        DriveRates(0.0, 1.0, "flags")
+
+
+def test_estimate_prints_the_step_traffic_and_its_floor(tmp_path: Any, capsys: Any) -> None:
+    from tierzero.cli import main
+
+    args = ["estimate", "--model", "tiny", "--nvme-dir", str(tmp_path), "--params", "nvme"]
+    assert main([*args, "--json", "--read-gbps", "2", "--write-gbps", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    step = out["nvme_step_bytes"]
+    assert step["read"] + step["write"] == pytest.approx(out["nvme_bytes_per_param"]["total"] * out["params"])
+    assert out["nvme_floor_s"] == pytest.approx(step["read"] / 2e9 + step["write"] / 1e9)
+    assert main(args) == 0
+    assert "NVMe floor: give --bench-io FILE" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([*args, "--read-gbps", "2"])
+    assert "--read-gbps and --write-gbps go together" in capsys.readouterr().err
+
+
+def test_train_summary_holds_step_over_floor(tmp_path: Any) -> None:
+    from tierzero import train
+
+    assert train.main(["--model", "tiny", "--steps", "3", "--batch", "2", "--seq", "32", "--device-budget", "4MiB",
+                       "--host-budget", "8MiB", "--no-progress", "--nvme-dir", str(tmp_path / "nvme"),
+                       "--run-dir", str(tmp_path / "run"), "--read-gbps", "2", "--write-gbps", "1"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    nvme = json.loads((tmp_path / "run" / "summary.json").read_text())["nvme"]
+    for r in rows:
+        assert r["nvme_read_bytes"] == sum(v["read"] for v in r["nvme_bytes"].values())
+        assert 0 < r["nvme_busy_s"] <= r["step_s"]
+    assert nvme["steps_measured"] == 2
+    assert nvme["read_bytes"] == pytest.approx((rows[1]["nvme_read_bytes"] + rows[2]["nvme_read_bytes"]) / 2)
+    assert nvme["floor_s"] == pytest.approx(nvme["read_bytes"] / 2e9 + nvme["write_bytes"] / 1e9)
+    assert nvme["step_over_floor"] == pytest.approx(nvme["step_s"] / nvme["floor_s"])
+
+
+def test_train_step_in_backward_needs_clip_off(tmp_path: Any, capsys: Any) -> None:
+    from tierzero import train
+
+    assert train.main(["--model", "tiny", "--steps", "1", "--step-in-backward", "--run-dir", str(tmp_path)]) == 2
+    assert "give --clip 0 with it" in capsys.readouterr().err
