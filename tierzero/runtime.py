@@ -14,8 +14,9 @@ Phases of one training step, once wrapped:
    points its parameters at the device copy; its post-hook releases it and hooks its outputs.
 3. backward: the hook on a block's outputs fetches it again; after the block's backward
    (`RegisterPostBackward` on its inputs) the parameters' .grad are added into the flat
-   gradient (Config.grad_dtype) and released; a final callback per backward sweeps up what is left (the root
-   block, blocks whose inputs needed no gradient) and ends the prefetcher's iteration.
+   gradient (Config.grad_dtype) and released; a final callback per backward sweeps up what is
+   left (the root block, blocks whose inputs needed no gradient) and ends the prefetcher's
+   iteration.
 4. step: tz.AdamW / tz.SGD / tz.clip_grad_norm_ (optim.py) read the flat gradients, update
    fp32 master weights block by block, and store the new parameters on their home tier.
 
@@ -32,8 +33,9 @@ default process group (or `process_group=`). At stage 3 each rank tiers only its
 flat tensor, fetches all-gather the blocks (started ahead by the prefetcher), gradients are
 reduce-scattered and averaged, the optimizers step on shards; at stage 2 every rank keeps the
 whole parameters (fetched without communication; updated shards all-gathered after the step),
-at stage 1 the whole gradients too (all-reduced; sharding.ZeroStage); tz.clip_grad_norm_ takes the global norm, buffers and
-parameters are broadcast from the group's first rank at wrap (see blocks.py). Every rank must
+at stage 1 the whole gradients too (all-reduced; sharding.ZeroStage). tz.clip_grad_norm_ takes
+the global norm; buffers and parameters are broadcast from the group's first rank at wrap (see
+blocks.py). Every rank must
 run the same blocks in the same order (no rank-dependent control flow), and call state_dict(),
 load_state_dict() and tz.full_state_dict() together: they gather.
 
