@@ -75,8 +75,9 @@ class FlatGrad:
             # there, never written to an NVMe home (written only when its room is needed)
             pm.release(self.handle, tier, dirty=writable or overwrite, lazy=True)
 
-    def prefetch(self) -> None:
-        self.ctx.pm.prefetch(self.handle, self.handle.staging)
+    def prefetch(self, *, speculative: bool = False) -> None:
+        if not self.empty:
+            self.ctx.pm.prefetch(self.handle, self.handle.staging, speculative=speculative)
 
     def scaled(self, g: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
         """`g` (the stored gradient or a slice of it) times the pending factor: the one place

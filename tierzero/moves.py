@@ -46,6 +46,8 @@ class Copy:
     """Acquires not yet released, plus moves in flight reading from this copy."""
     stale: bool = False
     """Another copy was written back while this one was pinned or in flight: drop it when free."""
+    used: bool = False
+    """Acquired since it was fetched: a prefetched copy not yet used is evicted last."""
     dirty: bool = False
     """Newer than the home (released dirty with lazy=True): written back before it is evicted,
     or dropped unwritten by discard()."""

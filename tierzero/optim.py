@@ -16,6 +16,7 @@ clears the flat gradients. One param group, holding every trainable parameter of
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import math
 import weakref
 from typing import Any, Callable
@@ -30,6 +31,10 @@ from tierzero.handles import Kind, TensorHandle
 from tierzero.sharding import FlatLayout, all_reduce_, rank_errors
 from tierzero.step_context import StepContext
 
+
+READ_AHEAD = 2
+"""Blocks whose gradient and state a step reads ahead of the one it updates: the drive always
+has the next block's reads queued behind the current one's writes."""
 
 UPDATE_CHUNK = 1 << 22
 """Elements updated at a time (16 MiB of fp32): bounds the scaled gradient's temporary."""
@@ -101,8 +106,20 @@ class TieredOptimizer(torch.optim.Optimizer):
         """Flats updated during this step's backward (Config.step_in_backward)."""
         self._driver: str | None = None
         """The training loop that declared it clips and clears the flat gradients (driven_by)."""
+        self._pending: list[cf.Future[None]] = []
+        """Updates of Config.step_in_backward running on the updater thread."""
+        self._updater: cf.ThreadPoolExecutor | None = None
         if self._model_state.config.step_in_backward:
             ctx.on_grads_final(self._step_in_backward)
+            ctx.on_iteration_end(self._drain)
+            # On one rank with the CPU as device, a block's update runs on a thread of its own
+            # while backward computes the blocks before it: the update mostly waits for its
+            # state's NVMe reads, which then overlap backward's compute. (With several ranks an
+            # update touches the all-gathers the backward thread manages, and CUDA streams are
+            # per thread: those run the update inline until that path is measured on a GPU.)
+            if ctx.world_size == 1 and not ctx.pm.streams.cuda:
+                self._updater = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierzero-update")
+                weakref.finalize(self, self._updater.shutdown, wait=False)
 
     @property
     def flat_params(self) -> list[FlatParam]:
@@ -133,10 +150,9 @@ class TieredOptimizer(torch.optim.Optimizer):
         todo = [f for f in self._flats if not _grad(f).empty and f not in self._stepped]
         self._stepped.clear()
         for i, flat in enumerate(todo):
-            nxt = todo[i + 1] if i + 1 < len(todo) else None
             self._steps[flat] += 1
             with torch.profiler.record_function(f"tierzero::optimizer_step {flat.name}"):
-                self._step_flat(flat, group, then=None if nxt is None else lambda f=nxt: self._prefetch(f))
+                self._step_flat(flat, group, then=lambda i=i: self._read_ahead(todo[i + 1:i + 1 + READ_AHEAD]))
         return loss
 
     @torch.no_grad()
@@ -152,10 +168,28 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._steps[flat] += 1
         i = self._flats.index(flat)
         # backward finishes blocks in reverse order: read the previous one's state meanwhile
-        prev = (lambda: self._prefetch(self._flats[i - 1], grad=False)) if i > 0 else None
-        with torch.profiler.record_function(f"tierzero::optimizer_step_in_backward {flat.name}"):
-            self._step_flat(flat, self.param_groups[0], then=prev)
-        _grad(flat).clear()  # used up: its host room goes back now, and it never reaches NVMe
+        # (one only: backward's own reads compete for the host room, and a second block's
+        # state read this early was measured to be pushed out before its update)
+        ahead = self._flats[max(0, i - 1):i]
+        group = self.param_groups[0]
+
+        def update() -> None:
+            with torch.no_grad(), torch.profiler.record_function(f"tierzero::optimizer_step_in_backward {flat.name}"):
+                self._step_flat(flat, group, then=lambda: self._read_ahead(ahead, grad=False))
+                _grad(flat).clear()  # used up: its host room goes back now, and it never reaches NVMe
+
+        if self._updater is None:
+            update()
+        else:  # in order, one at a time, while backward goes on
+            self._pending.append(self._updater.submit(update))
+
+    def _drain(self) -> None:
+        """Wait for the updates started during this backward; raise the first one's error."""
+        pending, self._pending = self._pending, []
+        cf.wait(pending)
+        for fut in pending:
+            if fut.exception() is not None:
+                raise fut.exception()
 
     def driven_by(self, loop: str) -> None:
         """Declare that `loop` (e.g. "tierzero.hf.Trainer") drives this optimizer and handles the
@@ -179,14 +213,17 @@ class TieredOptimizer(torch.optim.Optimizer):
                 "tierzero.hf_trainer), a drop-in subclass of transformers.Trainer. In your own loop, drop "
                 "the optimizer.train() call: tz optimizers have no train/eval modes")
 
-    def _prefetch(self, flat: FlatParam, *, grad: bool = True) -> None:
-        if grad:
-            _grad(flat).prefetch()
+    def _read_ahead(self, flats: list[FlatParam], *, grad: bool = True) -> None:
+        """Start reading the next blocks' gradients and state: the first for sure, the ones
+        after it only into room that needs no dirty copy written back (speculative)."""
         pm = self._model_state.pm
-        for handle in self._live_states(flat).values():
-            pm.prefetch(handle, handle.staging)
+        for k, flat in enumerate(flats):
+            if grad:
+                _grad(flat).prefetch(speculative=k > 0)
+            for handle in self._live_states(flat).values():
+                pm.prefetch(handle, handle.staging, speculative=k > 0)
 
-    def _step_flat(self, flat: FlatParam, group: dict[str, Any], *, then: Callable[[], None] | None) -> None:
+    def _step_flat(self, flat: FlatParam, group: dict[str, Any], *, then: Callable[[], None]) -> None:
         """Update `flat`; `then` (the next block's prefetch) runs once this block's state is
         pinned, so the read-ahead can never evict what this update is about to use."""
         pm = self._model_state.pm
@@ -195,8 +232,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         with flat_grad.acquire() as grad:
             tensors = [pm.acquire(h, h.staging) for h in handles]
             try:
-                if then is not None:
-                    then()
+                then()
                 for pieces in _update_batches(flat.layout, self._model_state.ctx.rank):
                     grads = [flat_grad.scaled(grad[lo:hi]) for lo, hi in pieces]
                     self._update(group, self._steps[flat], grads,

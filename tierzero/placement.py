@@ -165,9 +165,11 @@ class PlacementManager:
             self._table.forget(rec)
             self._cond.notify_all()
 
-    def prefetch(self, h: TensorHandle, tier: Tier | str = Tier.DEVICE) -> bool:
+    def prefetch(self, h: TensorHandle, tier: Tier | str = Tier.DEVICE, *, speculative: bool = False) -> bool:
         """Start a copy toward `tier` without waiting. True if it is there, on its way, or was
-        started; False if there is no room without evicting a pinned copy."""
+        started; False if there is no room without evicting a pinned copy (or, speculative,
+        without writing back a dirty one or evicting a prefetched copy not used yet: a read
+        further ahead never pushes out data that is still to be used)."""
         rec, tier = self._lookup(h, tier, "prefetch")
         with self._cond:
             self._check_open()
@@ -176,7 +178,7 @@ class PlacementManager:
                 self._room.touch(h, tier)
                 return True
             self._room.check_fits(h.name, h.nbytes, tier)
-            return self._table.try_fetch(rec, tier) is True
+            return self._table.try_fetch(rec, tier, speculative=speculative) is True
 
     def acquire(self, h: TensorHandle, tier: Tier | str = Tier.DEVICE, *, overwrite: bool = False) -> torch.Tensor:
         """The tensor on `tier` (registered shape and dtype), pinned until release().

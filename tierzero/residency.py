@@ -131,7 +131,8 @@ class ResidencyTable:
                  swap: SwapSpace | None, telemetry: Telemetry, *, workers: int, rank: int) -> None:
         self.cond = threading.Condition(threading.RLock())
         self.stores = stores
-        self.room = Room(stores, self._evictable, self.drop, self._clean)
+        self.room = Room(stores, self._evictable, self.drop, self._clean,
+                         lambda h, t: not self._records[h]._copies[t].used)
         self.moves = MoveTable()
         self.errors: list[BaseException] = []
         """Errors of writes to homes since the last flush()."""
@@ -184,6 +185,7 @@ class ResidencyTable:
     def pin(self, rec: TensorRecord, tier: Tier) -> Copy:
         copy = rec._copies[tier]
         copy.pins += 1
+        copy.used = True
         self.room.touch(rec.handle, tier)
         return copy
 
@@ -244,7 +246,7 @@ class ResidencyTable:
                 copy.dirty = False
                 self._streams.compute_wait(None, copy.tensor)
 
-    def plan_fetch(self, rec: TensorRecord, tier: Tier) -> FetchPlan | Shortfall:
+    def plan_fetch(self, rec: TensorRecord, tier: Tier, *, speculative: bool = False) -> FetchPlan | Shortfall:
         """Choose the source of a copy toward `tier` and reserve its buffers."""
         assert_in_states(rec, tier, Residency.ABSENT)
         h, src = rec.handle, rec.home
@@ -254,7 +256,7 @@ class ResidencyTable:
         if src is rec.home:
             self.check_home(rec)
         needs = [(tier, h.nbytes)] + staging_needs(src, tier, h.nbytes)
-        bufs = self.room.take(needs, h)
+        bufs = self.room.take(needs, h, speculative=speculative)
         if isinstance(bufs, Shortfall):
             return bufs
         source_fetch = self.moves.get(h, src)
@@ -264,12 +266,12 @@ class ResidencyTable:
                          tuple(m.future for m in rec.in_flight if m.dst is h.home or m.dst is src),
                          source_fetch.future if source_fetch is not None else None)
 
-    def try_fetch(self, rec: TensorRecord, tier: Tier) -> Literal[True] | Shortfall:
+    def try_fetch(self, rec: TensorRecord, tier: Tier, *, speculative: bool = False) -> Literal[True] | Shortfall:
         """Start a copy toward `tier` if there is room now; True if started or already there or
         on its way (another thread may have started it while the caller waited)."""
         if rec._residency[tier] is not Residency.ABSENT:
             return True
-        plan = self.plan_fetch(rec, tier)
+        plan = self.plan_fetch(rec, tier, speculative=speculative)
         if isinstance(plan, Shortfall):
             return plan
         self.start_fetch(rec, plan)

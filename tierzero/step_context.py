@@ -84,6 +84,7 @@ class StepContext:
     _end_backward: Callable[[], None] | None = field(default=None, init=False)
     _callback_queued: bool = field(default=False, init=False)
     _grads_final: Callable[["FlatParam"], None] | None = field(default=None, init=False)
+    _iteration_end: Callable[[], None] | None = field(default=None, init=False)
     clip_norm_type: float | None = field(default=None, init=False)
     """The norm tz.clip_grad_norm_ last computed: each FlatGrad computes it as its gradient is
     written in backward, so clipping needs no second read of the gradients."""
@@ -124,6 +125,12 @@ class StepContext:
         """tz.clip_grad_norm_ was called with `norm_type`: backward computes it from now on."""
         self.clip_norm_type = norm_type
 
+    def on_iteration_end(self, callback: Callable[[], None] | None) -> None:
+        """Call `callback` last at the end of every backward (or inference forward): a tiered
+        optimizer under Config.step_in_backward waits there for the updates it runs meanwhile,
+        so backward() returns with every block updated (and raises an update's error)."""
+        self._iteration_end = callback
+
     @property
     def wants_grads_final(self) -> bool:
         return self._grads_final is not None
@@ -150,6 +157,8 @@ class StepContext:
         self.phase = Phase.IDLE
         if self.prefetcher is not None:
             self.prefetcher.end()
+        if self._iteration_end is not None:
+            self._iteration_end()
 
     # ------------------------------------------------------------------------ held blocks
 
