@@ -1,4 +1,4 @@
-"""Tiered optimizers and gradient clipping over a wrapped model's flat fp32 gradients.
+"""Tiered optimizers and gradient clipping over a wrapped model's flat gradients.
 
 tz.AdamW / tz.SGD are torch.optim.Optimizer subclasses (param_groups with "lr" and friends, so
 torch's LR schedulers work) whose state lives in the placement manager on
@@ -317,8 +317,8 @@ def _global_norm(shard_norms: list[torch.Tensor], norm_type: float, ctx: StepCon
     local = torch.stack(shard_norms).to(ctx.device)
     with rank_errors(ctx.rank, ctx.world_size, "all-reduce of the gradient norm"):
         if math.isinf(norm_type):
-            return all_reduce_(local.max(), ctx.group, ctx.world_size, op="max").cpu()
-        powered = all_reduce_(local.pow(norm_type).sum(), ctx.group, ctx.world_size)
+            return all_reduce_(local.max(), ctx.group, ctx.world_size, op="max", comm=ctx.comm).cpu()
+        powered = all_reduce_(local.pow(norm_type).sum(), ctx.group, ctx.world_size, comm=ctx.comm)
     return powered.pow(1.0 / norm_type).cpu()
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tierzero.handles import Kind, TensorHandle
+from tierzero.sharding import CommBytes, ZeroStage
 from tierzero.tiers import Tier
 
 if TYPE_CHECKING:
@@ -63,6 +64,12 @@ class StepContext:
     world_size: int = 1
     group: dist.ProcessGroup | None = None
     """The process group of the data-parallel ranks (None: the default group)."""
+    zero_stage: int = 3
+    """Config.zero_stage: what each rank keeps whole rather than as its shard (`zero`)."""
+    grad_dtype: torch.dtype = torch.float32
+    """The dtype gradients are reduced in and kept in (Config.grad_dtype)."""
+    comm: CommBytes = field(default_factory=CommBytes, init=False)
+    """Bytes of the collectives issued for this model since the last `take()` (runtime.step_comm_bytes)."""
     phase: Phase = field(default=Phase.IDLE, init=False)
     prefetcher: "Prefetcher | None" = field(default=None, init=False)
     gather_counts: GatherCounts = field(default_factory=GatherCounts, init=False)
@@ -89,6 +96,10 @@ class StepContext:
     @property
     def device(self) -> torch.device:
         return self.pm.device
+
+    @property
+    def zero(self) -> ZeroStage:
+        return ZeroStage(self.zero_stage, self.world_size)
 
     # ----------------------------------------------------------------------------- setup
 

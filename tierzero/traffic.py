@@ -12,6 +12,8 @@ placement the least traffic per step, per rank, is:
                        step reads them (served by backward's copy under step_in_backward) and
                        their write is the parameters' one
 
+Gradients count in Config.grad_dtype. Across ranks each kind counts the part a rank holds
+(its shard, or the whole at the ZeRO stages that keep it whole: sharding.ZeroStage).
 Clipping adds nothing (backward computes the norms as it writes the gradients). Host memory
 caches what it has room for, so a run can move less than this; `measured_floor` takes what a
 run really moved. The floor is read bytes / read rate + write bytes / write rate: the drive's
@@ -29,6 +31,7 @@ import torch
 
 from tierzero.config import Config
 from tierzero.handles import TRAFFIC_GROUPS
+from tierzero.sharding import ZeroStage
 
 
 @dataclass
@@ -62,14 +65,18 @@ class Traffic:
 def step_traffic(n_params: int, cfg: Config, *, world_size: int = 1) -> Traffic:
     """The least NVMe traffic of one step per rank for `n_params` parameters placed by `cfg`
     (AdamW; see the module docstring). Shards split every kind evenly over the ranks."""
+    zero = ZeroStage(cfg.zero_stage, world_size)
     n = -(-n_params // world_size)
+    whole_params = n_params if zero.params_whole else n
+    whole_grads = n_params if zero.grads_whole else n
     compute = getattr(torch, cfg.compute_dtype_name(cuda=torch.cuda.is_available())).itemsize
-    params_are_master = compute == 4 and cfg.params == cfg.optimizer_states
+    grad = getattr(torch, cfg.grad_dtype).itemsize
+    params_are_master = compute == 4 and cfg.params == cfg.optimizer_states and not zero.params_whole
     t = Traffic()
     if cfg.params == "nvme":
-        t.add("params", read=2 * compute * n, write=compute * n)
+        t.add("params", read=2 * compute * whole_params, write=compute * whole_params)
     if cfg.grads == "nvme" and not cfg.step_in_backward:
-        t.add("grads", read=4 * n, write=4 * n)
+        t.add("grads", read=grad * whole_grads, write=grad * whole_grads)
     if cfg.optimizer_states == "nvme":
         t.add("moments", read=8 * n, write=8 * n)
         if params_are_master:

@@ -9,7 +9,8 @@ The run folder holds:
   "stall_s", "prefetch_hits", "prefetch_misses", "bytes" {"device", "host", "nvme"} in use at
   the step's end, "moved_bytes" per destination tier, "nvme_read_bytes", "nvme_write_bytes"
   and "nvme_busy_s" (time with a swap file read or write in flight), "nvme_bytes" by kind
-  {"params", "grads", "master", "moments", "other"}: {"read", "write"});
+  {"params", "grads", "master", "moments", "other"}: {"read", "write"}, "comm_bytes"
+  {"all_gather", "reduce_scatter", "all_reduce"}: the bytes rank 0's collectives covered);
 - trace.json: the Chrome trace of every move (open in https://ui.perfetto.dev);
 - tiers.png: per-tier bytes over time and stall per step;
 - summary.json: "state_bytes" (params + grads + optimizer states), "nvme" (the mean step's NVMe
@@ -20,8 +21,9 @@ The run folder holds:
 
 Under `torchrun --nproc-per-node N` (environment WORLD_SIZE > 1) the ranks form a process group
 (NCCL with CUDA, gloo otherwise; --collective-timeout bounds every collective, so a rank that
-raised or died stops the others with an error instead of a hang) and train with ZeRO-3: --batch
-is the global batch, split evenly over the ranks; rank 0 writes the run folder.
+raised or died stops the others with an error instead of a hang) and train with ZeRO
+(--zero-stage, 3 by default): --batch is the global batch, split evenly over the ranks; rank 0
+writes the run folder.
 """
 
 from __future__ import annotations
@@ -47,12 +49,12 @@ import tierzero as tz
 from io_engine.files import free_disk_bytes
 from io_engine.progress import Progress
 from tierzero import data as tzdata
-from tierzero.cli import add_placement_flags, placement_from_flags
+from tierzero.cli import add_placement_flags, add_zero_flags, placement_from_flags, zero_from_flags
 from tierzero.config import TIER_NAMES, format_size
 from tierzero.estimate import Estimate, estimate
 from tierzero.models import CONFIGS, GPT, build
 from tierzero.placement import PlacementManager
-from tierzero.runtime import close, placement_manager, step_stats
+from tierzero.runtime import close, placement_manager, step_comm_bytes, step_stats
 from tierzero.traffic import DriveRates, add_rate_flags, rates_from_flags, step_traffic
 from tierzero.sharding import RankRuntimeError
 from tierzero.telemetry import plot_run
@@ -70,6 +72,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nvme-dir", default=None, help="folder for swap files (on the fastest disk)")
     p.add_argument("--nvme-budget", default="256GiB")
     add_placement_flags(p)
+    add_zero_flags(p)
     p.add_argument("--run-dir", default="runs/train")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -116,7 +119,7 @@ def _config(args: argparse.Namespace) -> tz.Config:
     return tz.Config(device_budget=args.device_budget, host_budget=args.host_budget,
                      nvme_dir=args.nvme_dir, nvme_budget=args.nvme_budget,
                      collective_timeout_s=args.collective_timeout, step_in_backward=args.step_in_backward,
-                     **placement_from_flags(args))
+                     **placement_from_flags(args), **zero_from_flags(args))
 
 
 def _init_distributed(cfg: tz.Config) -> tuple[int, int]:
@@ -134,27 +137,29 @@ def _init_distributed(cfg: tz.Config) -> tuple[int, int]:
 
 def check_room(model: torch.nn.Module, cfg: tz.Config, world_size: int = 1) -> Estimate:
     """Fail at start, before anything is written, when a tier's budget (per rank) cannot hold a
-    rank's 1/world_size of the state homed there, or when the disk under nvme_dir (shared by the
-    ranks) has less free space than the state placed on NVMe. (A device budget too small for the
-    largest block is wrap's error.)"""
-    est = estimate(model, cfg)
+    rank's part of the state homed there (its ZeRO stage's share), or when the disk under
+    nvme_dir (shared by the ranks) has less free space than the ranks place on NVMe. (A device
+    budget too small for the largest block is wrap's error.)"""
+    est = estimate(model, cfg, world_size)
     flags = {"device": "--device-budget", "host": "--host-budget", "nvme": "--nvme-budget"}
     for tier in TIER_NAMES:
         budget = getattr(cfg, f"{tier}_budget")
-        per_rank = -(-est.home[tier] // world_size)
+        per_rank = est.home[tier]
         if per_rank > budget:
             raise ValueError(
                 f"{flags[tier]} {format_size(budget)} is too small: this model needs "
-                f"{format_size(per_rank)} ({per_rank} bytes) on {tier} per rank ({world_size} ranks) with "
-                f"params={cfg.params}, grads={cfg.grads}, optimizer_states={cfg.optimizer_states}; raise {flags[tier]} "
-                "or move state to a lower tier (--params/--grads/--optimizer-states nvme)")
-    if est.home["nvme"]:
+                f"{format_size(per_rank)} ({per_rank} bytes) on {tier} per rank ({world_size} ranks, ZeRO stage "
+                f"{cfg.zero_stage}) with params={cfg.params}, grads={cfg.grads}, "
+                f"optimizer_states={cfg.optimizer_states}; raise {flags[tier]} or move state to a lower tier "
+                "(--params/--grads/--optimizer-states nvme)" + (" or raise --zero-stage" if cfg.zero_stage < 3 else ""))
+    on_disk = est.home["nvme"] * world_size
+    if on_disk:
         free = free_disk_bytes(cfg.nvme_dir)
-        if est.home["nvme"] > free:
+        if on_disk > free:
             raise OSError(
                 f"--nvme-dir {cfg.nvme_dir}: the disk holding it has {format_size(free)} free but "
-                f"the state placed on NVMe needs {format_size(est.home['nvme'])} "
-                f"({est.home['nvme']} bytes); free space there or pick a larger disk")
+                f"the state the ranks place on NVMe needs {format_size(on_disk)} "
+                f"({on_disk} bytes); free space there or pick a larger disk")
     return est
 
 
@@ -381,7 +386,7 @@ def _step(r: _Run, step: int) -> dict:
         "bytes": {t: pm.bytes_used(t) for t in TIER_NAMES},
         "moved_bytes": stats.bytes_moved, "nvme_read_bytes": stats.nvme_read_bytes,
         "nvme_write_bytes": stats.nvme_write_bytes, "nvme_busy_s": stats.nvme_busy_s,
-        "nvme_bytes": stats.nvme_by_kind,
+        "nvme_bytes": stats.nvme_by_kind, "comm_bytes": step_comm_bytes(r.model).as_dict(),
     }
 
 
