@@ -58,7 +58,8 @@ def test_estimate_counts_state_on_its_tiers(tmp_path):
     assert est.state_bytes == n * (2 + 4 + 12)
     assert est.per_tier["nvme"] == n * (2 + 12)
     assert est.per_tier["host"] == n * 4 + block * 2 * cfg.prefetch.nvme_depth + 3 * block * 16
-    assert est.per_tier["device"] == block * 2 * (1 + cfg.prefetch.depth)
+    root = sum(p.numel() for p in (model.wte.weight, model.wpe.weight, model.ln_f.weight, model.ln_f.bias))
+    assert est.per_tier["device"] == (root + block * (1 + cfg.prefetch.depth)) * 2
 
 
 def test_largest_trainable_grows_with_the_budgets(tmp_path):

@@ -55,7 +55,7 @@ def assert_same(model: nn.Module, ref: nn.Module) -> None:
 
 def test_sgd_without_momentum_and_zero_grad_to_zeros() -> None:
     model, ref = pair()
-    opt, ropt = tz.SGD(model, lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt, ropt = tz.SGD(model, lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1, fused=True)
     for step in range(3):
         backward(model, ref, step)
         opt.step()
@@ -84,7 +84,7 @@ def test_clip_returns_total_norm_and_scales_lazily() -> None:
 
 def test_state_dict_roundtrip_continues_identically(tmp_path: Any) -> None:
     model, ref = pair(optimizer_states="nvme", nvme_dir=str(tmp_path))
-    opt, ropt = tz.AdamW(model, lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt, ropt = tz.AdamW(model, lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     backward(model, ref, 0)
     step_and_zero((opt, ropt))
     saved = opt.state_dict()
@@ -105,7 +105,7 @@ def test_state_dict_roundtrip_continues_identically(tmp_path: Any) -> None:
 
 def test_scheduler_changes_the_lr_used() -> None:
     model, ref = pair()
-    opt, ropt = tz.AdamW(model, lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt, ropt = tz.AdamW(model, lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
     rsched = torch.optim.lr_scheduler.StepLR(ropt, step_size=1, gamma=0.1)
     for step in range(3):
@@ -188,7 +188,7 @@ def test_a_new_optimizer_takes_over_with_fresh_state(tmp_path: Any) -> None:
             old.step()
         # the new optimizer starts from zero moments: the same updates as a fresh torch AdamW
         ref.load_state_dict({k: v for k, v in model.state_dict().items()})
-        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
         for _ in range(3):
             x = torch.randn(4, 8)
             model(x).sum().backward()

@@ -110,17 +110,18 @@ def block_budget(model: nn.Module, n_blocks: float = 2) -> int:
 
 def train_pair(make: Callable[[], nn.Module], batch: Callable[[torch.Generator], Any], config: tz.Config,
                *, optimizer: str = "adamw", accum: int = 1, clip: float | None = 1.0,
-               steps: int = STEPS) -> tuple[nn.Module, nn.Module]:
+               steps: int = STEPS, fused: bool = True, rtol: float = 0.0,
+               atol: float = 0.0) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
     ref = make()
     model = copy.deepcopy(ref)
     tz.wrap(model, config)
     trainable = [p for p in ref.parameters() if p.requires_grad]
     if optimizer == "adamw":
-        ropt = torch.optim.AdamW(trainable, lr=3e-3, weight_decay=0.1)
+        ropt = torch.optim.AdamW(trainable, lr=3e-3, weight_decay=0.1, fused=fused)
         opt = tz.AdamW(model, lr=3e-3, weight_decay=0.1)
     else:
-        ropt = torch.optim.SGD(trainable, lr=0.05, momentum=0.9, weight_decay=0.01)
+        ropt = torch.optim.SGD(trainable, lr=0.05, momentum=0.9, weight_decay=0.01, fused=fused)
         opt = tz.SGD(model, lr=0.05, momentum=0.9, weight_decay=0.01)
     warmup = lambda step: min(1.0, (step + 1) / 5)  # noqa: E731
     rsched = torch.optim.lr_scheduler.LambdaLR(ropt, warmup)
@@ -132,7 +133,7 @@ def train_pair(make: Callable[[], nn.Module], batch: Callable[[torch.Generator],
                 args, kwargs = batch(g)
                 loss = loss_of(model(*args, **kwargs)) / accum
                 rloss = loss_of(ref(*args, **kwargs)) / accum
-                torch.testing.assert_close(loss, rloss, rtol=1e-5, atol=0, msg=f"loss at step {step}")
+                torch.testing.assert_close(loss, rloss, rtol=rtol, atol=0, msg=f"loss at step {step}")
                 loss.backward()
                 rloss.backward()
             if clip is not None:
@@ -141,7 +142,7 @@ def train_pair(make: Callable[[], nn.Module], batch: Callable[[torch.Generator],
                 torch.testing.assert_close(norm, rnorm, rtol=1e-5, atol=0, msg=f"grad norm at step {step}")
             step_and_zero((opt, ropt), (sched, rsched))
             assert opt.param_groups[0]["lr"] == ropt.param_groups[0]["lr"]
-        assert_params_match(model, ref)
+        assert_params_match(model, ref, rtol, atol)
         pm = runtime.placement_manager(model)
         assert pm.peak_bytes(Tier.DEVICE) <= pm.budget(Tier.DEVICE)
     finally:
@@ -149,11 +150,11 @@ def train_pair(make: Callable[[], nn.Module], batch: Callable[[torch.Generator],
     return model, ref
 
 
-def assert_params_match(model: nn.Module, ref: nn.Module, rtol: float = 1e-5) -> None:
+def assert_params_match(model: nn.Module, ref: nn.Module, rtol: float = 1e-5, atol: float = 1e-6) -> None:
     sd, rsd = model.state_dict(), ref.state_dict()
     assert sd.keys() == rsd.keys()
     for key in rsd:
-        torch.testing.assert_close(sd[key], rsd[key], rtol=rtol, atol=1e-6, msg=f"parameter {key}")
+        torch.testing.assert_close(sd[key], rsd[key], rtol=rtol, atol=atol, msg=f"parameter {key}")
 
 
 def config(tmp_path: Any, model: nn.Module, *, tier: str = "nvme", n_blocks: float = 2, **kw: Any) -> tz.Config:
@@ -167,6 +168,17 @@ def config(tmp_path: Any, model: nn.Module, *, tier: str = "nvme", n_blocks: flo
 def test_gpt_nvme(tmp_path: Any, tie: bool) -> None:
     cfg = config(tmp_path, gpt(tie_weights=tie), tier="nvme", optimizer_states="nvme")
     train_pair(lambda: gpt(tie_weights=tie), token_batch, cfg)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_gpt_against_torch_default_optimizers(tmp_path: Any, optimizer: str) -> None:
+    # tz.AdamW/SGD run torch's fused kernels: bit for bit torch.optim.AdamW/SGD(fused=True) (every
+    # other test here: rtol and atol 0). The default (for-loop) optimizers round an update's last
+    # bit differently; AdamW divides by sqrt(v), so where a gradient is near zero that bit moves
+    # the update by up to lr. Measured between torch's own fused and default AdamW over these 20
+    # steps: 2.8e-5 absolute at most (lr 3e-3); SGD 6e-8. Hence atol 1e-4 (lr / 30).
+    cfg = config(tmp_path, gpt(), tier="nvme", optimizer_states="nvme")
+    train_pair(gpt, token_batch, cfg, optimizer=optimizer, fused=False, rtol=1e-4, atol=1e-4)
 
 
 def test_gpt_nvme_grad_accumulation(tmp_path: Any) -> None:

@@ -201,7 +201,7 @@ def test_dynamic_control_flow_warns_once_and_rerecords(wrapped) -> None:
     torch.manual_seed(0)
     ref = Skippy()
     model = wrapped(copy.deepcopy(ref), cfg(prefetch=tz.PrefetchConfig(policy="lookahead", depth=1)))
-    opt, ropt = tz.AdamW(model, lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt, ropt = tz.AdamW(model, lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     x = torch.randn(5, 9)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -245,7 +245,7 @@ def test_bfloat16_compute_keeps_fp32_master_weights(wrapped) -> None:
     ref = gpt()
     model = wrapped(copy.deepcopy(ref), cfg(compute_dtype="bfloat16"))
     assert model.wte.weight.dtype == torch.bfloat16
-    opt, ropt = tz.AdamW(model, lr=1e-3), torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt, ropt = tz.AdamW(model, lr=1e-3), torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
     for step in range(3):
         x, y = batch(step)
         loss, rloss = model(x, y).loss, ref(x, y).loss
@@ -288,7 +288,7 @@ def test_block_kwargs_tuple_outputs_and_parallel_calls(wrapped) -> None:
     torch.manual_seed(0)
     ref = Net()
     model = wrapped(copy.deepcopy(ref), cfg(device_budget="64KiB"))
-    opt, ropt = tz.SGD(model, lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt, ropt = tz.SGD(model, lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1, fused=True)
     for step in range(3):
         a, b = torch.randn(5, 11), torch.randn(5, 11)
         loss, rloss = model(a, b), ref(a, b)
@@ -366,7 +366,7 @@ def test_a_failed_fetch_leaves_nothing_held_or_reserved(wrapped, monkeypatch) ->
         if h.owner == "blocks.1":
             assert pm.record(h).pins(Tier.DEVICE) == 0 and pm.record(h).pins(Tier.HOST) == 0, h
     # the model still trains, and matches its plain twin
-    opt, ropt = tz.SGD(model, lr=0.1), torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
+    opt, ropt = tz.SGD(model, lr=0.1), torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1, fused=True)
     opt.zero_grad()
     for seed in (2, 3):
         x, y = batch(seed)

@@ -43,7 +43,7 @@ def test_fp32_on_cuda_matches_plain_torch(params: str) -> None:
     tz.wrap(model, tz.Config(device_budget=budget(4) if params == "host" else "64MiB", host_budget="256MiB",
                              params=params, compute_dtype="float32"))
     assert model.wte.weight.device.type == "cuda"
-    opt, ropt = tz.AdamW(model, lr=3e-3), torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    opt, ropt = tz.AdamW(model, lr=3e-3), torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True)
     try:
         for x, y in batches(10, "cuda"):
             loss, rloss = model(x, y).loss, ref(x, y).loss
@@ -68,7 +68,7 @@ def test_bf16_auto_dtype_trains_like_fp32() -> None:
     model = copy.deepcopy(ref).cpu()
     tz.wrap(model, tz.Config(device_budget=budget(2), host_budget="256MiB"))
     assert model.wte.weight.dtype == torch.bfloat16
-    opt, ropt = tz.AdamW(model, lr=3e-3), torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    opt, ropt = tz.AdamW(model, lr=3e-3), torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True)
     losses, rlosses = [], []
     try:
         for x, y in batches(20, "cuda"):

@@ -140,7 +140,7 @@ def test_training_matches_from_pretrained(tmp_path, wrapped, which):
     assert type(model).__name__ == cls_name and runtime.state_of(model) is not None
     model.train()
     opt = tz.AdamW(model, lr=3e-3, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1, fused=True)
     for step, x in enumerate(batches(config.vocab_size)):
         want = ref(x, labels=x).loss
         want.backward()

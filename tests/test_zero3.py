@@ -32,8 +32,10 @@ from torch import nn
 import tierzero as tz
 from tierzero import runtime
 from pairs import clipped_step
+from tierzero.data import VOCAB_SIZE
+from tierzero.estimate import estimate
 from tierzero.grouping import blocks_of
-from tierzero.models import GPT, GPTConfig
+from tierzero.models import GPT, GPTConfig, build
 from tierzero.tiers import Tier
 
 STEPS = 8
@@ -111,7 +113,7 @@ def reference() -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """Plain PyTorch, one process, the whole global batch."""
     model = make_model()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1)
+    opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1, fused=True)
     losses, norms = [], []
     for x, y in global_batches():
         loss = model(x, y).loss
@@ -212,7 +214,11 @@ def _kill_all(procs: list[subprocess.Popen]) -> None:
 
 
 def test_train_cli_two_ranks(tmp_path: Path) -> None:
-    procs = _launch(tmp_path, 2, 3)
+    """Two ranks of `tierzero train` at ZeRO stage 2 with bf16 gradients (the other tests here
+    launch the default, stage 3): a complete run folder, and metrics.jsonl's comm_bytes per step
+    are the traffic model's (reduce-scatter of bf16 gradients, all-gather of the updated fp32
+    parameters; padding and the 4-byte norm all-reduce aside)."""
+    procs = _launch(tmp_path, 2, 3, "--zero-stage", "2", "--grad-dtype", "bfloat16")
     try:
         outs = [p.communicate(timeout=120) for p in procs]
     finally:
@@ -222,7 +228,19 @@ def test_train_cli_two_ranks(tmp_path: Path) -> None:
     run = tmp_path / "run"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
+    model = build("tiny", device="meta", vocab_size=VOCAB_SIZE, seq_len=32)
+    cfg = tz.Config(zero_stage=2, grad_dtype="bfloat16", compute_dtype="float32")
+    model_comm = estimate(model, cfg, 2).comm
+    psi = sum(p.numel() for p in model.parameters())
+    assert model_comm is not None and model_comm.as_dict() == {"all_gather": 4 * psi, "reduce_scatter": 2 * psi,
+                                                               "all_reduce": 0}
+    for row in rows:
+        comm = row["comm_bytes"]
+        assert comm["all_reduce"] == 4, comm  # the clip's fp32 norm
+        for kind in ("all_gather", "reduce_scatter"):
+            assert getattr(model_comm, kind) <= comm[kind] <= 1.02 * getattr(model_comm, kind), comm
     summary = json.loads((run / "summary.json").read_text())
+    assert summary["config"]["zero_stage"] == 2 and summary["config"]["grad_dtype"] == "bfloat16"
     assert summary["world_size"] == 2 and len(summary["peak_bytes_per_rank"]) == 2
     for peaks in summary["peak_bytes_per_rank"]:
         assert all(0 < peaks[t] <= summary["budgets"][t] for t in ("device", "host", "nvme")), peaks

@@ -172,7 +172,7 @@ class Block:
             ctx = self.ctx
             # A gathered block fetched again next (the last block: forward, then its backward)
             # keeps its gathered copy instead of gathering it again.
-            keep = ctx.world_size > 1 and ctx.prefetcher is not None and ctx.prefetcher.next_unit() == self.name
+            keep = ctx.zero.gathers and ctx.prefetcher is not None and ctx.prefetcher.next_unit() == self.name
             with torch.profiler.record_function(f"tierzero::release {self.name}"):
                 self.group.free(keep_gathered=keep)
             ctx.release(self)

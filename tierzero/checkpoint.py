@@ -65,7 +65,8 @@ __all__ = ["save_checkpoint", "load_checkpoint", "persistent_buffers", "Checkpoi
 
 class _Job(NamedTuple):
     """One stored tensor of this rank: its region key, its kind in the checkpoint ("values" or
-    a moment's kind), and its handle."""
+    a moment's kind), and its handle. A checkpoint holds this rank's shard of it, whatever the
+    ZeRO stage: a rank that keeps the whole parameters (stages 1 and 2) saves its shard."""
 
     key: str
     flat: FlatParam
@@ -74,11 +75,18 @@ class _Job(NamedTuple):
 
     @property
     def numel(self) -> int:
-        return self.handle.shape.numel()
+        return self.flat.layout.shard_numel
 
     @property
     def nbytes(self) -> int:
-        return self.handle.nbytes
+        return self.numel * self.handle.dtype.itemsize
+
+    def read_into(self, pm: PlacementManager, buf: np.ndarray) -> None:
+        """This rank's shard of the tensor, into `buf`."""
+        if self.handle.shape.numel() == self.numel:
+            pm.read(self.handle, out=buf)
+        else:
+            torch.from_numpy(buf[:self.nbytes]).view(self.handle.dtype).copy_(pm.read(self.handle)[self.flat.shard])
 
 
 def _stored(flat: FlatParam, optimizer: TieredOptimizer | None) -> dict[str, TensorHandle]:
@@ -236,8 +244,7 @@ def _training_blob(optimizer: TieredOptimizer | None, extra: Any, buffers: dict[
 def _write_rank(tmp: Path, rank: int, state: runtime.TieredState, optimizer: TieredOptimizer | None,
                 extra: Any) -> RankFiles:
     pm = state.pm
-    sources = [Source(j.key, j.nbytes, lambda buf, h=j.handle: pm.read(h, out=buf))
-               for j in _jobs(state, optimizer)]
+    sources = [Source(j.key, j.nbytes, lambda buf, j=j: j.read_into(pm, buf)) for j in _jobs(state, optimizer)]
     blob = _training_blob(optimizer, extra, persistent_buffers(state.model))
     return write_rank_files(tmp, rank, sources, blob, state.config.io)
 

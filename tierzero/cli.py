@@ -19,7 +19,7 @@ def add_placement_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer-states", default=None, choices=TIER_NAMES,
                    help="tier of fp32 master weights and moments (default: as --params)")
     p.add_argument("--grads", default=None, choices=TIER_NAMES,
-                   help="tier of fp32 gradients (default: as --params)")
+                   help="tier of gradients (default: as --params)")
 
 
 def placement_from_flags(args: argparse.Namespace) -> dict[str, str]:
@@ -27,6 +27,20 @@ def placement_from_flags(args: argparse.Namespace) -> dict[str, str]:
     params = args.params or ("nvme" if args.nvme_dir else "host")
     return {"params": params, "grads": args.grads or params,
             "optimizer_states": args.optimizer_states or params}
+
+
+def add_zero_flags(p: argparse.ArgumentParser) -> None:
+    """--zero-stage and --grad-dtype; read them back with `zero_from_flags`."""
+    p.add_argument("--zero-stage", type=int, default=3, choices=(1, 2, 3),
+                   help="what is partitioned across ranks: 1 optimizer states, 2 and gradients, "
+                        "3 and parameters (default 3)")
+    p.add_argument("--grad-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="dtype gradients are reduced and kept in (default float32)")
+
+
+def zero_from_flags(args: argparse.Namespace) -> dict[str, object]:
+    """The Config fields of `add_zero_flags`."""
+    return {"zero_stage": args.zero_stage, "grad_dtype": args.grad_dtype}
 
 
 def _bench_io(argv: list[str]) -> int:

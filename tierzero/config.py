@@ -97,11 +97,21 @@ class Config:
     params: TierName = "host"
     """Home tier of the parameter shards (compute dtype)."""
     grads: TierName = "host"
-    """Tier of the fp32 gradient shards."""
+    """Tier of the gradients (in `grad_dtype`: shards at zero_stage 2 and 3, whole at 1)."""
     optimizer_states: TierName = "host"
     """Tier of fp32 master weights and optimizer moments."""
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """dtype of parameters on the device: "auto" = bfloat16 with CUDA, float32 without."""
+    grad_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype gradients are reduced across ranks in and kept in on the grads tier. "bfloat16"
+    halves their memory and reduce traffic; the optimizer still updates fp32 master weights
+    (each chunk of gradient is widened to fp32 for the update and the norm)."""
+    zero_stage: Literal[1, 2, 3] = 3
+    """What is partitioned across data-parallel ranks (the ZeRO paper's stages; README "ZeRO
+    stages"): 3 = parameters, gradients and optimizer states (blocks are all-gathered to
+    compute); 2 = gradients and optimizer states (each rank keeps the full parameters; updated
+    ones are all-gathered after the step); 1 = optimizer states only (gradients all-reduced
+    and kept whole). The same code path at every stage; at world size 1 they coincide."""
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     """Prefetch policy (see PrefetchConfig); a policy object here stands for
     PrefetchConfig(policy=that object)."""
@@ -131,6 +141,13 @@ class Config:
         for name in ("params", "grads", "optimizer_states"):
             _check_choice(name, getattr(self, name), TIER_NAMES)
         _check_choice("compute_dtype", self.compute_dtype, ("auto", "float32", "bfloat16", "float16"))
+        if self.grad_dtype == "float16":
+            raise ValueError("grad_dtype: expected one of 'float32', 'bfloat16', got 'float16' (float16 "
+                             "gradients need loss scaling, which tierzero does not do; use 'bfloat16')")
+        _check_choice("grad_dtype", self.grad_dtype, ("float32", "bfloat16"))
+        if type(self.zero_stage) is not int or self.zero_stage not in (1, 2, 3):
+            raise ValueError(f"zero_stage: expected 1, 2 or 3 (1: optimizer states partitioned, 2: "
+                             f"and gradients, 3: and parameters), got {self.zero_stage!r}")
         if isinstance(self.prefetch, Mapping):
             object.__setattr__(self, "prefetch", PrefetchConfig(**self.prefetch))
         elif callable(getattr(self.prefetch, "plan", None)):

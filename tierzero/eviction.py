@@ -9,8 +9,11 @@ is ever held while waiting for another. Room also counts the bytes homed on each
 refuse at once a tensor that can never fit.
 
 Room keeps no residency: PlacementManager tells it which copies exist (`cached`, `touch`,
-`forget`) and lends it two callbacks, `evictable(handle, tier)` and `evict(handle, tier)` (its
-drop transition). Not thread-safe on its own; used under the manager's lock.
+`forget`) and lends it callbacks: `evictable(handle, tier)`, `evict(handle, tier)` (its drop
+transition), `clean(tier, nbytes)`, called when a need falls short, which starts writing
+back dirty cached copies there (lazy releases) so they become evictable once written, and
+`unused(handle, tier)`: a prefetched copy not used yet, offered to the policy after the others. Not
+thread-safe on its own; used under the manager's lock.
 """
 
 from __future__ import annotations
@@ -52,11 +55,15 @@ class Room:
 
     def __init__(self, stores: Mapping[Tier, TierStore],
                  evictable: Callable[[TensorHandle, Tier], bool],
-                 evict: Callable[[TensorHandle, Tier], None]) -> None:
+                 evict: Callable[[TensorHandle, Tier], None],
+                 clean: Callable[[Tier, int], None],
+                 unused: Callable[[TensorHandle, Tier], bool] = lambda h, t: False) -> None:
         self.stores = stores
         self.policy: EvictionPolicy = LeastRecentlyUsed()
         self._evictable = evictable
         self._evict = evict
+        self._clean = clean
+        self._unused = unused
         self._lru: OrderedDict[tuple[TensorHandle, Tier], None] = OrderedDict()
         self._homes = dict.fromkeys(Tier, 0)
 
@@ -72,6 +79,10 @@ class Room:
 
     def forget(self, handle: TensorHandle, tier: Tier) -> None:
         self._lru.pop((handle, tier), None)
+
+    def cached_on(self, tier: Tier) -> list[TensorHandle]:
+        """Tensors with a cached copy on `tier`, least recently used first."""
+        return [h for (h, t) in self._lru if t is tier]
 
     def add_home(self, handle: TensorHandle) -> None:
         self._homes[handle.home] += self.stores[handle.home].reserved(handle.nbytes)
@@ -99,25 +110,36 @@ class Room:
             f"{tier.value} tier{because} but tensors homed there already hold {format_size(homes)} of its "
             f"{format_size(limit)} budget; raise {tier.value}_budget or home some tensors on another tier")
 
-    def take(self, needs: Sequence[tuple[Tier, int]], exclude: TensorHandle | None) -> list[Buffer] | Shortfall:
+    def take(self, needs: Sequence[tuple[Tier, int]], exclude: TensorHandle | None, *,
+             speculative: bool = False) -> list[Buffer] | Shortfall:
         """A buffer for every (tier, nbytes) in `needs`, evicting by policy (never a copy of
-        `exclude`, the tensor the buffers are for); all or nothing."""
+        `exclude`, the tensor the buffers are for); all or nothing. On a shortfall, dirty
+        copies on the tier that fell short start being written back. A `speculative` need (a
+        read further ahead) does neither that nor evict a prefetched copy not used yet: it
+        never pushes out data still to be used."""
         got: list[Buffer] = []
         for tier, nbytes in needs:
-            buf = self._alloc_evicting(tier, nbytes, exclude)
+            buf = self._alloc_evicting(tier, nbytes, exclude, speculative)
             if buf is None:
                 for (t, _), b in zip(needs, got):
                     self.stores[t].free(b)
+                if not speculative:
+                    self._clean(tier, nbytes)
                 return Shortfall(tier, nbytes)
             got.append(buf)
         return got
 
-    def _alloc_evicting(self, tier: Tier, nbytes: int, exclude: TensorHandle | None) -> Buffer | None:
+    def _alloc_evicting(self, tier: Tier, nbytes: int, exclude: TensorHandle | None,
+                        speculative: bool = False) -> Buffer | None:
         store = self.stores[tier]
         buf = store.alloc(nbytes)
         if buf is not None:
             return buf
         candidates = [h for (h, t) in self._lru if t is tier and h is not exclude and self._evictable(h, tier)]
+        # prefetched copies nobody has used yet go last: evicting one wastes the read just made
+        candidates.sort(key=lambda h: self._unused(h, tier))
+        if speculative:
+            candidates = [h for h in candidates if not self._unused(h, tier)]
         allowed = set(candidates)
         for victim in self.policy.order(candidates):
             if victim not in allowed or not self._evictable(victim, tier):

@@ -4,18 +4,21 @@ A block has one or two flat tensors (its trainable parameters, its frozen ones).
 brings them to the device as one: for each, this rank's shard is acquired on the device tier
 (the placement manager's copy stream, from host or NVMe); at world size N > 1 a scratch buffer
 for the full tensor is reserved on the device tier and the all-gather of every rank's shard
-into it starts (async). Every flat tensor of the block is started before any is waited for, so
+into it starts (async); at stages 1 and 2 every rank keeps the whole tensor, which is fetched
+as at world size 1. Every flat tensor of the block is started before any is waited for, so
 the collectives of a block are in flight together. An all-gather the prefetcher starts ahead
 waits in the StepContext (a `PendingGather` record) until its block's fetch takes it; a release
 frees the scratch buffer or, when the same block is fetched next (the last block: forward, then
 its backward), parks the finished gather for that fetch. At world size 1 the shard is the whole
-tensor, the fetched copy is the shard's device copy, and no collective runs.
+tensor, the fetched copy is the shard's device copy, and no collective runs (so at stages 1
+and 2, with the whole tensor on every rank).
 
 The gather functions are plain module-level functions over the context, so tests can patch
 them and FlatParam can drop a stale gather after its values change.
 
 Gradients go the other way once per block: `reduce_grads()` moves each trainable flat
-tensor's parameter gradients into its FlatGrad (reduce-scattered across ranks).
+tensor's parameter gradients into its FlatGrad (reduce-scattered across ranks; all-reduced at
+stage 1).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ class PendingGather(NamedTuple):
 def start_gather(ctx: StepContext, flat: "FlatParam") -> PendingGather:
     """Acquire the shard on the device and, across ranks, start its all-gather."""
     shard = ctx.pm.acquire(flat.param, Tier.DEVICE)
-    if ctx.world_size == 1:
+    if not ctx.zero.gathers:
         return PendingGather(shard, None, None)
     nbytes = flat.layout.padded_numel * ctx.compute_dtype.itemsize
     try:
@@ -60,7 +63,7 @@ def start_gather(ctx: StepContext, flat: "FlatParam") -> PendingGather:
     try:
         with torch.profiler.record_function(f"tierzero::all_gather {flat.name}"), \
                 rank_errors(ctx.rank, ctx.world_size, f"all-gather of {flat.param.name}"):
-            work = start_all_gather(shard, full, ctx.group)
+            work = start_all_gather(shard, full, ctx.group, ctx.comm)
     except BaseException:
         ctx.pm.free_scratch(scratch, Tier.DEVICE)
         ctx.pm.release(flat.param, Tier.DEVICE)
@@ -108,9 +111,9 @@ class FetchGroup:
         """The finished fetches whose memory the flat tensors view, while fetched."""
 
     def gather_ahead(self) -> None:
-        """Start the all-gathers of the block (world size > 1) unless fetched or started."""
+        """Start the all-gathers of the block (stage 3, world size > 1) unless fetched or started."""
         ctx = self.ctx
-        assert ctx.world_size > 1, self.name
+        assert ctx.zero.gathers, self.name
         with torch.profiler.record_function(f"tierzero::gather_ahead {self.name}"):
             for flat in self.flats:
                 if flat.is_free and not ctx.has_gather(flat):
@@ -126,7 +129,7 @@ class FetchGroup:
         try:
             for flat in self.flats:
                 ahead = ctx.take_gather(flat)
-                if ctx.world_size > 1:
+                if ctx.zero.gathers:
                     ctx.count_gather(ahead=ahead is not None)
                 pending.append(ahead or start_gather(ctx, flat))
             for flat, p in zip(self.flats, pending):
@@ -150,7 +153,7 @@ class FetchGroup:
                 drop_gather(self.ctx, flat, p)
 
     def free(self, *, keep_gathered: bool = False) -> None:
-        """Every flat tensor HELD -> FREE; keep_gathered: the gathered copies (world size > 1)
+        """Every flat tensor HELD -> FREE; keep_gathered: the gathered copies (stage 3, world size > 1)
         wait in the context for the next fetch instead of being freed."""
         assert self._fetched is not None, self.name
         for flat, p in zip(self.flats, self._fetched):
@@ -173,12 +176,20 @@ class FetchGroup:
 
 
 def gather_ahead(ctx: StepContext, groups: list[FetchGroup]) -> None:
-    """The prefetcher's choice at world size > 1: start the all-gathers of `groups`, drop those
-    started earlier for blocks neither chosen now nor held (so what is in flight always fits the
-    room the choice was made in). Every rank makes the same choice."""
+    """The prefetcher's choice when blocks are gathered (stage 3, world size > 1): start the
+    all-gathers of `groups`; of those started earlier for blocks neither chosen now nor held,
+    keep the ones that fit the device room left beside the chosen blocks, in the order they were
+    started, and drop the rest (so what is in flight always fits the room the choice was made
+    in, and a block the lookahead reached earlier, as it does across the turn from forward to
+    backward, is not gathered twice). Every rank makes the same choice."""
     keep = {g.name for g in groups} | set(ctx.held)
+    room = ctx.device_room() - sum(f.nbytes for g in groups for f in g.flats)
     for flat in ctx.gathered_flats():
-        if flat.name not in keep:
+        if flat.name in keep:
+            continue
+        if flat.nbytes <= room:
+            room -= flat.nbytes
+        else:
             discard_gather(ctx, flat)
     for group in groups:
         group.gather_ahead()

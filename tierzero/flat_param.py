@@ -8,6 +8,11 @@ gradient (`grad`, a FlatGrad) and, when the optimizer needs them, fp32 master we
 narrower than fp32; with fp32 compute the parameters themselves are the master weights when
 they live on the optimizer states' tier (`master is param`: one copy, no separate write).
 
+At ZeRO stages 1 and 2 (`ZeroStage.params_whole`) `param` holds the whole flat tensor on every
+rank instead of the shard, while the master weights stay this rank's shard (so they are never
+the parameters themselves): new values of the shard (an optimizer step, a load) are cast to the
+compute dtype and all-gathered, in a device scratch buffer, into every rank's whole copy.
+
 Parameters are never replaced: each stays the same nn.Parameter object, and its `.data` is set
 to a view into the device copy while HELD, and to a one-element zero-stride placeholder of the
 same shape, dtype and device otherwise. Autograd saves parameters (leaves) by reference, so a
@@ -81,7 +86,8 @@ class FlatParam:
 
     @property
     def param(self) -> TensorHandle:
-        """This rank's shard of the parameters in the compute dtype."""
+        """This rank's shard of the parameters in the compute dtype (the whole flat tensor at
+        stages 1 and 2)."""
         assert self._param is not None, f"{self.name}: not registered"
         return self._param
 
@@ -93,7 +99,7 @@ class FlatParam:
     @property
     def nbytes(self) -> int:
         """Device bytes while fetched (see fetched_bytes)."""
-        return fetched_bytes(self.layout, self.ctx.compute_dtype)
+        return fetched_bytes(self.layout, self.ctx.compute_dtype, gathered=self.ctx.zero.gathers)
 
     @property
     def shard(self) -> slice:
@@ -116,15 +122,26 @@ class FlatParam:
         flat = self.layout.flatten(values, dtype=torch.float32, device="cpu")
         with rank_errors(ctx.rank, ctx.world_size, f"broadcast of {self.name}.{kind.value} at wrap"):
             broadcast_from_first_(flat, ctx.group, ctx.world_size)
-        self.register_shard(flat[self.shard])
+        self._register(flat[self.shard], flat if ctx.zero.params_whole else None)
 
     def register_shard(self, shard: torch.Tensor) -> None:
         """As `register`, from this rank's shard itself (fp32, `layout.shard_numel` elements, e.g.
-        read from a checkpoint by every rank): no communication."""
+        read from a checkpoint by every rank): no communication, except at stages 1 and 2, where
+        the shards are all-gathered into every rank's whole parameters."""
+        ctx = self.ctx
+        whole = None
+        if ctx.zero.params_whole:
+            whole = self._gather(shard.to(ctx.device, ctx.compute_dtype), "at wrap")
+        self._register(shard, whole)
+
+    def _register(self, shard: torch.Tensor, whole: torch.Tensor | None) -> None:
+        """Register the parameters (`whole` when every rank keeps them whole, else `shard`), and
+        the gradient and master weights of a trainable flat tensor."""
         ctx = self.ctx
         assert shard.dtype == torch.float32 and shard.numel() == self.layout.shard_numel, (self.name, shard.shape)
         kind = Kind.PARAM if self.trainable else Kind.FROZEN
-        self._param = ctx.register(self.name, shard, self.home, kind=kind, dtype=ctx.compute_dtype)
+        self._param = ctx.register(self.name, shard if whole is None else whole, self.home, kind=kind,
+                                   dtype=ctx.compute_dtype)
         if self.trainable:
             self.grad = FlatGrad(self.name, self.layout, ctx)
             if ctx.compute_dtype != torch.float32:
@@ -136,11 +153,13 @@ class FlatParam:
         and live on the optimizer states' tier, else a copy made on that tier."""
         if self.master is None:
             ctx = self.ctx
-            if ctx.compute_dtype == torch.float32 and self.home is ctx.master_tier:
+            if ctx.compute_dtype == torch.float32 and self.home is ctx.master_tier and not ctx.zero.params_whole:
                 self.master = self.param
             else:
-                self.master = ctx.register(self.name, ctx.pm.read(self.param).float(), ctx.master_tier,
-                                           kind=Kind.MASTER)
+                values = ctx.pm.read(self.param)
+                if ctx.zero.params_whole:
+                    values = values[self.shard]
+                self.master = ctx.register(self.name, values.float(), ctx.master_tier, kind=Kind.MASTER)
         return self.master
 
     # ------------------------------------------------------------------------- transitions
@@ -196,9 +215,9 @@ class FlatParam:
         calls it)."""
         ctx = self.ctx
         flat = ctx.pm.read(self.values)
-        if ctx.world_size > 1:
+        if flat.numel() < self.layout.padded_numel:
             with rank_errors(ctx.rank, ctx.world_size, f"all-gather of {self.param.name} for a state dict"):
-                flat = all_gather_flat(flat.to(ctx.device), self.layout, ctx.group).cpu()
+                flat = all_gather_flat(flat.to(ctx.device), self.layout, ctx.group, ctx.comm).cpu()
         return [v.to(dt, copy=True) for v, dt in zip(self.layout.views(flat), self.orig_dtypes)]
 
     def write_full(self, values: list[torch.Tensor]) -> None:
@@ -221,17 +240,41 @@ class FlatParam:
         else:
             self._store_param(master)
 
-    def _store_param(self, values: torch.Tensor) -> None:
-        self.ctx.pm.store(self.param, values.to(self.ctx.compute_dtype))
-        discard_gather(self.ctx, self)
+    def _store_param(self, shard: torch.Tensor) -> None:
+        ctx = self.ctx
+        shard = shard.to(ctx.compute_dtype)
+        if ctx.zero.params_whole and self.param.home is Tier.DEVICE:  # gathered in place
+            whole = ctx.pm.acquire(self.param, Tier.DEVICE)
+            try:
+                self._gather(shard.to(ctx.device), "of the updated values", out=whole)
+            finally:
+                ctx.pm.release(self.param, Tier.DEVICE, dirty=True)
+        elif ctx.zero.params_whole:  # gathered on the device, stored to the home and cached copies
+            nbytes = self.layout.padded_numel * ctx.compute_dtype.itemsize
+            scratch = ctx.pm.reserve_scratch(nbytes, Tier.DEVICE, what=f"{self.param.name} (updated, gathered)")
+            try:
+                whole = scratch[:nbytes].view(ctx.compute_dtype)
+                ctx.pm.store(self.param, self._gather(shard.to(ctx.device), "of the updated values", out=whole))
+            finally:
+                ctx.pm.free_scratch(scratch, Tier.DEVICE)
+        else:
+            ctx.pm.store(self.param, shard)
+        discard_gather(ctx, self)
+
+    def _gather(self, shard: torch.Tensor, why: str, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Every rank's `shard` gathered into the whole flat tensor (stages 1 and 2)."""
+        ctx = self.ctx
+        with torch.profiler.record_function(f"tierzero::all_gather_updated {self.name}"), \
+                rank_errors(ctx.rank, ctx.world_size, f"all-gather of {self.name}'s parameters {why}"):
+            return all_gather_flat(shard, self.layout, ctx.group, ctx.comm, out=out)
 
     def __repr__(self) -> str:
         kind = "param" if self.trainable else "frozen"
         return f"FlatParam({self.name!r}, {kind}, {self.layout}, {self._state.value})"
 
 
-def fetched_bytes(layout: FlatLayout, dtype: torch.dtype) -> int:
-    """Device bytes of a fetched flat tensor: the full tensor, plus at world size > 1 the shard
-    it is gathered from (pinned until the gather is done)."""
-    extra = layout.shard_numel if layout.world_size > 1 else 0
+def fetched_bytes(layout: FlatLayout, dtype: torch.dtype, *, gathered: bool) -> int:
+    """Device bytes of a fetched flat tensor: the full tensor, plus when it is `gathered` across
+    ranks (stage 3) the shard it is gathered from (pinned until the gather is done)."""
+    extra = layout.shard_numel if gathered else 0
     return (layout.padded_numel + extra) * dtype.itemsize

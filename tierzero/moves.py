@@ -46,6 +46,11 @@ class Copy:
     """Acquires not yet released, plus moves in flight reading from this copy."""
     stale: bool = False
     """Another copy was written back while this one was pinned or in flight: drop it when free."""
+    used: bool = False
+    """Acquired since it was fetched: a prefetched copy not yet used is evicted last."""
+    dirty: bool = False
+    """Newer than the home (released dirty with lazy=True): written back before it is evicted,
+    or dropped unwritten by discard()."""
     event: CopyEvent = DONE
     """The copy that filled it; compute waits on it before using the tensor."""
 
@@ -187,7 +192,7 @@ def run_fetch(plan: FetchPlan, io: MoveIO) -> Done:
         t0 = time.perf_counter()
         if plan.src is Tier.NVME:
             landing = plan.staging if plan.staging is not None else flat(plan.copy.buffer)
-            io.nvme().read(region(plan.source.buffer), landing.numpy(), h.name)
+            io.nvme().read(region(plan.source.buffer), landing.numpy(), h.name, h.kind.traffic)
             spans.append(Span(Tier.NVME, Tier.HOST, t0, time.perf_counter()))
             if plan.dst is Tier.HOST:
                 return Done(DONE, spans)
@@ -214,7 +219,7 @@ def run_writeback(plan: WritebackPlan, io: MoveIO) -> Done:
             io.streams.copy(typed(plan.staging, h), plan.copy.tensor, after=plan.ready).synchronize()
             spans.append(Span(plan.src, Tier.HOST, t0, time.perf_counter()))
             landing, t0 = plan.staging, time.perf_counter()
-        io.nvme().write(region(plan.home.buffer), landing.numpy(), h.name)
+        io.nvme().write(region(plan.home.buffer), landing.numpy(), h.name, h.kind.traffic)
         spans.append(Span(Tier.HOST, Tier.NVME, t0, time.perf_counter()))
     return Done(DONE, spans)
 
@@ -222,5 +227,6 @@ def run_writeback(plan: WritebackPlan, io: MoveIO) -> Done:
 def run_store(plan: StorePlan, io: MoveIO) -> Done:
     t0 = time.perf_counter()
     with torch.profiler.record_function(f"tierzero::store {plan.handle.name}"):
-        io.nvme().write(region(plan.home.buffer), plan.staging.numpy(), plan.handle.name)
+        io.nvme().write(region(plan.home.buffer), plan.staging.numpy(), plan.handle.name,
+                        plan.handle.kind.traffic)
     return Done(DONE, [Span(Tier.HOST, Tier.NVME, t0, time.perf_counter())])

@@ -28,6 +28,7 @@ import numpy as np
 
 from io_engine import IOEngine, IOFuture, PreallocatedFile
 from tierzero.config import IOConfig, format_size
+from tierzero.telemetry import Telemetry
 from tierzero.tiers import ALIGNMENT, Budget, round_up
 
 CHUNK_BYTES = 1 << 30
@@ -184,8 +185,11 @@ class SwapSpace:
     """
 
     def __init__(self, nvme_dir: str | os.PathLike[str], rank: int, budget: Budget, io: IOConfig, *,
-                 checksums: bool = True, chunk_bytes: int = CHUNK_BYTES) -> None:
+                 checksums: bool = True, chunk_bytes: int = CHUNK_BYTES,
+                 telemetry: Telemetry | None = None) -> None:
         self.budget = budget
+        self.telemetry = telemetry if telemetry is not None else Telemetry()
+        """Counts every read and write (bytes by kind, busy time)."""
         self.checksums = checksums
         self.chunk_bytes = round_up(chunk_bytes)
         base = Path(nvme_dir)
@@ -252,21 +256,32 @@ class SwapSpace:
             self.allocator.free(ext)
         self.budget.release(region.length)
 
-    def write(self, region: SwapRegion, buf: np.ndarray, name: str) -> None:
-        """Write buf[:region.length] (page-aligned) to the region; blocking."""
-        futures = [write_extent(self.engine, self._files[e.chunk], piece, e.offset, checksum=self.checksums)
-                   for e, piece in self._pieces(region, buf)]
-        for e, fut in zip(region.extents, futures):
-            _result(fut, f"writing tensor {name!r} to NVMe")
-            if self.checksums:
-                self._checksums[(e.chunk, e.offset)] = fut.checksum
+    def write(self, region: SwapRegion, buf: np.ndarray, name: str, traffic: str = "other") -> None:
+        """Write buf[:region.length] (page-aligned) to the region; blocking. `traffic`: the
+        group telemetry counts the bytes under (Kind.traffic)."""
+        pieces = self._pieces(region, buf)
+        self.telemetry.nvme_started()
+        try:
+            futures = [write_extent(self.engine, self._files[e.chunk], piece, e.offset, checksum=self.checksums)
+                       for e, piece in pieces]
+            for e, fut in zip(region.extents, futures):
+                _result(fut, f"writing tensor {name!r} to NVMe")
+                if self.checksums:
+                    self._checksums[(e.chunk, e.offset)] = fut.checksum
+        finally:
+            self.telemetry.nvme_finished("write", traffic, region.length)
 
-    def read(self, region: SwapRegion, buf: np.ndarray, name: str) -> None:
+    def read(self, region: SwapRegion, buf: np.ndarray, name: str, traffic: str = "other") -> None:
         """Read the region into buf[:region.length] and verify its checksums; blocking."""
-        futures = [read_extent(self.engine, self._files[e.chunk], piece, e.offset, checksum=self.checksums)
-                   for e, piece in self._pieces(region, buf)]
-        for fut in futures:
-            _result(fut, f"reading tensor {name!r} from NVMe")
+        pieces = self._pieces(region, buf)
+        self.telemetry.nvme_started()
+        try:
+            futures = [read_extent(self.engine, self._files[e.chunk], piece, e.offset, checksum=self.checksums)
+                       for e, piece in pieces]
+            for fut in futures:
+                _result(fut, f"reading tensor {name!r} from NVMe")
+        finally:
+            self.telemetry.nvme_finished("read", traffic, region.length)
         for e, fut in zip(region.extents, futures):
             expected = self._checksums.get((e.chunk, e.offset)) if self.checksums else None
             if expected is not None and fut.checksum != expected:

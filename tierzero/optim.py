@@ -1,11 +1,12 @@
-"""Tiered optimizers and gradient clipping over a wrapped model's flat fp32 gradients.
+"""Tiered optimizers and gradient clipping over a wrapped model's flat gradients.
 
 tz.AdamW / tz.SGD are torch.optim.Optimizer subclasses (param_groups with "lr" and friends, so
 torch's LR schedulers work) whose state lives in the placement manager on
 `config.optimizer_states`: fp32 master weights (owned by the runtime's FlatParam) and the
 moments, one flat tensor of each per block. A step walks the blocks in order as a three-stage
 pipeline: block k+1's gradient, master weights and moments are being read (prefetched to the
-host) while block k is updated on the CPU with torch's math in fp32 and block k-1's updated
+host) while block k is updated on the CPU in fp32 by torch's fused kernels (bit for bit what
+torch.optim.AdamW/SGD(fused=True) compute for the same parameters) and block k-1's updated
 state and new compute-dtype parameters are being written to their home tier (dirty releases
 and `store` write NVMe asynchronously; host budget reservations bound how far it runs ahead).
 With Config.step_in_backward each block is updated as soon as backward has made its gradient
@@ -15,6 +16,7 @@ clears the flat gradients. One param group, holding every trainable parameter of
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import math
 import weakref
 from typing import Any, Callable
@@ -26,12 +28,41 @@ from tierzero import runtime
 from tierzero.flat_param import FlatParam
 from tierzero.grads import FlatGrad
 from tierzero.handles import Kind, TensorHandle
-from tierzero.sharding import all_reduce_, rank_errors
+from tierzero.sharding import FlatLayout, all_reduce_, rank_errors
 from tierzero.step_context import StepContext
 
 
+READ_AHEAD = 2
+"""Blocks whose gradient and state a step reads ahead of the one it updates: the drive always
+has the next block's reads queued behind the current one's writes."""
+
 UPDATE_CHUNK = 1 << 22
-"""Elements updated at a time (16 MiB of fp32)."""
+"""Elements updated at a time (16 MiB of fp32): bounds the scaled gradient's temporary."""
+
+
+def _update_batches(layout: FlatLayout, rank: int) -> list[list[tuple[int, int]]]:
+    """This rank's shard of `layout` as (lo, hi) pieces in shard coordinates, in batches of at
+    most UPDATE_CHUNK elements: each piece lies inside one parameter (padding is never updated),
+    and a parameter longer than UPDATE_CHUNK is cut at multiples of UPDATE_CHUNK from its own
+    start. torch's fused CPU kernels run a vector loop and then a scalar loop for the last
+    `numel % vector width` elements, whose roundings differ; cutting where a separate tensor per
+    parameter would end puts every element in the same loop as torch.optim.AdamW(fused=True)
+    over the model's parameters, so the bits are the same (at world size 1; a shard that cuts a
+    parameter moves its tail)."""
+    start, stop = layout.shard_range(rank)
+    batches: list[list[tuple[int, int]]] = [[]]
+    room = UPDATE_CHUNK
+    for slot in layout.slots:
+        lo, end = max(slot.offset, start), min(slot.offset + slot.numel, stop)
+        while lo < end:
+            hi = min(end, slot.offset + ((lo - slot.offset) // UPDATE_CHUNK + 1) * UPDATE_CHUNK)
+            if hi - lo > room:
+                batches.append([])
+                room = UPDATE_CHUNK
+            batches[-1].append((lo - start, hi - start))
+            room -= hi - lo
+            lo = hi
+    return [b for b in batches if b]
 
 
 class TieredOptimizer(torch.optim.Optimizer):
@@ -75,8 +106,20 @@ class TieredOptimizer(torch.optim.Optimizer):
         """Flats updated during this step's backward (Config.step_in_backward)."""
         self._driver: str | None = None
         """The training loop that declared it clips and clears the flat gradients (driven_by)."""
+        self._pending: list[cf.Future[None]] = []
+        """Updates of Config.step_in_backward running on the updater thread."""
+        self._updater: cf.ThreadPoolExecutor | None = None
         if self._model_state.config.step_in_backward:
             ctx.on_grads_final(self._step_in_backward)
+            ctx.on_iteration_end(self._drain)
+            # On one rank with the CPU as device, a block's update runs on a thread of its own
+            # while backward computes the blocks before it: the update mostly waits for its
+            # state's NVMe reads, which then overlap backward's compute. (With several ranks an
+            # update touches the all-gathers the backward thread manages, and CUDA streams are
+            # per thread: those run the update inline until that path is measured on a GPU.)
+            if ctx.world_size == 1 and not ctx.pm.streams.cuda:
+                self._updater = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierzero-update")
+                weakref.finalize(self, self._updater.shutdown, wait=False)
 
     @property
     def flat_params(self) -> list[FlatParam]:
@@ -107,11 +150,9 @@ class TieredOptimizer(torch.optim.Optimizer):
         todo = [f for f in self._flats if not _grad(f).empty and f not in self._stepped]
         self._stepped.clear()
         for i, flat in enumerate(todo):
-            if i + 1 < len(todo):
-                self._prefetch(todo[i + 1])
             self._steps[flat] += 1
             with torch.profiler.record_function(f"tierzero::optimizer_step {flat.name}"):
-                self._step_flat(flat, group)
+                self._step_flat(flat, group, then=lambda i=i: self._read_ahead(todo[i + 1:i + 1 + READ_AHEAD]))
         return loss
 
     @torch.no_grad()
@@ -126,10 +167,29 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._stepped.add(flat)
         self._steps[flat] += 1
         i = self._flats.index(flat)
-        if i > 0:  # backward finishes blocks in reverse order: read the previous one's state now
-            self._prefetch(self._flats[i - 1], grad=False)
-        with torch.profiler.record_function(f"tierzero::optimizer_step_in_backward {flat.name}"):
-            self._step_flat(flat, self.param_groups[0])
+        # backward finishes blocks in reverse order: read the previous one's state meanwhile
+        # (one only: backward's own reads compete for the host room, and a second block's
+        # state read this early was measured to be pushed out before its update)
+        ahead = self._flats[max(0, i - 1):i]
+        group = self.param_groups[0]
+
+        def update() -> None:
+            with torch.no_grad(), torch.profiler.record_function(f"tierzero::optimizer_step_in_backward {flat.name}"):
+                self._step_flat(flat, group, then=lambda: self._read_ahead(ahead, grad=False))
+                _grad(flat).clear()  # used up: its host room goes back now, and it never reaches NVMe
+
+        if self._updater is None:
+            update()
+        else:  # in order, one at a time, while backward goes on
+            self._pending.append(self._updater.submit(update))
+
+    def _drain(self) -> None:
+        """Wait for the updates started during this backward; raise the first one's error."""
+        pending, self._pending = self._pending, []
+        cf.wait(pending)
+        for fut in pending:
+            if fut.exception() is not None:
+                raise fut.exception()
 
     def driven_by(self, loop: str) -> None:
         """Declare that `loop` (e.g. "tierzero.hf.Trainer") drives this optimizer and handles the
@@ -153,32 +213,38 @@ class TieredOptimizer(torch.optim.Optimizer):
                 "tierzero.hf_trainer), a drop-in subclass of transformers.Trainer. In your own loop, drop "
                 "the optimizer.train() call: tz optimizers have no train/eval modes")
 
-    def _prefetch(self, flat: FlatParam, *, grad: bool = True) -> None:
-        if grad:
-            _grad(flat).prefetch()
+    def _read_ahead(self, flats: list[FlatParam], *, grad: bool = True) -> None:
+        """Start reading the next blocks' gradients and state: the first for sure, the ones
+        after it only into room that needs no dirty copy written back (speculative)."""
         pm = self._model_state.pm
-        for handle in self._live_states(flat).values():
-            pm.prefetch(handle, handle.staging)
+        for k, flat in enumerate(flats):
+            if grad:
+                _grad(flat).prefetch(speculative=k > 0)
+            for handle in self._live_states(flat).values():
+                pm.prefetch(handle, handle.staging, speculative=k > 0)
 
-    def _step_flat(self, flat: FlatParam, group: dict[str, Any]) -> None:
+    def _step_flat(self, flat: FlatParam, group: dict[str, Any], *, then: Callable[[], None]) -> None:
+        """Update `flat`; `then` (the next block's prefetch) runs once this block's state is
+        pinned, so the read-ahead can never evict what this update is about to use."""
         pm = self._model_state.pm
         handles = list(self._live_states(flat).values())
         flat_grad = _grad(flat)
         with flat_grad.acquire() as grad:
             tensors = [pm.acquire(h, h.staging) for h in handles]
             try:
-                # In chunks, so the math's temporaries (the scaled gradient, AdamW's denominator)
-                # are a few MiB instead of a block's size; elementwise, so the bits are the same.
-                for lo in range(0, grad.numel(), UPDATE_CHUNK):
-                    g = flat_grad.scaled(grad[lo:lo + UPDATE_CHUNK])
-                    self._update(group, self._steps[flat], g, *(t[lo:lo + UPDATE_CHUNK] for t in tensors))
+                then()
+                for pieces in _update_batches(flat.layout, self._model_state.ctx.rank):
+                    grads = [flat_grad.scaled(grad[lo:hi]) for lo, hi in pieces]
+                    self._update(group, self._steps[flat], grads,
+                                 *([t[lo:hi] for lo, hi in pieces] for t in tensors))
                 flat.master_updated(tensors[0])
             finally:
                 for h in handles:
                     pm.release(h, h.staging, dirty=True)
 
-    def _update(self, group: dict[str, Any], step: int, grad: torch.Tensor, param: torch.Tensor,
-                *states: torch.Tensor) -> None:
+    def _update(self, group: dict[str, Any], step: int, grads: list[torch.Tensor],
+                params: list[torch.Tensor], *states: list[torch.Tensor]) -> None:
+        """Update `params` (fp32 master pieces) and `states` in place from `grads`, piece by piece."""
         raise NotImplementedError
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -251,13 +317,15 @@ def _global_norm(shard_norms: list[torch.Tensor], norm_type: float, ctx: StepCon
     local = torch.stack(shard_norms).to(ctx.device)
     with rank_errors(ctx.rank, ctx.world_size, "all-reduce of the gradient norm"):
         if math.isinf(norm_type):
-            return all_reduce_(local.max(), ctx.group, ctx.world_size, op="max").cpu()
-        powered = all_reduce_(local.pow(norm_type).sum(), ctx.group, ctx.world_size)
+            return all_reduce_(local.max(), ctx.group, ctx.world_size, op="max", comm=ctx.comm).cpu()
+        powered = all_reduce_(local.pow(norm_type).sum(), ctx.group, ctx.world_size, comm=ctx.comm)
     return powered.pow(1.0 / norm_type).cpu()
 
 
 class AdamW(TieredOptimizer):
-    """torch.optim.AdamW's math (decoupled weight decay, bias correction) on tiered fp32 state."""
+    """torch.optim.AdamW (decoupled weight decay, bias correction) on tiered fp32 state, by torch's
+    fused CPU kernel: one pass over memory where the elementwise ops take about eight, and the
+    same bits as torch.optim.AdamW(fused=True)."""
 
     state_kinds = (Kind.EXP_AVG, Kind.EXP_AVG_SQ)
 
@@ -268,22 +336,19 @@ class AdamW(TieredOptimizer):
                              f"lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
         super().__init__(model, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
-    def _update(self, group: dict[str, Any], step: int, grad: torch.Tensor, param: torch.Tensor,
-                *states: torch.Tensor) -> None:
-        exp_avg, exp_avg_sq = states
-        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        if wd != 0:
-            param.mul_(1 - lr * wd)
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        bias_correction1 = 1 - beta1 ** step
-        bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-        param.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
+    def _update(self, group: dict[str, Any], step: int, grads: list[torch.Tensor],
+                params: list[torch.Tensor], *states: list[torch.Tensor]) -> None:
+        exp_avgs, exp_avg_sqs = states
+        beta1, beta2 = group["betas"]
+        steps = [torch.tensor(float(step))] * len(params)
+        torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=group["lr"], beta1=beta1,
+                            beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                            amsgrad=False, maximize=False)
 
 
 class SGD(TieredOptimizer):
-    """torch.optim.SGD's math (momentum, weight decay; no dampening or Nesterov)."""
+    """torch.optim.SGD (momentum, weight decay; no dampening or Nesterov) by torch's fused CPU
+    kernel: the same bits as torch.optim.SGD(fused=True)."""
 
     state_kinds = (Kind.MOMENTUM,)
 
@@ -295,18 +360,12 @@ class SGD(TieredOptimizer):
             self.state_kinds = ()
         super().__init__(model, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
 
-    def _update(self, group: dict[str, Any], step: int, grad: torch.Tensor, param: torch.Tensor,
-                *states: torch.Tensor) -> None:
-        if group["weight_decay"] != 0:
-            grad = grad.add(param, alpha=group["weight_decay"])
-        if states:
-            (buf,) = states
-            if step == 1:
-                buf.copy_(grad)
-            else:
-                buf.mul_(group["momentum"]).add_(grad)
-            grad = buf
-        param.add_(grad, alpha=-group["lr"])
+    def _update(self, group: dict[str, Any], step: int, grads: list[torch.Tensor],
+                params: list[torch.Tensor], *states: list[torch.Tensor]) -> None:
+        # On the first step the momentum buffer becomes the gradient (plus weight decay).
+        torch._fused_sgd_(params, grads, states[0] if states else [], weight_decay=group["weight_decay"],
+                          momentum=group["momentum"], lr=group["lr"], dampening=0.0, nesterov=False,
+                          maximize=False, is_first_step=step == 1)
 
 
 @torch.no_grad()
@@ -315,27 +374,26 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     """torch.nn.utils.clip_grad_norm_ over a wrapped model's flat gradients: returns the total
     norm (fp32) and scales the gradients by min(1, max_norm / (norm + 1e-6)) (applied lazily,
     when the optimizer or the next backward reads them). With several ranks the norm is the
-    global one over every rank's gradient shard (a collective: every rank calls it)."""
+    global one over every rank's gradient shard (a collective: every rank calls it).
+
+    From the first call on, backward computes each block's norms as it writes the gradient, so
+    later calls read no gradient (a different norm_type than the last call's reads once)."""
     state = runtime.state_of(model)
     if state.config.step_in_backward:
         raise ValueError("clip_grad_norm_: the model was wrapped with Config(step_in_backward=True), "
                          "so its blocks were updated during backward with unclipped gradients; "
                          "wrap it with step_in_backward=False to clip gradients")
     flats = [f for f in state.flat_params(trainable=True) if not _grad(f).empty]
+    ctx = state.ctx
+    ctx.clips_with(float(norm_type))
     if not flats:
         return torch.tensor(0.0)
-    ctx = state.ctx
     norms: dict[tuple[FlatParam, int], torch.Tensor] = {}
     for i, flat in enumerate(flats):
-        if i + 1 < len(flats):
+        if i + 1 < len(flats) and not _grad(flats[i + 1]).has_norms(float(norm_type)):
             _grad(flats[i + 1]).prefetch()
-        grad = _grad(flat)
-        with grad.acquire() as g:
-            if ctx.world_size == 1:
-                for j, s in enumerate(flat.layout.slots):
-                    norms[flat, j] = torch.linalg.vector_norm(grad.scaled(g[s.offset:s.offset + s.numel]), norm_type)
-            else:
-                norms[flat, 0] = torch.linalg.vector_norm(grad.scaled(g), norm_type)
+        for j, n in enumerate(_grad(flat).norms(float(norm_type))):
+            norms[flat, j] = n
     if ctx.world_size == 1:
         # The norm of the per-parameter norms in the model's parameter order, as torch computes
         # it: the same bits as torch.nn.utils.clip_grad_norm_(model.parameters()).

@@ -9,6 +9,7 @@ most one cached copy whose state is a `Residency`. The data flow of one tensor:
     prefetch    start a copy toward a tier, best effort: reserve room there (evicting unpinned
                 cached copies by the eviction policy), then a worker thread runs the copy
     acquire     wait for that copy, or start it and wait; pin it; order compute after its event
+                (overwrite=True: a caller that writes it whole gets a fresh copy, nothing read)
     release     unpin; dirty: write the copy back to its home (async) and invalidate the other
                 cached copies, which now hold old data
     store       overwrite the contents: every cached copy now, the home too (an NVMe home
@@ -104,7 +105,7 @@ class PlacementManager:
             from tierzero.nvme import SwapSpace
 
             self.swap = SwapSpace(config.nvme_dir, rank, self.budgets[Tier.NVME], config.io,
-                                  checksums=config.checksums)
+                                  checksums=config.checksums, telemetry=self.telemetry)
         try:
             self._tiers = tier_stores(self.budgets, self.streams, self.pool, self.device_pool, self.swap)
             self._table = ResidencyTable(self._tiers, self.streams, self.pool, self.swap, self.telemetry,
@@ -164,9 +165,11 @@ class PlacementManager:
             self._table.forget(rec)
             self._cond.notify_all()
 
-    def prefetch(self, h: TensorHandle, tier: Tier | str = Tier.DEVICE) -> bool:
+    def prefetch(self, h: TensorHandle, tier: Tier | str = Tier.DEVICE, *, speculative: bool = False) -> bool:
         """Start a copy toward `tier` without waiting. True if it is there, on its way, or was
-        started; False if there is no room without evicting a pinned copy."""
+        started; False if there is no room without evicting a pinned copy (or, speculative,
+        without writing back a dirty one or evicting a prefetched copy not used yet: a read
+        further ahead never pushes out data that is still to be used)."""
         rec, tier = self._lookup(h, tier, "prefetch")
         with self._cond:
             self._check_open()
@@ -175,10 +178,14 @@ class PlacementManager:
                 self._room.touch(h, tier)
                 return True
             self._room.check_fits(h.name, h.nbytes, tier)
-            return self._table.try_fetch(rec, tier) is True
+            return self._table.try_fetch(rec, tier, speculative=speculative) is True
 
-    def acquire(self, h: TensorHandle, tier: Tier | str = Tier.DEVICE) -> torch.Tensor:
-        """The tensor on `tier` (registered shape and dtype), pinned until release()."""
+    def acquire(self, h: TensorHandle, tier: Tier | str = Tier.DEVICE, *, overwrite: bool = False) -> torch.Tensor:
+        """The tensor on `tier` (registered shape and dtype), pinned until release().
+
+        overwrite=True: the caller will write every element and release(dirty=True), so when
+        there is no copy on `tier` yet its bytes are not read: a fresh uninitialised copy is
+        made there (no NVMe read; a gradient's first write in a step, say)."""
         rec, tier = self._lookup(h, tier, "acquire")
         with torch.profiler.record_function(f"tierzero::acquire {h.name}"):
             if tier is h.home:
@@ -189,8 +196,13 @@ class PlacementManager:
                 hit = rec.residency[tier] is not Residency.ABSENT
                 if not hit:
                     self._room.check_fits(h.name, h.nbytes, tier)
-                    self._wait_until(lambda: self._table.try_fetch(rec, tier), rec,
-                                     f"acquire({h.name!r}, {tier.value!r})")
+                    if overwrite:
+                        bufs = self._wait_until(lambda: self._room.take([(tier, h.nbytes)], h), rec,
+                                                f"acquire({h.name!r}, {tier.value!r}, overwrite=True)")
+                        self._table.install_blank(rec, tier, bufs[0])
+                    else:
+                        self._wait_until(lambda: self._table.try_fetch(rec, tier), rec,
+                                         f"acquire({h.name!r}, {tier.value!r})")
                 copy = self._table.pin(rec, tier)
                 move = self._table.moves.get(h, tier)
             self.telemetry.record_prefetch(hit)
@@ -206,15 +218,25 @@ class PlacementManager:
             self.streams.compute_wait(copy.event, copy.tensor)
             return copy.tensor
 
-    def release(self, h: TensorHandle, tier: Tier | str = Tier.DEVICE, *, dirty: bool = False) -> None:
-        """Unpin; dirty=True writes this copy's contents back to the home tier (async)."""
+    def release(self, h: TensorHandle, tier: Tier | str = Tier.DEVICE, *, dirty: bool = False,
+                lazy: bool = False) -> None:
+        """Unpin; dirty=True writes this copy's contents back to the home tier (async).
+
+        lazy=True (with dirty, for a host copy of an NVMe home): keep the copy dirty instead; it
+        is written home only when its room is needed (or by flush()), and never if discard()
+        comes first: a gradient used and cleared within a step never reaches the disk. Where a
+        write-back would need a staging buffer (a device copy of an NVMe home) it is eager."""
         rec, tier = self._lookup(h, tier, "release")
+        lazy = lazy and dirty and tier is not h.home and not staging_needs(tier, h.home, h.nbytes)
         with self._cond:
             self._check_open()
             self._check_live(rec)
             self._table.releasing(rec, tier)
             staging = None
-            if dirty and tier is not h.home:
+            if lazy:
+                self._wait_until(lambda: rec.residency[tier] is not Residency.WRITING_BACK or None, rec,
+                                 f"release({h.name!r}, {tier.value!r}, lazy=True) waiting for its write-back")
+            elif dirty and tier is not h.home:
                 # Still pinned while waiting (for an earlier write-back of this copy to finish,
                 # and for a staging buffer), so the dirty copy cannot be evicted meanwhile.
                 needs = staging_needs(tier, h.home, h.nbytes)
@@ -222,18 +244,29 @@ class PlacementManager:
                     lambda: None if rec.residency[tier] is Residency.WRITING_BACK else self._room.take(needs, h),
                     rec, f"release({h.name!r}, {tier.value!r}, dirty=True)")
                 staging = flat(bufs[0]) if bufs else None
-            self._table.release(rec, tier, dirty=dirty, staging=staging)
+            self._table.release(rec, tier, dirty=dirty, staging=staging, lazy=lazy)
+            self._cond.notify_all()
+
+    def discard(self, h: TensorHandle) -> None:
+        """Forget the tensor's contents: its cached copies are dropped unwritten, dirty ones too
+        (a pinned or moving copy when it is free); the home keeps whatever it held last. For
+        data that is dead, such as a gradient set to None; read it again only after writing it."""
+        rec = self._record_of(h, "discard")
+        with self._cond:
+            self._check_live(rec)
+            self._table.discard(rec)
             self._cond.notify_all()
 
     def drop(self, h: TensorHandle, tier: Tier | str) -> None:
-        """Free an unpinned cached copy now (after its write-back, if one is in flight)."""
+        """Free an unpinned cached copy now (after its write-back, if one is in flight or it is
+        dirty)."""
         rec, tier = self._lookup(h, tier, "drop")
         if tier is h.home:
             raise ValueError(f"drop({h.name!r}, {tier.value!r}): {tier.value} is the tensor's home; "
                              "only cached copies on other tiers can be dropped")
         with self._cond:
             self._check_live(rec)
-            self._wait_until(lambda: rec.residency[tier] not in (Residency.FETCHING, Residency.WRITING_BACK) or None,
+            self._wait_until(lambda: self._table.settled_clean(rec, tier) or None,
                              rec, f"drop({h.name!r}) waiting for its move")
             if rec.residency[tier] is Residency.ABSENT:
                 return
@@ -321,7 +354,12 @@ class PlacementManager:
             return tuple(rec.handle for rec in self._table.records())
 
     def flush(self) -> None:
-        """Wait for every move in flight; raise the first write-back error since the last flush."""
+        """Write every dirty cached copy home, wait for every move in flight; raise the first
+        write-back error since the last flush."""
+        with self._cond:
+            for rec, tier in self._table.dirty_copies():
+                if not rec.pins(tier):
+                    self._table.start_writeback(rec, tier, None)
         while True:
             with self._cond:
                 futures = [m.future for m in self._table.moves.all()]

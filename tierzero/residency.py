@@ -131,7 +131,8 @@ class ResidencyTable:
                  swap: SwapSpace | None, telemetry: Telemetry, *, workers: int, rank: int) -> None:
         self.cond = threading.Condition(threading.RLock())
         self.stores = stores
-        self.room = Room(stores, self._evictable, self.drop)
+        self.room = Room(stores, self._evictable, self.drop, self._clean,
+                         lambda h, t: not self._records[h]._copies[t].used)
         self.moves = MoveTable()
         self.errors: list[BaseException] = []
         """Errors of writes to homes since the last flush()."""
@@ -167,6 +168,9 @@ class ResidencyTable:
 
     def read_home(self, rec: TensorRecord, out: torch.Tensor | None) -> torch.Tensor:
         """The home's contents on the CPU: fresh, or in `out` (flat uint8, page-aligned)."""
+        dirty = next((c for c in rec._copies.values() if c.dirty), None)
+        if dirty is not None:  # newer than the home
+            return dirty.tensor.detach().to("cpu", copy=True) if out is None else typed(out, rec.handle).copy_(dirty.tensor)
         self.check_home(rec)
         h, home = rec.handle, rec._copies[rec.home]
         if home.tensor is not None:
@@ -175,12 +179,13 @@ class ResidencyTable:
             return typed(out, h).copy_(home.tensor)
         where = region(home.buffer)
         buf = torch.from_numpy(aligned_empty(where.length)) if out is None else out
-        self._io.nvme().read(where, buf.numpy(), h.name)
+        self._io.nvme().read(where, buf.numpy(), h.name, h.kind.traffic)
         return typed(buf, h)
 
     def pin(self, rec: TensorRecord, tier: Tier) -> Copy:
         copy = rec._copies[tier]
         copy.pins += 1
+        copy.used = True
         self.room.touch(rec.handle, tier)
         return copy
 
@@ -197,10 +202,19 @@ class ResidencyTable:
         self.room.touch(rec.handle, tier)
         return copy
 
-    def release(self, rec: TensorRecord, tier: Tier, *, dirty: bool, staging: torch.Tensor | None) -> None:
+    def release(self, rec: TensorRecord, tier: Tier, *, dirty: bool, staging: torch.Tensor | None,
+                lazy: bool = False) -> None:
         """Unpin (after releasing()); a dirty cached copy is written back (through `staging` for
-        device -> NVMe), a dirty home invalidates the cached copies."""
+        device -> NVMe), or with `lazy` only marked dirty (written back when its room is needed,
+        or never if discarded first); a dirty home invalidates the cached copies."""
         copy = rec._copies[tier]
+        if dirty and lazy:
+            assert tier is not rec.home and staging is None, (rec, tier)
+            copy.pins -= 1
+            copy.stale = False
+            copy.dirty = True
+            self._invalidate_cached(rec, keep=tier)
+            return
         if dirty and tier is not rec.home:
             copy.pins -= 1
             copy.stale = False
@@ -229,9 +243,10 @@ class ResidencyTable:
             if tier is not rec.home:
                 copy.tensor.copy_(data)
                 copy.stale = False
+                copy.dirty = False
                 self._streams.compute_wait(None, copy.tensor)
 
-    def plan_fetch(self, rec: TensorRecord, tier: Tier) -> FetchPlan | Shortfall:
+    def plan_fetch(self, rec: TensorRecord, tier: Tier, *, speculative: bool = False) -> FetchPlan | Shortfall:
         """Choose the source of a copy toward `tier` and reserve its buffers."""
         assert_in_states(rec, tier, Residency.ABSENT)
         h, src = rec.handle, rec.home
@@ -241,7 +256,7 @@ class ResidencyTable:
         if src is rec.home:
             self.check_home(rec)
         needs = [(tier, h.nbytes)] + staging_needs(src, tier, h.nbytes)
-        bufs = self.room.take(needs, h)
+        bufs = self.room.take(needs, h, speculative=speculative)
         if isinstance(bufs, Shortfall):
             return bufs
         source_fetch = self.moves.get(h, src)
@@ -251,12 +266,12 @@ class ResidencyTable:
                          tuple(m.future for m in rec.in_flight if m.dst is h.home or m.dst is src),
                          source_fetch.future if source_fetch is not None else None)
 
-    def try_fetch(self, rec: TensorRecord, tier: Tier) -> Literal[True] | Shortfall:
+    def try_fetch(self, rec: TensorRecord, tier: Tier, *, speculative: bool = False) -> Literal[True] | Shortfall:
         """Start a copy toward `tier` if there is room now; True if started or already there or
         on its way (another thread may have started it while the caller waited)."""
         if rec._residency[tier] is not Residency.ABSENT:
             return True
-        plan = self.plan_fetch(rec, tier)
+        plan = self.plan_fetch(rec, tier, speculative=speculative)
         if isinstance(plan, Shortfall):
             return plan
         self.start_fetch(rec, plan)
@@ -320,6 +335,16 @@ class ResidencyTable:
         self._submit(plan, plan.src, plan.dst, run_fetch, self._finish_fetch, key=plan.dst)
         rec._residency[plan.dst] = Residency.FETCHING
 
+    def install_blank(self, rec: TensorRecord, tier: Tier, buf: Buffer) -> None:
+        """ABSENT -> RESIDENT: an uninitialised copy in the reserved `buf`, for a caller that
+        overwrites it whole and releases it dirty (acquire(overwrite=True)); no move. Stale
+        until then: never a fetch's source, and dropped if released clean (the caller failed)."""
+        assert_in_states(rec, tier, Residency.ABSENT)
+        assert tier is not rec.home, rec
+        rec._copies[tier] = Copy(buf, self.stores[tier].view(buf, rec.handle), stale=True)
+        self.room.cached(rec.handle, tier)
+        rec._residency[tier] = Residency.RESIDENT
+
     def _finish_fetch(self, plan: FetchPlan, outcome: Outcome) -> None:
         """FETCHING -> RESIDENT, or -> ABSENT when the copy failed or went stale."""
         rec = self._records[plan.handle]
@@ -339,6 +364,7 @@ class ResidencyTable:
         the reserved host `staging` buffer for device -> NVMe)."""
         assert_in_states(rec, tier, Residency.RESIDENT)
         h = rec.handle
+        rec._copies[tier].dirty = False  # this write takes its contents home
         plan = WritebackPlan(h, tier, rec._copies[tier], rec._copies[h.home], staging,
                              self._streams.compute_ready() if tier is Tier.DEVICE else None,
                              tuple(m.future for m in rec.in_flight))
@@ -357,6 +383,18 @@ class ResidencyTable:
             self.drop(plan.handle, plan.src)
             return
         rec._residency[plan.src] = Residency.RESIDENT
+
+    def discard(self, rec: TensorRecord) -> None:
+        """The contents are no longer needed (a gradient set to None): every cached copy ->
+        ABSENT unwritten, dirty ones too; a pinned or moving copy is dropped when free. The
+        home keeps whatever it held last."""
+        for tier in [t for t in rec._copies if t is not rec.home]:
+            copy = rec._copies[tier]
+            copy.dirty = False
+            if rec._residency[tier] is Residency.RESIDENT and copy.pins == 0:
+                self.drop(rec.handle, tier)
+            else:
+                copy.stale = True
 
     def drop(self, h: TensorHandle, tier: Tier) -> None:
         """RESIDENT / failed FETCHING -> ABSENT: free the cached copy's bytes."""
@@ -428,7 +466,35 @@ class ResidencyTable:
 
     def _evictable(self, h: TensorHandle, tier: Tier) -> bool:
         rec = self._records[h]
-        return rec._residency[tier] is Residency.RESIDENT and rec._copies[tier].pins == 0
+        copy = rec._copies[tier]
+        return rec._residency[tier] is Residency.RESIDENT and copy.pins == 0 and not copy.dirty
+
+    def _clean(self, tier: Tier, nbytes: int) -> None:
+        """Room on `tier` fell `nbytes` short: start writing back unpinned dirty copies there,
+        least recently used first, until that many bytes are on their way to becoming
+        evictable (counting those already being written back)."""
+        coming = sum(self.stores[tier].reserved(m.nbytes) for m in self.moves.all() if m.src is tier and m.dst is m.tensor.home)
+        for h in self.room.cached_on(tier):
+            if coming >= nbytes:
+                return
+            rec = self._records[h]
+            copy = rec._copies[tier]
+            if copy.dirty and copy.pins == 0 and rec._residency[tier] is Residency.RESIDENT:
+                self.start_writeback(rec, tier, None)
+                coming += self.stores[tier].reserved(h.nbytes)
+
+    def settled_clean(self, rec: TensorRecord, tier: Tier) -> bool:
+        """No move on the copy and nothing unwritten in it; starts the write-back of an unpinned
+        dirty copy (a caller waits for it)."""
+        copy = rec._copies.get(tier)
+        if rec._residency[tier] is Residency.RESIDENT and copy is not None and copy.dirty and copy.pins == 0:
+            self.start_writeback(rec, tier, None)
+        return rec._residency[tier] not in (Residency.FETCHING, Residency.WRITING_BACK) and not (
+            copy is not None and copy.dirty)
+
+    def dirty_copies(self) -> list[tuple[TensorRecord, Tier]]:
+        return [(rec, tier) for rec in self._records.values() for tier, copy in rec._copies.items()
+                if copy.dirty and rec._residency[tier] is Residency.RESIDENT]
 
     def __repr__(self) -> str:
         return f"ResidencyTable(tensors={len(self._records)}, in_flight={len(self.moves)}, {self.room!r})"

@@ -5,7 +5,7 @@ Phases of one training step, once wrapped:
 1. wrap (once): parameters are grouped into blocks (the repeated children, e.g. transformer
    layers, plus a root block for everything else and for parameters shared between blocks);
    each block's parameters are packed into flat tensors registered with the placement manager
-   on `config.params` in the compute dtype, with fp32 gradients on `config.grads`; the
+   on `config.params` in the compute dtype, with gradients on `config.grads`; the
    parameters become placeholders; hooks are registered once. With `weights=` the flat tensors
    are read from a checkpoint instead, one block at a time (tierzero/weights.py), so the model
    may be built on the meta device.
@@ -13,13 +13,14 @@ Phases of one training step, once wrapped:
    fetches it to the device (the prefetcher starts copies of the blocks ahead per the trace) and
    points its parameters at the device copy; its post-hook releases it and hooks its outputs.
 3. backward: the hook on a block's outputs fetches it again; after the block's backward
-   (`RegisterPostBackward` on its inputs) the parameters' .grad are added into the flat fp32
-   gradient and released; a final callback per backward sweeps up what is left (the root
-   block, blocks whose inputs needed no gradient) and ends the prefetcher's iteration.
+   (`RegisterPostBackward` on its inputs) the parameters' .grad are added into the flat
+   gradient (Config.grad_dtype) and released; a final callback per backward sweeps up what is
+   left (the root block, blocks whose inputs needed no gradient) and ends the prefetcher's
+   iteration.
 4. step: tz.AdamW / tz.SGD / tz.clip_grad_norm_ (optim.py) read the flat gradients, update
    fp32 master weights block by block, and store the new parameters on their home tier.
 
-The parameters' `.grad` stay None: gradients live in the flat fp32 gradients, which the
+The parameters' `.grad` stay None: gradients live in the flat gradients, which the
 clip function and the optimizers read and `optimizer.zero_grad()` clears. Outside a block's
 forward and backward its parameters hold no data (a zero-stride placeholder of the right shape
 and dtype): read values with `model.state_dict()` or `tz.full_state_dict(model)`, write them
@@ -27,11 +28,14 @@ with `model.load_state_dict()`. During the root's forward, tensors autograd save
 block's device copy are saved as references into the block (blocks.SavedParamViews), so the
 copy is really freed after the forward and rebuilt for backward.
 
-Data parallelism (ZeRO-3): with torch.distributed initialised, wrap uses the default process
-group (or `process_group=`). Each rank tiers only its shard of every flat tensor, fetches
-all-gather the blocks (started ahead by the prefetcher), gradients are reduce-scattered and
-averaged, the optimizers step on shards, tz.clip_grad_norm_ takes the global norm, buffers and
-parameters are broadcast from the group's first rank at wrap (see blocks.py). Every rank must
+Data parallelism (ZeRO, Config.zero_stage): with torch.distributed initialised, wrap uses the
+default process group (or `process_group=`). At stage 3 each rank tiers only its shard of every
+flat tensor, fetches all-gather the blocks (started ahead by the prefetcher), gradients are
+reduce-scattered and averaged, the optimizers step on shards; at stage 2 every rank keeps the
+whole parameters (fetched without communication; updated shards all-gathered after the step),
+at stage 1 the whole gradients too (all-reduced; sharding.ZeroStage). tz.clip_grad_norm_ takes
+the global norm; buffers and parameters are broadcast from the group's first rank at wrap (see
+blocks.py). Every rank must
 run the same blocks in the same order (no rank-dependent control flow), and call state_dict(),
 load_state_dict() and tz.full_state_dict() together: they gather.
 
@@ -58,7 +62,7 @@ from tierzero.grouping import ROOT, BlockSpec, assign_params, block_specs, group
 from tierzero.optimizer_guard import refuse_other_optimizers
 from tierzero.placement import PlacementManager
 from tierzero.prefetch import Prefetcher, Unit, policy_from_config
-from tierzero.sharding import FlatLayout, broadcast_from_first_, rank_errors, world
+from tierzero.sharding import CommBytes, FlatLayout, ZeroStage, broadcast_from_first_, rank_errors, world
 from tierzero.step_context import Phase, StepContext
 from tierzero.telemetry import StepStats
 from tierzero.tiers import Tier
@@ -215,9 +219,10 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
             compute_dtype = getattr(torch, config.compute_dtype_name(cuda=pm.device.type == "cuda"))
             ctx = StepContext(pm=pm, compute_dtype=compute_dtype,
                               grad_tier=Tier(config.grads), master_tier=Tier(config.optimizer_states),
-                              rank=rank, world_size=world_size, group=process_group)
+                              rank=rank, world_size=world_size, group=process_group,
+                              zero_stage=config.zero_stage, grad_dtype=getattr(torch, config.grad_dtype))
             specs = block_specs(model, groups, owner)
-            _check_device_budget(config, specs, ctx.compute_dtype, world_size)
+            _check_device_budget(config, specs, ctx.compute_dtype, ctx.zero)
             if plan is not None:
                 init_buffers(model, plan)  # while the parameters are still as built
             blocks = [_build_block(name, modules, params, ctx, Tier(config.params), world_size, plan)
@@ -256,11 +261,12 @@ def _start(model: nn.Module, config: Config, ctx: StepContext, blocks: list[Bloc
         gather_ahead(ctx, [groups[u.name] for u in units])
 
     prefetcher = Prefetcher(pm, [b.unit for b in blocks if b.flats], policy_from_config(config),
-                            device_room=ctx.device_room, fetch_ahead=None if ctx.world_size == 1 else gather_units,
-                            device_wraps=ctx.world_size == 1)
+                            device_room=ctx.device_room, fetch_ahead=gather_units if ctx.zero.gathers else None,
+                            device_wraps=not ctx.zero.gathers)
     ctx.attach(prefetcher, state.end_backward)
     pm.set_eviction_policy(prefetcher)
     state.register_hooks()
+    ctx.comm.take()  # wrap's gathers (stages 1-2, weights=) are no step's traffic
     return state
 
 
@@ -283,6 +289,12 @@ def step_stats(model: nn.Module) -> StepStats:
     return state_of(model).pm.telemetry.reset_step()
 
 
+def step_comm_bytes(model: nn.Module) -> CommBytes:
+    """Bytes of the all-gathers, reduce-scatters and all-reduces this rank issued for the model
+    since the previous call (call it once per training step; sharding.CommBytes)."""
+    return state_of(model).ctx.comm.take()
+
+
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's full state dict as CPU tensors (parameters in their original dtypes), for
     export. With several ranks every rank must call it (parameters are gathered from every
@@ -298,7 +310,8 @@ def close(model: nn.Module) -> None:
     state_of(model).pm.close()
 
 
-def block_fetch_bytes(params: list[tuple[str, nn.Parameter]], dtype: torch.dtype, world_size: int) -> int:
+def block_fetch_bytes(params: list[tuple[str, nn.Parameter]], dtype: torch.dtype, world_size: int,
+                      zero_stage: int = 3) -> int:
     """Device bytes of a block (its (fqn, parameter) list) while it is fetched (see
     flat_param.fetched_bytes)."""
     total = 0
@@ -307,14 +320,14 @@ def block_fetch_bytes(params: list[tuple[str, nn.Parameter]], dtype: torch.dtype
         if ps:
             layout = FlatLayout.build([f for f, _ in ps], [p.shape for _, p in ps], world_size,
                                       itemsize=dtype.itemsize)
-            total += fetched_bytes(layout, dtype)
+            total += fetched_bytes(layout, dtype, gathered=ZeroStage(zero_stage, world_size).gathers)
     return total
 
 
-def _check_device_budget(config: Config, specs: list[BlockSpec], dtype: torch.dtype, world_size: int) -> None:
-    if config.params == "device" and world_size == 1:
-        return  # every block lives on the device; the placement manager checks the total
-    sizes = {name: block_fetch_bytes(ps, dtype, world_size) for name, _, ps in specs}
+def _check_device_budget(config: Config, specs: list[BlockSpec], dtype: torch.dtype, zero: ZeroStage) -> None:
+    if config.params == "device" and not zero.gathers:
+        return  # every block lives on the device whole; the placement manager checks the total
+    sizes = {name: block_fetch_bytes(ps, dtype, zero.world_size, zero.stage) for name, _, ps in specs}
     root = sizes.pop(ROOT)
     largest_name, largest = max(sizes.items(), key=lambda kv: kv[1], default=("(none)", 0))
     reserve = config.prefetch.reserve if config.prefetch.policy == "bytes" else 0

@@ -1,10 +1,16 @@
-"""Flat parameters and their shards: the layout ZeRO-3 splits across data-parallel ranks.
+"""Flat parameters and their shards: the layout ZeRO splits across data-parallel ranks.
 
 A block's parameters are concatenated, in a fixed order, into one flat 1-D buffer padded to a
 multiple of the world size; rank r owns the contiguous shard [r * n / world, (r + 1) * n / world)
-of it, and the gradient, master weights and optimizer moments share that layout. With world
-size 1 the shard is the whole buffer and the collectives below copy nothing and send nothing,
-so the single-process path is the same code as the distributed one.
+of it, and the gradient, master weights and optimizer moments share that layout (which of them
+a rank keeps whole instead is the ZeRO stage's choice: `ZeroStage`). With world size 1 the shard
+is the whole buffer and the collectives below copy nothing and send nothing, so the
+single-process path is the same code as the distributed one.
+
+Every all-gather, reduce-scatter and all-reduce below adds to a `CommBytes` the bytes of the
+buffer it covers: the gathered output, the reduced input (the unit of the ZeRO paper's traffic
+model, where gathering or reduce-scattering Ψ elements costs Ψ; on a ring each rank sends
+(N - 1) / N of that, and 2 (N - 1) / N for an all-reduce).
 """
 
 from __future__ import annotations
@@ -15,6 +21,58 @@ from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ZeroStage:
+    """Which of a flat tensor's states each rank keeps whole rather than as its shard."""
+
+    stage: int
+    """1, 2 or 3 (Config.zero_stage)."""
+    world_size: int
+
+    @property
+    def params_whole(self) -> bool:
+        """Every rank keeps the full compute-dtype parameters (stages 1 and 2): blocks are
+        fetched without an all-gather, and updated shards are all-gathered after the step."""
+        return self.stage < 3 and self.world_size > 1
+
+    @property
+    def grads_whole(self) -> bool:
+        """Every rank keeps the full gradient, all-reduced (stage 1), instead of its shard."""
+        return self.stage == 1 and self.world_size > 1
+
+    @property
+    def gathers(self) -> bool:
+        """Fetching a block all-gathers it from every rank's shard (stage 3 across ranks)."""
+        return self.stage == 3 and self.world_size > 1
+
+
+@dataclass
+class CommBytes:
+    """Bytes of the buffers this rank's collectives covered (module docstring), by kind."""
+
+    all_gather: int = 0
+    reduce_scatter: int = 0
+    all_reduce: int = 0
+
+    def take(self) -> "CommBytes":
+        """The counts so far; the counters start again from zero."""
+        out = CommBytes(self.all_gather, self.reduce_scatter, self.all_reduce)
+        self.all_gather = self.reduce_scatter = self.all_reduce = 0
+        return out
+
+    @property
+    def total(self) -> int:
+        return self.all_gather + self.reduce_scatter + self.all_reduce
+
+    def as_dict(self) -> dict[str, int]:
+        """For metrics.jsonl and JSON output."""
+        return {"all_gather": self.all_gather, "reduce_scatter": self.reduce_scatter, "all_reduce": self.all_reduce}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 class ParamSlot(NamedTuple):
@@ -115,9 +173,11 @@ def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
     fn(out, inp, op=dist.ReduceOp.SUM, group=group)
 
 
-def start_all_gather(shard: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None) -> Any:
+def start_all_gather(shard: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None,
+                     comm: CommBytes) -> Any:
     """Start gathering every rank's `shard` into `full`; returns the collective's work handle
     (wait() on it before reading `full`). Only called with world size > 1."""
+    comm.all_gather += _nbytes(full)
     return _all_gather(full, shard, group, async_op=True)
 
 
@@ -149,27 +209,43 @@ def rank_errors(rank: int, world_size: int, what: str) -> Iterator[None]:
             "given to torch.distributed.init_process_group)") from e
 
 
-def all_gather_flat(shard: torch.Tensor, layout: FlatLayout, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The full flat buffer from every rank's shard (world 1: the shard itself, no copy)."""
+def all_gather_flat(shard: torch.Tensor, layout: FlatLayout, group: dist.ProcessGroup | None,
+                    comm: CommBytes, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The full flat buffer from every rank's shard, new or in `out` (world 1: the shard
+    itself, no copy)."""
     if layout.world_size == 1:
         return shard
-    full = shard.new_empty(layout.padded_numel)
+    full = shard.new_empty(layout.padded_numel) if out is None else out
+    comm.all_gather += _nbytes(full)
     _all_gather(full, shard, group, async_op=False)
     return full
 
 
-def reduce_scatter_flat(full: torch.Tensor, layout: FlatLayout, group: dist.ProcessGroup | None) -> torch.Tensor:
+def reduce_scatter_flat(full: torch.Tensor, layout: FlatLayout, group: dist.ProcessGroup | None,
+                        comm: CommBytes) -> torch.Tensor:
     """This rank's shard of the mean of every rank's full flat buffer (world 1: `full` itself)."""
     if layout.world_size == 1:
         return full
     shard = full.new_empty(layout.shard_numel)
+    comm.reduce_scatter += _nbytes(full)
     _reduce_scatter(shard, full, group)
     return shard.div_(layout.world_size)
 
 
-def all_reduce_(t: torch.Tensor, group: dist.ProcessGroup | None, world_size: int, *, op: str = "sum") -> torch.Tensor:
+def all_reduce_flat(full: torch.Tensor, layout: FlatLayout, group: dist.ProcessGroup | None,
+                    comm: CommBytes) -> torch.Tensor:
+    """The mean of every rank's full flat buffer, in place (world 1: `full` itself)."""
+    if layout.world_size == 1:
+        return full
+    return all_reduce_(full, group, layout.world_size, comm=comm).div_(layout.world_size)
+
+
+def all_reduce_(t: torch.Tensor, group: dist.ProcessGroup | None, world_size: int, *, op: str = "sum",
+                comm: CommBytes | None = None) -> torch.Tensor:
     """`t` reduced over the ranks in place (sum or max); world 1: unchanged."""
     if world_size > 1:
+        if comm is not None:
+            comm.all_reduce += _nbytes(t)
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
     return t
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tierzero.handles import Kind, TensorHandle
+from tierzero.sharding import CommBytes, ZeroStage
 from tierzero.tiers import Tier
 
 if TYPE_CHECKING:
@@ -63,6 +64,12 @@ class StepContext:
     world_size: int = 1
     group: dist.ProcessGroup | None = None
     """The process group of the data-parallel ranks (None: the default group)."""
+    zero_stage: int = 3
+    """Config.zero_stage: what each rank keeps whole rather than as its shard (`zero`)."""
+    grad_dtype: torch.dtype = torch.float32
+    """The dtype gradients are reduced in and kept in (Config.grad_dtype)."""
+    comm: CommBytes = field(default_factory=CommBytes, init=False)
+    """Bytes of the collectives issued for this model since the last `take()` (runtime.step_comm_bytes)."""
     phase: Phase = field(default=Phase.IDLE, init=False)
     prefetcher: "Prefetcher | None" = field(default=None, init=False)
     gather_counts: GatherCounts = field(default_factory=GatherCounts, init=False)
@@ -77,6 +84,10 @@ class StepContext:
     _end_backward: Callable[[], None] | None = field(default=None, init=False)
     _callback_queued: bool = field(default=False, init=False)
     _grads_final: Callable[["FlatParam"], None] | None = field(default=None, init=False)
+    _iteration_end: Callable[[], None] | None = field(default=None, init=False)
+    clip_norm_type: float | None = field(default=None, init=False)
+    """The norm tz.clip_grad_norm_ last computed: each FlatGrad computes it as its gradient is
+    written in backward, so clipping needs no second read of the gradients."""
 
     def __repr__(self) -> str:
         return (f"StepContext(rank={self.rank}/{self.world_size}, phase={self.phase.value}, "
@@ -85,6 +96,10 @@ class StepContext:
     @property
     def device(self) -> torch.device:
         return self.pm.device
+
+    @property
+    def zero(self) -> ZeroStage:
+        return ZeroStage(self.zero_stage, self.world_size)
 
     # ----------------------------------------------------------------------------- setup
 
@@ -105,6 +120,16 @@ class StepContext:
         """Call `callback` once per backward with each trainable flat tensor whose gradient is
         final (a tiered optimizer under Config.step_in_backward)."""
         self._grads_final = callback
+
+    def clips_with(self, norm_type: float) -> None:
+        """tz.clip_grad_norm_ was called with `norm_type`: backward computes it from now on."""
+        self.clip_norm_type = norm_type
+
+    def on_iteration_end(self, callback: Callable[[], None] | None) -> None:
+        """Call `callback` last at the end of every backward (or inference forward): a tiered
+        optimizer under Config.step_in_backward waits there for the updates it runs meanwhile,
+        so backward() returns with every block updated (and raises an update's error)."""
+        self._iteration_end = callback
 
     @property
     def wants_grads_final(self) -> bool:
@@ -132,6 +157,8 @@ class StepContext:
         self.phase = Phase.IDLE
         if self.prefetcher is not None:
             self.prefetcher.end()
+        if self._iteration_end is not None:
+            self._iteration_end()
 
     # ------------------------------------------------------------------------ held blocks
 

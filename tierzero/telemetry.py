@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from tierzero.handles import TRAFFIC_GROUPS
 from tierzero.tiernames import TIER_NAMES
 
 MAX_EVENTS = 1_000_000
@@ -57,7 +58,14 @@ class StepStats:
     bytes_moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIER_NAMES, 0))
     """Bytes copied toward each tier."""
     nvme_read_bytes: int = 0
-    """Bytes read from NVMe (bytes_moved["nvme"] counts those written)."""
+    """Bytes read from the swap files (every read: fetches, pm.read, checkpoints)."""
+    nvme_write_bytes: int = 0
+    """Bytes written to the swap files."""
+    nvme_busy_s: float = 0.0
+    """Seconds with at least one swap file read or write in flight."""
+    nvme_by_kind: dict[str, dict[str, int]] = field(
+        default_factory=lambda: {g: {"read": 0, "write": 0} for g in TRAFFIC_GROUPS})
+    """NVMe bytes read and written, by what the tensors hold (Kind.traffic)."""
     prefetch_hits: int = 0
     """Acquires that found their copy resident or already in flight."""
     prefetch_misses: int = 0
@@ -84,6 +92,28 @@ class Telemetry:
         self.spans: deque[Span] = deque(maxlen=MAX_EVENTS)
         self.info: dict[str, object] = {}
         """Facts about the run for readers of the trace (units, budgets), its "otherData"."""
+        self._nvme_inflight = 0
+        self._nvme_busy_since = 0.0
+
+    def nvme_started(self) -> None:
+        """A swap file read or write was issued (the NVMe busy clock runs while any is)."""
+        with self._lock:
+            if self._nvme_inflight == 0:
+                self._nvme_busy_since = time.perf_counter()
+            self._nvme_inflight += 1
+
+    def nvme_finished(self, op: str, traffic: str, nbytes: int) -> None:
+        """A swap file read or write (op "read" or "write") of `nbytes` finished or failed."""
+        with self._lock:
+            self._nvme_inflight -= 1
+            if self._nvme_inflight == 0:
+                self._step.nvme_busy_s += time.perf_counter() - self._nvme_busy_since
+            step = self._step
+            if op == "read":
+                step.nvme_read_bytes += nbytes
+            else:
+                step.nvme_write_bytes += nbytes
+            step.nvme_by_kind[traffic][op] += nbytes
 
     def on_bytes(self, tier: str, used: int) -> None:
         """Budget hook: a tier's reserved bytes changed."""
@@ -99,8 +129,6 @@ class Telemetry:
             self.moves.append(MoveEvent(tensor, src, dst, nbytes, start, end))
             self.bytes_moved[dst] += nbytes
             self._step.bytes_moved[dst] += nbytes
-            if src == "nvme":
-                self._step.nvme_read_bytes += nbytes
 
     def record_stall(self, tier: str, seconds: float) -> None:
         tier = str(tier)
@@ -141,6 +169,10 @@ class Telemetry:
         """Return this step's counters and start counting the next step."""
         with self._lock:
             step, self._step = self._step, StepStats()
+            if self._nvme_inflight:  # the busy time so far belongs to the step that ends
+                now = time.perf_counter()
+                step.nvme_busy_s += now - self._nvme_busy_since
+                self._nvme_busy_since = now
         return step
 
     def chrome_trace(self) -> dict:

@@ -7,17 +7,23 @@ tokenizer for `--data`); `--export DIR` writes the trained model as a transforme
 The run folder holds:
 - metrics.jsonl: one JSON object per step ("step", "loss", "lr", "step_s", "tokens_per_s",
   "stall_s", "prefetch_hits", "prefetch_misses", "bytes" {"device", "host", "nvme"} in use at
-  the step's end, "moved_bytes" per destination tier, "nvme_read_bytes");
+  the step's end, "moved_bytes" per destination tier, "nvme_read_bytes", "nvme_write_bytes"
+  and "nvme_busy_s" (time with a swap file read or write in flight), "nvme_bytes" by kind
+  {"params", "grads", "master", "moments", "other"}: {"read", "write"}, "comm_bytes"
+  {"all_gather", "reduce_scatter", "all_reduce"}: the bytes rank 0's collectives covered);
 - trace.json: the Chrome trace of every move (open in https://ui.perfetto.dev);
 - tiers.png: per-tier bytes over time and stall per step;
-- summary.json: "state_bytes" (params + grads + optimizer states), "budgets" and
+- summary.json: "state_bytes" (params + grads + optimizer states), "nvme" (the mean step's NVMe
+  bytes and busy time, the least traffic the placement needs, and with --bench-io FILE or
+  --read-gbps/--write-gbps the floor: those bytes / the drive's rates, and step / floor), "budgets" and
   "peak_bytes" (each {"device", "host", "nvme"}, budgets and peaks per rank, peaks the largest
   over ranks), "peak_bytes_per_rank", "peak_rss", the model and the run's settings.
 
 Under `torchrun --nproc-per-node N` (environment WORLD_SIZE > 1) the ranks form a process group
 (NCCL with CUDA, gloo otherwise; --collective-timeout bounds every collective, so a rank that
-raised or died stops the others with an error instead of a hang) and train with ZeRO-3: --batch
-is the global batch, split evenly over the ranks; rank 0 writes the run folder.
+raised or died stops the others with an error instead of a hang) and train with ZeRO
+(--zero-stage, 3 by default): --batch is the global batch, split evenly over the ranks; rank 0
+writes the run folder.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import os
 import resource
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
@@ -43,12 +49,13 @@ import tierzero as tz
 from io_engine.files import free_disk_bytes
 from io_engine.progress import Progress
 from tierzero import data as tzdata
-from tierzero.cli import add_placement_flags, placement_from_flags
+from tierzero.cli import add_placement_flags, add_zero_flags, placement_from_flags, zero_from_flags
 from tierzero.config import TIER_NAMES, format_size
 from tierzero.estimate import Estimate, estimate
 from tierzero.models import CONFIGS, GPT, build
 from tierzero.placement import PlacementManager
-from tierzero.runtime import close, placement_manager, step_stats
+from tierzero.runtime import close, placement_manager, step_comm_bytes, step_stats
+from tierzero.traffic import DriveRates, add_rate_flags, rates_from_flags, step_traffic
 from tierzero.sharding import RankRuntimeError
 from tierzero.telemetry import plot_run
 
@@ -65,11 +72,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nvme-dir", default=None, help="folder for swap files (on the fastest disk)")
     p.add_argument("--nvme-budget", default="256GiB")
     add_placement_flags(p)
+    add_zero_flags(p)
     p.add_argument("--run-dir", default="runs/train")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps before cosine decay")
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (0 = off)")
+    p.add_argument("--step-in-backward", action="store_true", help="update each block as soon as "
+                   "backward has made its gradient final (gradients never reach NVMe; needs --clip 0)")
+    add_rate_flags(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="text file, or JSONL with a \"text\" field per line, "
                    "to train on (default: the Python standard library's source, read as bytes); "
@@ -96,6 +107,9 @@ def _check_args(args: argparse.Namespace) -> None:
     for name in ("steps", "batch", "seq"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name}: expected an int >= 1, got {getattr(args, name)}")
+    if args.step_in_backward and args.clip > 0:
+        raise ValueError(f"--step-in-backward updates each block during backward, before the gradient norm "
+                         f"is known, so it cannot clip: give --clip 0 with it (got --clip {args.clip})")
     if args.checkpoint_every < 0 or args.keep_last < 1:
         raise ValueError(f"--checkpoint-every: expected an int >= 0 and --keep-last an int >= 1, got "
                          f"{args.checkpoint_every} and {args.keep_last}")
@@ -104,7 +118,8 @@ def _check_args(args: argparse.Namespace) -> None:
 def _config(args: argparse.Namespace) -> tz.Config:
     return tz.Config(device_budget=args.device_budget, host_budget=args.host_budget,
                      nvme_dir=args.nvme_dir, nvme_budget=args.nvme_budget,
-                     collective_timeout_s=args.collective_timeout, **placement_from_flags(args))
+                     collective_timeout_s=args.collective_timeout, step_in_backward=args.step_in_backward,
+                     **placement_from_flags(args), **zero_from_flags(args))
 
 
 def _init_distributed(cfg: tz.Config) -> tuple[int, int]:
@@ -122,27 +137,29 @@ def _init_distributed(cfg: tz.Config) -> tuple[int, int]:
 
 def check_room(model: torch.nn.Module, cfg: tz.Config, world_size: int = 1) -> Estimate:
     """Fail at start, before anything is written, when a tier's budget (per rank) cannot hold a
-    rank's 1/world_size of the state homed there, or when the disk under nvme_dir (shared by the
-    ranks) has less free space than the state placed on NVMe. (A device budget too small for the
-    largest block is wrap's error.)"""
-    est = estimate(model, cfg)
+    rank's part of the state homed there (its ZeRO stage's share), or when the disk under
+    nvme_dir (shared by the ranks) has less free space than the ranks place on NVMe. (A device
+    budget too small for the largest block is wrap's error.)"""
+    est = estimate(model, cfg, world_size)
     flags = {"device": "--device-budget", "host": "--host-budget", "nvme": "--nvme-budget"}
     for tier in TIER_NAMES:
         budget = getattr(cfg, f"{tier}_budget")
-        per_rank = -(-est.home[tier] // world_size)
+        per_rank = est.home[tier]
         if per_rank > budget:
             raise ValueError(
                 f"{flags[tier]} {format_size(budget)} is too small: this model needs "
-                f"{format_size(per_rank)} ({per_rank} bytes) on {tier} per rank ({world_size} ranks) with "
-                f"params={cfg.params}, grads={cfg.grads}, optimizer_states={cfg.optimizer_states}; raise {flags[tier]} "
-                "or move state to a lower tier (--params/--grads/--optimizer-states nvme)")
-    if est.home["nvme"]:
+                f"{format_size(per_rank)} ({per_rank} bytes) on {tier} per rank ({world_size} ranks, ZeRO stage "
+                f"{cfg.zero_stage}) with params={cfg.params}, grads={cfg.grads}, "
+                f"optimizer_states={cfg.optimizer_states}; raise {flags[tier]} or move state to a lower tier "
+                "(--params/--grads/--optimizer-states nvme)" + (" or raise --zero-stage" if cfg.zero_stage < 3 else ""))
+    on_disk = est.home["nvme"] * world_size
+    if on_disk:
         free = free_disk_bytes(cfg.nvme_dir)
-        if est.home["nvme"] > free:
+        if on_disk > free:
             raise OSError(
                 f"--nvme-dir {cfg.nvme_dir}: the disk holding it has {format_size(free)} free but "
-                f"the state placed on NVMe needs {format_size(est.home['nvme'])} "
-                f"({est.home['nvme']} bytes); free space there or pick a larger disk")
+                f"the state the ranks place on NVMe needs {format_size(on_disk)} "
+                f"({on_disk} bytes); free space there or pick a larger disk")
     return est
 
 
@@ -171,6 +188,10 @@ class _Run:
     """The model's PlacementManager."""
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LRScheduler
+    rates: DriveRates | None = None
+    """The drive's rates (--bench-io or --read/--write-gbps), for the NVMe floor."""
+    io_rows: list[dict] = field(default_factory=list)
+    """Per step run: its time and this rank's NVMe bytes and busy time."""
 
     @property
     def ckpt_dir(self) -> Path:
@@ -228,6 +249,7 @@ def _peak_rss() -> int:
 def run(args: argparse.Namespace) -> dict:
     """Train as the flags say and write the run folder (rank 0); the run's summary."""
     _check_args(args)
+    rates = rates_from_flags(args)
     cfg = _config(args)
     rank, world_size = _init_distributed(cfg)
     if args.batch % world_size:  # main() prefixes the rank
@@ -245,7 +267,7 @@ def run(args: argparse.Namespace) -> dict:
     try:
         opt = tz.AdamW(model, lr=args.lr, weight_decay=args.weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(args.warmup, args.steps))
-        r = _Run(args, cfg, rank, world_size, run_dir, sampler, model, placement_manager(model), opt, sched)
+        r = _Run(args, cfg, rank, world_size, run_dir, sampler, model, placement_manager(model), opt, sched, rates)
         start = _resume(r) if args.resume else 0
         started = time.perf_counter()
         last_loss = _train(r, start)
@@ -318,6 +340,7 @@ def _train(r: _Run, start: int) -> float:
             _metrics_file(r, start) as metrics:
         for step in range(start, args.steps):
             row = _step(r, step)
+            r.io_rows.append({k: row[k] for k in ("step_s", "nvme_read_bytes", "nvme_write_bytes", "nvme_busy_s")})
             last_loss = row["loss"]
             if metrics is not None:
                 metrics.write(json.dumps(row) + "\n")
@@ -362,11 +385,13 @@ def _step(r: _Run, step: int) -> dict:
         "prefetch_misses": stats.prefetch_misses,
         "bytes": {t: pm.bytes_used(t) for t in TIER_NAMES},
         "moved_bytes": stats.bytes_moved, "nvme_read_bytes": stats.nvme_read_bytes,
+        "nvme_write_bytes": stats.nvme_write_bytes, "nvme_busy_s": stats.nvme_busy_s,
+        "nvme_bytes": stats.nvme_by_kind, "comm_bytes": step_comm_bytes(r.model).as_dict(),
     }
 
 
 def _progress_text(row: dict) -> str:
-    nvme_gbps = (row["nvme_read_bytes"] + row["moved_bytes"]["nvme"]) / row["step_s"] / 1e9
+    nvme_gbps = (row["nvme_read_bytes"] + row["nvme_write_bytes"]) / row["step_s"] / 1e9
     return (f"loss {row['loss']:.4f} {row['tokens_per_s']:.0f} tok/s "
             f"dev {format_size(row['bytes']['device'])} "
             f"host {format_size(row['bytes']['host'])} "
@@ -387,6 +412,7 @@ def _finish(r: _Run, est: Estimate, n_params: int, last_loss: float, started: fl
         "peak_bytes": {t: max(p[t] for p in peaks) for t in TIER_NAMES},
         "peak_bytes_per_rank": peaks,
         "peak_rss": max(_per_rank(_peak_rss(), world_size)),
+        "nvme": _nvme_summary(r, n_params),
         "config": r.cfg.to_dict(),
     }
     if r.rank == 0:
@@ -398,6 +424,24 @@ def _finish(r: _Run, est: Estimate, n_params: int, last_loss: float, started: fl
             print(f"tierzero train: tiers.png not drawn ({type(e).__name__}: {e}); the run folder's "
                   "metrics.jsonl and trace.json hold the same figures", file=sys.stderr)
     return summary
+
+
+def _nvme_summary(r: _Run, n_params: int) -> dict:
+    """This rank's NVMe traffic per step (the mean over the steps after the first, which also
+    writes the zero moments: all steps when there is one), the least traffic the placement
+    needs (tierzero.traffic), and with the drive's rates the floor and step / floor."""
+    rows = r.io_rows[1:] or r.io_rows
+    mean = {k: sum(row[k] for row in rows) / len(rows) for k in rows[0]} if rows else {}
+    least = step_traffic(n_params, r.cfg, world_size=r.world_size)
+    out: dict = {"steps_measured": len(rows), "step_s": mean.get("step_s"),
+                 "read_bytes": mean.get("nvme_read_bytes"), "write_bytes": mean.get("nvme_write_bytes"),
+                 "busy_s": mean.get("nvme_busy_s"), "least": least.to_json(),
+                 "drive": None if r.rates is None else r.rates.to_json(), "floor_s": None, "step_over_floor": None}
+    if rows and r.rates is not None:
+        floor = r.rates.floor_s(mean["nvme_read_bytes"], mean["nvme_write_bytes"])
+        out["floor_s"] = floor
+        out["step_over_floor"] = mean["step_s"] / floor if floor > 0 else None
+    return out
 
 
 def _global_mean(loss: torch.Tensor, world_size: int) -> float:
