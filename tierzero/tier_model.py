@@ -323,4 +323,4 @@ def simulate(rec: Recording, policy: PrefetchPolicy, model: TierModel, *, worker
     return Prediction(stall + other, sim.now - start, sim.disk_s - disk0, sim.device_copies - copies0)
 
 
-__all__ = ["Recording", "TierModel", "Prediction", "simulate"]
+__all__ = ["TierModel", "Prediction", "simulate", "read_concurrency"]

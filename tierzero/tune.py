@@ -44,8 +44,8 @@ from tierzero.cli import add_placement_flags, placement_from_flags
 from tierzero.config import format_size
 from tierzero.models import CONFIGS, build
 from tierzero.policies import policy_from_config
-from tierzero.runtime import close, placement_manager, step_stats
 from tierzero.recording import Recording
+from tierzero.runtime import close, placement_manager, step_stats
 from tierzero.tier_model import TierModel, simulate
 
 POLICIES = "none,lookahead:1,lookahead:2,lookahead:4,bytes,adaptive"
@@ -116,7 +116,7 @@ def candidates(policies: str, nvme_depths: list[int], io_threads: list[int]) -> 
     return out
 
 
-def _ints(flag: str, minimum: int) -> Callable[[str], list[int]]:
+def _ints(minimum: int) -> Callable[[str], list[int]]:
     def parse(text: str) -> list[int]:
         try:
             values = [int(v) for v in text.split(",")]
@@ -144,8 +144,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="steps before measuring (the first records the trace)")
     p.add_argument("--policies", default=POLICIES, help=f"comma list (default {POLICIES}); bytes:RESERVE "
                    "sets its reserve (default half the device budget)")
-    p.add_argument("--nvme-depths", type=_ints("--nvme-depths", 0), default=[2, 4, 8])
-    p.add_argument("--io-threads", type=_ints("--io-threads", 1), default=[2, 4])
+    p.add_argument("--nvme-depths", type=_ints(0), default=[2, 4, 8])
+    p.add_argument("--io-threads", type=_ints(1), default=[2, 4])
     p.add_argument("--simulate", action="store_true", help="predict only, from the recording: no candidate runs")
     p.add_argument("--trace", default=None, help="replay this run folder's trace.json (or a trace.json) instead "
                    "of recording steps (with --simulate, --model is then not needed)")
