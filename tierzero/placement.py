@@ -357,9 +357,7 @@ class PlacementManager:
         """Write every dirty cached copy home, wait for every move in flight; raise the first
         write-back error since the last flush."""
         with self._cond:
-            for rec, tier in self._table.dirty_copies():
-                if not rec.pins(tier):
-                    self._table.start_writeback(rec, tier, None)
+            self._table.write_back_all_dirty()
         while True:
             with self._cond:
                 futures = [m.future for m in self._table.moves.all()]

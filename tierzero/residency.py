@@ -477,24 +477,31 @@ class ResidencyTable:
         for h in self.room.cached_on(tier):
             if coming >= nbytes:
                 return
-            rec = self._records[h]
-            copy = rec._copies[tier]
-            if copy.dirty and copy.pins == 0 and rec._residency[tier] is Residency.RESIDENT:
-                self.start_writeback(rec, tier, None)
+            if self.write_back_dirty(self._records[h], tier):
                 coming += self.stores[tier].reserved(h.nbytes)
+
+    def write_back_dirty(self, rec: TensorRecord, tier: Tier) -> bool:
+        """Start writing the copy on `tier` home if it is dirty, unpinned and resident; whether
+        it started. (Lazy releases leave dirty copies; room, drop() and flush() take them home.)"""
+        copy = rec._copies.get(tier)
+        if copy is None or not copy.dirty or copy.pins or rec._residency[tier] is not Residency.RESIDENT:
+            return False
+        self.start_writeback(rec, tier, None)
+        return True
+
+    def write_back_all_dirty(self) -> None:
+        """write_back_dirty() every cached copy (flush())."""
+        for rec in self._records.values():
+            for tier in [t for t in rec._copies if t is not rec.home]:
+                self.write_back_dirty(rec, tier)
 
     def settled_clean(self, rec: TensorRecord, tier: Tier) -> bool:
         """No move on the copy and nothing unwritten in it; starts the write-back of an unpinned
         dirty copy (a caller waits for it)."""
+        self.write_back_dirty(rec, tier)
         copy = rec._copies.get(tier)
-        if rec._residency[tier] is Residency.RESIDENT and copy is not None and copy.dirty and copy.pins == 0:
-            self.start_writeback(rec, tier, None)
         return rec._residency[tier] not in (Residency.FETCHING, Residency.WRITING_BACK) and not (
             copy is not None and copy.dirty)
-
-    def dirty_copies(self) -> list[tuple[TensorRecord, Tier]]:
-        return [(rec, tier) for rec in self._records.values() for tier, copy in rec._copies.items()
-                if copy.dirty and rec._residency[tier] is Residency.RESIDENT]
 
     def __repr__(self) -> str:
         return f"ResidencyTable(tensors={len(self._records)}, in_flight={len(self.moves)}, {self.room!r})"
