@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, NamedTuple,
 
 from tierzero.handles import TensorHandle
 from tierzero.policies import (BlockTimes, Fetch, FetchPhase, PrefetchPolicy, PrefetchView, TraceEvent, Unit,
-                               describe, next_use_order, policy_from_config)
+                               describe, fitting, next_use_order, policy_from_config)
 from tierzero.residency import Residency
 from tierzero.tiers import Tier
 
@@ -261,11 +261,11 @@ class Prefetcher:
             chosen = device if tier is Tier.DEVICE else host
             if unit.name not in held and unit not in chosen:
                 chosen.append(unit)
-        device = _fitting(device, self.device_room())
+        device = fitting(device, self.device_room())
         self.fetch_ahead(device)
         # A read of a unit the device copy above reads itself would read it twice.
         host = [u for u in host if u.nvme and (u not in device or Tier.HOST in self._where(u.name))]
-        for unit in _fitting(host, self._room(Tier.HOST)) if host else ():
+        for unit in fitting(host, self._room(Tier.HOST)) if host else ():
             prefetch_unit(self.pm, unit, Tier.HOST)
 
     def _check(self, f: Any) -> tuple[Unit, Tier]:
@@ -328,13 +328,3 @@ class Prefetcher:
         return (f"Prefetcher(policy={self.policy}, units={len(self.units)}, traces={len(self._traces)}, "
                 f"deviations={self.deviations})")
 
-
-def _fitting(units: list[Unit], room: int) -> list[Unit]:
-    """The units in order while their bytes together fit `room`."""
-    out = []
-    for unit in units:
-        if unit.nbytes > room:
-            break
-        out.append(unit)
-        room -= unit.nbytes
-    return out

@@ -35,7 +35,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple, Sequence
 
-from tierzero.policies import BlockTimes, PrefetchPolicy, PrefetchView, Unit, next_use_order
+from tierzero.policies import BlockTimes, PrefetchPolicy, PrefetchView, Unit, fitting, next_use_order
 from tierzero.recording import Background, Recording
 from tierzero.tiernames import Tier
 
@@ -260,16 +260,10 @@ class _Sim:
             chosen = device if tier is Tier.DEVICE else host
             if unit.name not in self.held and unit not in chosen:
                 chosen.append(unit)
-        room = self.room(Tier.DEVICE)
-        fitting = []
-        for u in device:
-            if u.nbytes > room:
-                break
-            fitting.append(u)
-            room -= u.nbytes
-        for u in fitting:
+        fitting_units = fitting(device, self.room(Tier.DEVICE))
+        for u in fitting_units:
             self.fetch(u.name, Tier.DEVICE)
-        host = [u for u in host if u.nvme and (u not in fitting or Tier.HOST in self.where(u.name))]
+        host = [u for u in host if u.nvme and (u not in fitting_units or Tier.HOST in self.where(u.name))]
         room = self.room(Tier.HOST)  # free bytes and the units' host copies, as the prefetcher counts
         for u in host:
             if u.nbytes > room:
