@@ -29,6 +29,7 @@ import tierzero as tz
 from tierzero import runtime
 from pairs import clipped_step
 from tierzero.flat_param import FlatParam
+from tierzero.handles import Kind
 from tierzero.weights import WeightPlan, WeightSource
 
 STEPS = 10
@@ -179,6 +180,48 @@ def test_bf16_checkpoint_gives_the_bits_of_to_bfloat16(tmp_path, wrapped):
     sd = other.state_dict()
     for k, v in as_bf16.items():
         assert sd[k].dtype == torch.bfloat16 and torch.equal(sd[k].view(torch.int16), v.view(torch.int16)), k
+
+
+def _masters(model: nn.Module) -> dict[str, torch.Tensor]:
+    state = runtime.state_of(model)
+    return {f.name: state.pm.read(f.ensure_master()) for f in state.flat_params(trainable=True)}
+
+
+def test_bf16_load_writes_master_weights_only_when_the_optimizer_needs_them(tmp_path, wrapped):
+    """A bf16 model loaded for bf16 compute: wrap writes the parameters to the swap files and no
+    fp32 master weights; those the optimizer makes are bit for bit the ones an fp32 model of the
+    same checkpoint registers at wrap, a checkpoint saved before them holds the same values, and
+    training follows the same model wrapped from memory (master weights registered at wrap) bit
+    for bit."""
+    hf = _hf()
+    folder = save(build("LlamaForCausalLM", llama(False)).to(torch.bfloat16), tmp_path / "hf")
+    bf16 = cfg(tmp_path / "lazy", compute_dtype="bfloat16")
+    model = tz.from_pretrained(folder, bf16, dtype=torch.bfloat16)
+    state = runtime.state_of(model)
+    handles = state.pm.handles
+    assert {h.kind for h in handles} == {Kind.PARAM, Kind.GRAD}
+    params = sum(h.nbytes for h in handles if h.kind is Kind.PARAM)
+    assert state.pm.telemetry.reset_step().bytes_moved["nvme"] == params
+    eager = wrapped(build("LlamaForCausalLM", llama(False), meta=True),
+                    cfg(tmp_path / "eager", compute_dtype="bfloat16"), weights=folder)
+    assert any(h.kind is Kind.MASTER for h in runtime.state_of(eager).pm.handles)  # fp32 parameters
+    ckpt = tz.save_checkpoint(tmp_path / "ckpt", model)  # before any master weights exist
+    ref = wrapped(hf.LlamaForCausalLM.from_pretrained(folder, dtype=torch.bfloat16),
+                  cfg(tmp_path / "ref", compute_dtype="bfloat16"))
+    opts = [tz.AdamW(m, lr=3e-3, weight_decay=0.1) for m in (model, ref)]
+    want = _masters(eager)
+    for m in (model, ref):
+        got = _masters(m)
+        assert all(torch.equal(got[k].view(torch.int32), want[k].view(torch.int32)) for k in want)
+    for x in batches(211, 3):
+        losses = [clipped_step(m, opt, m(x, labels=x).loss, 1.0, 1) for m, opt in zip((model, ref), opts)]
+        assert losses[0] == losses[1]
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32))
+               for a, b in zip(_masters(model).values(), _masters(ref).values()))
+    tz.load_checkpoint(ckpt, ref)  # the values before training, master weights included
+    got = _masters(ref)
+    assert all(torch.equal(got[k].view(torch.int32), want[k].view(torch.int32)) for k in want)
+    runtime.close(model)
 
 
 # ------------------------------------------------------------------------------- key names
@@ -550,3 +593,44 @@ def test_zero3_ranks_read_their_rows_and_train_like_one_process(tmp_path):
         assert res["read_bytes"] < 0.6 * total, (r, res["read_bytes"], total)
         torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=0,
                                    msg=lambda m: f"rank {r}: per-step losses: {m}")
+
+
+def _lazy_masters(rank: int, world_size: int, folder: str, out: str, init_file: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        hf = _hf()
+        rows = slice(rank * ZERO_BATCH // world_size, (rank + 1) * ZERO_BATCH // world_size)
+        for stage in (1, 2, 3):
+            def config(name: str) -> tz.Config:
+                return cfg(Path(out) / f"{name}{stage}-r{rank}", compute_dtype="bfloat16", zero_stage=stage)
+
+            lazy = tz.from_pretrained(folder, config("lazy"), dtype=torch.bfloat16)
+            assert not any(h.kind is Kind.MASTER for h in runtime.state_of(lazy).pm.handles)
+            eager = tz.wrap(build("LlamaForCausalLM", llama(False), meta=True), config("eager"), weights=folder)
+            ref = tz.wrap(hf.LlamaForCausalLM.from_pretrained(folder, dtype=torch.bfloat16), config("ref"))
+            opts = [tz.AdamW(m, lr=3e-3, weight_decay=0.1) for m in (lazy, ref)]
+            want = _masters(eager)
+            for m in (lazy, ref):
+                got = _masters(m)
+                assert all(torch.equal(got[k].view(torch.int32), want[k].view(torch.int32)) for k in want), stage
+            for x in batches(211, 2, rows=ZERO_BATCH):
+                losses = [clipped_step(m, opt, m(x[rows], labels=x[rows]).loss, 1.0, world_size)
+                          for m, opt in zip((lazy, ref), opts)]
+                assert losses[0] == losses[1], (stage, losses)
+            assert all(torch.equal(a.view(torch.int32), b.view(torch.int32))
+                       for a, b in zip(_masters(lazy).values(), _masters(ref).values())), stage
+            for m in (lazy, eager, ref):
+                runtime.close(m)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bf16_load_makes_master_shards_later_at_every_zero_stage(tmp_path):
+    """Two gloo ranks, ZeRO stages 1, 2 and 3: the master weights (each rank's shard, cut from
+    the whole parameters at stages 1 and 2) made after a bf16 load are the ones an fp32 model
+    registers at wrap, and training follows the model wrapped from memory bit for bit."""
+    _hf()
+    folder = save(build("LlamaForCausalLM", llama(False)).to(torch.bfloat16), tmp_path / "hf")
+    mp.start_processes(_lazy_masters, args=(2, str(folder), str(tmp_path), str(tmp_path / "init")),
+                       nprocs=2, start_method="spawn")

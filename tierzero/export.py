@@ -169,7 +169,8 @@ def _load_folder(state: runtime.TieredState, path: Path) -> None:
     with plan.source:
         for flat in state.flat_params():
             with torch.profiler.record_function(f"tierzero::load_weights {flat.name}"):
-                flat.store_values(plan.read_shard(flat.layout, state.ctx.rank, flat.orig_dtypes))
+                flat.store_values(plan.read_shard(flat.layout, state.ctx.rank, flat.orig_dtypes,
+                                                  flat.load_dtype))
         load_buffers(state.model, plan, state.pm.device)
 
 

@@ -4,9 +4,17 @@ A block's trainable parameters (or its frozen ones) are packed into one flat ten
 shard for this rank (the whole tensor at world size 1) lives in the placement manager
 (`param`, Kind.PARAM or Kind.FROZEN, in the compute dtype). A trainable one also has its
 gradient (`grad`, a FlatGrad) and, when the optimizer needs them, fp32 master weights
-(`master`): registered at wrap from the full-precision values when the compute dtype is
-narrower than fp32; with fp32 compute the parameters themselves are the master weights when
-they live on the optimizer states' tier (`master is param`: one copy, no separate write).
+(`master`). They are registered at wrap only when the values given are wider than the
+parameters (fp32 values, a narrower compute dtype): the parameters alone would lose bits.
+Otherwise (fp32 compute; or values already in the compute dtype, such as a bf16 model's
+weights loaded for bf16 compute) the parameters hold the values exactly, and `ensure_master`
+makes the master weights when the optimizer asks for them: the parameters themselves when
+they are fp32 and live on the optimizer states' tier (`master is param`: one copy, no
+separate write), else their values upcast to fp32, bit for bit what registering them at wrap
+would have written. A load saves that write (two thirds of a bf16 model's swap writes); every
+reader of the values before then (state dicts, checkpoints, export) reads the parameters.
+This holds at every ZeRO stage: the master weights are this rank's shard, cut from the
+parameters' whole flat tensor at stages 1 and 2.
 
 At ZeRO stages 1 and 2 (`ZeroStage.params_whole`) `param` holds the whole flat tensor on every
 rank instead of the shard, while the master weights stay this rank's shard (so they are never
@@ -125,8 +133,8 @@ class FlatParam:
         self._register(flat[self.shard], flat if ctx.zero.params_whole else None)
 
     def register_shard(self, shard: torch.Tensor) -> None:
-        """As `register`, from this rank's shard itself (fp32, `layout.shard_numel` elements, e.g.
-        read from a checkpoint by every rank): no communication, except at stages 1 and 2, where
+        """As `register`, from this rank's shard itself (`layout.shard_numel` elements in
+        `load_dtype`, e.g. read from a checkpoint by every rank): no communication, except at stages 1 and 2, where
         the shards are all-gathered into every rank's whole parameters."""
         ctx = self.ctx
         whole = None
@@ -136,21 +144,37 @@ class FlatParam:
 
     def _register(self, shard: torch.Tensor, whole: torch.Tensor | None) -> None:
         """Register the parameters (`whole` when every rank keeps them whole, else `shard`), and
-        the gradient and master weights of a trainable flat tensor."""
+        the gradient of a trainable flat tensor, with its master weights when the parameters
+        cannot hold `shard`'s values exactly (see the module docstring)."""
         ctx = self.ctx
-        assert shard.dtype == torch.float32 and shard.numel() == self.layout.shard_numel, (self.name, shard.shape)
+        assert shard.numel() == self.layout.shard_numel, (self.name, shard.shape)
         kind = Kind.PARAM if self.trainable else Kind.FROZEN
         self._param = ctx.register(self.name, shard if whole is None else whole, self.home, kind=kind,
                                    dtype=ctx.compute_dtype)
         if self.trainable:
             self.grad = FlatGrad(self.name, self.layout, ctx)
-            if ctx.compute_dtype != torch.float32:
-                self.master = ctx.register(self.name, shard, ctx.master_tier, kind=Kind.MASTER)
+            if not self._params_hold(shard.dtype):
+                self.master = ctx.register(self.name, shard.float(), ctx.master_tier, kind=Kind.MASTER)
         self.uninstall()
+
+    @property
+    def load_dtype(self) -> torch.dtype:
+        """The dtype to give this flat tensor's values in (register_shard, store_values): the
+        compute dtype when every parameter has it (the values are then exactly the parameters:
+        no master weights are written until the optimizer needs them), else fp32."""
+        dtype = self.ctx.compute_dtype
+        return dtype if all(d == dtype for d in self.orig_dtypes) else torch.float32
+
+    def _params_hold(self, dtype: torch.dtype) -> bool:
+        """Whether the parameters (compute dtype) hold values of `dtype` exactly, so that master
+        weights made from them later are bit for bit those values: fp32 parameters hold the
+        floating dtypes values come in (fp32, bf16, fp16), narrower ones only their own."""
+        return dtype == self.ctx.compute_dtype or self.ctx.compute_dtype == torch.float32
 
     def ensure_master(self) -> TensorHandle:
         """fp32 master weights for the optimizer: the parameters themselves when they are fp32
-        and live on the optimizer states' tier, else a copy made on that tier."""
+        and live on the optimizer states' tier, else their values upcast, registered on that
+        tier (exactly the values: the parameters hold them whenever `master` is None)."""
         if self.master is None:
             ctx = self.ctx
             if ctx.compute_dtype == torch.float32 and self.home is ctx.master_tier and not ctx.zero.params_whole:
@@ -222,12 +246,14 @@ class FlatParam:
 
     def write_full(self, values: list[torch.Tensor]) -> None:
         """Overwrite the values with this rank's part of `values` (full tensors)."""
-        self.store_values(self.layout.flatten(values, dtype=torch.float32, device="cpu")[self.shard])
+        self.store_values(self.layout.flatten(values, dtype=self.load_dtype, device="cpu")[self.shard])
 
     def store_values(self, shard: torch.Tensor) -> None:
-        """New values of this rank's shard: the master weights (fp32) and the parameters
-        (compute dtype)."""
-        if self.master is not None and self.master is not self.param:
+        """New values of this rank's shard: the master weights (fp32; registered now when the
+        parameters cannot hold these values exactly) and the parameters (compute dtype)."""
+        if self.master is None and self.trainable and not self._params_hold(shard.dtype):
+            self.master = self.ctx.register(self.name, shard.float(), self.ctx.master_tier, kind=Kind.MASTER)
+        elif self.master is not None and self.master is not self.param:
             self.ctx.pm.store(self.master, shard.float())
         self._store_param(shard)
 

@@ -361,7 +361,7 @@ def _build_block(name: str, modules: list[nn.Module], params: list[tuple[str, nn
             flat.register([p.detach() for _, p in ps])
         else:
             with torch.profiler.record_function(f"tierzero::load_weights {name}"):
-                shard = plan.read_shard(layout, ctx.rank, dtypes)
+                shard = plan.read_shard(layout, ctx.rank, dtypes, flat.load_dtype)
             _unmeta([p for _, p in ps])
             flat.register_shard(shard)
         flats.append(flat)

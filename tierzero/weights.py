@@ -19,8 +19,10 @@ Phases of `tz.wrap(model, config, weights=PATH)` (and of `tz.load_weights(model,
    persistent buffers are read from the checkpoint.
 4. blocks (`WeightPlan.read_shard`): for each flat tensor of each block, the rows of each
    tensor that this rank's shard needs are read (`get_slice(key)[lo:hi]`), cast to the
-   parameter's dtype (what `model.to(dtype)` holds), then to fp32 into one shard buffer that the
-   block registers and drops. The library reads zero-copy from a memory map whose touched pages
+   parameter's dtype (what `model.to(dtype)` holds), then into one shard buffer that the block
+   registers and drops: in the compute dtype when every parameter has it, else fp32
+   (`FlatParam.load_dtype`: fp32 master weights are written at load only when the parameters
+   cannot hold the values). The library reads zero-copy from a memory map whose touched pages
    stay resident while the file is mapped, so the files are unmapped after each block: host
    memory holds one block's shard and the checkpoint pages of its rows, never the model. Every
    rank reads the same files, so nothing is broadcast.
@@ -206,11 +208,12 @@ class WeightPlan:
     """Persistent buffers absent from the checkpoint that the class allows to be missing
     (`_keys_to_ignore_on_load_missing`): computed like non-persistent ones."""
 
-    def read_shard(self, layout: FlatLayout, rank: int, dtypes: list[torch.dtype]) -> torch.Tensor:
+    def read_shard(self, layout: FlatLayout, rank: int, dtypes: list[torch.dtype],
+                   out_dtype: torch.dtype) -> torch.Tensor:
         """This rank's shard of a flat tensor of `layout` (the parameters' values cast to their
-        `dtypes`, then fp32; padding zero), reading only the rows each slot's part needs."""
+        `dtypes`, then to `out_dtype`; padding zero), reading only the rows each slot's part needs."""
         lo, hi = layout.shard_range(rank)
-        out = torch.zeros(hi - lo, dtype=torch.float32)
+        out = torch.zeros(hi - lo, dtype=out_dtype)
         for slot, dtype in zip(layout.slots, dtypes, strict=True):
             a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
             if a < b:
