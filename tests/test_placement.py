@@ -186,6 +186,39 @@ def test_dirty_release_invalidates_other_copies_and_store_updates_all(tmp_path):
             pm.store(x, torch.zeros(3))
 
 
+def test_lazy_register_keeps_a_dirty_host_copy_until_room_or_flush(tmp_path, monkeypatch):
+    """register(lazy=True) of an NVMe home writes nothing: the host copy it leaves is dirty, read
+    and fetched from there, written home when the host room is needed or by flush(), never by
+    settle(); an error of that write is raised by flush."""
+    a_data, b_data = torch.randn(5000), torch.arange(6000, dtype=torch.int32)  # 20 KB + 24 KB
+    with make(tmp_path) as pm:
+        a = pm.register("a", a_data, "nvme", lazy=True)
+        b = pm.register("b", b_data, "nvme", lazy=True)
+        pm.settle()
+        assert pm.telemetry.reset_step().bytes_moved["nvme"] == 0
+        assert pm.record(a).residency[Tier.HOST] is Residency.RESIDENT
+        assert same(pm.read(a), a_data) and same(pm.acquire(a, "device"), a_data)
+        pm.release(a, "device")
+        assert pm.telemetry.moves[-1].src == "host"  # fetched from the dirty copy, nothing read
+        c = pm.register("c", torch.randn(6000), "nvme")  # its 24 KB of staging: the 64 KiB host room is short
+        pm.settle()
+        written = pm.telemetry.reset_step().bytes_moved["nvme"]
+        assert written >= a.nbytes  # the shortfall wrote dirty copies home
+        pm.flush()
+        assert written + pm.telemetry.reset_step().bytes_moved["nvme"] == a.nbytes + b.nbytes + c.nbytes
+        pm.drop(b, "host")
+        assert same(pm.read(b), b_data) and same(pm.read(a), a_data)  # from the swap file now
+        pm.register("d", torch.randn(100), "nvme", lazy=True)
+
+        def broken(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(nvme, "write_extent", broken)
+        pm.settle()  # nothing written, nothing failed
+        with pytest.raises(OSError, match="No space left"):
+            pm.flush()
+
+
 def test_checksum_mismatch_surfaces_in_acquire(tmp_path):
     with make(tmp_path) as pm:
         m = pm.register("layers.1", torch.randn(3000), "nvme", kind=Kind.EXP_AVG)

@@ -130,19 +130,21 @@ class FlatParam:
         flat = self.layout.flatten(values, dtype=torch.float32, device="cpu")
         with rank_errors(ctx.rank, ctx.world_size, f"broadcast of {self.name}.{kind.value} at wrap"):
             broadcast_from_first_(flat, ctx.group, ctx.world_size)
-        self._register(flat[self.shard], flat if ctx.zero.params_whole else None)
+        self._register(flat[self.shard], flat if ctx.zero.params_whole else None, lazy=False)
 
     def register_shard(self, shard: torch.Tensor) -> None:
         """As `register`, from this rank's shard itself (`layout.shard_numel` elements in
         `load_dtype`, e.g. read from a checkpoint by every rank): no communication, except at stages 1 and 2, where
-        the shards are all-gathered into every rank's whole parameters."""
+        the shards are all-gathered into every rank's whole parameters. NVMe homes are written
+        lazily (PlacementManager.register): the blocks of a load that fit the host budget stay
+        there, unwritten until their room is needed."""
         ctx = self.ctx
         whole = None
         if ctx.zero.params_whole:
             whole = self._gather(shard.to(ctx.device, ctx.compute_dtype), "at wrap")
-        self._register(shard, whole)
+        self._register(shard, whole, lazy=True)
 
-    def _register(self, shard: torch.Tensor, whole: torch.Tensor | None) -> None:
+    def _register(self, shard: torch.Tensor, whole: torch.Tensor | None, *, lazy: bool) -> None:
         """Register the parameters (`whole` when every rank keeps them whole, else `shard`), and
         the gradient of a trainable flat tensor, with its master weights when the parameters
         cannot hold `shard`'s values exactly (see the module docstring)."""
@@ -150,11 +152,11 @@ class FlatParam:
         assert shard.numel() == self.layout.shard_numel, (self.name, shard.shape)
         kind = Kind.PARAM if self.trainable else Kind.FROZEN
         self._param = ctx.register(self.name, shard if whole is None else whole, self.home, kind=kind,
-                                   dtype=ctx.compute_dtype)
+                                   dtype=ctx.compute_dtype, lazy=lazy)
         if self.trainable:
             self.grad = FlatGrad(self.name, self.layout, ctx)
             if not self._params_hold(shard.dtype):
-                self.master = ctx.register(self.name, shard.float(), ctx.master_tier, kind=Kind.MASTER)
+                self.master = ctx.register(self.name, shard.float(), ctx.master_tier, kind=Kind.MASTER, lazy=lazy)
         self.uninstall()
 
     @property

@@ -97,7 +97,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                     self._states[flat][kind] = ctx.register(flat.name, torch.zeros(flat.layout.shard_numel),
                                                             ctx.master_tier, kind=kind)
                 self._steps[flat] = 0
-            ctx.pm.flush()  # the zero moments' NVMe writes landed (a disk error fails here)
+            ctx.pm.settle()  # the zero moments' NVMe writes landed (a disk error fails here)
         except BaseException:  # nothing half-registered stays behind: a retry starts clean
             self._give_back_states()
             raise

@@ -122,13 +122,16 @@ class PlacementManager:
     # ----------------------------------------------------------------------------- public API
 
     def register(self, owner: str, data: torch.Tensor, home: Tier | str, *, kind: Kind = Kind.TENSOR,
-                 dtype: torch.dtype | None = None) -> TensorHandle:
+                 dtype: torch.dtype | None = None, lazy: bool = False) -> TensorHandle:
         """Copy `data` (cast to `dtype`) to its home tier, where its bytes stay reserved; the
         handle names the tensor in every other call. An NVMe home is written asynchronously from
         a host staging copy (later reads wait for it; `flush()` raises its error), so a caller
-        registering many tensors reads the next while this one is written. `data` on the meta
-        device reserves the room without writing anything: the contents are undefined until the
-        first store or dirty release (a gradient before its first backward)."""
+        registering many tensors reads the next while this one is written. lazy=True keeps that
+        host copy instead, dirty, as a lazy release leaves one: written home only when its room
+        is needed or by flush(), so what fits the host budget is not written yet (a load's last
+        blocks). `data` on the meta device reserves the room without writing anything: the
+        contents are undefined until the first store or dirty release (a gradient before its
+        first backward)."""
         h = TensorHandle(owner, kind, torch.Size(data.shape), dtype or data.dtype,
                          Tier.parse(home, what=f"register({owner!r}) home"))
         with self._cond:
@@ -145,7 +148,7 @@ class PlacementManager:
                 self._room.check_fits(h.name, nbytes, tier, why="NVMe-homed tensors are staged through host memory")
             needs = [(h.home, h.nbytes)] + staging
             buf, *staged = self._wait_until(lambda: self._room.take(needs, h), h.name, f"register({h.name!r})")
-            self._table.to_home(h, data, buf, flat(staged[0]) if staged else None)
+            self._table.to_home(h, data, buf, staged[0] if staged else None, lazy=lazy)
             return h
 
     def unregister(self, h: TensorHandle) -> None:
@@ -358,6 +361,11 @@ class PlacementManager:
         write-back error since the last flush."""
         with self._cond:
             self._table.write_back_all_dirty()
+        self.settle()
+
+    def settle(self) -> None:
+        """Wait for every move in flight (dirty cached copies stay dirty); raise the first
+        write-back error since the last flush or settle."""
         while True:
             with self._cond:
                 futures = [m.future for m in self._table.moves.all()]

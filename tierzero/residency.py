@@ -5,6 +5,7 @@ residency of each tier. `ResidencyTable` holds every record and the transition m
 only code that changes residency, each as its last step:
 
     to_home            (unregistered) -> HOME       register: the data written to its home
+                                                    (or kept dirty on HOST: RESIDENT)
     start_fetch        ABSENT -> FETCHING           a copy toward a tier, submitted to a worker
     _finish_fetch      FETCHING -> RESIDENT         committed (-> ABSENT: failed or went stale)
     start_writeback    RESIDENT -> WRITING_BACK     a dirty release, submitted to a worker
@@ -287,10 +288,14 @@ class ResidencyTable:
     # ---------------------------------------------------------------------- transition methods
     # Each ends by writing the residency it moves to; only these write rec._residency.
 
-    def to_home(self, h: TensorHandle, data: torch.Tensor, buf: Buffer, staging: torch.Tensor | None) -> TensorRecord:
+    def to_home(self, h: TensorHandle, data: torch.Tensor, buf: Buffer, staging: Buffer | None, *,
+                lazy: bool = False) -> TensorRecord:
         """(unregistered) -> HOME: write `data` into the reserved home `buf` (an NVMe home through
-        `staging`, by a worker: its error goes to flush()); nothing for a meta `data`."""
+        the host `staging` buffer, by a worker: its error goes to flush(); with `lazy` the staging
+        buffer stays as a dirty cached host copy, HOST -> RESIDENT, and nothing is written yet);
+        nothing for a meta `data`."""
         rec = TensorRecord(h, self.moves)
+        staging = None if staging is None else flat(staging)
         home = Copy(buf, self.stores[h.home].view(buf, h))
         try:
             if data.is_meta:
@@ -309,8 +314,12 @@ class ResidencyTable:
         self.room.add_home(h)
         self._records[h] = rec
         self._names[h.name] = h
-        if staging is not None:  # the NVMe write runs on a worker, as a store's does
-            self._submit(StorePlan(h, home, flat(staging)), Tier.HOST, Tier.NVME, run_store, self._finish_store,
+        if staging is not None and lazy:
+            rec._copies[Tier.HOST] = Copy(staging, self.stores[Tier.HOST].view(staging, h), used=True, dirty=True)
+            self.room.cached(h, Tier.HOST)
+            rec._residency[Tier.HOST] = Residency.RESIDENT
+        elif staging is not None:  # the NVMe write runs on a worker, as a store's does
+            self._submit(StorePlan(h, home, staging), Tier.HOST, Tier.NVME, run_store, self._finish_store,
                          key=Tier.NVME)
         rec._residency[h.home] = Residency.HOME
         return rec

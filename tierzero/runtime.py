@@ -229,7 +229,9 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
                       for name, modules, params in specs]
             if plan is not None:
                 load_buffers(model, plan, pm.device)
-            pm.flush()  # the registers' NVMe writes landed: a disk error fails wrap, here
+            # the registers' NVMe writes landed: a disk error fails wrap, here (a load's blocks
+            # kept dirty in host room are written when their room is needed, errors at a flush)
+            pm.settle()
         except BaseException:
             pm.close()
             raise

@@ -104,9 +104,9 @@ class StepContext:
     # ----------------------------------------------------------------------------- setup
 
     def register(self, owner: str, data: torch.Tensor, home: Tier, *, kind: Kind,
-                 dtype: torch.dtype | None = None) -> TensorHandle:
+                 dtype: torch.dtype | None = None, lazy: bool = False) -> TensorHandle:
         """Register a tensor in the placement manager (the one place the runtime does)."""
-        handle = self.pm.register(owner, data, home, kind=kind, dtype=dtype)
+        handle = self.pm.register(owner, data, home, kind=kind, dtype=dtype, lazy=lazy)
         if home is Tier.DEVICE:
             self._device_home_bytes += handle.nbytes
         return handle
