@@ -134,10 +134,10 @@ class FlatParam:
 
     def register_shard(self, shard: torch.Tensor) -> None:
         """As `register`, from this rank's shard itself (`layout.shard_numel` elements in
-        `load_dtype`, e.g. read from a checkpoint by every rank): no communication, except at stages 1 and 2, where
-        the shards are all-gathered into every rank's whole parameters. NVMe homes are written
-        lazily (PlacementManager.register): the blocks of a load that fit the host budget stay
-        there, unwritten until their room is needed."""
+        `load_dtype`, e.g. read from a checkpoint by every rank): no communication, except at
+        stages 1 and 2, where the shards are all-gathered into every rank's whole parameters.
+        NVMe homes are written lazily (PlacementManager.register): the blocks of a load that fit
+        the host budget stay there, unwritten until their room is needed."""
         ctx = self.ctx
         whole = None
         if ctx.zero.params_whole:

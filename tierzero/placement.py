@@ -5,7 +5,8 @@ Each tensor, named by the `TensorHandle` register() returns, has a home tier tha
 its whole life (bytes reserved there from register to unregister) and, on the other tiers, at
 most one cached copy whose state is a `Residency`. The data flow of one tensor:
 
-    register    copy the data to its home tier, synchronously
+    register    copy the data to its home tier, synchronously (lazy: an NVMe home's staging
+                copy stays as a dirty host copy, written like a lazy release's)
     prefetch    start a copy toward a tier, best effort: reserve room there (evicting unpinned
                 cached copies by the eviction policy), then a worker thread runs the copy
     acquire     wait for that copy, or start it and wait; pin it; order compute after its event
