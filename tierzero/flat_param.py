@@ -161,11 +161,9 @@ class FlatParam:
 
     @property
     def load_dtype(self) -> torch.dtype:
-        """The dtype to give this flat tensor's values in (register_shard, store_values): the
-        compute dtype when every parameter has it (the values are then exactly the parameters:
-        no master weights are written until the optimizer needs them), else fp32."""
-        dtype = self.ctx.compute_dtype
-        return dtype if all(d == dtype for d in self.orig_dtypes) else torch.float32
+        """The dtype to give this flat tensor's values in (register_shard, store_values; see
+        `load_dtype`)."""
+        return load_dtype(self.orig_dtypes, self.ctx.compute_dtype)
 
     def _params_hold(self, dtype: torch.dtype) -> bool:
         """Whether the parameters (compute dtype) hold values of `dtype` exactly, so that master
@@ -299,6 +297,13 @@ class FlatParam:
     def __repr__(self) -> str:
         kind = "param" if self.trainable else "frozen"
         return f"FlatParam({self.name!r}, {kind}, {self.layout}, {self._state.value})"
+
+
+def load_dtype(orig_dtypes: list[torch.dtype], compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a flat tensor's values are given in: the compute dtype when every parameter
+    has it (the values are then exactly the parameters: no master weights are written until the
+    optimizer needs them), else fp32."""
+    return compute_dtype if all(d == compute_dtype for d in orig_dtypes) else torch.float32
 
 
 def fetched_bytes(layout: FlatLayout, dtype: torch.dtype, *, gathered: bool) -> int:

@@ -49,7 +49,7 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -57,7 +57,7 @@ from torch import nn
 from tierzero.blocks import Block, SavedParamViews, output_tensors
 from tierzero.config import Config, format_size
 from tierzero.fetch_group import discard_gathers, gather_ahead
-from tierzero.flat_param import FlatParam, fetched_bytes
+from tierzero.flat_param import FlatParam, fetched_bytes, load_dtype
 from tierzero.grouping import ROOT, BlockSpec, assign_params, block_specs, group_modules, unique_params
 from tierzero.optimizer_guard import refuse_other_optimizers
 from tierzero.placement import PlacementManager
@@ -66,7 +66,7 @@ from tierzero.sharding import CommBytes, FlatLayout, ZeroStage, broadcast_from_f
 from tierzero.step_context import Phase, StepContext
 from tierzero.telemetry import StepStats
 from tierzero.tiers import Tier
-from tierzero.weights import WeightPlan, check_buffers, init_buffers, load_buffers, open_weights
+from tierzero.weights import ShardRequest, check_buffers, init_buffers, load_buffers, open_weights
 
 _STATES: "weakref.WeakKeyDictionary[nn.Module, TieredState]" = weakref.WeakKeyDictionary()
 """Side table: wrapped root module -> its state."""
@@ -223,10 +223,17 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
                               zero_stage=config.zero_stage, grad_dtype=getattr(torch, config.grad_dtype))
             specs = block_specs(model, groups, owner)
             _check_device_budget(config, specs, ctx.compute_dtype, ctx.zero)
+            layouts = [(name, modules, flat_groups(params, world_size, compute_dtype))
+                       for name, modules, params in specs]
+            shards = None
             if plan is not None:
                 init_buffers(model, plan)  # while the parameters are still as built
-            blocks = [_build_block(name, modules, params, ctx, Tier(config.params), world_size, plan)
-                      for name, modules, params in specs]
+                wanted = [ShardRequest(layout, ds, load_dtype(ds, compute_dtype))
+                          for _, _, flats in layouts for ps, layout in flats for ds in [[p.dtype for _, p in ps]]]
+                # closed before the files (the exit stack unwinds in reverse): no read left in flight
+                shards = files.enter_context(contextlib.closing(plan.read_shards(wanted, rank)))
+            blocks = [_build_block(name, modules, flats, ctx, Tier(config.params), shards)
+                      for name, modules, flats in layouts]
             if plan is not None:
                 load_buffers(model, plan, pm.device)
             # the registers' NVMe writes landed: a disk error fails wrap, here (a load's blocks
@@ -316,14 +323,22 @@ def block_fetch_bytes(params: list[tuple[str, nn.Parameter]], dtype: torch.dtype
                       zero_stage: int = 3) -> int:
     """Device bytes of a block (its (fqn, parameter) list) while it is fetched (see
     flat_param.fetched_bytes)."""
-    total = 0
+    gathered = ZeroStage(zero_stage, world_size).gathers
+    return sum(fetched_bytes(layout, dtype, gathered=gathered)
+               for _, layout in flat_groups(params, world_size, dtype))
+
+
+def flat_groups(params: list[tuple[str, nn.Parameter]], world_size: int,
+                dtype: torch.dtype) -> list[tuple[list[tuple[str, nn.Parameter]], FlatLayout]]:
+    """A block's (fqn, parameter) list as its flat tensors' parameters and layouts: the
+    trainable ones, then the frozen ones (each when there are any)."""
+    out = []
     for trainable in (True, False):
         ps = [(f, p) for f, p in params if p.requires_grad == trainable]
         if ps:
-            layout = FlatLayout.build([f for f, _ in ps], [p.shape for _, p in ps], world_size,
-                                      itemsize=dtype.itemsize)
-            total += fetched_bytes(layout, dtype, gathered=ZeroStage(zero_stage, world_size).gathers)
-    return total
+            out.append((ps, FlatLayout.build([f for f, _ in ps], [p.shape for _, p in ps], world_size,
+                                             itemsize=dtype.itemsize)))
+    return out
 
 
 def _check_device_budget(config: Config, specs: list[BlockSpec], dtype: torch.dtype, zero: ZeroStage) -> None:
@@ -344,28 +359,25 @@ def _check_device_budget(config: Config, specs: list[BlockSpec], dtype: torch.dt
             "smaller blocks with config.block_classes")
 
 
-def _build_block(name: str, modules: list[nn.Module], params: list[tuple[str, nn.Parameter]],
-                 ctx: StepContext, home: Tier, world_size: int, plan: WeightPlan | None) -> Block:
-    """The block's flat tensors, registered from the parameters' values, or with `plan` from
-    the checkpoint (this rank's shard read, registered, dropped: one block in memory)."""
+def _build_block(name: str, modules: list[nn.Module],
+                 layouts: list[tuple[list[tuple[str, nn.Parameter]], FlatLayout]], ctx: StepContext, home: Tier,
+                 shards: Iterator[torch.Tensor] | None) -> Block:
+    """The block's flat tensors (`layouts`: flat_groups), registered from the parameters'
+    values, or from the next of `shards` (this rank's shards read from a checkpoint, in flat
+    order: registered and dropped, so about one block is in memory)."""
     flats = []
-    for trainable in (True, False):
-        ps = [(fqn, p) for fqn, p in params if p.requires_grad == trainable]
-        if not ps:
-            continue
-        if plan is None:
+    for ps, layout in layouts:
+        if shards is None:
             _materialize([p for _, p in ps], modules, ctx.device)
-        layout = FlatLayout.build([f for f, _ in ps], [p.shape for _, p in ps], world_size,
-                                  itemsize=ctx.compute_dtype.itemsize)
-        dtypes = [p.dtype for _, p in ps]
-        flat = FlatParam(name, [p for _, p in ps], layout, dtypes, ctx, home)
-        if plan is None:
+        flat = FlatParam(name, [p for _, p in ps], layout, [p.dtype for _, p in ps], ctx, home)
+        if shards is None:
             flat.register([p.detach() for _, p in ps])
         else:
             with torch.profiler.record_function(f"tierzero::load_weights {name}"):
-                shard = plan.read_shard(layout, ctx.rank, dtypes, flat.load_dtype)
+                shard = next(shards)
             _unmeta([p for _, p in ps])
             flat.register_shard(shard)
+            del shard  # before the next is asked for: two shards in memory, not three
         flats.append(flat)
     return Block(name, modules, flats, ctx)
 

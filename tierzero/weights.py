@@ -25,11 +25,13 @@ Phases of `tz.wrap(model, config, weights=PATH)` (and of `tz.load_weights(model,
    cannot hold the values). The library reads zero-copy from a memory map whose touched pages
    stay resident while the file is mapped, so the files are unmapped after each block: host
    memory holds one block's shard and the checkpoint pages of its rows, never the model. Every
-   rank reads the same files, so nothing is broadcast.
+   rank reads the same files, so nothing is broadcast. `read_shards` reads the next flat
+   tensor's shard on a thread while the caller registers this one (two shards in memory).
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import math
 import os
@@ -38,7 +40,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -197,6 +199,16 @@ def load_safetensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------------- resolving
 
 
+class ShardRequest(NamedTuple):
+    """One flat tensor's shard to read (WeightPlan.read_shard)."""
+
+    layout: FlatLayout
+    dtypes: list[torch.dtype]
+    """The parameters' dtypes, in slot order: each value is cast to its parameter's first."""
+    out_dtype: torch.dtype
+    """The shard's dtype (FlatParam.load_dtype)."""
+
+
 @dataclass(frozen=True)
 class WeightPlan:
     """Where each of a model's state-dict names comes from in a WeightSource."""
@@ -208,8 +220,8 @@ class WeightPlan:
     """Persistent buffers absent from the checkpoint that the class allows to be missing
     (`_keys_to_ignore_on_load_missing`): computed like non-persistent ones."""
 
-    def read_shard(self, layout: FlatLayout, rank: int, dtypes: list[torch.dtype],
-                   out_dtype: torch.dtype) -> torch.Tensor:
+    def read_shard(self, layout: FlatLayout, dtypes: list[torch.dtype], out_dtype: torch.dtype, *,
+                   rank: int) -> torch.Tensor:
         """This rank's shard of a flat tensor of `layout` (the parameters' values cast to their
         `dtypes`, then to `out_dtype`; padding zero), reading only the rows each slot's part needs."""
         lo, hi = layout.shard_range(rank)
@@ -222,6 +234,23 @@ class WeightPlan:
                 del values
         self.source.release()  # the pages of this block's rows leave memory with the maps
         return out
+
+    def read_shards(self, wanted: list[ShardRequest], rank: int) -> Iterator[torch.Tensor]:
+        """`read_shard` of each request in order, the next one read on a thread while the caller
+        registers this one, so that the checkpoint is read while the swap files are written
+        (measured: this disk reads at nearly full rate while it writes). Two shards are in
+        memory at once. Close the iterator (or exhaust it) before closing the source."""
+        with cf.ThreadPoolExecutor(1, thread_name_prefix="tierzero-read-weights") as reader:
+            ahead = [reader.submit(self.read_shard, *w, rank=rank) for w in wanted[:1]]
+            try:
+                for nxt in [*wanted[1:], None]:
+                    current = ahead.pop()
+                    if nxt is not None:
+                        ahead.append(reader.submit(self.read_shard, *nxt, rank=rank))
+                    yield current.result()
+            finally:  # an early close: the read in flight ends before the files can be closed
+                for fut in ahead:
+                    fut.cancel()
 
     def read_buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """The checkpoint's value of persistent buffer `name`, in `like`'s dtype, on the CPU (may
