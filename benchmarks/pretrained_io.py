@@ -2,9 +2,9 @@
 
 Makes a sharded bf16 Llama checkpoint (config.json, shards, index; random values written
 straight to the shards, so no model is ever built in RAM) at least `--factor` times the host +
-device budgets, then, in a child process whose peak RSS the kernel reports to this one
-(`getrusage(RUSAGE_CHILDREN)`, measured from outside): `tz.from_pretrained` with the parameters
-homed on NVMe in bf16 (the model built on the meta device, its blocks streamed from the shards
+device budgets, then, in a child process whose peak RSS this one reads from outside (its
+VmHWM in /proc, while it waits to exit): `tz.from_pretrained` with the parameters homed on NVMe
+in bf16 (the model built on the meta device, its blocks streamed from the shards
 into the swap files), then `tz.save_pretrained(..., dtype=bfloat16)` to a new folder. The same
 run measures io_engine alone on the same disk (O_DIRECT sequential read and write of a file as
 large as the checkpoint), with the checkpoint's pages dropped from the page cache before the
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -140,7 +139,16 @@ def child(args: argparse.Namespace) -> None:
     peaks = {t: pm.peak_bytes(t) for t in ("device", "host", "nvme")}
     runtime.close(model)
     print(json.dumps({"base_rss": base, "load_s": load_s, "export_s": export_s, "peaks": peaks,
-                      "load_nvme_write": load_moved["nvme"], "export_nvme_read": export_read}))
+                      "load_nvme_write": load_moved["nvme"], "export_nvme_read": export_read}), flush=True)
+    sys.stdin.readline()  # the parent reads this process's peak RSS meanwhile
+
+
+def _vm_hwm(pid: int) -> int:
+    """Peak resident bytes of process `pid` since its exec (/proc/PID/status VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/{pid}/status has no VmHWM")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,14 +164,18 @@ def main(argv: list[str] | None = None) -> int:
         seq_write, _, seq_read = io_engine_sequential(engine, work / "yardstick.bin", ckpt_bytes)
     drop_cache(work / "ckpt")
     cmd = [sys.executable, __file__, "--child", "1", *[a for a in (argv or sys.argv[1:]) if a != "--json"]]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    if proc.returncode != 0:
-        print(proc.stderr, file=sys.stderr)
+    # The child's peak RSS is its VmHWM, read from /proc while it waits to exit. (Not
+    # getrusage(RUSAGE_CHILDREN): exec records the peak of the address space it replaces, which
+    # after subprocess's vfork is this process's own peak, that of making the checkpoint.)
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    line = proc.stdout.readline()
+    peak_rss = _vm_hwm(proc.pid) if line else 0
+    _, err = proc.communicate("exit\n")
+    if proc.returncode != 0 or not line:
+        print(err, file=sys.stderr)
         return 1
-    peak_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    assert peak_rss >= before * 1024
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = json.loads(line)
     exported = sum(f.stat().st_size for f in (work / "export").glob("*.safetensors"))
     result = {
         "checkpoint_bytes": ckpt_bytes, "budgets": budgets, "factor": ckpt_bytes / budgets,
