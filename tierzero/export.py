@@ -35,7 +35,7 @@ from tierzero.ckpt_io import Reader, open_engine
 from tierzero.config import IOConfig, parse_size
 from tierzero.reshard import range_ops
 from tierzero.safetensors_file import TensorSpec, write_safetensors
-from tierzero.weights import ShardRequest, load_buffers, load_safetensors, open_weights
+from tierzero.weights import load_buffers, load_safetensors, open_weights
 
 
 def export_checkpoint(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *,
@@ -168,7 +168,7 @@ def _load_folder(state: runtime.TieredState, path: Path) -> None:
         raise RuntimeError(f"load_weights: blocks {blocked} are in use; load between training steps")
     plan = open_weights(state.model, path)
     flats = state.flat_params()
-    wanted = [ShardRequest(f.layout, f.orig_dtypes, f.load_dtype) for f in flats]
+    wanted = [f.shard_request for f in flats]
     with plan.source, contextlib.closing(plan.read_shards(wanted, state.ctx.rank)) as shards:
         for flat, shard in zip(flats, shards):
             with torch.profiler.record_function(f"tierzero::load_weights {flat.name}"):

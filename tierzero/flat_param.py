@@ -42,6 +42,7 @@ from tierzero.handles import Kind, TensorHandle
 from tierzero.sharding import FlatLayout, all_gather_flat, broadcast_from_first_, rank_errors
 from tierzero.step_context import StepContext
 from tierzero.tiers import Tier
+from tierzero.weights import ShardRequest
 
 
 class ParamState(Enum):
@@ -164,6 +165,11 @@ class FlatParam:
         """The dtype to give this flat tensor's values in (register_shard, store_values; see
         `load_dtype`)."""
         return load_dtype(self.orig_dtypes, self.ctx.compute_dtype)
+
+    @property
+    def shard_request(self) -> ShardRequest:
+        """What to read from a checkpoint for this flat tensor (WeightPlan.read_shards)."""
+        return shard_request(self.layout, self.orig_dtypes, self.ctx.compute_dtype)
 
     def _params_hold(self, dtype: torch.dtype) -> bool:
         """Whether the parameters (compute dtype) hold values of `dtype` exactly, so that master
@@ -304,6 +310,12 @@ def load_dtype(orig_dtypes: list[torch.dtype], compute_dtype: torch.dtype) -> to
     has it (the values are then exactly the parameters: no master weights are written until the
     optimizer needs them), else fp32."""
     return compute_dtype if all(d == compute_dtype for d in orig_dtypes) else torch.float32
+
+
+def shard_request(layout: FlatLayout, dtypes: list[torch.dtype], compute_dtype: torch.dtype) -> ShardRequest:
+    """The checkpoint read for a flat tensor of `layout` whose parameters have `dtypes`, its
+    shard given in `load_dtype`."""
+    return ShardRequest(layout, dtypes, load_dtype(dtypes, compute_dtype))
 
 
 def fetched_bytes(layout: FlatLayout, dtype: torch.dtype, *, gathered: bool) -> int:

@@ -57,7 +57,7 @@ from torch import nn
 from tierzero.blocks import Block, SavedParamViews, output_tensors
 from tierzero.config import Config, format_size
 from tierzero.fetch_group import discard_gathers, gather_ahead
-from tierzero.flat_param import FlatParam, fetched_bytes, load_dtype
+from tierzero.flat_param import FlatParam, fetched_bytes, shard_request
 from tierzero.grouping import ROOT, BlockSpec, assign_params, block_specs, group_modules, unique_params
 from tierzero.optimizer_guard import refuse_other_optimizers
 from tierzero.placement import PlacementManager
@@ -66,7 +66,7 @@ from tierzero.sharding import CommBytes, FlatLayout, ZeroStage, broadcast_from_f
 from tierzero.step_context import Phase, StepContext
 from tierzero.telemetry import StepStats
 from tierzero.tiers import Tier
-from tierzero.weights import ShardRequest, check_buffers, init_buffers, load_buffers, open_weights
+from tierzero.weights import check_buffers, init_buffers, load_buffers, open_weights
 
 _STATES: "weakref.WeakKeyDictionary[nn.Module, TieredState]" = weakref.WeakKeyDictionary()
 """Side table: wrapped root module -> its state."""
@@ -228,8 +228,8 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
             shards = None
             if plan is not None:
                 init_buffers(model, plan)  # while the parameters are still as built
-                wanted = [ShardRequest(layout, ds, load_dtype(ds, compute_dtype))
-                          for _, _, flats in layouts for ps, layout in flats for ds in [[p.dtype for _, p in ps]]]
+                wanted = [shard_request(layout, [p.dtype for _, p in ps], compute_dtype)
+                          for _, _, flats in layouts for ps, layout in flats]
                 # closed before the files (the exit stack unwinds in reverse): no read left in flight
                 shards = files.enter_context(contextlib.closing(plan.read_shards(wanted, rank)))
             blocks = [_build_block(name, modules, flats, ctx, Tier(config.params), shards)
