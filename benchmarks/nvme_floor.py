@@ -7,7 +7,8 @@ params, gradients and optimizer states homed on NVMe under fixed device and host
 reports per step: the wall time, the bytes the process read from and wrote to the disk (from
 /proc/self/io, outside tierzero's own counters; they include O_DIRECT), the time the disk had
 a request in flight (/sys/block/DEV/stat io_ticks) and, where the code under test counts
-them, tierzero's bytes by kind. The drive is measured in the same run with io_engine
+them, tierzero's bytes by kind; and the same clocks (wall, CPU, bytes) per phase of the step:
+forward, backward, clip + opt.step(), zero_grad + flush. The drive is measured in the same run with io_engine
 (sequential O_DIRECT write and read of a file at tierzero's IO settings) before the models
 train. Then, per steady step (the first is left out):
 
@@ -40,6 +41,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 SIZES = {"1b": {}, "3b": {}}
 """Named sizes are the built-in GPTs; "L{layers}x{width}" builds a custom one (16 heads)."""
@@ -56,6 +58,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device-budget", default="2GiB")
     p.add_argument("--host-budget", default="4GiB")
     p.add_argument("--drive-bytes", default="4GiB", help="file size for the drive measurement")
+    p.add_argument("--io-threads", type=int, default=4, help="Config.io.threads of the runs (the drive "
+                   "measurement keeps tierzero's default)")
     p.add_argument("--tree", default=None, help="run the children on the tierzero checkout at PATH")
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -113,6 +117,19 @@ def _io_ticks_s(disk: str | None) -> float | None:
     return int(Path(f"/sys/block/{disk}/stat").read_text().split()[9]) / 1000
 
 
+class _Mark(NamedTuple):
+    name: str
+    t: float
+    io: tuple[int, int]
+    ticks: float | None
+    cpu: float
+
+
+def _mark(name: str, disk: str | None) -> _Mark:
+    """The clocks at the end of a phase of a step: wall, process IO, disk io_ticks, CPU time."""
+    return _Mark(name, time.perf_counter(), _proc_io(), _io_ticks_s(disk), time.process_time())
+
+
 def child(spec: dict) -> None:
     """Train one size in one mode; one JSON line per step on stdout, then a final one."""
     import torch
@@ -133,7 +150,8 @@ def child(spec: dict) -> None:
     sib = spec["mode"] == "step_in_backward"
     cfg = tz.Config(device_budget=spec["device_budget"], host_budget=spec["host_budget"],
                     nvme_dir=spec["nvme_dir"], nvme_budget="1TiB", params="nvme", grads="nvme",
-                    optimizer_states="nvme", compute_dtype="float32", step_in_backward=sib)
+                    optimizer_states="nvme", compute_dtype="float32", step_in_backward=sib,
+                    io=tz.IOConfig(threads=spec["io_threads"]))
     Path(spec["nvme_dir"]).mkdir(parents=True, exist_ok=True)
     disk = _disk_of(Path(spec["nvme_dir"]))
     t0 = time.perf_counter()
@@ -144,19 +162,25 @@ def child(spec: dict) -> None:
     g = torch.Generator().manual_seed(0)
     for step in range(spec["steps"]):
         x = torch.randint(0, gcfg.vocab_size, (spec["batch"], spec["seq"]), generator=g)
-        io0, ticks0, t0, cpu0 = _proc_io(), _io_ticks_s(disk), time.perf_counter(), time.process_time()
+        marks = [_mark("start", disk)]
         loss = model(x, x).loss
+        marks.append(_mark("forward", disk))
         loss.backward()
+        marks.append(_mark("backward", disk))
         if not sib:
             tz.clip_grad_norm_(model, 1.0)
         opt.step()
+        marks.append(_mark("step", disk))
         opt.zero_grad()
         runtime.placement_manager(model).flush()  # the step's writes have landed
-        t1, io1, ticks1, cpu1 = time.perf_counter(), _proc_io(), _io_ticks_s(disk), time.process_time()
+        marks.append(_mark("flush", disk))
+        (_, t0, io0, ticks0, cpu0), (_, t1, io1, ticks1, cpu1) = marks[0], marks[-1]
         stats = runtime.step_stats(model)
         row = {"step": step, "loss": loss.item(), "step_s": t1 - t0, "read_bytes": io1[0] - io0[0],
                "write_bytes": io1[1] - io0[1], "disk_busy_s": None if disk is None else ticks1 - ticks0,
-               "stall_s": sum(stats.stall_s.values()), "cpu_s": cpu1 - cpu0}
+               "stall_s": sum(stats.stall_s.values()), "cpu_s": cpu1 - cpu0,
+               "phases": {b.name: {"s": b.t - a.t, "cpu_s": b.cpu - a.cpu, "read_bytes": b.io[0] - a.io[0],
+                                   "write_bytes": b.io[1] - a.io[1]} for a, b in zip(marks, marks[1:])}}
         if hasattr(stats, "nvme_by_kind"):  # tierzero's own counters, where the code has them
             row["tz_by_kind"] = stats.nvme_by_kind
             row["tz_busy_s"] = stats.nvme_busy_s
@@ -167,7 +191,8 @@ def child(spec: dict) -> None:
 def run_child(args: argparse.Namespace, size: str, mode: str) -> dict:
     nvme = Path(args.nvme_dir).resolve() / f"{size}-{mode}"
     spec = {"size": size, "mode": mode, "steps": args.steps, "batch": args.batch, "seq": args.seq,
-            "device_budget": args.device_budget, "host_budget": args.host_budget, "nvme_dir": str(nvme)}
+            "device_budget": args.device_budget, "host_budget": args.host_budget, "nvme_dir": str(nvme),
+            "io_threads": args.io_threads}
     env = dict(os.environ)
     if args.tree:
         env["PYTHONPATH"] = str(Path(args.tree).resolve())
@@ -221,6 +246,9 @@ def summarise(run: dict, drive: dict, args: argparse.Namespace) -> dict:
         # can be no shorter than that either, however fast the drive
         "cpu_s": mean("cpu_s") if "cpu_s" in steady[0] else None,
         "cpu_floor_s": mean("cpu_s") / (os.cpu_count() or 1) if "cpu_s" in steady[0] else None,
+        "phases": None if "phases" not in steady[0] else {
+            name: {k: statistics.mean(st["phases"][name][k] for st in steady) for k in steady[0]["phases"][name]}
+            for name in steady[0]["phases"]},
         "rss_limit": parse_size(args.device_budget) + parse_size(args.host_budget) + int(1.5 * 2**30),
     }
     if "tz_by_kind" in steady[0]:
@@ -264,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['step_over_floor_best']:>6.2f} {r['bytes_per_param']:>7.1f} "
               f"{r['least_bytes_per_param']:>5.0f} {busy:>9} {r['peak_rss'] / 2**30:>7.2f}Gi "
               f"{'-' if r['cpu_floor_s'] is None else format(r['cpu_floor_s'], '.1f'):>10}")
+        if r["phases"]:
+            print(" " * 28 + "phases (s, CPU s, R+W bytes/param): " + ", ".join(
+                f"{k} {v['s']:.1f}, {v['cpu_s']:.1f}, {(v['read_bytes'] + v['write_bytes']) / r['params']:.1f}"
+                for k, v in r["phases"].items()))
         if "by_kind_per_param" in r:
             print(" " * 28 + "by kind (read/write bytes per param): " + ", ".join(
                 f"{k} {v['read']:.1f}/{v['write']:.1f}" for k, v in r["by_kind_per_param"].items()))

@@ -1,6 +1,6 @@
-"""FlatGrad's early capture of the root block's gradients (tierzero/grads.py): the tied
-embedding / LM head's contributions go into the stored gradient as autograd sends them, with
-the bits of plain PyTorch's summed `.grad`, and a backward that raises leaves nothing held."""
+"""FlatGrad's early capture (tierzero/grads.py): every share of a gradient, the tied embedding /
+LM head's two among them, goes into the stored gradient as autograd sends it, with the bits of
+plain PyTorch's summed `.grad`; a backward that raises leaves nothing held."""
 
 from __future__ import annotations
 
@@ -24,7 +24,23 @@ VOCAB, SEQ, D = 257, 24, 44
 
 def gpt(tie: bool = True) -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=3, n_head=4, n_embd=D, tie_weights=tie))
+    model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=3, n_head=4, n_embd=D, tie_weights=tie))
+    model.spare = torch.nn.Parameter(torch.randn(5))  # trainable, used by no forward: no share
+    return model
+
+
+class SometimesSpare(GPT):
+    """A GPT whose `spare` parameter only the forwards with `use_spare` set use."""
+
+    use_spare = False
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
+        out = super().forward(idx, targets)
+        return out._replace(logits=out.logits + self.spare.sum()) if self.use_spare else out
+
+
+def plain_grad(p: torch.nn.Parameter) -> torch.Tensor:
+    return torch.zeros_like(p) if p.grad is None else p.grad
 
 
 def wrapped(tmp_path: Any, ref: GPT, **kw: Any) -> GPT:
@@ -64,7 +80,7 @@ def root_grad(model: GPT) -> FlatGrad:
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
-def test_root_gradients_are_taken_as_autograd_sends_them(tmp_path: Any, monkeypatch: Any, tie: bool) -> None:
+def test_gradients_are_taken_as_autograd_sends_them(tmp_path: Any, monkeypatch: Any, tie: bool) -> None:
     ref = gpt(tie)
     model = wrapped(tmp_path, ref)
     events: list[str] = []
@@ -91,7 +107,7 @@ def test_root_gradients_are_taken_as_autograd_sends_them(tmp_path: Any, monkeypa
             loss_of(ref, x).backward()
             got = stored_grads(model)
             for name, p in ref.named_parameters():
-                assert torch.equal(got[name], p.grad), f"gradient of {name} at step {step}"
+                assert torch.equal(got[name], plain_grad(p)), f"gradient of {name} at step {step}"
             head = "wte.weight" if tie else "lm_head.weight"
             first_block = next(i for i, e in enumerate(events) if e.startswith("post_backward blocks."))
             # the LM head's share is stored before any layer's backward ends: autograd does not
@@ -101,6 +117,12 @@ def test_root_gradients_are_taken_as_autograd_sends_them(tmp_path: Any, monkeypa
                 assert events.count(f"capture {head} True") == 2, events
                 assert events.index(f"capture {head} True", first_block) > first_block
             assert all(p.grad is None for p in model.parameters())
+            # every block's gradients too: autograd never made a `.grad` to flatten
+            taken = {e.split()[1] for e in events if e.startswith("capture") and e.endswith("True")}
+            assert taken == {n for n, _ in ref.named_parameters()} - {"spare"}
+            for i in range(3):
+                last = max(k for k, e in enumerate(events) if e.startswith(f"capture blocks.{i}."))
+                assert last < events.index(f"post_backward blocks.{i}"), events
             opt.zero_grad()
     finally:
         runtime.close(model)
@@ -120,9 +142,9 @@ def test_accumulation_and_bf16_gradients_fall_back_with_the_same_values(tmp_path
             assert root_grad(model)._held is None and root_grad(half)._held is None
         got, got_half = stored_grads(model), stored_grads(half)
         for name, p in ref.named_parameters():
-            assert torch.equal(got[name], p.grad), name
+            assert torch.equal(got[name], plain_grad(p)), name
             # torch sums the two backwards' fp32 gradients; bf16 storage rounds each
-            torch.testing.assert_close(got_half[name].float(), p.grad, rtol=2e-2, atol=1e-3, msg=name)
+            torch.testing.assert_close(got_half[name].float(), plain_grad(p), rtol=2e-2, atol=1e-3, msg=name)
     finally:
         runtime.close(model)
         runtime.close(half)
@@ -172,5 +194,90 @@ def test_autograd_grad_gets_the_tied_weights_gradient_untouched(tmp_path: Any) -
         (rg,) = torch.autograd.grad(loss_of(ref, x), [ref.wte.weight])
         assert torch.equal(g, rg)
         assert root_grad(model).empty and root_grad(model)._held is None
+    finally:
+        runtime.close(model)
+
+
+def test_flatten_writes_every_element_once_and_zeroes_the_gaps() -> None:
+    """FlatLayout.flatten into a dirty buffer (the pool reuses buffers): parameters copied, the
+    alignment gaps, the padding and a parameter without gradient zeroed; gaps() is exactly what
+    no parameter covers."""
+    from tierzero.sharding import FlatLayout
+
+    shapes = [torch.Size([3, 5]), torch.Size([7]), torch.Size([2, 2, 3]), torch.Size([1])]
+    layout = FlatLayout.build([f"p{i}" for i in range(4)], shapes, world_size=3)
+    covered = torch.zeros(layout.padded_numel, dtype=torch.bool)
+    for s in layout.slots:
+        covered[s.offset:s.offset + s.numel] = True
+    gaps = torch.zeros_like(covered)
+    for lo, hi in layout.gaps():
+        gaps[lo:hi] = True
+    assert torch.equal(gaps, ~covered) and gaps.any()
+    tensors = [torch.randn(s) for s in shapes]
+    tensors[2] = None
+    out = torch.full((layout.padded_numel,), float("nan"))
+    flat = layout.flatten(tensors, dtype=torch.float32, out=out)
+    assert flat is out and not flat.isnan().any()
+    for s, t in zip(layout.slots, tensors):
+        want = torch.zeros(s.numel) if t is None else t.reshape(-1)
+        assert torch.equal(flat[s.offset:s.offset + s.numel], want)
+    assert torch.equal(flat[gaps], torch.zeros(int(gaps.sum())))
+    assert torch.equal(layout.flatten(tensors, dtype=torch.float32), flat)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_a_parameter_no_gradient_reaches_is_left_alone_as_torch_does(tmp_path: Any, optimizer: str) -> None:
+    """`spare` is trainable and unused: torch's optimizers skip it (p.grad is None: no weight
+    decay, no moments) and clipping leaves it out; the wrapped model must too, bit for bit."""
+    ref = gpt()
+    model = wrapped(tmp_path, ref)
+    if optimizer == "adamw":
+        opt, ropt = tz.AdamW(model, lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    else:
+        opt = tz.SGD(model, lr=0.1, momentum=0.9, weight_decay=0.1)
+        ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1, fused=True)
+    spare = ref.spare.detach().clone()
+    try:
+        for seed in range(3):
+            loss, rloss = loss_of(model, tokens(seed)), loss_of(ref, tokens(seed))
+            assert torch.equal(loss, rloss), seed
+            loss.backward()
+            rloss.backward()
+            assert torch.equal(tz.clip_grad_norm_(model, 0.5), torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5))
+            opt.step(), ropt.step()
+            opt.zero_grad(), ropt.zero_grad()
+        sd = model.state_dict()
+        for name, p in ref.named_parameters():
+            assert torch.equal(sd[name], p), name
+        assert torch.equal(sd["spare"], spare)
+    finally:
+        runtime.close(model)
+
+
+def test_a_parameter_used_in_some_steps_counts_its_own_adamw_steps(tmp_path: Any) -> None:
+    """torch.optim.AdamW counts steps per parameter (bias correction) and skips one without a
+    gradient: `spare`, used in steps 2 and 4 of 5, gets two updates, counted 1 and 2, not 2
+    and 4. The per-parameter counts go through a checkpoint and back, exactly."""
+    torch.manual_seed(0)
+    ref = SometimesSpare(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=3, n_head=4, n_embd=D))
+    ref.spare = torch.nn.Parameter(torch.randn(5))
+    model = wrapped(tmp_path / "nvme", ref)
+    opt, ropt = tz.AdamW(model, lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    try:
+        for step in range(5):
+            model.use_spare = ref.use_spare = step in (1, 3)
+            loss, rloss = loss_of(model, tokens(step)), loss_of(ref, tokens(step))
+            assert torch.equal(loss, rloss), step
+            loss.backward()
+            rloss.backward()
+            opt.step(), ropt.step()
+            opt.zero_grad(), ropt.zero_grad()
+            if step == 2:  # a checkpoint with unequal counts, loaded back before going on
+                tz.save_checkpoint(tmp_path / "ckpt", model, opt)
+                tz.load_checkpoint(tmp_path / "ckpt", model, opt)
+        assert ropt.state[ref.spare]["step"].item() == 2
+        sd = model.state_dict()
+        for name, p in ref.named_parameters():
+            assert torch.equal(sd[name], p), name
     finally:
         runtime.close(model)

@@ -111,7 +111,9 @@ class FlatEntry:
     """Original dtype of each parameter (slot order)."""
     kinds: dict[str, str]
     """Stored tensors, kind -> dtype: "values" and the optimizer's moments."""
-    steps: int | None
+    steps: int | list[int] | None
+    """The optimizer's update count: one for every parameter, or one per parameter (slot order)
+    when some were skipped for want of a gradient; None without an optimizer."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,7 +4,8 @@ This rank's shard of the flat gradient, in `config.grad_dtype`, lives in the pla
 on `config.grads` (at ZeRO stage 1 the whole flat gradient, of which readers see this rank's
 shard). Its life in a step:
 
-    accumulate  after the block's backward, the parameters' .grad are flattened (and
+    accumulate  after the block's backward, the parameters' .grad (what early capture, below,
+                did not take already) are flattened (and
                 reduce-scattered, averaged, across ranks; all-reduced at stage 1) into the
                 stored gradient, in its dtype: the first time in a step it is overwritten,
                 later times (gradient accumulation) added to
@@ -18,18 +19,19 @@ shard). Its life in a step:
 
 `empty` is set_to_none's state: no gradient since the last zero_grad().
 
-Early capture (`RootGradCapture`): the root block (embedding, LM head, final norm) is fetched
-before the first block and its backward ends after the last one, so autograd would hold its
-gradients from the LM head's backward to the end of backward: the tied embedding / LM head's
-gradient sits in autograd's input buffer, waiting for the embedding's share (vocab x width x 4
-bytes, 0.5 GB at 50k x 2560), outside every budget. Instead each contribution is taken as
-autograd routes it (a post hook on the node that sends it) and summed into the stored gradient,
-in the order autograd would sum it, so the bits are the same; the stored gradient is held (host
-budget) until the block's accumulate. Only where that is exact and local: one rank (no
-reduce-scatter needs the whole gradient), the CPU as device, gradients stored in the
-parameters' dtype, the first backward since zero_grad() (a second one adds to the stored sum,
-which autograd's order would not); a contribution that arrives otherwise (a recompute in
-backward) is added at accumulate.
+Early capture (`GradCapture`): each share of a parameter's gradient is summed into the stored
+gradient as autograd sends it (a post hook on the node that sends it), in the order autograd
+would sum it, so the bits are the same, and None goes on in its place: autograd neither buffers
+it nor sets `.grad`. Without it the root block (embedding, LM head, final norm), fetched before
+the first block and done after the last, has its gradients held by autograd from the LM head's
+backward to the end of backward (a tied embedding / LM head's share waits in autograd's input
+buffer for the embedding's: vocab x width x 4 bytes, 0.5 GB at 50k x 2560), and every block's
+`.grad` exist whole beside its stored gradient before the flattening: all outside the budgets.
+The stored gradient is acquired (host budget) at the first share and held until the block's
+accumulate. Only where that is exact and local: one rank (no reduce-scatter needs the whole
+gradient), the CPU as device, gradients stored in the parameters' dtype, the first backward
+since zero_grad() (a second one adds to the stored sum, which autograd's order would not); a
+share that arrives otherwise (a recompute in backward) is added at accumulate.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ class FlatGrad:
         """A factor (clip_grad_norm_) not yet applied to the stored gradient."""
         self._norms: tuple[float, list[torch.Tensor]] | None = None
         """(norm type, norms_of() of the stored gradient), computed as it was written."""
+        self._reached: set[int] = set()
+        """Parameters (by index) that a gradient reached since the last zero_grad(set_to_none)."""
         self._captured: set[int] = set()
         """Early capture: parameters (by index) with contributions summed into `_held`."""
         self._held: torch.Tensor | None = None
@@ -142,12 +146,12 @@ class FlatGrad:
         order); False when early capture does not apply (the caller passes `g` on)."""
         if not self.can_capture(g.dtype):
             return False
-        if self._held is None:
+        if self._held is None:  # not zeroed: accumulate zeroes what no share reached
             with torch.profiler.record_function(f"tierzero::capture_grad {self.handle.owner}"):
                 self._held = self.ctx.pm.acquire(self.handle, self.handle.staging, overwrite=True)
-                self._held.zero_()  # padding, and parameters no contribution reaches
         slot = self.layout.slots[index]
         view = self._held[slot.offset:slot.offset + slot.numel]
+        self._reached.add(index)
         if index in self._captured:
             view.add_(g.reshape(-1))
         else:
@@ -185,17 +189,22 @@ class FlatGrad:
             return
         for p in params:
             p.grad = None  # frees the device copy as soon as it is accumulated
+        self._reached.update(i for i, g in enumerate(grads) if g is not None)
         ctx = self.ctx
         with torch.profiler.record_function(f"tierzero::accumulate_grad {self.handle.owner}"), \
                 self._accumulating() as buf:
-            if self._captured:  # early capture: add what autograd still held
+            if self._captured:  # early capture: add what autograd still held, zero the rest
                 for i, (slot, g) in enumerate(zip(self.layout.slots, grads)):
-                    if g is not None:
-                        view = buf[slot.offset:slot.offset + slot.numel]
-                        if i in self._captured:
+                    view = buf[slot.offset:slot.offset + slot.numel]
+                    if i in self._captured:
+                        if g is not None:
                             view.add_(g.reshape(-1))
-                        else:
-                            view.copy_(g.reshape(-1))
+                    elif g is not None:
+                        view.copy_(g.reshape(-1))
+                    else:
+                        view.zero_()
+                for lo, hi in self.layout.gaps():
+                    buf[lo:hi].zero_()
             elif self.empty and self.layout.world_size == 1 and buf.device == ctx.device:
                 # No collective and no copy between devices: flatten straight into the
                 # gradient, without a block-sized temporary.
@@ -217,9 +226,20 @@ class FlatGrad:
             self._norms = None if norm_type is None else (norm_type, self.norms_of(self._mine(buf), norm_type))
         self.empty = False
 
+    def unreached(self) -> frozenset[int]:
+        """Parameters (by index) without a gradient, which torch's optimizers and clipping skip
+        (`p.grad is None`): on one rank those no gradient reached since zero_grad(set_to_none);
+        with several ranks none (their stored zeros are the gradient, as DDP makes them)."""
+        if self.layout.world_size > 1:
+            return frozenset()
+        return frozenset(range(len(self.layout.slots))) - self._reached
+
     def clear(self, *, set_to_none: bool = True) -> None:
-        """Forget the gradient (set_to_none) or make it zeros."""
+        """Forget the gradient (set_to_none) or make it zeros (a parameter without a gradient
+        keeps none, as torch's zero_grad(set_to_none=False) leaves its .grad None)."""
         self.drop_capture()
+        if set_to_none:
+            self._reached.clear()
         self.scale = None
         self._norms = None
         self.empty = set_to_none
@@ -233,12 +253,12 @@ class FlatGrad:
         return f"FlatGrad({self.handle.name!r}, empty={self.empty}, scaled={self.scale is not None})"
 
 
-class RootGradCapture:
-    """Early capture (module docstring) for the root block's trainable parameters: after each
+class GradCapture:
+    """Early capture (module docstring) for a wrapped model's trainable parameters: after each
     forward with autograd, a walk of the graph from the outputs finds every edge into one of
     those parameters' AccumulateGrad nodes and puts a post hook on the node that sends it; the
-    hook gives the contribution to the parameter's FlatGrad (`capture`) and passes None on in
-    its place, so autograd neither buffers it nor sets `.grad`."""
+    hook gives the share to the parameter's FlatGrad (`capture`) and passes None on in its
+    place."""
 
     def __init__(self, params: Sequence[tuple[nn.Parameter, FlatGrad, int]]) -> None:
         self._where = {id(p): (p, grad, i) for p, grad, i in params}

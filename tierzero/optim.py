@@ -40,9 +40,12 @@ UPDATE_CHUNK = 1 << 22
 """Elements updated at a time (16 MiB of fp32): bounds the scaled gradient's temporary."""
 
 
-def _update_batches(layout: FlatLayout, rank: int) -> list[list[tuple[int, int]]]:
-    """This rank's shard of `layout` as (lo, hi) pieces in shard coordinates, in batches of at
-    most UPDATE_CHUNK elements: each piece lies inside one parameter (padding is never updated),
+def _update_batches(layout: FlatLayout, rank: int,
+                    skip: frozenset[int] = frozenset()) -> list[list[tuple[int, int, int]]]:
+    """This rank's shard of `layout` as (lo, hi, parameter index) pieces, lo and hi in shard
+    coordinates, in batches of at
+    most UPDATE_CHUNK elements, leaving out the parameters in `skip` (by index: those without a
+    gradient, which torch's optimizers skip): each piece lies inside one parameter (padding is never updated),
     and a parameter longer than UPDATE_CHUNK is cut at multiples of UPDATE_CHUNK from its own
     start. torch's fused CPU kernels run a vector loop and then a scalar loop for the last
     `numel % vector width` elements, whose roundings differ; cutting where a separate tensor per
@@ -50,16 +53,18 @@ def _update_batches(layout: FlatLayout, rank: int) -> list[list[tuple[int, int]]
     over the model's parameters, so the bits are the same (at world size 1; a shard that cuts a
     parameter moves its tail)."""
     start, stop = layout.shard_range(rank)
-    batches: list[list[tuple[int, int]]] = [[]]
+    batches: list[list[tuple[int, int, int]]] = [[]]
     room = UPDATE_CHUNK
-    for slot in layout.slots:
+    for i, slot in enumerate(layout.slots):
+        if i in skip:
+            continue
         lo, end = max(slot.offset, start), min(slot.offset + slot.numel, stop)
         while lo < end:
             hi = min(end, slot.offset + ((lo - slot.offset) // UPDATE_CHUNK + 1) * UPDATE_CHUNK)
             if hi - lo > room:
                 batches.append([])
                 room = UPDATE_CHUNK
-            batches[-1].append((lo - start, hi - start))
+            batches[-1].append((lo - start, hi - start, i))
             room -= hi - lo
             lo = hi
     return [b for b in batches if b]
@@ -89,14 +94,16 @@ class TieredOptimizer(torch.optim.Optimizer):
         ctx = self._model_state.ctx
         self._states: dict[FlatParam, dict[Kind, TensorHandle]] = {}
         """Per flat tensor: the master weights, then the moments, by kind."""
-        self._steps: dict[FlatParam, int] = {}
+        self._steps: dict[FlatParam, list[int]] = {}
+        """Per flat tensor, updates applied to each parameter (by index): torch counts AdamW's
+        steps per parameter, and skips a parameter without a gradient."""
         try:
             for flat in self._flats:
                 self._states[flat] = {Kind.MASTER: flat.ensure_master()}
                 for kind in self.state_kinds:
                     self._states[flat][kind] = ctx.register(flat.name, torch.zeros(flat.layout.shard_numel),
                                                             ctx.master_tier, kind=kind)
-                self._steps[flat] = 0
+                self._steps[flat] = [0] * len(flat.layout.slots)
             ctx.pm.settle()  # the zero moments' NVMe writes landed (a disk error fails here)
         except BaseException:  # nothing half-registered stays behind: a retry starts clean
             self._give_back_states()
@@ -130,12 +137,19 @@ class TieredOptimizer(torch.optim.Optimizer):
         """The handles of `flat`'s moments, by kind (checkpoint.py streams them)."""
         return {k: h for k, h in self._live_states(flat).items() if k is not Kind.MASTER}
 
-    def block_steps(self, flat: FlatParam) -> int:
-        """Updates applied to `flat` so far (AdamW's bias correction counts them)."""
-        return self._steps[flat]
+    def block_steps(self, flat: FlatParam) -> int | list[int]:
+        """Updates applied to `flat`'s parameters so far (AdamW's bias correction counts them):
+        one count when they are all equal (every parameter got a gradient every step), else one
+        per parameter."""
+        counts = self._steps[flat]
+        return counts[0] if len(set(counts)) == 1 else list(counts)
 
-    def set_block_steps(self, flat: FlatParam, steps: int) -> None:
-        self._steps[flat] = int(steps)
+    def set_block_steps(self, flat: FlatParam, steps: int | list[int]) -> None:
+        n = len(flat.layout.slots)
+        counts = [int(steps)] * n if isinstance(steps, int) else [int(s) for s in steps]
+        if len(counts) != n:
+            raise ValueError(f"{flat.name}: {len(counts)} step counts for {n} parameters")
+        self._steps[flat] = counts
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -150,7 +164,6 @@ class TieredOptimizer(torch.optim.Optimizer):
         todo = [f for f in self._flats if not _grad(f).empty and f not in self._stepped]
         self._stepped.clear()
         for i, flat in enumerate(todo):
-            self._steps[flat] += 1
             with torch.profiler.record_function(f"tierzero::optimizer_step {flat.name}"):
                 self._step_flat(flat, group, then=lambda i=i: self._read_ahead(todo[i + 1:i + 1 + READ_AHEAD]))
         return loss
@@ -165,7 +178,6 @@ class TieredOptimizer(torch.optim.Optimizer):
                 "blocks it finishes, so call opt.step() after every backward (for gradient "
                 "accumulation, set step_in_backward=False)")
         self._stepped.add(flat)
-        self._steps[flat] += 1
         i = self._flats.index(flat)
         # backward finishes blocks in reverse order: read the previous one's state meanwhile
         # (one only: backward's own reads compete for the host room, and a second block's
@@ -233,18 +245,24 @@ class TieredOptimizer(torch.optim.Optimizer):
             tensors = [pm.acquire(h, h.staging) for h in handles]
             try:
                 then()
-                for pieces in _update_batches(flat.layout, self._model_state.ctx.rank):
-                    grads = [flat_grad.scaled(grad[lo:hi]) for lo, hi in pieces]
-                    self._update(group, self._steps[flat], grads,
-                                 *([t[lo:hi] for lo, hi in pieces] for t in tensors))
+                skip = flat_grad.unreached()
+                steps = self._steps[flat]
+                for j in range(len(steps)):
+                    if j not in skip:
+                        steps[j] += 1
+                for pieces in _update_batches(flat.layout, self._model_state.ctx.rank, skip):
+                    grads = [flat_grad.scaled(grad[lo:hi]) for lo, hi, _ in pieces]
+                    self._update(group, [steps[j] for _, _, j in pieces], grads,
+                                 *([t[lo:hi] for lo, hi, _ in pieces] for t in tensors))
                 flat.master_updated(tensors[0])
             finally:
                 for h in handles:
                     pm.release(h, h.staging, dirty=True)
 
-    def _update(self, group: dict[str, Any], step: int, grads: list[torch.Tensor],
+    def _update(self, group: dict[str, Any], steps: list[int], grads: list[torch.Tensor],
                 params: list[torch.Tensor], *states: list[torch.Tensor]) -> None:
-        """Update `params` (fp32 master pieces) and `states` in place from `grads`, piece by piece."""
+        """Update `params` (fp32 master pieces) and `states` in place from `grads`, piece by
+        piece; `steps`: each piece's parameter's update count, this update included."""
         raise NotImplementedError
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -276,7 +294,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         fp32 master weights and moments (full CPU tensors)."""
         sd = super().state_dict()
         pm = self._model_state.pm
-        sd["state"] = {flat.name: {"step": self._steps[flat],
+        sd["state"] = {flat.name: {"step": self.block_steps(flat),
                                    **{k.value: pm.read(h) for k, h in self._live_states(flat).items()}}
                        for flat in self._flats}
         return sd
@@ -296,7 +314,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                              f"{sorted(by_name)}")
         for name, entry in state_dict["state"].items():
             flat = by_name[name]
-            self._steps[flat] = int(entry["step"])
+            self.set_block_steps(flat, entry["step"])
             for k, h in self._live_states(flat).items():
                 pm.store(h, entry[k.value])
             flat.master_updated(entry[Kind.MASTER.value])
@@ -336,12 +354,12 @@ class AdamW(TieredOptimizer):
                              f"lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
         super().__init__(model, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
-    def _update(self, group: dict[str, Any], step: int, grads: list[torch.Tensor],
+    def _update(self, group: dict[str, Any], steps: list[int], grads: list[torch.Tensor],
                 params: list[torch.Tensor], *states: list[torch.Tensor]) -> None:
         exp_avgs, exp_avg_sqs = states
         beta1, beta2 = group["betas"]
-        steps = [torch.tensor(float(step))] * len(params)
-        torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=group["lr"], beta1=beta1,
+        counts = [torch.tensor(float(s)) for s in steps]
+        torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], counts, lr=group["lr"], beta1=beta1,
                             beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
                             amsgrad=False, maximize=False)
 
@@ -360,12 +378,13 @@ class SGD(TieredOptimizer):
             self.state_kinds = ()
         super().__init__(model, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
 
-    def _update(self, group: dict[str, Any], step: int, grads: list[torch.Tensor],
+    def _update(self, group: dict[str, Any], steps: list[int], grads: list[torch.Tensor],
                 params: list[torch.Tensor], *states: list[torch.Tensor]) -> None:
-        # On the first step the momentum buffer becomes the gradient (plus weight decay).
+        # On a parameter's first update its momentum buffer becomes the gradient (plus weight
+        # decay); from zeros the later-step formula gives the same bits, so one call may mix.
         torch._fused_sgd_(params, grads, states[0] if states else [], weight_decay=group["weight_decay"],
                           momentum=group["momentum"], lr=group["lr"], dampening=0.0, nesterov=False,
-                          maximize=False, is_first_step=step == 1)
+                          maximize=False, is_first_step=all(s == 1 for s in steps))
 
 
 @torch.no_grad()
@@ -392,8 +411,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     for i, flat in enumerate(flats):
         if i + 1 < len(flats) and not _grad(flats[i + 1]).has_norms(float(norm_type)):
             _grad(flats[i + 1]).prefetch()
+        unreached = _grad(flat).unreached()  # as torch, which leaves out p.grad None
         for j, n in enumerate(_grad(flat).norms(float(norm_type))):
-            norms[flat, j] = n
+            if j not in unreached:
+                norms[flat, j] = n
     if ctx.world_size == 1:
         # The norm of the per-parameter norms in the model's parameter order, as torch computes
         # it: the same bits as torch.nn.utils.clip_grad_norm_(model.parameters()).

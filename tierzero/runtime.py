@@ -58,7 +58,7 @@ from tierzero.blocks import Block, SavedParamViews, output_tensors
 from tierzero.config import Config, format_size
 from tierzero.fetch_group import discard_gathers, gather_ahead
 from tierzero.flat_param import FlatParam, fetched_bytes, shard_request
-from tierzero.grads import RootGradCapture
+from tierzero.grads import GradCapture
 from tierzero.grouping import ROOT, BlockSpec, assign_params, block_specs, group_modules, unique_params
 from tierzero.optimizer_guard import refuse_other_optimizers
 from tierzero.placement import PlacementManager
@@ -91,9 +91,8 @@ class TieredState:
         """(FlatParam, index) of each parameter in model.parameters() order."""
         self._handles: list[Any] = []
         self._saved_views = SavedParamViews(ctx)
-        root = [b for b in blocks if b.name == ROOT]
-        self._root_grads = RootGradCapture([(p, flat.grad, i) for b in root for flat in b.flats
-                                            if flat.grad is not None for i, p in enumerate(flat.params)])
+        self._grad_capture = GradCapture([(p, flat.grad, i) for b in blocks for flat in b.flats
+                                          if flat.grad is not None for i, p in enumerate(flat.params)])
 
     @property
     def pm(self) -> PlacementManager:
@@ -135,7 +134,7 @@ class TieredState:
         if not torch.is_grad_enabled() or not outputs:
             self.ctx.end_iteration()
         else:
-            self._root_grads.install(outputs)
+            self._grad_capture.install(outputs)
 
     def end_backward(self) -> None:
         """Final callback of a backward pass (queued by the first pre-backward hook)."""

@@ -133,19 +133,33 @@ class FlatLayout:
         assert flat.numel() == self.padded_numel, (flat.numel(), self.padded_numel)
         return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
 
+    def gaps(self) -> list[tuple[int, int]]:
+        """[start, end) ranges of the flat buffer that no parameter covers (alignment, padding)."""
+        out, end = [], 0
+        for slot in self.slots:
+            if slot.offset > end:
+                out.append((end, slot.offset))
+            end = slot.offset + slot.numel
+        if self.padded_numel > end:
+            out.append((end, self.padded_numel))
+        return out
+
     def flatten(self, tensors: Sequence[torch.Tensor | None], *, dtype: torch.dtype,
                 device: torch.device | str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """A flat buffer holding `tensors` (None: zeros), cast to `dtype`, padding zeroed: a new
         one, or `out` (overwritten whole)."""
-        if out is not None:
-            flat = out.zero_()
-        else:
+        if out is None:
             device = device if device is not None else next((t.device for t in tensors if t is not None), "cpu")
-            flat = torch.zeros(self.padded_numel, dtype=dtype, device=device)
-        for slot, t in zip(self.slots, tensors, strict=True):
-            if t is not None:
-                flat[slot.offset:slot.offset + slot.numel].copy_(t.reshape(-1))
-        return flat
+            out = torch.empty(self.padded_numel, dtype=dtype, device=device)
+        for slot, t in zip(self.slots, tensors, strict=True):  # every element written once
+            view = out[slot.offset:slot.offset + slot.numel]
+            if t is None:
+                view.zero_()
+            else:
+                view.copy_(t.reshape(-1))
+        for lo, hi in self.gaps():
+            out[lo:hi].zero_()
+        return out
 
     def __repr__(self) -> str:
         return (f"FlatLayout({len(self.slots)} params, numel={self.numel}, padded={self.padded_numel}, "
