@@ -9,12 +9,18 @@ into the swap files), then `tz.save_pretrained(..., dtype=bfloat16)` to a new fo
 run measures io_engine alone on the same disk (O_DIRECT sequential read and write of a file as
 large as the checkpoint), with the checkpoint's pages dropped from the page cache before the
 load, so both read the disk. Prints the load and export rates (checkpoint bytes / seconds) next
-to io_engine's, the same against what each phase really moves (a load reads the checkpoint and
-writes the bf16 parameters to the swap files, except the last blocks, which stay in host room
-within its budget until it is needed; an export reads the parameters back and writes the
-folder: "floor" = io_engine's time for those bytes, one after the other),
+to io_engine's, the same against what each phase really moves (an export reads the parameters
+back and writes the folder: "floor" = io_engine's time for those bytes, one after the other),
 and the peak RSS growth over the child's RSS before loading (target: at most the budgets + 1
 GiB; load >= 0.7x io_engine's sequential read rate).
+
+What the load's time covers: `tz.from_pretrained` from the call to its return, which reads
+every parameter byte of the checkpoint from the disk (io_engine, O_DIRECT) and hashes it (an
+xxh3 per tensor part, verified on every later read), registers the shards (host copies within
+the host budget) and waits for any swap write. The parameters' NVMe homes are the checkpoint's
+files until their first write (copy-on-write homes, tierzero/cow_home.py), so it writes nothing
+to the swap files ("swap writes" counts what it does write); the export reads the parameters
+from the checkpoint's files (through the same homes, verified).
 
     .venv/bin/python benchmarks/pretrained_io.py [--dir runs/bench-pretrained] [--json]
 """
@@ -128,14 +134,14 @@ def child(args: argparse.Namespace) -> None:
                     nvme_dir=str(work / "nvme"), params="nvme", grads="nvme", optimizer_states="nvme",
                     compute_dtype="bfloat16")
     t0 = time.perf_counter()
-    model = tz.from_pretrained(work / "ckpt", cfg)  # returns once its swap writes landed
+    model = tz.from_pretrained(work / "ckpt", cfg)  # every parameter byte read and hashed, swap writes landed
     load_s = time.perf_counter() - t0
     pm = runtime.placement_manager(model)
     load_moved = pm.telemetry.reset_step().bytes_moved
     t0 = time.perf_counter()
     tz.save_pretrained(model, work / "export", dtype=torch.bfloat16)
     export_s = time.perf_counter() - t0
-    export_read = pm.telemetry.reset_step().nvme_read_bytes  # the values not still in host room
+    export_read = pm.telemetry.reset_step().nvme_read_bytes  # from the checkpoint's files (borrowed homes)
     peaks = {t: pm.peak_bytes(t) for t in ("device", "host", "nvme")}
     runtime.close(model)
     print(json.dumps({"base_rss": base, "load_s": load_s, "export_s": export_s, "peaks": peaks,
@@ -204,9 +210,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({format_size(budgets)})")
         print(f"load   {result['load_s']:.1f} s  {result['load_gbps']:.2f} GB/s = {result['load_vs_read']:.2f}x "
               f"io_engine's sequential read ({seq_read:.2f} GB/s)")
-        print(f"       it also writes {format_size(result['load_swap_write_bytes'])} to the swap files (bf16 "
-              f"parameters): io_engine alone needs {result['load_floor_s']:.1f} s for "
-              f"those reads and writes = {result['load_vs_floor']:.2f}x")
+        print(f"       it writes {format_size(result['load_swap_write_bytes'])} to the swap files: io_engine "
+              f"alone needs {result['load_floor_s']:.1f} s for its reads and writes = {result['load_vs_floor']:.2f}x")
         print(f"export {result['export_s']:.1f} s  {result['export_gbps']:.2f} GB/s = "
               f"{result['export_vs_write']:.2f}x io_engine's sequential write ({seq_write:.2f} GB/s); "
               f"with its swap reads io_engine alone needs {result['export_floor_s']:.1f} s = "
