@@ -12,9 +12,13 @@ them, tierzero's bytes by kind. The drive is measured in the same run with io_en
 train. Then, per steady step (the first is left out):
 
     bytes/param  (read + written) / parameters
-    floor        read bytes / read rate + written bytes / write rate
-    step/floor   the step's time over the floor (1.0 = the drive's limit)
+    floor        read bytes / read rate + written bytes / write rate (the rounds' medians)
+    step/floor   the step's time over the floor (1.0 = the drive's limit); "(best)": over the
+                 floor at the best round's rates, the drive's real rate when another process's
+                 IO slowed some rounds
     least/param  the least traffic the placement needs (tierzero.traffic), for reference
+    CPU s/core   the process's CPU time per step (every thread, user + sys) over the cores: a
+                 second floor, the one a machine whose cores cannot keep up with its drive meets
 
 `--tree PATH` runs the children on another checkout (e.g. the code before a change) while the
 drive measurement and the report stay this one's. Peak RSS of each child is measured from
@@ -140,7 +144,7 @@ def child(spec: dict) -> None:
     g = torch.Generator().manual_seed(0)
     for step in range(spec["steps"]):
         x = torch.randint(0, gcfg.vocab_size, (spec["batch"], spec["seq"]), generator=g)
-        io0, ticks0, t0 = _proc_io(), _io_ticks_s(disk), time.perf_counter()
+        io0, ticks0, t0, cpu0 = _proc_io(), _io_ticks_s(disk), time.perf_counter(), time.process_time()
         loss = model(x, x).loss
         loss.backward()
         if not sib:
@@ -148,11 +152,11 @@ def child(spec: dict) -> None:
         opt.step()
         opt.zero_grad()
         runtime.placement_manager(model).flush()  # the step's writes have landed
-        t1, io1, ticks1 = time.perf_counter(), _proc_io(), _io_ticks_s(disk)
+        t1, io1, ticks1, cpu1 = time.perf_counter(), _proc_io(), _io_ticks_s(disk), time.process_time()
         stats = runtime.step_stats(model)
         row = {"step": step, "loss": loss.item(), "step_s": t1 - t0, "read_bytes": io1[0] - io0[0],
                "write_bytes": io1[1] - io0[1], "disk_busy_s": None if disk is None else ticks1 - ticks0,
-               "stall_s": sum(stats.stall_s.values())}
+               "stall_s": sum(stats.stall_s.values()), "cpu_s": cpu1 - cpu0}
         if hasattr(stats, "nvme_by_kind"):  # tierzero's own counters, where the code has them
             row["tz_by_kind"] = stats.nvme_by_kind
             row["tz_busy_s"] = stats.nvme_busy_s
@@ -193,6 +197,7 @@ def summarise(run: dict, drive: dict, args: argparse.Namespace) -> dict:
     from tierzero.traffic import DriveRates, step_traffic
 
     rates = DriveRates(drive["read_gbps"], drive["write_gbps"], "measured in this run")
+    best = DriveRates(max(drive["runs"]["read"]), max(drive["runs"]["write"]), "best round in this run")
     steady = run["steps"][1:] or run["steps"]
     n = run["params"]
     mean = lambda k: statistics.mean(s[k] for s in steady)  # noqa: E731
@@ -205,10 +210,17 @@ def summarise(run: dict, drive: dict, args: argparse.Namespace) -> dict:
         "step_s": step_s, "step_s_each": [round(s["step_s"], 2) for s in steady],
         "read_bytes": read, "write_bytes": write, "bytes_per_param": (read + write) / n,
         "floor_s": floor, "step_over_floor": step_s / floor,
+        # against the best round of the drive measurement: another process's IO during a round
+        # makes the median too slow a yardstick (and the ratio too kind)
+        "floor_best_s": best.floor_s(read, write), "step_over_floor_best": step_s / best.floor_s(read, write),
         "least_bytes_per_param": (least.read + least.write) / n,
         "least_floor_s": rates.floor_s(least.read, least.write),
         "disk_busy_frac": None if steady[0]["disk_busy_s"] is None else mean("disk_busy_s") / step_s,
         "stall_s": mean("stall_s"), "peak_rss": run["peak_rss"],
+        # CPU seconds (every thread, user + sys) per step, and over the machine's cores: a step
+        # can be no shorter than that either, however fast the drive
+        "cpu_s": mean("cpu_s") if "cpu_s" in steady[0] else None,
+        "cpu_floor_s": mean("cpu_s") / (os.cpu_count() or 1) if "cpu_s" in steady[0] else None,
         "rss_limit": parse_size(args.device_budget) + parse_size(args.host_budget) + int(1.5 * 2**30),
     }
     if "tz_by_kind" in steady[0]:
@@ -243,12 +255,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"drive (io_engine, O_DIRECT, {drive['threads']} threads, {drive['block_size'] >> 20} MiB blocks): "
           f"read {drive['read_gbps']:.2f} GB/s, write {drive['write_gbps']:.2f} GB/s")
     print(f"{'size':>10} {'mode':>16} {'params':>7} {'state':>8} {'step s':>7} {'floor s':>7} {'step/floor':>10} "
-          f"{'B/param':>7} {'least':>5} {'disk busy':>9} {'peak RSS':>9}")
+          f"{'(best)':>6} "
+          f"{'B/param':>7} {'least':>5} {'disk busy':>9} {'peak RSS':>9} {'CPU s/core':>10}")
     for r in results:
         busy = "-" if r["disk_busy_frac"] is None else f"{r['disk_busy_frac']:.0%}"
         print(f"{r['size']:>10} {r['mode']:>16} {r['params'] / 1e9:>6.2f}B {r['state_bytes'] / 2**30:>6.1f}Gi "
-              f"{r['step_s']:>7.1f} {r['floor_s']:>7.1f} {r['step_over_floor']:>10.2f} {r['bytes_per_param']:>7.1f} "
-              f"{r['least_bytes_per_param']:>5.0f} {busy:>9} {r['peak_rss'] / 2**30:>7.2f}Gi")
+              f"{r['step_s']:>7.1f} {r['floor_s']:>7.1f} {r['step_over_floor']:>10.2f} "
+              f"{r['step_over_floor_best']:>6.2f} {r['bytes_per_param']:>7.1f} "
+              f"{r['least_bytes_per_param']:>5.0f} {busy:>9} {r['peak_rss'] / 2**30:>7.2f}Gi "
+              f"{'-' if r['cpu_floor_s'] is None else format(r['cpu_floor_s'], '.1f'):>10}")
         if "by_kind_per_param" in r:
             print(" " * 28 + "by kind (read/write bytes per param): " + ", ".join(
                 f"{k} {v['read']:.1f}/{v['write']:.1f}" for k, v in r["by_kind_per_param"].items()))

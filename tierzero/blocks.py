@@ -178,12 +178,17 @@ class Block:
             ctx.release(self)
 
     def begin_iteration(self) -> None:
-        """A new forward from the root: release holds an interrupted step left, forget calls
-        whose backward never came."""
+        """A new forward from the root: release holds an interrupted step left (a backward
+        that raised), forget the calls."""
         while self._holds:
             self.unhold()
+        for flat in self.flats:
+            if flat.grad is not None:
+                flat.grad.drop_capture()  # of a backward that raised before its accumulate
         self._running.clear()
-        self._calls = [c for c in self._calls if c.holds_backward]
+        # A call still holding for backward belongs to a backward that raised (its holds were
+        # just released); a call whose backward never started is added back by its pre-backward.
+        self._calls.clear()
         self._grads_final_sent = False
 
     # ------------------------------------------------------------------------------ hooks

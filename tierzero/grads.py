@@ -17,12 +17,25 @@ shard). Its life in a step:
     clear       zero_grad(): forgotten (set_to_none) or zeros
 
 `empty` is set_to_none's state: no gradient since the last zero_grad().
+
+Early capture (`RootGradCapture`): the root block (embedding, LM head, final norm) is fetched
+before the first block and its backward ends after the last one, so autograd would hold its
+gradients from the LM head's backward to the end of backward: the tied embedding / LM head's
+gradient sits in autograd's input buffer, waiting for the embedding's share (vocab x width x 4
+bytes, 0.5 GB at 50k x 2560), outside every budget. Instead each contribution is taken as
+autograd routes it (a post hook on the node that sends it) and summed into the stored gradient,
+in the order autograd would sum it, so the bits are the same; the stored gradient is held (host
+budget) until the block's accumulate. Only where that is exact and local: one rank (no
+reduce-scatter needs the whole gradient), the CPU as device, gradients stored in the
+parameters' dtype, the first backward since zero_grad() (a second one adds to the stored sum,
+which autograd's order would not); a contribution that arrives otherwise (a recompute in
+backward) is added at accumulate.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -50,6 +63,11 @@ class FlatGrad:
         """A factor (clip_grad_norm_) not yet applied to the stored gradient."""
         self._norms: tuple[float, list[torch.Tensor]] | None = None
         """(norm type, norms_of() of the stored gradient), computed as it was written."""
+        self._captured: set[int] = set()
+        """Early capture: parameters (by index) with contributions summed into `_held`."""
+        self._held: torch.Tensor | None = None
+        """Early capture: the stored gradient, acquired (overwrite) at the first contribution
+        and pinned until accumulate folds in the rest."""
 
     @contextlib.contextmanager
     def acquire(self, *, writable: bool = False) -> Iterator[torch.Tensor]:
@@ -112,17 +130,73 @@ class FlatGrad:
         with self.acquire() as g:
             return self.norms_of(g, norm_type)
 
+    def can_capture(self, dtype: torch.dtype) -> bool:
+        """Early capture applies now to a contribution of `dtype` (see the module docstring)."""
+        ctx = self.ctx
+        return (ctx.world_size == 1 and not ctx.pm.streams.cuda and dtype == self.handle.dtype
+                and (self.empty or self._held is not None))
+
+    def capture(self, index: int, g: torch.Tensor) -> bool:
+        """Sum one contribution to parameter `index`'s gradient into the stored gradient, as
+        autograd's input buffer would (the first one copied, later ones added, in arrival
+        order); False when early capture does not apply (the caller passes `g` on)."""
+        if not self.can_capture(g.dtype):
+            return False
+        if self._held is None:
+            with torch.profiler.record_function(f"tierzero::capture_grad {self.handle.owner}"):
+                self._held = self.ctx.pm.acquire(self.handle, self.handle.staging, overwrite=True)
+                self._held.zero_()  # padding, and parameters no contribution reaches
+        slot = self.layout.slots[index]
+        view = self._held[slot.offset:slot.offset + slot.numel]
+        if index in self._captured:
+            view.add_(g.reshape(-1))
+        else:
+            view.copy_(g.reshape(-1))
+            self._captured.add(index)
+        return True
+
+    @contextlib.contextmanager
+    def _accumulating(self) -> Iterator[torch.Tensor]:
+        """The stored gradient an accumulate writes: the one early capture holds (released
+        here, once), else acquired for it."""
+        if self._held is None:
+            with self._stored(writable=True, overwrite=self.empty) as buf:
+                yield buf
+            return
+        buf, self._held = self._held, None
+        try:
+            yield buf
+        finally:
+            self._captured.clear()
+            self.ctx.pm.release(self.handle, self.handle.staging, dirty=True, lazy=True)
+
+    def drop_capture(self) -> None:
+        """Forget contributions captured by a backward that never reached accumulate (it
+        raised): the stored gradient is left as it was (empty)."""
+        if self._held is not None:
+            self.ctx.pm.release(self.handle, self.handle.staging)
+            self._held = None
+            self._captured.clear()
+
     def accumulate(self, params: list[nn.Parameter]) -> None:
         """Move the parameters' .grad into the shard; idempotent (no .grad: no-op)."""
         grads = [p.grad for p in params]
-        if all(g is None for g in grads):
+        if all(g is None for g in grads) and self._held is None:
             return
         for p in params:
             p.grad = None  # frees the device copy as soon as it is accumulated
         ctx = self.ctx
         with torch.profiler.record_function(f"tierzero::accumulate_grad {self.handle.owner}"), \
-                self._stored(writable=True, overwrite=self.empty) as buf:
-            if self.empty and self.layout.world_size == 1 and buf.device == ctx.device:
+                self._accumulating() as buf:
+            if self._captured:  # early capture: add what autograd still held
+                for i, (slot, g) in enumerate(zip(self.layout.slots, grads)):
+                    if g is not None:
+                        view = buf[slot.offset:slot.offset + slot.numel]
+                        if i in self._captured:
+                            view.add_(g.reshape(-1))
+                        else:
+                            view.copy_(g.reshape(-1))
+            elif self.empty and self.layout.world_size == 1 and buf.device == ctx.device:
                 # No collective and no copy between devices: flatten straight into the
                 # gradient, without a block-sized temporary.
                 self.layout.flatten(grads, dtype=buf.dtype, out=buf)
@@ -145,6 +219,7 @@ class FlatGrad:
 
     def clear(self, *, set_to_none: bool = True) -> None:
         """Forget the gradient (set_to_none) or make it zeros."""
+        self.drop_capture()
         self.scale = None
         self._norms = None
         self.empty = set_to_none
@@ -156,3 +231,75 @@ class FlatGrad:
 
     def __repr__(self) -> str:
         return f"FlatGrad({self.handle.name!r}, empty={self.empty}, scaled={self.scale is not None})"
+
+
+class RootGradCapture:
+    """Early capture (module docstring) for the root block's trainable parameters: after each
+    forward with autograd, a walk of the graph from the outputs finds every edge into one of
+    those parameters' AccumulateGrad nodes and puts a post hook on the node that sends it; the
+    hook gives the contribution to the parameter's FlatGrad (`capture`) and passes None on in
+    its place, so autograd neither buffers it nor sets `.grad`."""
+
+    def __init__(self, params: Sequence[tuple[nn.Parameter, FlatGrad, int]]) -> None:
+        self._where = {id(p): (p, grad, i) for p, grad, i in params}
+        """id(parameter) -> (the parameter, its FlatGrad, its index there)."""
+
+    def install(self, outputs: Sequence[torch.Tensor]) -> None:
+        """Hook the nodes that send gradients to the parameters, in the graph behind `outputs`."""
+        if not self._where or not any(g.can_capture(p.dtype) for p, g, _ in self._where.values()):
+            return
+        seen: set[Any] = set()
+        todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        while todo:
+            node = todo.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            edges = []
+            for j, (child, _) in enumerate(node.next_functions):
+                if child is None:
+                    continue
+                variable = getattr(child, "variable", None)
+                if variable is not None and id(variable) in self._where:
+                    _, grad, i = self._where[id(variable)]
+                    edges.append(_Edge(j, child, grad, i))
+                elif child not in seen:
+                    todo.append(child)
+            if edges:
+                node.register_hook(_capture_hook(edges))
+
+
+def _accumulates(accumulate: Any) -> bool:
+    """This backward runs the AccumulateGrad node `accumulate`: a .backward() that reaches it
+    (the engine's answer, which torch's multi-grad hooks also ask); never torch.autograd.grad,
+    which returns gradients instead (the engine refuses the question there)."""
+    try:
+        return torch._C._will_engine_execute_node(accumulate)
+    except RuntimeError:  # "... currently running autograd.grad()"
+        return False
+
+
+class _Edge(NamedTuple):
+    """Where a node sends a parameter's gradient: its output `position`, to `accumulate` (the
+    parameter's AccumulateGrad node); the parameter is `index` in `grad`."""
+
+    position: int
+    accumulate: Any
+    grad: FlatGrad
+    index: int
+
+
+def _capture_hook(edges: list[_Edge]) -> Any:
+    """A node post hook: the gradients the node sends along `edges` go to the FlatGrads; None
+    goes on in their place; only when this backward accumulates into the parameter (not for
+    torch.autograd.grad, nor a backward(inputs=...) without it)."""
+    def hook(grad_inputs: tuple[torch.Tensor | None, ...], grad_outputs: Any) -> tuple[Any, ...] | None:
+        out = list(grad_inputs)
+        taken = False
+        for e in edges:
+            g = out[e.position]
+            if g is not None and _accumulates(e.accumulate) and e.grad.capture(e.index, g):
+                out[e.position] = None
+                taken = True
+        return tuple(out) if taken else None
+    return hook

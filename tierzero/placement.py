@@ -76,7 +76,7 @@ without closing its model leaves no swap files behind."""
 def _close_at_exit() -> None:
     for pm in list(_OPEN):
         try:
-            pm.close()
+            pm.close(flush=False)  # the swap files go: writing dirty copies into them is waste
         except Exception as e:  # the interpreter is exiting: report, close the others
             print(f"tierzero: closing {pm!r} at exit failed: {e}", file=sys.stderr)
 
@@ -416,14 +416,17 @@ class PlacementManager:
     def budget(self, tier: Tier | str) -> int:
         return self.budgets[Tier.parse(tier)].limit
 
-    def close(self) -> None:
-        """Finish in-flight work, free every copy, remove the swap files, join threads; idempotent."""
+    def close(self, *, flush: bool = True) -> None:
+        """Finish in-flight work, free every copy, remove the swap files, join threads; idempotent.
+        flush=False: dirty cached copies are dropped, not written home first (at interpreter
+        exit, when concurrent.futures already refuses new work and the files are going anyway)."""
         if self._closed:
             return
         _OPEN.discard(self)
         error: BaseException | None = None
         try:
-            self.flush()
+            if flush:
+                self.flush()
         except BaseException as e:  # still free everything, then report
             error = e
         with self._cond:

@@ -161,9 +161,11 @@ class Prefetcher:
         if it is not None and it.marks:
             it.marks[-1] = it.marks[-1]._replace(stall1=self.pm.telemetry.total_stall_s())
 
-    def end(self) -> None:
+    def end(self, *, learn: bool = True) -> None:
+        """The iteration is over; learn=False: it was cut short (a backward that raised), its
+        fetches are neither a trace nor timings."""
         it, self._it = self._it, None
-        if it is None or not it.recording:
+        if it is None or not it.recording or not learn:
             return
         now, stall = _clock(), self.pm.telemetry.total_stall_s()
         self._ended = (now, stall)

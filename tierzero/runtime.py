@@ -58,6 +58,7 @@ from tierzero.blocks import Block, SavedParamViews, output_tensors
 from tierzero.config import Config, format_size
 from tierzero.fetch_group import discard_gathers, gather_ahead
 from tierzero.flat_param import FlatParam, borrows_checkpoint, fetched_bytes, shard_request
+from tierzero.grads import RootGradCapture
 from tierzero.grouping import ROOT, BlockSpec, assign_params, block_specs, group_modules, unique_params
 from tierzero.optimizer_guard import refuse_other_optimizers
 from tierzero.placement import PlacementManager
@@ -90,6 +91,9 @@ class TieredState:
         """(FlatParam, index) of each parameter in model.parameters() order."""
         self._handles: list[Any] = []
         self._saved_views = SavedParamViews(ctx)
+        root = [b for b in blocks if b.name == ROOT]
+        self._root_grads = RootGradCapture([(p, flat.grad, i) for b in root for flat in b.flats
+                                            if flat.grad is not None for i, p in enumerate(flat.params)])
 
     @property
     def pm(self) -> PlacementManager:
@@ -108,6 +112,8 @@ class TieredState:
     # ------------------------------------------------------------------------ step lifecycle
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self.ctx.backward_died():
+            self.ctx.end_iteration(died=True)  # its final callback never ran; blocks reset below
         if self.ctx.phase is Phase.BACKWARD:
             return
         for block in self.blocks:
@@ -125,8 +131,11 @@ class TieredState:
         if self.ctx.phase is Phase.BACKWARD:
             return
         self._saved_views.exit()
-        if not torch.is_grad_enabled() or not any(t.requires_grad for t in output_tensors(output)):
+        outputs = [t for t in output_tensors(output) if t.requires_grad]
+        if not torch.is_grad_enabled() or not outputs:
             self.ctx.end_iteration()
+        else:
+            self._root_grads.install(outputs)
 
     def end_backward(self) -> None:
         """Final callback of a backward pass (queued by the first pre-backward hook)."""

@@ -11,6 +11,9 @@ below, so the life of a step can be read in one place:
     put / take gather an all-gather started ahead waits here for its block's fetch
     begin_backward    the first pre-backward hook: phase BACKWARD, the final callback queued once
     end_iteration     the final callback of a backward (or the end of an inference forward)
+
+A backward that raises never runs its final callback: the phase stays BACKWARD after it.
+`backward_died()` tells the next root forward so, which then ends that iteration first.
 """
 
 from __future__ import annotations
@@ -153,12 +156,18 @@ class StepContext:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
-    def end_iteration(self) -> None:
-        """The backward (or an inference forward) is over."""
+    def backward_died(self) -> bool:
+        """The phase is BACKWARD but no backward is running on this thread: the last one raised
+        before its final callback. (A forward inside a running backward is a recompute.)"""
+        return self.phase is Phase.BACKWARD and torch._C._current_graph_task_id() == -1
+
+    def end_iteration(self, *, died: bool = False) -> None:
+        """The backward (or an inference forward) is over; `died`: it raised, so the prefetcher
+        learns nothing from it (its fetches stopped short of a trace)."""
         self._callback_queued = False
         self.phase = Phase.IDLE
         if self.prefetcher is not None:
-            self.prefetcher.end()
+            self.prefetcher.end(learn=not died)
         if self._iteration_end is not None:
             self._iteration_end()
 
