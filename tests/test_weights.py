@@ -30,7 +30,8 @@ from tierzero import runtime
 from pairs import clipped_step
 from tierzero.flat_param import FlatParam
 from tierzero.handles import Kind
-from tierzero.weights import WeightPlan, WeightSource
+from tierzero.cow_home import CheckpointHome
+from tierzero.weights import LoadedShard, WeightPlan, WeightSource
 
 STEPS = 10
 SEQ = 12
@@ -188,9 +189,9 @@ def _masters(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_bf16_load_writes_master_weights_only_when_the_optimizer_needs_them(tmp_path, wrapped):
-    """A bf16 model loaded for bf16 compute: wrap keeps the parameters dirty in host room (what
-    fits there is not written yet) and flush writes them, and no fp32 master weights; those the
-    optimizer makes are bit for bit the ones an fp32 model of the
+    """A bf16 model loaded for bf16 compute: the parameters' NVMe homes are the checkpoint's
+    files (copy-on-write homes), so neither wrap nor flush writes them, and no fp32 master
+    weights; those the optimizer makes are bit for bit the ones an fp32 model of the
     same checkpoint registers at wrap, a checkpoint saved before them holds the same values, and
     training follows the same model wrapped from memory (master weights registered at wrap) bit
     for bit."""
@@ -201,10 +202,9 @@ def test_bf16_load_writes_master_weights_only_when_the_optimizer_needs_them(tmp_
     state = runtime.state_of(model)
     handles = state.pm.handles
     assert {h.kind for h in handles} == {Kind.PARAM, Kind.GRAD}
-    assert state.pm.telemetry.reset_step().bytes_moved["nvme"] == 0  # all dirty in host room
+    assert state.pm.telemetry.reset_step().bytes_moved["nvme"] == 0
     state.pm.flush()
-    params = sum(h.nbytes for h in handles if h.kind is Kind.PARAM)
-    assert state.pm.telemetry.reset_step().bytes_moved["nvme"] == params  # no master weights
+    assert state.pm.telemetry.reset_step().bytes_moved["nvme"] == 0  # nothing dirty either
     eager = wrapped(build("LlamaForCausalLM", llama(False), meta=True),
                     cfg(tmp_path / "eager", compute_dtype="bfloat16"), weights=folder)
     assert any(h.kind is Kind.MASTER for h in runtime.state_of(eager).pm.handles)  # fp32 parameters
@@ -470,9 +470,13 @@ class _CountingHandle:
 
 
 def count_reads(log: list[tuple[str, int]]) -> Callable[[], None]:
-    """Log every read from the library as (key, bytes), ("release", 0) at every unmap; returns
-    the undo."""
-    handle, release = WeightSource._handle, WeightSource.release
+    """Log every read from the library as (key, bytes), ("release", 0) at every unmap, and the
+    checkpoint bytes read for copy-on-write homes as ("borrowed", bytes); returns the undo."""
+    handle, release, borrow = WeightSource._handle, WeightSource.release, CheckpointHome.load
+
+    def borrowing(self: CheckpointHome, *args: Any, **kwargs: Any) -> None:
+        log.append(("borrowed", sum(s.nbytes for s in self.segments)))
+        borrow(self, *args, **kwargs)
 
     def counting(self: WeightSource, file: Path) -> Any:
         h = handle(self, file)
@@ -486,8 +490,10 @@ def count_reads(log: list[tuple[str, int]]) -> Callable[[], None]:
 
     def undo() -> None:
         WeightSource._handle, WeightSource.release = handle, release  # type: ignore[method-assign]
+        CheckpointHome.load = borrow  # type: ignore[method-assign]
 
     WeightSource._handle, WeightSource.release = counting, releasing  # type: ignore[method-assign]
+    CheckpointHome.load = borrowing  # type: ignore[method-assign]
     return undo
 
 
@@ -497,7 +503,9 @@ def test_loading_holds_two_shards_at_a_time(tmp_path, wrapped, monkeypatch):
     being read ahead and the tensor read before; the file maps (whose touched pages stay
     resident) are released after every flat tensor's reads; a shard is registered after its
     reads and the reads run at most one flat tensor ahead of the registers, whatever the
-    threads' timing. The whole model is never in memory."""
+    threads' timing. The whole model is never in memory. (An fp32 checkpoint for bf16 compute,
+    a conversion: read through the library; shards read as their checkpoint's bytes go through
+    the same read_shards, see test_zero3_ranks_read_their_rows_and_train_like_one_process.)"""
     config = llama(False, layers=6)
     config.vocab_size = 61  # small embeddings: the layers are most of the model
     ref = build("LlamaForCausalLM", config)
@@ -519,15 +527,16 @@ def test_loading_holds_two_shards_at_a_time(tmp_path, wrapped, monkeypatch):
         live.append((weakref.ref(t), t.nbytes))
         return t
 
-    def tracked_register(self: FlatParam, shard: torch.Tensor) -> None:
+    def tracked_register(self: FlatParam, shard: LoadedShard) -> None:
         peak[0] = max(peak[0], alive())
-        live.append((weakref.ref(shard), shard.nbytes))
+        live.append((weakref.ref(shard.values), shard.values.nbytes))
         log.append(("register", self))
         register(self, shard)
 
     monkeypatch.setattr(WeightSource, "read", tracked_read)
     monkeypatch.setattr(FlatParam, "register_shard", tracked_register)
-    model = wrapped(build("LlamaForCausalLM", config, meta=True), cfg(tmp_path), weights=folder)
+    model = wrapped(build("LlamaForCausalLM", config, meta=True), cfg(tmp_path, compute_dtype="bfloat16"),
+                    weights=folder)
     state = runtime.state_of(model)
     flats = state.flat_params()
     total = sum(p.numel() * 4 for p in ref.parameters())
@@ -576,7 +585,8 @@ def _zero_train(rank: int, world_size: int, folder: str, out: str, init_file: st
         losses = []
         for x in batches(config.vocab_size, STEPS, rows=ZERO_BATCH):
             losses.append(clipped_step(model, opt, model(x[rows], labels=x[rows]).loss, 1.0, world_size)[0])
-        torch.save({"losses": losses, "read_bytes": sum(n for _, n in log)}, os.path.join(out, f"rank{rank}.pt"))
+        read = {"read_bytes": sum(n for _, n in log), "borrowed_bytes": sum(n for k, n in log if k == "borrowed")}
+        torch.save({"losses": losses, **read}, os.path.join(out, f"rank{rank}.pt"))
         runtime.close(model)
     finally:
         if world_size > 1:
@@ -591,16 +601,19 @@ def test_zero3_ranks_read_their_rows_and_train_like_one_process(tmp_path):
     (tmp_path / "one").mkdir()
     _zero_train(0, 1, str(folder), str(tmp_path / "one"), "")
     one = torch.load(tmp_path / "one" / "rank0.pt")
-    assert one["read_bytes"] == total
+    assert one["read_bytes"] == one["borrowed_bytes"] == total  # fp32 for fp32: the files are the homes
     (tmp_path / "two").mkdir()
     mp.start_processes(_zero_train, args=(2, str(folder), str(tmp_path / "two"), str(tmp_path / "init")),
                        nprocs=2, start_method="spawn")
+    borrowed = 0
     for r in range(2):
         res = torch.load(tmp_path / "two" / f"rank{r}.pt")
-        # half of every tensor, plus the rows a shard boundary cuts through
-        assert res["read_bytes"] < 0.6 * total, (r, res["read_bytes"], total)
+        # half of every tensor (borrowed: exactly its own part of the flat tensors)
+        assert res["read_bytes"] == res["borrowed_bytes"] < 0.6 * total, (r, res, total)
+        borrowed += res["borrowed_bytes"]
         torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=0,
                                    msg=lambda m: f"rank {r}: per-step losses: {m}")
+    assert borrowed == total
 
 
 def _lazy_masters(rank: int, world_size: int, folder: str, out: str, init_file: str) -> None:

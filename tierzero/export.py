@@ -172,7 +172,7 @@ def _load_folder(state: runtime.TieredState, path: Path) -> None:
     with plan.source, contextlib.closing(plan.read_shards(wanted, state.ctx.rank)) as shards:
         for flat, shard in zip(flats, shards):
             with torch.profiler.record_function(f"tierzero::load_weights {flat.name}"):
-                flat.store_values(shard)
+                flat.store_values(shard.values)
         load_buffers(state.model, plan, state.pm.device)
 
 

@@ -21,6 +21,10 @@ rank instead of the shard, while the master weights stay this rank's shard (so t
 the parameters themselves): new values of the shard (an optimizer step, a load) are cast to the
 compute dtype and all-gathered, in a device scratch buffer, into every rank's whole copy.
 
+A shard loaded from a checkpoint whose bytes it is exactly (the same case: values in the compute
+dtype) is registered with the checkpoint's files as its NVMe home until its first write, so a
+load writes nothing to the swap files (tierzero/cow_home.py).
+
 Parameters are never replaced: each stays the same nn.Parameter object, and its `.data` is set
 to a view into the device copy while HELD, and to a one-element zero-stride placeholder of the
 same shape, dtype and device otherwise. Autograd saves parameters (leaves) by reference, so a
@@ -39,10 +43,11 @@ from torch import nn
 from tierzero.fetch_group import discard_gather
 from tierzero.grads import FlatGrad
 from tierzero.handles import Kind, TensorHandle
-from tierzero.sharding import FlatLayout, all_gather_flat, broadcast_from_first_, rank_errors
+from tierzero.cow_home import CheckpointHome
+from tierzero.sharding import FlatLayout, ZeroStage, all_gather_flat, broadcast_from_first_, rank_errors
 from tierzero.step_context import StepContext
 from tierzero.tiers import Tier
-from tierzero.weights import ShardRequest
+from tierzero.weights import LoadedShard, ShardRequest
 
 
 class ParamState(Enum):
@@ -133,27 +138,31 @@ class FlatParam:
             broadcast_from_first_(flat, ctx.group, ctx.world_size)
         self._register(flat[self.shard], flat if ctx.zero.params_whole else None, lazy=False)
 
-    def register_shard(self, shard: torch.Tensor) -> None:
+    def register_shard(self, shard: LoadedShard) -> None:
         """As `register`, from this rank's shard itself (`layout.shard_numel` elements in
-        `load_dtype`, e.g. read from a checkpoint by every rank): no communication, except at
+        `load_dtype`, read from a checkpoint by every rank): no communication, except at
         stages 1 and 2, where the shards are all-gathered into every rank's whole parameters.
         NVMe homes are written lazily (PlacementManager.register): the blocks of a load that fit
-        the host budget stay there, unwritten until their room is needed."""
+        the host budget stay there, unwritten until their room is needed; a shard that comes
+        with its checkpoint home (`borrows_checkpoint`) is never written at load."""
         ctx = self.ctx
         whole = None
         if ctx.zero.params_whole:
-            whole = self._gather(shard.to(ctx.device, ctx.compute_dtype), "at wrap")
-        self._register(shard, whole, lazy=True)
+            assert shard.home is None, self.name  # the whole parameters are not the shard's bytes
+            whole = self._gather(shard.values.to(ctx.device, ctx.compute_dtype), "at wrap")
+        self._register(shard.values, whole, lazy=True, borrowed=shard.home)
 
-    def _register(self, shard: torch.Tensor, whole: torch.Tensor | None, *, lazy: bool) -> None:
-        """Register the parameters (`whole` when every rank keeps them whole, else `shard`), and
-        the gradient of a trainable flat tensor, with its master weights when the parameters
-        cannot hold `shard`'s values exactly (see the module docstring)."""
+    def _register(self, shard: torch.Tensor, whole: torch.Tensor | None, *, lazy: bool,
+                  borrowed: CheckpointHome | None = None) -> None:
+        """Register the parameters (`whole` when every rank keeps them whole, else `shard`, with
+        its checkpoint home when `borrowed`), and the gradient of a trainable flat tensor, with
+        its master weights when the parameters cannot hold `shard`'s values exactly (see the
+        module docstring)."""
         ctx = self.ctx
         assert shard.numel() == self.layout.shard_numel, (self.name, shard.shape)
         kind = Kind.PARAM if self.trainable else Kind.FROZEN
         self._param = ctx.register(self.name, shard if whole is None else whole, self.home, kind=kind,
-                                   dtype=ctx.compute_dtype, lazy=lazy)
+                                   dtype=ctx.compute_dtype, lazy=lazy, borrowed=borrowed)
         if self.trainable:
             self.grad = FlatGrad(self.name, self.layout, ctx)
             if not self._params_hold(shard.dtype):
@@ -312,10 +321,22 @@ def load_dtype(orig_dtypes: list[torch.dtype], compute_dtype: torch.dtype) -> to
     return compute_dtype if all(d == compute_dtype for d in orig_dtypes) else torch.float32
 
 
-def shard_request(layout: FlatLayout, dtypes: list[torch.dtype], compute_dtype: torch.dtype) -> ShardRequest:
+def shard_request(layout: FlatLayout, dtypes: list[torch.dtype], compute_dtype: torch.dtype, *,
+                  borrow: bool = False) -> ShardRequest:
     """The checkpoint read for a flat tensor of `layout` whose parameters have `dtypes`, its
-    shard given in `load_dtype`."""
-    return ShardRequest(layout, dtypes, load_dtype(dtypes, compute_dtype))
+    shard given in `load_dtype`; `borrow` (see `borrows_checkpoint`) when that is the compute
+    dtype, the parameters' registered bytes."""
+    out_dtype = load_dtype(dtypes, compute_dtype)
+    return ShardRequest(layout, dtypes, out_dtype, borrow and out_dtype == compute_dtype)
+
+
+def borrows_checkpoint(home: Tier, zero: ZeroStage) -> bool:
+    """Whether a load may keep the checkpoint's files as the parameters' NVMe home (the note
+    "copy-on-write home" in tierzero/cow_home.py): when they are homed on NVMe and registered
+    as this rank's shard (not whole, as at stages 1 and 2). It does for each shard whose bytes
+    are the checkpoint's exactly (WeightPlan.segments): the same dtype, the compute dtype (no
+    master weights then either)."""
+    return home is Tier.NVME and not zero.params_whole
 
 
 def fetched_bytes(layout: FlatLayout, dtype: torch.dtype, *, gathered: bool) -> int:

@@ -8,7 +8,9 @@ extents are 4 KiB aligned, allocated first-fit and coalesced on free. A tensor t
 when a hole fits it, else pieces of the largest holes (a `SwapRegion`), so free space left in
 the tails of chunk files is never lost to fragmentation. All IO goes through
 io_engine (O_DIRECT when possible) from page-aligned host buffers; with checksums on, every
-write records the xxh3 of the bytes written and every read verifies it.
+write records the xxh3 of the bytes written and every read verifies it. A region may have a
+checkpoint's files as its bytes until its first write (`borrow`/`adopt`: see the note
+"copy-on-write home" in tierzero/cow_home.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 
 from io_engine import IOEngine, IOFuture, PreallocatedFile
 from tierzero.config import IOConfig, format_size
+from tierzero.cow_home import CheckpointFiles, CheckpointHome, Segment
 from tierzero.telemetry import Telemetry
 from tierzero.tiers import ALIGNMENT, Budget, round_up
 
@@ -217,6 +220,12 @@ class SwapSpace:
         self.allocator = ExtentAllocator()
         self._files: dict[int, PreallocatedFile] = {}
         self._checksums: dict[tuple[int, int], int] = {}
+        self.checkpoint_files = CheckpointFiles(io.direct)
+        """The checkpoint files that copy-on-write homes read (held open while they do)."""
+        self._borrowed: dict[tuple[int, int], CheckpointHome] = {}
+        """Region (its first extent) -> the checkpoint bytes it holds until its first write.
+        Set under the placement manager's lock; popped by the write on a worker: the moves of
+        one tensor that touch its home run in order, so no read of it runs meanwhile."""
         self._closed = False
 
     @property
@@ -250,7 +259,29 @@ class SwapSpace:
             self.budget.release(length)
             raise
 
+    def borrow(self, segments: list[Segment], nbytes: int, out: np.ndarray) -> CheckpointHome:
+        """Read a shard of `nbytes` from checkpoint `segments` into `out` (a load), and return
+        them as a home for `adopt` (checked on every later read; see tierzero/cow_home.py)."""
+        home = CheckpointHome(segments, nbytes, self.checkpoint_files)
+        self.telemetry.nvme_started()
+        try:
+            home.load(self.engine, out, checksums=self.checksums)
+        except BaseException:
+            home.close()
+            raise
+        finally:
+            self.telemetry.nvme_finished("read", "params", nbytes)
+        return home
+
+    def adopt(self, region: SwapRegion, home: CheckpointHome, name: str) -> None:
+        """The region's bytes are `home`'s until its first write: reads read the checkpoint, the
+        write goes to the region and forgets it. The region stays reserved all along, so that
+        write never lacks room: only the copy at registration is saved."""
+        home.name = name
+        self._borrowed[_key(region)] = home
+
     def free(self, region: SwapRegion) -> None:
+        self._forget_borrowed(region)
         for ext in region.extents:
             self._checksums.pop((ext.chunk, ext.offset), None)
             self.allocator.free(ext)
@@ -260,6 +291,7 @@ class SwapSpace:
         """Write buf[:region.length] (page-aligned) to the region; blocking. `traffic`: the
         group telemetry counts the bytes under (Kind.traffic)."""
         pieces = self._pieces(region, buf)
+        self._forget_borrowed(region)  # the checkpoint's bytes are old from now on
         self.telemetry.nvme_started()
         try:
             futures = [write_extent(self.engine, self._files[e.chunk], piece, e.offset, checksum=self.checksums)
@@ -272,8 +304,17 @@ class SwapSpace:
             self.telemetry.nvme_finished("write", traffic, region.length)
 
     def read(self, region: SwapRegion, buf: np.ndarray, name: str, traffic: str = "other") -> None:
-        """Read the region into buf[:region.length] and verify its checksums; blocking."""
+        """Read the region into buf[:region.length] and verify its checksums; blocking. A
+        borrowed region reads its checkpoint segments instead (into its first home.nbytes)."""
         pieces = self._pieces(region, buf)
+        home = self._borrowed.get(_key(region))
+        if home is not None:
+            self.telemetry.nvme_started()
+            try:
+                home.read(self.engine, buf)
+            finally:
+                self.telemetry.nvme_finished("read", traffic, home.nbytes)
+            return
         self.telemetry.nvme_started()
         try:
             futures = [read_extent(self.engine, self._files[e.chunk], piece, e.offset, checksum=self.checksums)
@@ -290,9 +331,16 @@ class SwapSpace:
                     f"offset {e.offset} ({e.length} bytes): wrote xxh3 {expected:#018x}, read back "
                     f"{fut.checksum:#018x}; the swap file was modified or the drive returned bad data")
 
-    def path(self, region: SwapRegion) -> str:
-        """The file holding the region's first byte."""
-        return str(self._files[region.extents[0].chunk].path)
+    def location(self, region: SwapRegion) -> tuple[str, int]:
+        """(file, offset) of the region's first byte: its checkpoint file while borrowed."""
+        home = self._borrowed.get(_key(region))
+        if home is not None:
+            return home.location()
+        return str(self._files[region.extents[0].chunk].path), region.extents[0].offset
+
+    def borrowed(self, region: SwapRegion) -> bool:
+        """Whether the region's bytes are still a checkpoint's (not written since adopt)."""
+        return _key(region) in self._borrowed
 
     def close(self) -> None:
         """Close the engine and remove this run's swap files and folder; idempotent."""
@@ -300,6 +348,10 @@ class SwapSpace:
             return
         self._closed = True
         self.engine.close()
+        for home in self._borrowed.values():
+            home.close()
+        self._borrowed.clear()
+        self.checkpoint_files.close()
         for f in self._files.values():
             f.close()
             os.unlink(f.path)
@@ -324,6 +376,11 @@ class SwapSpace:
             self.allocator.remove_chunk(chunk)
             raise
 
+    def _forget_borrowed(self, region: SwapRegion) -> None:
+        home = self._borrowed.pop(_key(region), None)
+        if home is not None:
+            home.close()
+
     def _pieces(self, region: SwapRegion, buf: np.ndarray) -> list[tuple[Extent, np.ndarray]]:
         if buf.nbytes < region.length:
             raise ValueError(f"swap IO: buffer of {buf.nbytes} bytes is smaller than the region's {region.length}")
@@ -335,6 +392,10 @@ class SwapSpace:
 
     def __repr__(self) -> str:
         return f"SwapSpace({str(self.run_dir)!r}, files={len(self._files)}, {self.allocator!r})"
+
+
+def _key(region: SwapRegion) -> tuple[int, int]:
+    return region.extents[0].chunk, region.extents[0].offset
 
 
 def _result(fut: IOFuture, what: str) -> int:

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from tierzero.config import Config, format_size
+from tierzero.cow_home import CheckpointHome
 from tierzero.eviction import EvictionPolicy, LeastRecentlyUsed, Shortfall
 from tierzero.handles import Kind, TensorHandle
 from tierzero.moves import Move, staging_needs
@@ -123,7 +124,8 @@ class PlacementManager:
     # ----------------------------------------------------------------------------- public API
 
     def register(self, owner: str, data: torch.Tensor, home: Tier | str, *, kind: Kind = Kind.TENSOR,
-                 dtype: torch.dtype | None = None, lazy: bool = False) -> TensorHandle:
+                 dtype: torch.dtype | None = None, lazy: bool = False,
+                 borrowed: CheckpointHome | None = None) -> TensorHandle:
         """Copy `data` (cast to `dtype`) to its home tier, where its bytes stay reserved; the
         handle names the tensor in every other call. An NVMe home is written asynchronously from
         a host staging copy (later reads wait for it; `flush()` raises its error), so a caller
@@ -132,9 +134,28 @@ class PlacementManager:
         is needed or by flush(), so what fits the host budget is not written yet (a load's last
         blocks). `data` on the meta device reserves the room without writing anything: the
         contents are undefined until the first store or dirty release (a gradient before its
-        first backward)."""
+        first backward).
+
+        borrowed: checkpoint bytes equal to `data`'s, read by `SwapSpace.borrow`, that serve as
+        the NVMe home until its first write (tierzero/cow_home.py): the home's swap extent is
+        reserved all the same, so that write can never lack room, but nothing is written now;
+        the host staging copy stays as a clean cached copy. Closed if the register fails."""
+        try:
+            return self._register(owner, data, home, kind, dtype, lazy, borrowed)
+        except BaseException:
+            if borrowed is not None:
+                borrowed.close()
+            raise
+
+    def _register(self, owner: str, data: torch.Tensor, home: Tier | str, kind: Kind, dtype: torch.dtype | None,
+                  lazy: bool, borrowed: CheckpointHome | None) -> TensorHandle:
         h = TensorHandle(owner, kind, torch.Size(data.shape), dtype or data.dtype,
                          Tier.parse(home, what=f"register({owner!r}) home"))
+        if borrowed is not None and (h.home is not Tier.NVME or data.is_meta or borrowed.nbytes != h.nbytes
+                                     or data.dtype != h.dtype):
+            raise ValueError(f"register({h.name!r}, borrowed={borrowed!r}): a checkpoint home serves only an "
+                             f"NVMe home of the same bytes; got home {h.home.value}, {h.nbytes} bytes of "
+                             f"{h.dtype} from {'meta' if data.is_meta else data.dtype} data")
         with self._cond:
             self._check_open()
             if self._table.named(h.name):
@@ -149,7 +170,7 @@ class PlacementManager:
                 self._room.check_fits(h.name, nbytes, tier, why="NVMe-homed tensors are staged through host memory")
             needs = [(h.home, h.nbytes)] + staging
             buf, *staged = self._wait_until(lambda: self._room.take(needs, h), h.name, f"register({h.name!r})")
-            self._table.to_home(h, data, buf, staged[0] if staged else None, lazy=lazy)
+            self._table.to_home(h, data, buf, staged[0] if staged else None, lazy=lazy, borrowed=borrowed)
             return h
 
     def unregister(self, h: TensorHandle) -> None:
@@ -341,15 +362,16 @@ class PlacementManager:
         return self._record_of(h, "record")
 
     def nvme_location(self, h: TensorHandle) -> tuple[str, int]:
-        """(swap file, byte offset) where an NVMe-homed tensor's bytes start: for tools that
-        inspect or repair swap files, and for tests that damage them on purpose."""
+        """(file, byte offset) where an NVMe-homed tensor's bytes start: a swap file, or the
+        checkpoint file of a copy-on-write home (tierzero/cow_home.py); for tools that inspect
+        or repair swap files, and for tests that damage them on purpose."""
         rec = self._record_of(h, "nvme_location")
         if h.home is not Tier.NVME or self.swap is None:
             raise ValueError(f"nvme_location({h.name!r}): the tensor is homed on {h.home.value}, not nvme")
         with self._cond:
             region = self._table.home_buffer(rec)
         assert isinstance(region, SwapRegion), region
-        return self.swap.path(region), region.extents[0].offset
+        return self.swap.location(region)
 
     @property
     def handles(self) -> tuple[TensorHandle, ...]:

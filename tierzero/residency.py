@@ -29,6 +29,7 @@ from typing import Callable, Literal, Mapping, TypeVar
 import torch
 
 from io_engine import aligned_empty
+from tierzero.cow_home import CheckpointHome
 from tierzero.eviction import Room, Shortfall
 from tierzero.handles import TensorHandle
 from tierzero.moves import (Copy, Done, Failed, FetchPlan, Move, MoveIO, MoveTable, Outcome, StorePlan,
@@ -289,11 +290,13 @@ class ResidencyTable:
     # Each ends by writing the residency it moves to; only these write rec._residency.
 
     def to_home(self, h: TensorHandle, data: torch.Tensor, buf: Buffer, staging: Buffer | None, *,
-                lazy: bool = False) -> TensorRecord:
+                lazy: bool = False, borrowed: CheckpointHome | None = None) -> TensorRecord:
         """(unregistered) -> HOME: write `data` into the reserved home `buf` (an NVMe home through
         the host `staging` buffer, by a worker: its error goes to flush(); with `lazy` the staging
-        buffer stays as a dirty cached host copy, HOST -> RESIDENT, and nothing is written yet);
-        nothing for a meta `data`."""
+        buffer stays as a dirty cached host copy, HOST -> RESIDENT, and nothing is written yet;
+        with `borrowed`, checkpoint bytes equal to `data`, the NVMe home is adopted unwritten and
+        the staging buffer stays as a clean cached host copy, HOST -> RESIDENT); nothing for a
+        meta `data`."""
         rec = TensorRecord(h, self.moves)
         staging = None if staging is None else flat(staging)
         home = Copy(buf, self.stores[h.home].view(buf, h))
@@ -314,8 +317,11 @@ class ResidencyTable:
         self.room.add_home(h)
         self._records[h] = rec
         self._names[h.name] = h
-        if staging is not None and lazy:
-            rec._copies[Tier.HOST] = Copy(staging, self.stores[Tier.HOST].view(staging, h), used=True, dirty=True)
+        if borrowed is not None:
+            self._io.nvme().adopt(region(buf), borrowed, h.name)
+        if staging is not None and (lazy or borrowed is not None):
+            rec._copies[Tier.HOST] = Copy(staging, self.stores[Tier.HOST].view(staging, h), used=True,
+                                          dirty=borrowed is None)
             self.room.cached(h, Tier.HOST)
             rec._residency[Tier.HOST] = Residency.RESIDENT
         elif staging is not None:  # the NVMe write runs on a worker, as a store's does

@@ -57,7 +57,7 @@ from torch import nn
 from tierzero.blocks import Block, SavedParamViews, output_tensors
 from tierzero.config import Config, format_size
 from tierzero.fetch_group import discard_gathers, gather_ahead
-from tierzero.flat_param import FlatParam, fetched_bytes, shard_request
+from tierzero.flat_param import FlatParam, borrows_checkpoint, fetched_bytes, shard_request
 from tierzero.grads import GradCapture
 from tierzero.grouping import ROOT, BlockSpec, assign_params, block_specs, group_modules, unique_params
 from tierzero.optimizer_guard import refuse_other_optimizers
@@ -67,7 +67,7 @@ from tierzero.sharding import CommBytes, FlatLayout, ZeroStage, broadcast_from_f
 from tierzero.step_context import Phase, StepContext
 from tierzero.telemetry import StepStats
 from tierzero.tiers import Tier
-from tierzero.weights import check_buffers, init_buffers, load_buffers, open_weights
+from tierzero.weights import LoadedShard, check_buffers, init_buffers, load_buffers, open_weights
 
 _STATES: "weakref.WeakKeyDictionary[nn.Module, TieredState]" = weakref.WeakKeyDictionary()
 """Side table: wrapped root module -> its state."""
@@ -236,10 +236,11 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
             shards = None
             if plan is not None:
                 init_buffers(model, plan)  # while the parameters are still as built
-                wanted = [shard_request(layout, [p.dtype for _, p in ps], compute_dtype)
+                borrow = borrows_checkpoint(Tier(config.params), ctx.zero)
+                wanted = [shard_request(layout, [p.dtype for _, p in ps], compute_dtype, borrow=borrow)
                           for _, _, flats in layouts for ps, layout in flats]
                 # closed before the files (the exit stack unwinds in reverse): no read left in flight
-                shards = files.enter_context(contextlib.closing(plan.read_shards(wanted, rank)))
+                shards = files.enter_context(contextlib.closing(plan.read_shards(wanted, rank, swap=pm.swap)))
             blocks = [_build_block(name, modules, flats, ctx, Tier(config.params), shards)
                       for name, modules, flats in layouts]
             if plan is not None:
@@ -369,7 +370,7 @@ def _check_device_budget(config: Config, specs: list[BlockSpec], dtype: torch.dt
 
 def _build_block(name: str, modules: list[nn.Module],
                  layouts: list[tuple[list[tuple[str, nn.Parameter]], FlatLayout]], ctx: StepContext, home: Tier,
-                 shards: Iterator[torch.Tensor] | None) -> Block:
+                 shards: Iterator[LoadedShard] | None) -> Block:
     """The block's flat tensors (`layouts`: flat_groups), registered from the parameters'
     values, or from the next of `shards` (this rank's shards read from a checkpoint, in flat
     order: registered and dropped, so about one block is in memory)."""

@@ -93,6 +93,26 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike[s
     return write_safetensors(path, specs, metadata)
 
 
+def read_header(path: str | os.PathLike[str]) -> tuple[int, dict[str, dict]]:
+    """(file offset of the data, the header's tensor entries) of a safetensors file: a tensor's
+    bytes are [start + begin, start + end) of the file for its "data_offsets" [begin, end].
+    ValueError naming the file when the header is not one."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        size = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        try:
+            if size < 2 or size > os.fstat(f.fileno()).st_size - 8:
+                raise ValueError(f"a header of {size} bytes")
+            header = json.loads(f.read(size))
+            if not isinstance(header, dict):
+                raise ValueError("a header that is not a JSON object")
+        except ValueError as e:
+            raise ValueError(f"{str(path)!r} is not a safetensors file ({e}); give a file written by "
+                             "save_file / save_pretrained") from None
+    header.pop("__metadata__", None)
+    return 8 + size, header
+
+
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     """Make a rename or a new file in `path` durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

@@ -32,6 +32,7 @@ from tierzero.tiers import Tier
 
 if TYPE_CHECKING:
     from tierzero.blocks import Block
+    from tierzero.cow_home import CheckpointHome
     from tierzero.fetch_group import PendingGather
     from tierzero.flat_param import FlatParam
     from tierzero.placement import PlacementManager
@@ -107,9 +108,10 @@ class StepContext:
     # ----------------------------------------------------------------------------- setup
 
     def register(self, owner: str, data: torch.Tensor, home: Tier, *, kind: Kind,
-                 dtype: torch.dtype | None = None, lazy: bool = False) -> TensorHandle:
+                 dtype: torch.dtype | None = None, lazy: bool = False,
+                 borrowed: "CheckpointHome | None" = None) -> TensorHandle:
         """Register a tensor in the placement manager (the one place the runtime does)."""
-        handle = self.pm.register(owner, data, home, kind=kind, dtype=dtype, lazy=lazy)
+        handle = self.pm.register(owner, data, home, kind=kind, dtype=dtype, lazy=lazy, borrowed=borrowed)
         if home is Tier.DEVICE:
             self._device_home_bytes += handle.nbytes
         return handle

@@ -27,6 +27,10 @@ Phases of `tz.wrap(model, config, weights=PATH)` (and of `tz.load_weights(model,
    memory holds one block's shard and the checkpoint pages of its rows, never the model. Every
    rank reads the same files, so nothing is broadcast. `read_shards` reads the next flat
    tensor's shard on a thread while the caller registers this one (two shards in memory).
+   A shard whose bytes are exactly the checkpoint's (`ShardRequest.borrow`, every slot stored
+   in the shard's dtype: no conversion) is read instead with io_engine from its segments of
+   the files (`WeightPlan.segments`), which then serve as its NVMe home until its first write
+   (the note "copy-on-write home" in tierzero/cow_home.py): nothing is copied to the swap files.
 """
 
 from __future__ import annotations
@@ -40,13 +44,19 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 
-from tierzero.safetensors_file import DTYPES
+from io_engine import aligned_empty
+from tierzero.cow_home import CheckpointHome, Segment
+from tierzero.safetensors_file import DTYPES, read_header
 from tierzero.sharding import FlatLayout
+
+if TYPE_CHECKING:
+    from tierzero.nvme import SwapSpace
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -76,6 +86,8 @@ class TensorInfo(NamedTuple):
     shape: tuple[int, ...]
     dtype: str
     """The safetensors dtype name ("BF16", "F32", ...)."""
+    offset: int
+    """Byte offset of its data in the file."""
 
 
 class WeightSource:
@@ -90,9 +102,11 @@ class WeightSource:
         try:
             for file in self._files():
                 handle = self._handle(file)
+                start, header = read_header(file)
                 for key in handle.keys():
                     s = handle.get_slice(key)
-                    self._info.setdefault(key, TensorInfo(file, tuple(s.get_shape()), s.get_dtype()))
+                    self._info.setdefault(key, TensorInfo(file, tuple(s.get_shape()), s.get_dtype(),
+                                                          start + header[key]["data_offsets"][0]))
         finally:
             self.release()
 
@@ -207,6 +221,19 @@ class ShardRequest(NamedTuple):
     """The parameters' dtypes, in slot order: each value is cast to its parameter's first."""
     out_dtype: torch.dtype
     """The shard's dtype (FlatParam.load_dtype)."""
+    borrow: bool = False
+    """The shard will be registered as it is with an NVMe home: when its bytes are exactly the
+    checkpoint's, keep the checkpoint as that home (LoadedShard.home)."""
+
+
+class LoadedShard(NamedTuple):
+    """One flat tensor's shard, read (WeightPlan.read_shard)."""
+
+    values: torch.Tensor
+    """This rank's shard, `layout.shard_numel` elements of the request's out_dtype."""
+    home: CheckpointHome | None
+    """The checkpoint bytes `values` are, to serve as their NVMe home until the first write
+    (PlacementManager.register(borrowed=)); None when not borrowed."""
 
 
 @dataclass(frozen=True)
@@ -220,34 +247,78 @@ class WeightPlan:
     """Persistent buffers absent from the checkpoint that the class allows to be missing
     (`_keys_to_ignore_on_load_missing`): computed like non-persistent ones."""
 
-    def read_shard(self, layout: FlatLayout, dtypes: list[torch.dtype], out_dtype: torch.dtype, *,
-                   rank: int) -> torch.Tensor:
-        """This rank's shard of a flat tensor of `layout` (the parameters' values cast to their
-        `dtypes`, then to `out_dtype`; padding zero), reading only the rows each slot's part needs."""
+    def read_shard(self, request: ShardRequest, *, rank: int, swap: SwapSpace | None = None,
+                   spare: np.ndarray | None = None) -> LoadedShard:
+        """This rank's shard of a flat tensor of `request.layout` (the parameters' values cast to
+        their `dtypes`, then to `out_dtype`; padding zero), reading only the rows each slot's
+        part needs. A borrowed one (the request's `borrow`, `swap` given, `segments` found) is
+        read by `swap` from the files' bytes, into `spare` (page-aligned) if it is large
+        enough, and comes with them as its home."""
+        layout, out_dtype = request.layout, request.out_dtype
+        segments = self.segments(request, rank) if request.borrow and swap is not None else None
+        if segments is not None:
+            assert swap is not None
+            nbytes = layout.shard_numel * out_dtype.itemsize
+            buf = spare[:nbytes] if spare is not None and spare.nbytes >= nbytes else aligned_empty(nbytes)
+            home = swap.borrow(segments, nbytes, buf)
+            return LoadedShard(torch.from_numpy(buf).view(out_dtype), home)
         lo, hi = layout.shard_range(rank)
         out = torch.zeros(hi - lo, dtype=out_dtype)
-        for slot, dtype in zip(layout.slots, dtypes, strict=True):
+        for slot, dtype in zip(layout.slots, request.dtypes, strict=True):
             a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
             if a < b:
                 values = self.source.read(self.keys[slot.fqn], a - slot.offset, b - slot.offset)
                 out[a - lo:b - lo].copy_(values.to(dtype))
                 del values
         self.source.release()  # the pages of this block's rows leave memory with the maps
+        return LoadedShard(out, None)
+
+    def segments(self, request: ShardRequest, rank: int) -> list[Segment] | None:
+        """Where this rank's shard of the request lies in the files, one segment per slot it
+        covers (its part of the slot's tensor), when the shard is those bytes exactly: every
+        parameter and every tensor the shard covers in the file have the shard's dtype. None
+        otherwise (a conversion)."""
+        dtype, layout = request.out_dtype, request.layout
+        if any(d != dtype for d in request.dtypes):
+            return None
+        lo, hi = layout.shard_range(rank)
+        out = []
+        for slot in layout.slots:
+            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if a < b:
+                key = self.keys[slot.fqn]
+                info = self.source.info(key)
+                if _DTYPES.get(info.dtype) != dtype:
+                    return None
+                out.append(Segment(key, str(info.file), info.offset + (a - slot.offset) * dtype.itemsize,
+                                   (b - a) * dtype.itemsize, (a - lo) * dtype.itemsize))
         return out
 
-    def read_shards(self, wanted: list[ShardRequest], rank: int) -> Iterator[torch.Tensor]:
+    def read_shards(self, wanted: list[ShardRequest], rank: int, *,
+                    swap: SwapSpace | None = None) -> Iterator[LoadedShard]:
         """`read_shard` of each request in order, the next one read on a thread while the caller
         registers this one, so that the checkpoint is read while the swap files are written
         (measured: this disk reads at nearly full rate while it writes). Two shards are in
-        memory at once. Close the iterator (or exhaust it) before closing the source."""
+        memory at once: a borrowed shard's buffer is reused for a later one once the caller
+        asks for the next (fresh memory costs a page fault per page), so the caller must be
+        done with a shard's values by then. Close the iterator (or exhaust it) before closing
+        the source."""
+        spare: list[np.ndarray] = []  # appended here, popped by the one reader thread
+
+        def read(request: ShardRequest) -> LoadedShard:
+            return self.read_shard(request, rank=rank, swap=swap, spare=spare.pop() if spare else None)
+
         with cf.ThreadPoolExecutor(1, thread_name_prefix="tierzero-read-weights") as reader:
-            ahead = [reader.submit(self.read_shard, *w, rank=rank) for w in wanted[:1]]
+            ahead = [reader.submit(read, w) for w in wanted[:1]]
             try:
                 for nxt in [*wanted[1:], None]:
                     current = ahead.pop()
                     if nxt is not None:
-                        ahead.append(reader.submit(self.read_shard, *nxt, rank=rank))
-                    yield current.result()
+                        ahead.append(reader.submit(read, nxt))
+                    shard = current.result()
+                    yield shard
+                    if shard.home is not None:
+                        spare.append(shard.values.view(torch.uint8).numpy())
             finally:  # an early close: the read in flight ends before the files can be closed
                 for fut in ahead:
                     fut.cancel()
