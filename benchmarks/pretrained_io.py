@@ -7,8 +7,9 @@ VmHWM in /proc, while it waits to exit): `tz.from_pretrained` with the parameter
 in bf16 (the model built on the meta device, its blocks streamed from the shards
 into the swap files), then `tz.save_pretrained(..., dtype=bfloat16)` to a new folder. The same
 run measures io_engine alone on the same disk (O_DIRECT sequential read and write of a file as
-large as the checkpoint), with the checkpoint's pages dropped from the page cache before the
-load, so both read the disk. Prints the load and export rates (checkpoint bytes / seconds) next
+large as the checkpoint; and reading the checkpoint's own files just before the load:
+"ckpt_read_gbps"), with the checkpoint's pages dropped from the page cache before the load, so
+all of them read the disk. Prints the load and export rates (checkpoint bytes / seconds) next
 to io_engine's, the same against what each phase really moves (an export reads the parameters
 back and writes the folder: "floor" = io_engine's time for those bytes, one after the other),
 and the peak RSS growth over the child's RSS before loading (target: at most the budgets + 1
@@ -41,7 +42,7 @@ from pathlib import Path
 import torch
 
 from checkpoint_io import _sequential as io_engine_sequential  # this folder's sibling script
-from io_engine import IOEngine
+from io_engine import IOEngine, aligned_empty
 from tierzero.config import format_size, parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,6 +160,28 @@ def child(args: argparse.Namespace) -> None:
     sys.stdin.readline()  # the parent reads this process's peak RSS meanwhile
 
 
+def read_files_gbps(engine: IOEngine, files: list[Path], request: int = 64 << 20) -> float:
+    """io_engine alone reading `files` (the checkpoint's own shards) start to end, O_DIRECT,
+    `request`-sized reads 4 in flight into reused buffers: the disk's read rate for the very
+    bytes the load reads, at that moment (their pages dropped before)."""
+    bufs = [aligned_empty(request) for _ in range(4)]
+    for b in bufs:
+        b[:] = 0  # touched: a first read into fresh pages would also time their page faults
+    total, pending = 0, []
+    t0 = time.perf_counter()
+    for path in files:
+        size = path.stat().st_size
+        for off in range(0, size, request):
+            if len(pending) == len(bufs):
+                pending.pop(0).result()
+            n = min(request, size - off)
+            pending.append(engine.pread(str(path), bufs[(total // request) % len(bufs)][:n], off))
+            total += n
+    for fut in pending:
+        fut.result()
+    return total / (time.perf_counter() - t0) / 1e9
+
+
 def _vm_hwm(pid: int) -> int:
     """Peak resident bytes of process `pid` since its exec (/proc/PID/status VmHWM)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -178,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     budgets = parse_size(args.device_budget) + parse_size(args.host_budget)
     with IOEngine(threads=4, block_size=4 << 20, direct=True) as engine:  # the same yardstick as checkpoint_io
         seq_write, _, seq_read = io_engine_sequential(engine, work / "yardstick.bin", ckpt_bytes)
+        # A second yardstick: the checkpoint's own files, read the same way just before the load.
+        # (The first one runs right after the checkpoint and its own file were written, which
+        # can slow the disk's reads for a while: a yardstick that slow flatters the load.)
+        drop_cache(work / "ckpt")
+        ckpt_read = read_files_gbps(engine, sorted((work / "ckpt").glob("*.safetensors")))
     drop_cache(work / "ckpt")
     cmd = [sys.executable, __file__, "--child", "1", *[a for a in (argv or sys.argv[1:]) if a != "--json"]]
     # The child's peak RSS is its VmHWM, read from /proc while it waits to exit. (Not
@@ -199,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_gbps": ckpt_bytes / got["load_s"] / 1e9, "export_gbps": exported / got["export_s"] / 1e9,
         "seq_read_gbps": seq_read, "seq_write_gbps": seq_write,
         "load_vs_read": ckpt_bytes / got["load_s"] / 1e9 / seq_read,
+        "ckpt_read_gbps": ckpt_read, "load_vs_ckpt_read": ckpt_bytes / got["load_s"] / 1e9 / ckpt_read,
         # the same had the model's modules been imported inside the load (as before this was split)
         "load_with_imports_vs_read": ckpt_bytes / (got["load_s"] + got["import_s"]) / 1e9 / seq_read,
         "export_vs_write": exported / got["export_s"] / 1e9 / seq_write,
@@ -222,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
               f"({format_size(budgets)})")
         print(f"load   {result['load_s']:.1f} s  {result['load_gbps']:.2f} GB/s = {result['load_vs_read']:.2f}x "
               f"io_engine's sequential read ({seq_read:.2f} GB/s); with the model's first-use imports "
-              f"({result['import_s']:.1f} s) {result['load_with_imports_vs_read']:.2f}x")
+              f"({result['import_s']:.1f} s) {result['load_with_imports_vs_read']:.2f}x; "
+              f"{result['load_vs_ckpt_read']:.2f}x io_engine reading the checkpoint's own files "
+              f"({ckpt_read:.2f} GB/s)")
         print(f"       it writes {format_size(result['load_swap_write_bytes'])} to the swap files: io_engine "
               f"alone needs {result['load_floor_s']:.1f} s for its reads and writes = {result['load_vs_floor']:.2f}x")
         print(f"export {result['export_s']:.1f} s  {result['export_gbps']:.2f} GB/s = "
