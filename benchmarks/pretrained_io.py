@@ -19,8 +19,9 @@ What the load's time covers: `tz.from_pretrained` from the call to its return (t
 Python modules, which transformers imports on first use, imported just before and timed apart:
 "import_s", and the ratio with them, "load_with_imports_vs_read"), which reads
 every parameter byte of the checkpoint from the disk (io_engine, O_DIRECT) and hashes it (an
-xxh3 per tensor part, verified on every later read), registers the shards (host copies within
-the host budget) and waits for any swap write. The parameters' NVMe homes are the checkpoint's
+xxh3 per tensor part, verified on every later read), registers the shards (a shard homed in
+the checkpoint keeps no copy: the first forward reads it from the files) and waits for any swap
+write. The parameters' NVMe homes are the checkpoint's
 files until their first write (copy-on-write homes, tierzero/cow_home.py), so it writes nothing
 to the swap files ("swap writes" counts what it does write); the export reads the parameters
 from the checkpoint's files (through the same homes, verified).

@@ -88,9 +88,7 @@ def test_borrowed_region_reads_the_checkpoint_until_its_first_write(tmp_path, ma
     swap = make_swap(direct=direct)
     region = swap.try_alloc(nbytes)
     assert swap.budget.used == round_up(nbytes)  # reserved as for any tensor
-    loaded = garbage(nbytes)
-    home = swap.borrow(segments, nbytes, loaded)
-    assert np.array_equal(loaded, want)
+    home = swap.borrow(segments, nbytes)  # read and hashed, nothing kept
     swap.adopt(region, home, "layers.0.param")
     for _ in range(2):
         out = garbage(region.length)
@@ -118,7 +116,7 @@ def test_free_and_close_let_go_of_the_files(tmp_path, make_swap):
     homes = []
     for name in ("a", "b"):
         region = swap.try_alloc(nbytes)
-        swap.adopt(region, swap.borrow(segments, nbytes, garbage(nbytes)), name)
+        swap.adopt(region, swap.borrow(segments, nbytes), name)
         homes.append(region)
     assert len(swap.checkpoint_files) == 1  # opened once for both
     swap.free(homes[0])
@@ -136,7 +134,7 @@ def test_changed_file_is_an_error_naming_it_and_a_moved_one_is_not(tmp_path, mak
     want = expected(data, segments, nbytes)
     swap = make_swap(checksums=checksums)
     region = swap.try_alloc(nbytes)
-    swap.adopt(region, swap.borrow(segments, nbytes, garbage(nbytes)), "layers.3.param")
+    swap.adopt(region, swap.borrow(segments, nbytes), "layers.3.param")
     os.rename(tmp_path / "hf", tmp_path / "moved")  # the folder renamed, then its file removed
     moved = tmp_path / "moved" / "model.safetensors"
     out = garbage(region.length)

@@ -9,13 +9,13 @@ weights). Such a shard keeps the checkpoint as its home instead. Its phases:
 
     load      WeightPlan.read_shard finds the shard's `Segment`s, one per slot of its FlatLayout
               that this rank's shard covers (its own rows at ZeRO-3), and `SwapSpace.borrow`
-              reads them with io_engine into the shard's host buffer (the gaps between slots and
-              the padding zero), recording an xxh3 per segment (Config.checksums; without, each
-              file's size and modification time).
+              reads them with io_engine, recording an xxh3 per segment (Config.checksums;
+              without, each file's size and modification time), and keeps none of the bytes:
+              the shard's values are a meta tensor from here on.
     register  PlacementManager.register(..., borrowed=home): the swap extent is still reserved
               (allocated from the NVMe budget), so the first write can never fail for lack of
-              room; only the write is skipped. `SwapSpace.adopt` ties the home to the extent; the
-              staging copy stays as a clean cached host copy (evicted without a write).
+              room; only the write is skipped. `SwapSpace.adopt` ties the home to the extent.
+              Nothing is copied (no host staging copy: the first fetch reads the files).
     read      every read of the extent (a fetch, pm.read, a checkpoint, an export) reads the
               segments instead and verifies them: a mismatch is a `CheckpointChangedError`
               naming the file, offset, key and tensor.
@@ -34,8 +34,9 @@ O_DIRECT into a page-aligned bounce buffer, then copies the segment out and hash
 later segments are read (`_read_segments`). Measured on the dev VM against reading each segment
 straight into place (io_engine then falls back to buffered reads, hashing on its workers): 1.8-2.2
 GB/s against 1.7-1.85 GB/s, with both into buffers already touched; fresh ones halve either
-(a page fault per page), so bounce buffers are reused (`Bounces`), as are a load's shard buffers
-(WeightPlan.read_shards).
+(a page fault per page), so bounce buffers are reused (`Bounces`). A load copies nothing out
+of them: it hashes them where they lie (measured, a copy out and a copy into the host staging
+buffer were half of the load's time on 2 cores).
 """
 
 from __future__ import annotations
@@ -152,9 +153,10 @@ class CheckpointHome:
         self._checksums: list[int] | None = None
         self._stats: dict[str, tuple[int, int]] = {}
 
-    def load(self, engine: IOEngine, out: np.ndarray, *, checksums: bool) -> None:
-        """Read the shard into out[:nbytes] and record what later reads verify."""
-        sums = _read_segments(engine, self._open, self.segments, out, self.nbytes, self._files.bounces,
+    def load(self, engine: IOEngine, *, checksums: bool) -> None:
+        """Read the shard's bytes and record what later reads verify (the bytes themselves are
+        not kept: every later read of the home reads the files)."""
+        sums = _read_segments(engine, self._open, self.segments, None, self.nbytes, self._files.bounces,
                               hashes=checksums)
         if checksums:
             self._checksums = sums
@@ -215,10 +217,11 @@ def _stat(f: ReadOnlyFile) -> tuple[int, int]:
 
 
 def _read_segments(engine: IOEngine, files: Sequence[ReadOnlyFile], segments: Sequence[Segment],
-                   out: np.ndarray, nbytes: int, bounces: Bounces, *, hashes: bool) -> list[int]:
-    """Fill out[:nbytes] with the segments (zeros elsewhere); the xxh3 of each segment's bytes
-    when `hashes`. Each segment's page-aligned superset (clamped to its file's end) is read with
-    O_DIRECT into one bounce buffer, all at once, then copied out."""
+                   out: np.ndarray | None, nbytes: int, bounces: Bounces, *, hashes: bool) -> list[int]:
+    """Fill out[:nbytes] with the segments (zeros elsewhere; out None: a load, which keeps
+    nothing); the xxh3 of each segment's bytes when `hashes`. Each segment's page-aligned
+    superset (clamped to its file's end) is read with O_DIRECT into one bounce buffer, all at
+    once, then copied out."""
     spans, total = [], 0
     for f, s in zip(files, segments):
         lo = s.offset - s.offset % PAGE
@@ -232,12 +235,14 @@ def _read_segments(engine: IOEngine, files: Sequence[ReadOnlyFile], segments: Se
         for s, (lo, _, at), fut in zip(segments, spans, futures):
             fut.result()  # copied out and hashed while the later segments are still read
             piece = bounce[at + s.offset - lo: at + s.offset - lo + s.nbytes]
-            out[end:s.at] = 0
-            out[s.at:s.at + s.nbytes] = piece
+            if out is not None:
+                out[end:s.at] = 0
+                out[s.at:s.at + s.nbytes] = piece
             end = s.at + s.nbytes
             if hashes:
                 sums.append(checksum(piece))
-        out[end:nbytes] = 0
+        if out is not None:
+            out[end:nbytes] = 0
     finally:
         for fut in futures:  # none may still write into the bounce buffer when it is reused
             fut.exception()

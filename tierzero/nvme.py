@@ -259,13 +259,14 @@ class SwapSpace:
             self.budget.release(length)
             raise
 
-    def borrow(self, segments: list[Segment], nbytes: int, out: np.ndarray) -> CheckpointHome:
-        """Read a shard of `nbytes` from checkpoint `segments` into `out` (a load), and return
-        them as a home for `adopt` (checked on every later read; see tierzero/cow_home.py)."""
+    def borrow(self, segments: list[Segment], nbytes: int) -> CheckpointHome:
+        """Read a shard of `nbytes` from checkpoint `segments` (a load: every byte read and
+        hashed, none kept) and return them as a home for `adopt` (checked on every later read;
+        see tierzero/cow_home.py)."""
         home = CheckpointHome(segments, nbytes, self.checkpoint_files)
         self.telemetry.nvme_started()
         try:
-            home.load(self.engine, out, checksums=self.checksums)
+            home.load(self.engine, checksums=self.checksums)
         except BaseException:
             home.close()
             raise

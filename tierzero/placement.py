@@ -138,8 +138,9 @@ class PlacementManager:
 
         borrowed: checkpoint bytes equal to `data`'s, read by `SwapSpace.borrow`, that serve as
         the NVMe home until its first write (tierzero/cow_home.py): the home's swap extent is
-        reserved all the same, so that write can never lack room, but nothing is written now;
-        the host staging copy stays as a clean cached copy. Closed if the register fails."""
+        reserved all the same, so that write can never lack room, but nothing is written now,
+        nor copied anywhere: `data` may be meta (its shape and dtype). Closed if the register
+        fails."""
         try:
             return self._register(owner, data, home, kind, dtype, lazy, borrowed)
         except BaseException:
@@ -151,11 +152,10 @@ class PlacementManager:
                   lazy: bool, borrowed: CheckpointHome | None) -> TensorHandle:
         h = TensorHandle(owner, kind, torch.Size(data.shape), dtype or data.dtype,
                          Tier.parse(home, what=f"register({owner!r}) home"))
-        if borrowed is not None and (h.home is not Tier.NVME or data.is_meta or borrowed.nbytes != h.nbytes
-                                     or data.dtype != h.dtype):
+        if borrowed is not None and (h.home is not Tier.NVME or borrowed.nbytes != h.nbytes or data.dtype != h.dtype):
             raise ValueError(f"register({h.name!r}, borrowed={borrowed!r}): a checkpoint home serves only an "
                              f"NVMe home of the same bytes; got home {h.home.value}, {h.nbytes} bytes of "
-                             f"{h.dtype} from {'meta' if data.is_meta else data.dtype} data")
+                             f"{h.dtype} from {data.dtype} data")
         with self._cond:
             self._check_open()
             if self._table.named(h.name):
@@ -165,7 +165,7 @@ class PlacementManager:
                 raise ValueError(f"register({h.name!r}, home='nvme'): config.nvme_dir is not set; "
                                  "give nvme_dir or choose another home tier")
             self._room.check_fits(h.name, h.nbytes, h.home)
-            staging = [] if data.is_meta else staging_needs(None, h.home, h.nbytes)
+            staging = [] if data.is_meta or borrowed is not None else staging_needs(None, h.home, h.nbytes)
             for tier, nbytes in staging:
                 self._room.check_fits(h.name, nbytes, tier, why="NVMe-homed tensors are staged through host memory")
             needs = [(h.home, h.nbytes)] + staging

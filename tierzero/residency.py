@@ -294,15 +294,14 @@ class ResidencyTable:
         """(unregistered) -> HOME: write `data` into the reserved home `buf` (an NVMe home through
         the host `staging` buffer, by a worker: its error goes to flush(); with `lazy` the staging
         buffer stays as a dirty cached host copy, HOST -> RESIDENT, and nothing is written yet;
-        with `borrowed`, checkpoint bytes equal to `data`, the NVMe home is adopted unwritten and
-        the staging buffer stays as a clean cached host copy, HOST -> RESIDENT); nothing for a
-        meta `data`."""
+        with `borrowed`, checkpoint bytes equal to `data`, the NVMe home is adopted unwritten,
+        nothing copied); nothing for a meta `data`."""
         rec = TensorRecord(h, self.moves)
         staging = None if staging is None else flat(staging)
         home = Copy(buf, self.stores[h.home].view(buf, h))
         try:
-            if data.is_meta:
-                pass  # room reserved, nothing to write
+            if data.is_meta or borrowed is not None:
+                pass  # room reserved, nothing to write (a borrowed home holds the bytes)
             elif home.tensor is not None:
                 home.tensor.copy_(data)
                 self._streams.compute_wait(None, home.tensor)  # written on the compute stream
@@ -319,9 +318,9 @@ class ResidencyTable:
         self._names[h.name] = h
         if borrowed is not None:
             self._io.nvme().adopt(region(buf), borrowed, h.name)
-        if staging is not None and (lazy or borrowed is not None):
+        if staging is not None and lazy:
             rec._copies[Tier.HOST] = Copy(staging, self.stores[Tier.HOST].view(staging, h), used=True,
-                                          dirty=borrowed is None)
+                                          dirty=True)
             self.room.cached(h, Tier.HOST)
             rec._residency[Tier.HOST] = Residency.RESIDENT
         elif staging is not None:  # the NVMe write runs on a worker, as a store's does

@@ -46,11 +46,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple
 
-import numpy as np
 import torch
 from torch import nn
 
-from io_engine import aligned_empty
 from tierzero.cow_home import CheckpointHome, Segment
 from tierzero.safetensors_file import DTYPES, read_header
 from tierzero.sharding import FlatLayout
@@ -247,21 +245,18 @@ class WeightPlan:
     """Persistent buffers absent from the checkpoint that the class allows to be missing
     (`_keys_to_ignore_on_load_missing`): computed like non-persistent ones."""
 
-    def read_shard(self, request: ShardRequest, *, rank: int, swap: SwapSpace | None = None,
-                   spare: np.ndarray | None = None) -> LoadedShard:
+    def read_shard(self, request: ShardRequest, *, rank: int, swap: SwapSpace | None = None) -> LoadedShard:
         """This rank's shard of a flat tensor of `request.layout` (the parameters' values cast to
         their `dtypes`, then to `out_dtype`; padding zero), reading only the rows each slot's
         part needs. A borrowed one (the request's `borrow`, `swap` given, `segments` found) is
-        read by `swap` from the files' bytes, into `spare` (page-aligned) if it is large
-        enough, and comes with them as its home."""
+        read and hashed by `swap` from the files' bytes, which become its home: its values are
+        then a meta tensor (nothing to copy anywhere, PlacementManager.register(borrowed=))."""
         layout, out_dtype = request.layout, request.out_dtype
         segments = self.segments(request, rank) if request.borrow and swap is not None else None
         if segments is not None:
             assert swap is not None
-            nbytes = layout.shard_numel * out_dtype.itemsize
-            buf = spare[:nbytes] if spare is not None and spare.nbytes >= nbytes else aligned_empty(nbytes)
-            home = swap.borrow(segments, nbytes, buf)
-            return LoadedShard(torch.from_numpy(buf).view(out_dtype), home)
+            home = swap.borrow(segments, layout.shard_numel * out_dtype.itemsize)
+            return LoadedShard(torch.empty(layout.shard_numel, dtype=out_dtype, device="meta"), home)
         lo, hi = layout.shard_range(rank)
         out = torch.zeros(hi - lo, dtype=out_dtype)
         for slot, dtype in zip(layout.slots, request.dtypes, strict=True):
@@ -299,14 +294,11 @@ class WeightPlan:
         """`read_shard` of each request in order, the next one read on a thread while the caller
         registers this one, so that the checkpoint is read while the swap files are written
         (measured: this disk reads at nearly full rate while it writes). Two shards are in
-        memory at once: a borrowed shard's buffer is reused for a later one once the caller
-        asks for the next (fresh memory costs a page fault per page), so the caller must be
-        done with a shard's values by then. Close the iterator (or exhaust it) before closing
-        the source."""
-        spare: list[np.ndarray] = []  # appended here, popped by the one reader thread
+        memory at once (a borrowed one holds none). Close the iterator (or exhaust it) before
+        closing the source."""
 
         def read(request: ShardRequest) -> LoadedShard:
-            return self.read_shard(request, rank=rank, swap=swap, spare=spare.pop() if spare else None)
+            return self.read_shard(request, rank=rank, swap=swap)
 
         with cf.ThreadPoolExecutor(1, thread_name_prefix="tierzero-read-weights") as reader:
             ahead = [reader.submit(read, w) for w in wanted[:1]]
@@ -315,10 +307,7 @@ class WeightPlan:
                     current = ahead.pop()
                     if nxt is not None:
                         ahead.append(reader.submit(read, nxt))
-                    shard = current.result()
-                    yield shard
-                    if shard.home is not None:
-                        spare.append(shard.values.view(torch.uint8).numpy())
+                    yield current.result()
             finally:  # an early close: the read in flight ends before the files can be closed
                 for fut in ahead:
                     fut.cancel()
