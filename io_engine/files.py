@@ -127,7 +127,48 @@ def raw_handle(fd: int) -> FileHandle:
     return FileHandle(name, fd, -1)
 
 
-class ReadOnlyFile:
+class _OpenFile:
+    """What an open file object of this module shares: its fd pair (a FileHandle), the error
+    for use after close, closing both fds once, the context manager."""
+
+    path: str
+    _handle: FileHandle | None
+
+    @property
+    def handle(self) -> FileHandle:
+        if self._handle is None:
+            name = type(self).__name__
+            raise io_error(errno.EBADF, f"{name} {self.path!r} is closed", op="io", path=self.path,
+                           hint=f"open a new {name}")
+        return self._handle
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    @property
+    def direct(self) -> bool:
+        """Whether an O_DIRECT fd is open."""
+        return self._handle is not None and self._handle.dfd >= 0
+
+    def _close_fds(self) -> None:
+        h, self._handle = self._handle, None
+        if h is not None:
+            close_fd(h.dfd)
+            close_fd(h.fd)
+
+    def close(self) -> None:
+        """Close both fds; idempotent."""
+        self._close_fds()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ReadOnlyFile(_OpenFile):
     """An existing file opened read-only, a buffered fd plus an O_DIRECT twin where the file system
     allows and `direct` is not False, both kept open until close(): reads through it (pass the
     object as `file` to IOEngine.pread) see the file that was opened even after its path is
@@ -151,40 +192,16 @@ class ReadOnlyFile:
                                    hint='use direct="auto" (falls back to buffered IO) or direct=False') from e
         self._handle: FileHandle | None = FileHandle(self.path, fd, dfd)
 
-    @property
-    def handle(self) -> FileHandle:
-        if self._handle is None:
-            raise io_error(errno.EBADF, f"ReadOnlyFile {self.path!r} is closed", op="io", path=self.path,
-                           hint="open a new ReadOnlyFile")
-        return self._handle
-
-    @property
-    def closed(self) -> bool:
-        return self._handle is None
-
     def stat(self) -> os.stat_result:
         """fstat of the open file (the file opened, whatever its path names now)."""
         return os.fstat(self.handle.fd)
 
-    def close(self) -> None:
-        """Close both fds; idempotent."""
-        h, self._handle = self._handle, None
-        if h is not None:
-            close_fd(h.dfd)
-            close_fd(h.fd)
-
-    def __enter__(self) -> "ReadOnlyFile":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def __repr__(self) -> str:
-        state = "closed" if self._handle is None else ("O_DIRECT" if self._handle.dfd >= 0 else "buffered")
+        state = "closed" if self.closed else ("O_DIRECT" if self.direct else "buffered")
         return f"ReadOnlyFile({self.path!r}, {state})"
 
 
-class PreallocatedFile:
+class PreallocatedFile(_OpenFile):
     """A file of `nbytes` whose space is reserved with posix_fallocate at creation, so a full disk
     fails here, with a clear error, rather than in the middle of training.
 
@@ -235,28 +252,6 @@ class PreallocatedFile:
                  f"a directory on a larger drive, or lower the NVMe budget",
             op="preallocate", path=self.path, offset=0, nbytes=nbytes)
 
-    @property
-    def handle(self) -> FileHandle:
-        if self._handle is None:
-            raise io_error(errno.EBADF, f"PreallocatedFile {self.path!r} is closed", op="io", path=self.path,
-                           hint="open a new PreallocatedFile")
-        return self._handle
-
-    @property
-    def closed(self) -> bool:
-        return self._handle is None
-
-    @property
-    def direct(self) -> bool:
-        """Whether an O_DIRECT fd is open."""
-        return self._handle is not None and self._handle.dfd >= 0
-
-    def _close_fds(self) -> None:
-        h, self._handle = self._handle, None
-        if h is not None:
-            close_fd(h.dfd)
-            close_fd(h.fd)
-
     def close(self) -> None:
         """Close both fds (idempotent); removes the file if `remove_on_close`."""
         was_open = self._handle is not None
@@ -271,12 +266,6 @@ class PreallocatedFile:
         except FileNotFoundError:
             if not missing_ok:
                 raise
-
-    def __enter__(self) -> "PreallocatedFile":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("O_DIRECT" if self.direct else "buffered")
