@@ -104,6 +104,27 @@ def test_device_budget_smaller_than_a_block_is_a_clear_error() -> None:
         tz.wrap(gpt(), cfg(device_budget="1MiB", prefetch=tz.PrefetchConfig(policy="bytes", reserve="1MiB")))
 
 
+def test_host_budget_too_full_to_stage_nvme_tensors_fails_at_wrap_and_optimizer(tmp_path: Any) -> None:
+    """Gradients homed on the host leave too little room to stage an NVMe block's parameters:
+    wrap says so, instead of the first forward waiting for room nothing can make; the same
+    when the optimizer's host-homed states take that room; nothing is left behind either time."""
+    model = gpt()
+    block = sum(p.numel() for p in model.blocks[0].parameters()) * 4
+    grads = sum(p.numel() for p in model.parameters()) * 4
+    tight = dict(device_budget="4MiB", nvme_dir=str(tmp_path / "a"), params="nvme", compute_dtype="float32")
+    with pytest.raises(ValueError, match=r"staged through host memory.*raise host_budget"):
+        tz.wrap(gpt(), tz.Config(host_budget=grads + block // 2, grads="host", **tight))
+    assert not any(p.is_file() for p in (tmp_path / "a").rglob("*"))
+    tight["nvme_dir"] = str(tmp_path / "b")
+    wrapped = tz.wrap(gpt(), tz.Config(host_budget=3 * grads + block // 2, grads="nvme", optimizer_states="host", **tight))
+    try:
+        with pytest.raises(ValueError, match=r"staged through host memory"):
+            tz.AdamW(wrapped)
+        assert not [h for h in runtime.placement_manager(wrapped).handles if h.kind.value == "exp_avg"]
+    finally:
+        runtime.close(wrapped)
+
+
 def test_meta_model_without_reset_parameters_is_a_clear_error() -> None:
     class Scale(nn.Module):
         def __init__(self) -> None:

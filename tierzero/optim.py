@@ -105,6 +105,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                                                             ctx.master_tier, kind=kind)
                 self._steps[flat] = [0] * len(flat.layout.slots)
             ctx.pm.settle()  # the zero moments' NVMe writes landed (a disk error fails here)
+            ctx.pm.check_staging()  # host-homed states may leave no room to stage the NVMe ones
         except BaseException:  # nothing half-registered stays behind: a retry starts clean
             self._give_back_states()
             raise

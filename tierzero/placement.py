@@ -373,6 +373,19 @@ class PlacementManager:
         assert isinstance(region, SwapRegion), region
         return self.swap.location(region)
 
+    def check_staging(self) -> None:
+        """ValueError when an NVMe-homed tensor's host staging buffer can never fit beside the
+        tensors now homed on the host tier: its first fetch would wait for room nothing can make.
+        (register() checks each tensor against the homes registered before it; call this once
+        the homes are all there: at the end of wrap, and of an optimizer's construction.)"""
+        with self._cond:
+            self._check_open()
+            for rec in self._table.records():
+                h = rec.handle
+                if h.home is Tier.NVME:
+                    self._room.check_fits(h.name, h.nbytes, Tier.HOST,
+                                          why="NVMe-homed tensors are staged through host memory")
+
     @property
     def handles(self) -> tuple[TensorHandle, ...]:
         """Every registered tensor's handle, in registration order."""

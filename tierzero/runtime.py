@@ -248,6 +248,7 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
             # the registers' NVMe writes landed: a disk error fails wrap, here (a load's blocks
             # kept dirty in host room are written when their room is needed, errors at a flush)
             pm.settle()
+            pm.check_staging()  # every home is registered: a host tier too full fails here, not later
         except BaseException:
             pm.close()
             raise
