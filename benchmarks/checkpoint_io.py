@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,6 +35,24 @@ from io_engine import IOEngine, PreallocatedFile, aligned_empty
 from tierzero import runtime
 from tierzero.config import parse_size
 from tierzero.handles import Kind
+
+
+def read_through(engine: IOEngine, files: list[tuple[Any, int]], bufs: list) -> float:
+    """Seconds io_engine takes to read each (file, size) of `files` start to end, in requests of
+    one buffer's size, len(bufs) in flight, each into the next of `bufs` in turn."""
+    request = bufs[0].nbytes
+    pending: list = []
+    i = 0
+    t0 = time.perf_counter()
+    for f, size in files:
+        for off in range(0, size, request):
+            if len(pending) == len(bufs):
+                pending.pop(0).result()
+            pending.append(engine.pread(f, bufs[i % len(bufs)][:min(request, size - off)], off))
+            i += 1
+    for fut in pending:
+        fut.result()
+    return time.perf_counter() - t0
 
 
 def _sequential(engine: IOEngine, path: Path, nbytes: int, request: int = 64 << 20) -> tuple[float, float, float]:
@@ -51,16 +70,7 @@ def _sequential(engine: IOEngine, path: Path, nbytes: int, request: int = 64 << 
                 fut.result()
             os.fsync(f.handle.fd)
             write_s.append(time.perf_counter() - t0)
-        bufs = [aligned_empty(request) for _ in range(4)]
-        t0 = time.perf_counter()
-        pending = []
-        for i, off in enumerate(range(0, nbytes, request)):
-            if len(pending) == len(bufs):
-                pending.pop(0).result()
-            pending.append(engine.pread(f, bufs[i % len(bufs)][:min(request, nbytes - off)], off))
-        for fut in pending:
-            fut.result()
-        read_s = time.perf_counter() - t0
+        read_s = read_through(engine, [(f, nbytes)], [aligned_empty(request) for _ in range(4)])
     path.unlink()
     return nbytes / write_s[0] / 1e9, nbytes / write_s[1] / 1e9, nbytes / read_s / 1e9
 

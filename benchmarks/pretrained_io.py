@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint_io import _sequential as io_engine_sequential  # this folder's sibling script
+from checkpoint_io import _sequential as io_engine_sequential, read_through  # this folder's sibling script
 from io_engine import IOEngine, aligned_empty
 from tierzero.config import format_size, parse_size
 
@@ -168,19 +168,8 @@ def read_files_gbps(engine: IOEngine, files: list[Path], request: int = 64 << 20
     bufs = [aligned_empty(request) for _ in range(4)]
     for b in bufs:
         b[:] = 0  # touched: a first read into fresh pages would also time their page faults
-    total, pending = 0, []
-    t0 = time.perf_counter()
-    for path in files:
-        size = path.stat().st_size
-        for off in range(0, size, request):
-            if len(pending) == len(bufs):
-                pending.pop(0).result()
-            n = min(request, size - off)
-            pending.append(engine.pread(str(path), bufs[(total // request) % len(bufs)][:n], off))
-            total += n
-    for fut in pending:
-        fut.result()
-    return total / (time.perf_counter() - t0) / 1e9
+    sized = [(str(p), p.stat().st_size) for p in files]
+    return sum(n for _, n in sized) / read_through(engine, sized, bufs) / 1e9
 
 
 def _vm_hwm(pid: int) -> int:

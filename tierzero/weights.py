@@ -296,17 +296,13 @@ class WeightPlan:
         (measured: this disk reads at nearly full rate while it writes). Two shards are in
         memory at once (a borrowed one holds none). Close the iterator (or exhaust it) before
         closing the source."""
-
-        def read(request: ShardRequest) -> LoadedShard:
-            return self.read_shard(request, rank=rank, swap=swap)
-
         with cf.ThreadPoolExecutor(1, thread_name_prefix="tierzero-read-weights") as reader:
-            ahead = [reader.submit(read, w) for w in wanted[:1]]
+            ahead = [reader.submit(self.read_shard, w, rank=rank, swap=swap) for w in wanted[:1]]
             try:
                 for nxt in [*wanted[1:], None]:
                     current = ahead.pop()
                     if nxt is not None:
-                        ahead.append(reader.submit(read, nxt))
+                        ahead.append(reader.submit(self.read_shard, nxt, rank=rank, swap=swap))
                     yield current.result()
             finally:  # an early close: the read in flight ends before the files can be closed
                 for fut in ahead:
