@@ -8,7 +8,8 @@ reports per step: the wall time, the bytes the process read from and wrote to th
 /proc/self/io, outside tierzero's own counters; they include O_DIRECT), the time the disk had
 a request in flight (/sys/block/DEV/stat io_ticks) and, where the code under test counts
 them, tierzero's bytes by kind; and the same clocks (wall, CPU, bytes) per phase of the step:
-forward, backward, clip + opt.step(), zero_grad + flush. The drive is measured in the same run with io_engine
+forward (with the wait for the last step's overlapped updates), backward, clip + opt.step(),
+zero_grad (+ the last step's settle: its updates and writes landed). The drive is measured in the same run with io_engine
 (sequential O_DIRECT write and read of a file at tierzero's IO settings) before the models
 train. Then, per steady step (the first is left out):
 
@@ -60,6 +61,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--drive-bytes", default="4GiB", help="file size for the drive measurement")
     p.add_argument("--io-threads", type=int, default=4, help="Config.io.threads of the runs (the drive "
                    "measurement keeps tierzero's default)")
+    p.add_argument("--no-overlap-step", action="store_true", help="Config(overlap_step=False): opt.step() "
+                   "updates every block before it returns (the default runs the updates under the next forward)")
     p.add_argument("--tree", default=None, help="run the children on the tierzero checkout at PATH")
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -151,7 +154,8 @@ def child(spec: dict) -> None:
     cfg = tz.Config(device_budget=spec["device_budget"], host_budget=spec["host_budget"],
                     nvme_dir=spec["nvme_dir"], nvme_budget="1TiB", params="nvme", grads="nvme",
                     optimizer_states="nvme", compute_dtype="float32", step_in_backward=sib,
-                    io=tz.IOConfig(threads=spec["io_threads"]))
+                    io=tz.IOConfig(threads=spec["io_threads"]),
+                    **({"overlap_step": spec["overlap_step"]} if "overlap_step" in tz.Config.__dataclass_fields__ else {}))
     Path(spec["nvme_dir"]).mkdir(parents=True, exist_ok=True)
     disk = _disk_of(Path(spec["nvme_dir"]))
     t0 = time.perf_counter()
@@ -172,7 +176,11 @@ def child(spec: dict) -> None:
         opt.step()
         marks.append(_mark("step", disk))
         opt.zero_grad()
-        runtime.placement_manager(model).flush()  # the step's writes have landed
+        if step in (0, spec["steps"] - 1):
+            # The first step's and the last one's updates and writes land (timed): the counted
+            # steps run from a settled state to a settled state; between them each step's
+            # updates run under the next forward (Config.overlap_step).
+            settle(model)
         marks.append(_mark("flush", disk))
         (_, t0, io0, ticks0, cpu0), (_, t1, io1, ticks1, cpu1) = marks[0], marks[-1]
         stats = runtime.step_stats(model)
@@ -188,11 +196,22 @@ def child(spec: dict) -> None:
     runtime.close(model)
 
 
+def settle(model) -> None:
+    """Wait for the overlapped step's updates (where the code under test has them), then for
+    every write."""
+    from tierzero import runtime
+
+    if hasattr(runtime, "settle"):
+        runtime.settle(model)
+    else:  # code from before the overlapped step
+        runtime.placement_manager(model).flush()
+
+
 def run_child(args: argparse.Namespace, size: str, mode: str) -> dict:
     nvme = Path(args.nvme_dir).resolve() / f"{size}-{mode}"
     spec = {"size": size, "mode": mode, "steps": args.steps, "batch": args.batch, "seq": args.seq,
             "device_budget": args.device_budget, "host_budget": args.host_budget, "nvme_dir": str(nvme),
-            "io_threads": args.io_threads}
+            "io_threads": args.io_threads, "overlap_step": not args.no_overlap_step}
     env = dict(os.environ)
     if args.tree:
         env["PYTHONPATH"] = str(Path(args.tree).resolve())

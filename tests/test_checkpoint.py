@@ -101,6 +101,7 @@ def train(model: nn.Module, opt: Any, steps: range) -> list[float]:
 
 def tiered_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every tensor the placement manager holds for the model except gradients."""
+    runtime.settle(model)  # read through the placement manager: after the last step's updates
     pm = runtime.placement_manager(model)
     return {h.name: pm.read(h).clone() for h in pm.handles if h.kind is not Kind.GRAD}
 

@@ -184,6 +184,7 @@ def test_bf16_checkpoint_gives_the_bits_of_to_bfloat16(tmp_path, wrapped):
 
 
 def _masters(model: nn.Module) -> dict[str, torch.Tensor]:
+    runtime.settle(model)  # read through the placement manager: after the last step's updates
     state = runtime.state_of(model)
     return {f.name: state.pm.read(f.ensure_master()) for f in state.flat_params(trainable=True)}
 

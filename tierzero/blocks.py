@@ -157,6 +157,7 @@ class Block:
             if ctx.prefetcher is not None:
                 ctx.prefetcher.on_fetch(TraceEvent(phase, self.name), ctx.held.keys())
             try:
+                ctx.wait_updates(self.flats)  # the overlapped step's update of this block
                 self.group.fetch()
             except BaseException:  # not held: the next iteration starts clean
                 self._holds -= 1

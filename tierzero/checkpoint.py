@@ -144,6 +144,7 @@ def save_checkpoint(dir: str | os.PathLike[str], model: nn.Module, optimizer: Ti
         raise ValueError(f"save_checkpoint: keep_last: expected None or an int >= 1, got {keep_last}")
     state = runtime.state_of(model)
     _check_optimizer(state, optimizer)
+    state.ctx.drain_updates()
     rank, world_size = world(state.ctx.group)
     comm = _Comm(state.ctx.group, world_size)
     root = Path(dir)
@@ -259,6 +260,7 @@ def load_checkpoint(dir: str | os.PathLike[str], model: nn.Module,
     this rank (rank 0's when the checkpoint had fewer ranks). Call it on every rank."""
     state = runtime.state_of(model)
     _check_optimizer(state, optimizer)
+    state.ctx.drain_updates(forget_failure=True)  # what a failed step left is replaced now
     rank, _ = world(state.ctx.group)
     folder, manifest = open_checkpoint(dir)
     jobs = _jobs(state, optimizer)

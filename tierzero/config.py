@@ -123,6 +123,10 @@ class Config:
     `opt.step()` then updates what is left. Exact (the same result as stepping after backward)
     when gradients are not clipped and every step runs one backward: tz.clip_grad_norm_
     refuses to run under it, and a second backward before opt.step() is an error."""
+    overlap_step: bool = True
+    """Run opt.step()'s block updates on a thread of their own under the next forward, which
+    computes each block once its update is done (tierzero/step_queue.py; the same values as a
+    step run to the end first). One rank with the CPU as device; elsewhere the step runs inline."""
     checksums: bool = True
     """Record a checksum of every NVMe write and verify it on read."""
     block_classes: tuple[str, ...] = ()

@@ -253,6 +253,7 @@ class FlatParam:
         master weights when there are any), gathered from every rank (a collective: every rank
         calls it)."""
         ctx = self.ctx
+        ctx.drain_updates()
         flat = ctx.pm.read(self.values)
         if flat.numel() < self.layout.padded_numel:
             with rank_errors(ctx.rank, ctx.world_size, f"all-gather of {self.param.name} for a state dict"):
@@ -266,6 +267,7 @@ class FlatParam:
     def store_values(self, shard: torch.Tensor) -> None:
         """New values of this rank's shard: the master weights (fp32; registered now when the
         parameters cannot hold these values exactly) and the parameters (compute dtype)."""
+        self.ctx.drain_updates()
         if self.master is None and self.trainable and not self._params_hold(shard.dtype):
             self.master = self.ctx.register(self.name, shard.float(), self.ctx.master_tier, kind=Kind.MASTER)
         elif self.master is not None and self.master is not self.param:

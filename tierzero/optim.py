@@ -3,20 +3,23 @@
 tz.AdamW / tz.SGD are torch.optim.Optimizer subclasses (param_groups with "lr" and friends, so
 torch's LR schedulers work) whose state lives in the placement manager on
 `config.optimizer_states`: fp32 master weights (owned by the runtime's FlatParam) and the
-moments, one flat tensor of each per block. A step walks the blocks in order as a three-stage
-pipeline: block k+1's gradient, master weights and moments are being read (prefetched to the
+moments, one flat tensor of each per block. A step walks the blocks in the last forward's order
+as a three-stage pipeline: block k+1's gradient, master weights and moments are being read (prefetched to the
 host) while block k is updated on the CPU in fp32 by torch's fused kernels (bit for bit what
 torch.optim.AdamW/SGD(fused=True) compute for the same parameters) and block k-1's updated
 state and new compute-dtype parameters are being written to their home tier (dirty releases
 and `store` write NVMe asynchronously; host budget reservations bound how far it runs ahead).
 With Config.step_in_backward each block is updated as soon as backward has made its gradient
-final, and step() updates what is left. The parameters' `.grad` are not used; `zero_grad()`
+final, and step() updates what is left. Otherwise (Config.overlap_step, one rank, CPU as
+device) step() queues the blocks' updates and returns: they run under the next forward (note
+"overlapped step" in step_queue.py). The parameters' `.grad` are not used; `zero_grad()`
 clears the flat gradients. One param group, holding every trainable parameter of the model.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import math
 import weakref
 from typing import Any, Callable
@@ -30,6 +33,8 @@ from tierzero.grads import FlatGrad
 from tierzero.handles import Kind, TensorHandle
 from tierzero.sharding import FlatLayout, all_reduce_, rank_errors
 from tierzero.step_context import StepContext
+from tierzero.step_queue import StepQueue
+from tierzero.tiers import Tier
 
 
 READ_AHEAD = 2
@@ -82,6 +87,8 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, defaults: dict[str, Any]) -> None:
         self._model_state = runtime.state_of(model)
+        if self._model_state.ctx.updates is not None:  # the last optimizer's step lands first
+            self._model_state.ctx.updates.close()
         self._flats = self._model_state.flat_params(trainable=True)
         params = [p for flat in self._flats for p in flat.params]
         if not params:
@@ -117,7 +124,14 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._pending: list[cf.Future[None]] = []
         """Updates of Config.step_in_backward running on the updater thread."""
         self._updater: cf.ThreadPoolExecutor | None = None
-        if self._model_state.config.step_in_backward:
+        self._queue: StepQueue | None = None
+        """The overlapped step's updates (None: step() updates inline)."""
+        config = self._model_state.config
+        if config.overlap_step and not config.step_in_backward and ctx.world_size == 1 and not ctx.pm.streams.cuda:
+            self._queue = StepQueue(on_wait=lambda s: ctx.pm.telemetry.record_stall(Tier.HOST, s))
+            ctx.overlap_step(self._queue)
+            weakref.finalize(self, self._queue.close)
+        if config.step_in_backward:
             ctx.on_grads_final(self._step_in_backward)
             ctx.on_iteration_end(self._drain)
             # On one rank with the CPU as device, a block's update runs on a thread of its own
@@ -131,21 +145,25 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     @property
     def flat_params(self) -> list[FlatParam]:
-        """The blocks' flat tensors this optimizer updates, in step order."""
+        """The blocks' flat tensors this optimizer updates (a step takes them in the last
+        forward's order)."""
         return list(self._flats)
 
     def state_handles(self, flat: FlatParam) -> dict[Kind, TensorHandle]:
         """The handles of `flat`'s moments, by kind (checkpoint.py streams them)."""
+        self._model_state.ctx.drain_updates()
         return {k: h for k, h in self._live_states(flat).items() if k is not Kind.MASTER}
 
     def block_steps(self, flat: FlatParam) -> int | list[int]:
         """Updates applied to `flat`'s parameters so far (AdamW's bias correction counts them):
         one count when they are all equal (every parameter got a gradient every step), else one
         per parameter."""
+        self._model_state.ctx.drain_updates()
         counts = self._steps[flat]
         return counts[0] if len(set(counts)) == 1 else list(counts)
 
     def set_block_steps(self, flat: FlatParam, steps: int | list[int]) -> None:
+        self._model_state.ctx.drain_updates()
         n = len(flat.layout.slots)
         counts = [int(steps)] * n if isinstance(steps, int) else [int(s) for s in steps]
         if len(counts) != n:
@@ -161,12 +179,20 @@ class TieredOptimizer(torch.optim.Optimizer):
         if len(self.param_groups) != 1:
             raise ValueError(f"{type(self).__name__} supports one param group, got {len(self.param_groups)}")
         self._check_live()
-        group = self.param_groups[0]
+        self._model_state.ctx.drain_updates()
+        group = dict(self.param_groups[0])  # as now: an LR scheduler changes it before queued updates run
         todo = [f for f in self._flats if not _grad(f).empty and f not in self._stepped]
+        # in the last forward's order: the next forward's first block is updated first
+        order = {name: i for i, name in enumerate(self._model_state.ctx.forward_order)}
+        todo.sort(key=lambda f: order.get(f.name, len(order)))
         self._stepped.clear()
         for i, flat in enumerate(todo):
-            with torch.profiler.record_function(f"tierzero::optimizer_step {flat.name}"):
-                self._step_flat(flat, group, then=lambda i=i: self._read_ahead(todo[i + 1:i + 1 + READ_AHEAD]))
+            update = functools.partial(self._step_flat, flat, group,
+                                       then=lambda i=i: self._read_ahead(todo[i + 1:i + 1 + READ_AHEAD]))
+            if self._queue is None:
+                update()
+            else:
+                self._queue.submit(flat.param, flat.name, update)
         return loss
 
     @torch.no_grad()
@@ -187,7 +213,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         group = self.param_groups[0]
 
         def update() -> None:
-            with torch.no_grad(), torch.profiler.record_function(f"tierzero::optimizer_step_in_backward {flat.name}"):
+            with torch.no_grad():
                 self._step_flat(flat, group, then=lambda: self._read_ahead(ahead, grad=False))
                 _grad(flat).clear()  # used up: its host room goes back now, and it never reaches NVMe
 
@@ -242,7 +268,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         pm = self._model_state.pm
         handles = list(self._live_states(flat).values())
         flat_grad = _grad(flat)
-        with flat_grad.acquire() as grad:
+        with torch.profiler.record_function(f"tierzero::optimizer_step {flat.name}"), flat_grad.acquire() as grad:
             tensors = [pm.acquire(h, h.staging) for h in handles]
             try:
                 then()
@@ -268,7 +294,9 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for flat in self._flats:
-            flat.clear_grad(set_to_none=set_to_none)
+            clear = functools.partial(flat.clear_grad, set_to_none=set_to_none)
+            if self._queue is None or not self._queue.clear_after(flat.param, clear):
+                clear()
 
     def _live_states(self, flat: FlatParam) -> dict[Kind, TensorHandle]:
         self._check_live()
@@ -293,6 +321,7 @@ class TieredOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """param_groups as torch packs them; "state" maps each block to its step count and its
         fp32 master weights and moments (full CPU tensors)."""
+        self._model_state.ctx.drain_updates()
         sd = super().state_dict()
         pm = self._model_state.pm
         sd["state"] = {flat.name: {"step": self.block_steps(flat),
@@ -301,6 +330,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._model_state.ctx.drain_updates()
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"optimizer state has {len(saved_groups)} param groups, expected "
@@ -399,6 +429,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     From the first call on, backward computes each block's norms as it writes the gradient, so
     later calls read no gradient (a different norm_type than the last call's reads once)."""
     state = runtime.state_of(model)
+    state.ctx.drain_updates()
     if state.config.step_in_backward:
         raise ValueError("clip_grad_norm_: the model was wrapped with Config(step_in_backward=True), "
                          "so its blocks were updated during backward with unclipped gradients; "

@@ -95,7 +95,7 @@ class Prefetcher:
 
     def __init__(self, pm: "PlacementManager", units: Sequence[Unit], policy: PrefetchPolicy, *,
                  device_room: Callable[[], int], fetch_ahead: Callable[[list[Unit]], object] | None = None,
-                 device_wraps: bool = True) -> None:
+                 device_wraps: bool = True, busy: Callable[[Unit], bool] | None = None) -> None:
         self.pm = pm
         self.units = {u.name: u for u in units}
         self.policy = policy
@@ -107,6 +107,9 @@ class Prefetcher:
         self.device_wraps = device_wraps
         """Device prefetches look past the end of an iteration into the next one (False where
         what they bring cannot outlive the optimizer step: blocks all-gathered across ranks)."""
+        self.busy = busy or (lambda unit: False)
+        """Whether a unit's values are still being written (the overlapped step's update,
+        step_queue.py): it is not prefetched until they are done."""
         self._unit_of = {t: u.name for u in units for t in u.tensors}
         self._unit_of_name = {t.name: u.name for u in units for t in u.tensors}
         self._traces: dict[Hashable, tuple[TraceEvent, ...]] = {}
@@ -261,7 +264,7 @@ class Prefetcher:
         for f in self.policy.plan(view):
             unit, tier = self._check(f)
             chosen = device if tier is Tier.DEVICE else host
-            if unit.name not in held and unit not in chosen:
+            if unit.name not in held and unit not in chosen and not self.busy(unit):
                 chosen.append(unit)
         device = fitting(device, self.device_room())
         self.fetch_ahead(device)

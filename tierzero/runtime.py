@@ -281,7 +281,7 @@ def _start(model: nn.Module, config: Config, ctx: StepContext, blocks: list[Bloc
 
     prefetcher = Prefetcher(pm, [b.unit for b in blocks if b.flats], policy_from_config(config),
                             device_room=ctx.device_room, fetch_ahead=gather_units if ctx.zero.gathers else None,
-                            device_wraps=not ctx.zero.gathers)
+                            device_wraps=not ctx.zero.gathers, busy=lambda unit: ctx.updating(unit.tensors))
     ctx.attach(prefetcher, state.end_backward)
     pm.set_eviction_policy(prefetcher)
     state.register_hooks()
@@ -323,10 +323,24 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return sd if state.ctx.rank == 0 else {}
 
 
+def settle(model: nn.Module) -> None:
+    """Wait until the model's tiered state is at rest: the last opt.step()'s overlapped block
+    updates done (Config.overlap_step), every dirty cached copy written home, every move landed.
+    For measurements that attribute a step's traffic to the step, and before reading tensors
+    through the placement manager directly; tierzero's own readers (state dicts, checkpoints,
+    clipping, the next step) wait for the updates themselves."""
+    state = state_of(model)
+    state.ctx.drain_updates()
+    state.pm.flush()
+
+
 def close(model: nn.Module) -> None:
     """Free the model's tiered state (swap files, host memory, threads); the model cannot run
     afterwards. Idempotent."""
-    state_of(model).pm.close()
+    state = state_of(model)
+    if state.ctx.updates is not None:
+        state.ctx.updates.close()  # the step's last updates land before the files go
+    state.pm.close()
 
 
 def block_fetch_bytes(params: list[tuple[str, nn.Parameter]], dtype: torch.dtype, world_size: int,

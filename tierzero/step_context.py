@@ -6,10 +6,12 @@ below, so the life of a step can be read in one place:
 
     begin_iteration   the root's forward starts: phase FORWARD (IDLE without grad); all-gathers
                       started ahead for the previous iteration are dropped by the caller
-    hold / release    a block is fetched / released (the held set, and device room beside it)
+    hold / release    a block is fetched / released (the held set, and device room beside it;
+                      a forward's first fetches give `forward_order` when its backward ends)
     track / untrack   a held flat tensor's device storage (saved-tensor hooks find it by pointer)
     put / take gather an all-gather started ahead waits here for its block's fetch
     begin_backward    the first pre-backward hook: phase BACKWARD, the final callback queued once
+                      (after the last step's overlapped updates, which it waits for)
     end_iteration     the final callback of a backward (or the end of an inference forward)
 
 A backward that raises never runs its final callback: the phase stays BACKWARD after it.
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     from tierzero.flat_param import FlatParam
     from tierzero.placement import PlacementManager
     from tierzero.prefetch import Prefetcher
+    from tierzero.step_queue import StepQueue
 
 
 class Phase(Enum):
@@ -89,6 +92,13 @@ class StepContext:
     _callback_queued: bool = field(default=False, init=False)
     _grads_final: Callable[["FlatParam"], None] | None = field(default=None, init=False)
     _iteration_end: Callable[[], None] | None = field(default=None, init=False)
+    forward_order: tuple[str, ...] = field(default=(), init=False)
+    """Blocks in the order the last forward with grad that ended first fetched them (the
+    overlapped step updates in this order, so the next forward's first block is ready first)."""
+    _forward_seen: dict[str, None] = field(default_factory=dict, init=False)
+    updates: "StepQueue | None" = field(default=None, init=False)
+    """The overlapped step's queue of block updates (step_queue.py), once a tiered optimizer
+    runs its step under the next forward."""
     clip_norm_type: float | None = field(default=None, init=False)
     """The norm tz.clip_grad_norm_ last computed: each FlatGrad computes it as its gradient is
     written in backward, so clipping needs no second read of the gradients."""
@@ -136,6 +146,28 @@ class StepContext:
         so backward() returns with every block updated (and raises an update's error)."""
         self._iteration_end = callback
 
+    def overlap_step(self, queue: "StepQueue") -> None:
+        """A tiered optimizer queues its block updates on `queue` (the newest optimizer's)."""
+        if self.updates is not None and self.updates is not queue:
+            self.updates.close()
+        self.updates = queue
+
+    def wait_updates(self, flats: "list[FlatParam]") -> None:
+        """Return once the overlapped step has updated `flats` (before they are fetched)."""
+        if self.updates is not None:
+            self.updates.wait([f.param for f in flats])
+
+    def drain_updates(self, *, forget_failure: bool = False) -> None:
+        """Return once the overlapped step has updated every block (before reads that span
+        the blocks: backward, clipping, the next step, state dicts, checkpoints); raise a
+        failed update's error unless `forget_failure` (a checkpoint load replaces it all)."""
+        if self.updates is not None:
+            self.updates.drain(forget_failure=forget_failure)
+
+    def updating(self, handles: "tuple[TensorHandle, ...]") -> bool:
+        """Whether an update of the overlapped step still writes these parameter handles."""
+        return self.updates is not None and self.updates.busy(handles)
+
     @property
     def wants_grads_final(self) -> bool:
         return self._grads_final is not None
@@ -148,9 +180,12 @@ class StepContext:
 
     def begin_iteration(self, *, grad: bool) -> None:
         self.phase = Phase.FORWARD if grad else Phase.IDLE
+        self._forward_seen = {}
 
     def begin_backward(self) -> None:
         """First pre-backward hook of a backward pass: queue the final callback once."""
+        if self.phase is not Phase.BACKWARD:
+            self.drain_updates()  # a block no forward fetched may still be updating
         self.phase = Phase.BACKWARD
         if not self._callback_queued and self._end_backward is not None:
             self._callback_queued = True
@@ -165,6 +200,9 @@ class StepContext:
         """The backward (or an inference forward) is over; `died`: it raised, so the prefetcher
         learns nothing from it (its fetches stopped short of a trace)."""
         self._callback_queued = False
+        if self._forward_seen and not died:
+            self.forward_order = tuple(self._forward_seen)
+        self._forward_seen = {}
         self.phase = Phase.IDLE
         if self.prefetcher is not None:
             self.prefetcher.end(learn=not died)
@@ -180,6 +218,8 @@ class StepContext:
 
     def hold(self, block: "Block") -> None:
         self._held[block.name] = block
+        if self.phase is Phase.FORWARD:
+            self._forward_seen.setdefault(block.name)
 
     def release(self, block: "Block") -> None:
         del self._held[block.name]
