@@ -33,6 +33,24 @@ def batch(step: int) -> torch.Tensor:
     return torch.randint(0, 131, (2, SEQ), generator=torch.Generator().manual_seed(step))
 
 
+def pair(tmp_path: Any, **cfg: Any) -> tuple[Any, Any, Any, Any]:
+    """A wrapped GPT and its plain twin, with tz.AdamW and torch's fused AdamW."""
+    torch.manual_seed(0)
+    ref = gpt()
+    model = copy.deepcopy(ref)
+    tz.wrap(model, config(tmp_path, **cfg))
+    return model, ref, tz.AdamW(model, lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+
+
+def forward_backward(model: Any, ref: Any, step: int) -> None:
+    """Both models' loss on the step's batch, the same bits, then both backwards."""
+    x = batch(step)
+    loss, rloss = model(x, x).loss, ref(x, x).loss
+    assert torch.equal(loss, rloss), step
+    loss.backward()
+    rloss.backward()
+
+
 class Gate:
     """Holds the update of one block (by name) until opened; records which updates ran."""
 
@@ -50,21 +68,13 @@ class Gate:
 
 
 def test_step_returns_before_its_updates_and_forward_waits_for_them(tmp_path: Any, monkeypatch: Any) -> None:
-    torch.manual_seed(0)
-    ref = gpt()
-    model = copy.deepcopy(ref)
-    tz.wrap(model, config(tmp_path))
-    opt, ropt = tz.AdamW(model, lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    model, ref, opt, ropt = pair(tmp_path)
     ctx = runtime.state_of(model).ctx
     flats = {f.name: f for f in runtime.state_of(model).flat_params(trainable=True)}
     gate = Gate(monkeypatch, "blocks.1")
     try:
         for step in range(3):
-            x = batch(step)
-            loss, rloss = model(x, x).loss, ref(x, x).loss
-            assert torch.equal(loss, rloss), step
-            loss.backward()
-            rloss.backward()
+            forward_backward(model, ref, step)
             assert torch.equal(tz.clip_grad_norm_(model, 0.5), torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5))
             gate.open.clear()
             gate.ran.clear()  # clipping waited for the last step's updates
@@ -93,21 +103,13 @@ def test_step_returns_before_its_updates_and_forward_waits_for_them(tmp_path: An
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "inline"])
 def test_overlapped_and_inline_steps_match_torch_with_a_schedule(tmp_path: Any, overlap: bool) -> None:
-    torch.manual_seed(0)
-    ref = gpt()
-    model = copy.deepcopy(ref)
-    tz.wrap(model, config(tmp_path, overlap_step=overlap))
-    opt, ropt = tz.AdamW(model, lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    model, ref, opt, ropt = pair(tmp_path, overlap_step=overlap)
     warmup = lambda s: (s + 1) / 4  # noqa: E731  lr changes right after every step() returns
     sched, rsched = (torch.optim.lr_scheduler.LambdaLR(o, warmup) for o in (opt, ropt))
     assert (runtime.state_of(model).ctx.updates is not None) == overlap
     try:
         for step in range(4):
-            x = batch(step)
-            loss, rloss = model(x, x).loss, ref(x, x).loss
-            assert torch.equal(loss, rloss), step
-            loss.backward()
-            rloss.backward()
+            forward_backward(model, ref, step)
             for o, s in ((opt, sched), (ropt, rsched)):
                 o.step()
                 s.step()

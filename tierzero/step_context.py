@@ -147,9 +147,8 @@ class StepContext:
         self._iteration_end = callback
 
     def overlap_step(self, queue: "StepQueue") -> None:
-        """A tiered optimizer queues its block updates on `queue` (the newest optimizer's)."""
-        if self.updates is not None and self.updates is not queue:
-            self.updates.close()
+        """A tiered optimizer queues its block updates on `queue` (the newest optimizer's;
+        it closed the last one's first)."""
         self.updates = queue
 
     def wait_updates(self, flats: "list[FlatParam]") -> None:

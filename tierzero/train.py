@@ -54,7 +54,7 @@ from tierzero.config import TIER_NAMES, format_size
 from tierzero.estimate import Estimate, estimate
 from tierzero.models import CONFIGS, GPT, build
 from tierzero.placement import PlacementManager
-from tierzero.runtime import close, placement_manager, state_of, step_comm_bytes, step_stats
+from tierzero.runtime import close, placement_manager, settle, step_comm_bytes, step_stats
 from tierzero.traffic import DriveRates, add_rate_flags, rates_from_flags, step_traffic
 from tierzero.sharding import RankRuntimeError
 from tierzero.telemetry import plot_run
@@ -402,8 +402,7 @@ def _finish(r: _Run, est: Estimate, n_params: int, last_loss: float, started: fl
     """The run's summary, from every rank's peaks; rank 0 writes trace.json, summary.json and
     tiers.png."""
     args, pm, world_size = r.args, r.pm, r.world_size
-    state_of(r.model).ctx.drain_updates()  # the last step's overlapped updates
-    pm.flush()
+    settle(r.model)  # the last step's overlapped updates, and every write
     peaks = _per_rank({t: pm.peak_bytes(t) for t in TIER_NAMES}, world_size)
     summary = {
         "model": args.model, "params": n_params, "steps": args.steps, "batch": args.batch,
