@@ -8,16 +8,11 @@ micro-batches per step (gradient accumulation), gradients clipped to a norm belo
 cases of one world size run one after another in the same processes (one spawn per world size).
 
 - float32 gradients: every step's global loss and gradient norm equal plain PyTorch on the
-  whole batch in one process within 1e-5 (relative), at every stage. The final parameters
-  equal plain PyTorch data parallel in fp32 (the same N ranks' gradients summed, one process)
-  within 1e-5 element by element, with no allowance (measured 2.2e-6). Against the one-process
-  run itself the summation order of data parallelism shows: plain PyTorch's own 3-rank run is
-  2.2e-5 from it on one element of the tied embedding, and the one-process fp32 run is 3.9e-5
-  from exact arithmetic there (a float64 run of the same training). So against the one-process
-  run the 1e-5 comes on top of that run's own error from exact arithmetic: element by element,
-  and as the relative error of each parameter tensor (up to ~2e-5 of its own on biases, which
-  start at zero, so that AdamW's rounding noise is large next to their values), tierzero is
-  never 1e-5 less exact than it.
+  whole batch in one process within 1e-5 (relative), at every stage. The final parameters are
+  held to tests/exactness.py's bound, which holds on any CPU: no further from a float64 run of
+  the same training than plain PyTorch data parallel in fp32 (the same N ranks' gradients
+  summed in one process), and that close to it, within a quarter of what summation order alone
+  moves a parameter on this machine (measured: 2.3-4.3e-7 of an allowance of 1.7e-6 / 4.5e-6).
 - bfloat16 gradients: the reference is plain PyTorch with bfloat16 gradients on the same N
   ranks, computed in one process rank by rank (what DDP's bfloat16 compression does, with the
   division after the sum as here): each rank's gradient rounded to bfloat16, summed over the
@@ -58,6 +53,7 @@ from tierzero import runtime
 from tierzero.handles import Kind
 from tierzero.tiers import Tier
 from tierzero.zero_model import ZeroModel, param_counts
+from exactness import assert_data_parallel_exact
 from test_zero3 import VOCAB, SEQ, device_budget, make_model
 
 STEPS = 4
@@ -248,12 +244,6 @@ def references() -> dict[str, tuple[list[float], list[float], dict[str, torch.Te
             **{f"{dt}-{n}": reference(getattr(torch, dt), n) for dt in ("bfloat16", "float32") for n in (2, 3)}}
 
 
-def relative_errors(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Per parameter: |state - ref| / |ref| (frozen all-zero biases: 0)."""
-    return {k: ((state[k].double() - r.double()).norm() / r.double().norm().clamp_min(1e-12)).item()
-            for k, r in ref.items()}
-
-
 def relative_error(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
     """|state - ref| / |ref| over every parameter together."""
     diff = sum((state[k].double() - r.double()).pow(2).sum() for k, r in ref.items())
@@ -277,25 +267,11 @@ def test_fp32_gradients_match_one_process(runs: dict[str, Any], references: dict
         assert res["device_peak"] <= res["device_budget"], (world, r, res["device_peak"], res["device_budget"])
     assert all(n > CLIP for n in ref_norms), ref_norms  # the clip acts at every step
     state = ranks[0][f"stage{stage}-float32"]["state"]
-    exact = references["float64"][2]
-    data_parallel = references[f"float32-{len(ranks)}"][2]  # plain PyTorch, the same N-rank gradient sums
-    for key, r in ref_state.items():
-        # element by element, no allowance: plain PyTorch data parallel in fp32 (measured 2.2e-6)
-        torch.testing.assert_close(state[key], data_parallel[key], rtol=0, atol=1e-5,
-                                   msg=lambda m: f"{world} stage {stage}: {key} against plain data parallel: {m}")
-        # against the one-process run: never 1e-5 further from exact arithmetic than it is,
-        # element by element (measured: at most 5.2e-6 further)
-        further = (state[key].double() - exact[key]).abs() - (r.double() - exact[key]).abs()
-        assert further.max().item() <= 1e-5, f"{world} stage {stage}: {key}: {further.max().item():.2e}"
-    errors = relative_errors(state, ref_state)
-    own = relative_errors(ref_state, references["float64"][2])  # the one-process run's own error
-    worst = max(errors, key=errors.get)
+    allowance = assert_data_parallel_exact(state, one_process=ref_state, data_parallel=references[f"float32-{len(ranks)}"][2],
+                                           exact=references["float64"][2], what=f"{world} stage {stage}")
     largest = max((state[k] - r).abs().max().item() for k, r in ref_state.items())
-    print(f"{world} stage {stage}: largest difference to the one-process run {largest:.2e}; largest relative "
-          f"parameter error {errors[worst]:.2e} ({worst}; the one-process fp32 run's own error there "
-          f"{own[worst]:.2e})")
-    for key, error in errors.items():
-        assert error < 1e-5 + own[key], f"{world} stage {stage}: {key}: {error:.2e} (own error {own[key]:.2e})"
+    print(f"{world} stage {stage}: largest difference to the one-process run {largest:.2e}; "
+          f"allowance against plain data parallel {allowance:.2e}")
 
 
 @pytest.mark.parametrize("world", ["world2", "world3"])
