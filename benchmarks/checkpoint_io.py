@@ -34,7 +34,7 @@ import tierzero as tz
 from io_engine import IOEngine, PreallocatedFile, aligned_empty
 from tierzero import runtime
 from tierzero.config import parse_size
-from tierzero.handles import Kind
+from tierzero.placement.handles import Kind
 
 
 def read_through(engine: IOEngine, files: list[tuple[Any, int]], bufs: list) -> float:
@@ -55,7 +55,7 @@ def read_through(engine: IOEngine, files: list[tuple[Any, int]], bufs: list) -> 
     return time.perf_counter() - t0
 
 
-def _sequential(engine: IOEngine, path: Path, nbytes: int, request: int = 64 << 20) -> tuple[float, float, float]:
+def sequential(engine: IOEngine, path: Path, nbytes: int, request: int = 64 << 20) -> tuple[float, float, float]:
     """io_engine alone, `request`-sized O_DIRECT requests over `nbytes`: GB/s writing a new
     preallocated file (as a save does) and fsyncing it, overwriting it (as a load's swap writes
     do), and reading it."""
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     param_bytes = sum(h.nbytes for h in pm.handles if h.kind is Kind.PARAM)
     try:
         with IOEngine(threads=cfg.io.threads, block_size=cfg.io.block_size, direct=cfg.io.direct) as engine:
-            before = _sequential(engine, root / "sequential.bin", state_bytes)
+            before = sequential(engine, root / "sequential.bin", state_bytes)
         saves, loads = [], []
         for _ in range(args.repeat):
             t0 = time.perf_counter()
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             pm.flush()
             loads.append(time.perf_counter() - t0)
         with IOEngine(threads=cfg.io.threads, block_size=cfg.io.block_size, direct=cfg.io.direct) as engine:
-            after = _sequential(engine, root / "sequential.bin", state_bytes)
+            after = sequential(engine, root / "sequential.bin", state_bytes)
         write_gbps, overwrite_gbps, read_gbps = ((a + b) / 2 for a, b in zip(before, after))
         ckpt_bytes = sum(f.stat().st_size for f in folder.iterdir())
     finally:

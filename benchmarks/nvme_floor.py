@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -77,7 +76,7 @@ def measure_drive(nvme_dir: Path, nbytes: int, reps: int = 3) -> dict:
     from io_engine.bench import engine_gbps
     from io_engine.buffers import aligned_empty
     from io_engine.files import PreallocatedFile
-    from tierzero.config import IOConfig
+    from tierzero.config.config import IOConfig
 
     io = IOConfig()
     nvme_dir.mkdir(parents=True, exist_ok=True)
@@ -237,8 +236,9 @@ def run_child(args: argparse.Namespace, size: str, mode: str) -> dict:
 # ------------------------------------------------------------------------------- the report
 
 def summarise(run: dict, drive: dict, args: argparse.Namespace) -> dict:
-    from tierzero.config import Config, parse_size
-    from tierzero.traffic import DriveRates, step_traffic
+    from tierzero.config.config import Config
+    from tierzero.config import parse_size
+    from tierzero.planning.traffic import DriveRates, step_traffic
 
     rates = DriveRates(drive["read_gbps"], drive["write_gbps"], "measured in this run")
     best = DriveRates(max(drive["runs"]["read"]), max(drive["runs"]["write"]), "best round in this run")

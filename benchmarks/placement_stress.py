@@ -34,10 +34,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tierzero.config import Config, IOConfig, format_size, parse_size  # noqa: E402
-from tierzero.handles import Kind  # noqa: E402
-from tierzero.placement import PlacementManager  # noqa: E402
-from tierzero.tiers import Tier  # noqa: E402
+from tierzero.config.config import Config, IOConfig
+from tierzero.config import format_size, parse_size
+from tierzero.placement.handles import Kind
+from tierzero.placement.manager import PlacementManager
+from tierzero.config.tiernames import Tier
 
 
 def busy_seconds(spans: list[tuple[float, float]]) -> float:

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint_io import _sequential as io_engine_sequential, read_through  # this folder's sibling script
+from checkpoint_io import sequential as io_engine_sequential, read_through  # this folder's sibling script
 from io_engine import IOEngine, aligned_empty
 from tierzero.config import format_size, parse_size
 

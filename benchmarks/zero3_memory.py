@@ -31,9 +31,9 @@ import torch.multiprocessing as mp
 
 import tierzero as tz
 from tierzero import runtime
-from tierzero.grouping import blocks_of
+from tierzero.layout import ROOT, block_fetch_bytes, blocks_of
 from tierzero.models import GPT, GPTConfig
-from tierzero.tiers import Tier
+from tierzero.config.tiernames import Tier
 
 TIERS = ("device", "host", "nvme")
 
@@ -62,9 +62,9 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace, init_file: str, 
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=4,
                               n_embd=args.d))
-        sizes = {name: runtime.block_fetch_bytes(ps, torch.float32, world_size)
+        sizes = {name: block_fetch_bytes(ps, torch.float32, world_size)
                  for name, _, ps in blocks_of(model, tz.Config())}
-        root = sizes.pop(runtime.ROOT)
+        root = sizes.pop(ROOT)
         n_params = model.num_params()
         cfg = tz.Config(device_budget=root + int(args.budget_blocks * max(sizes.values())),
                         host_budget=8 * n_params * 4 // world_size + (256 << 20),

@@ -12,7 +12,7 @@ prefetched); the host holds the gradients and the optimizer states.
 
 Per case and rank: the peak bytes reserved on each tier over the run next to the estimate
 (`estimate(model, cfg, N).per_tier`: the per-rank state of the paper's model plus the device
-working set), and the bytes of the collectives of the last step (sharding.CommBytes: gathered
+working set), and the bytes of the collectives of the last step (tierzero.layout.CommBytes: gathered
 outputs, reduced inputs) next to the traffic model (about 2Ψ elements for stages 1 and 2, 3Ψ for
 3, less the block kept gathered from forward to backward). "ratio" columns are measured /
 model; the script exits 1 when one is off by more than --tolerance. --json prints one object.
@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 
 import tierzero as tz
 from tierzero import runtime
-from tierzero.estimate import estimate
+from tierzero.planning.estimates import estimate
 from tierzero.models import GPT, GPTConfig
 
 TIERS = ("device", "host", "nvme")

@@ -9,6 +9,7 @@ system refuse O_DIRECT, as tmpfs did before Linux 6.6).
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 from typing import NamedTuple
 
@@ -112,8 +113,6 @@ def raw_handle(fd: int) -> FileHandle:
     """A caller's fd, used as it is: O_DIRECT only if the caller opened it so (then requests on it
     must be aligned)."""
     try:
-        import fcntl
-
         flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     except OSError as e:
         raise io_error(e.errno or errno.EBADF, f"fd {fd} is not an open file descriptor", op="open",

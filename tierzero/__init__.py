@@ -2,7 +2,7 @@
 
 Every partitioned tensor lives on one of three tiers (GPU memory, pinned CPU memory, NVMe
 files), is tracked by the placement manager within each tier's budget, and is fetched ahead of
-compute from a recorded trace. See DESIGN.md for the architecture.
+compute from a recorded trace. The architecture, its layers and the rules between them: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ __version__ = "0.1.0"
 # Public names and the module that defines each; imported on first use so that `import
 # tierzero` stays cheap and a CLI subcommand loads only what it needs.
 _LAZY = {
-    "Tier": "tierzero.tiers",
+    "Tier": "tierzero.config",
     "PlacementManager": "tierzero.placement",
+    "Kind": "tierzero.placement",
+    "TensorHandle": "tierzero.placement",
     "wrap": "tierzero.runtime",
     "full_state_dict": "tierzero.runtime",
     "AdamW": "tierzero.optim",
@@ -26,22 +28,20 @@ _LAZY = {
     "clip_grad_norm_": "tierzero.optim",
     "save_checkpoint": "tierzero.checkpoint",
     "load_checkpoint": "tierzero.checkpoint",
-    "export_checkpoint": "tierzero.export",
-    "load_weights": "tierzero.export",
-    "save_safetensors": "tierzero.safetensors_file",
-    "load_safetensors": "tierzero.weights",
-    "WeightSource": "tierzero.weights",
+    "export_checkpoint": "tierzero.checkpoint",
+    "load_weights": "tierzero.checkpoint",
+    "save_safetensors": "tierzero.formats",
+    "load_safetensors": "tierzero.formats",
+    "WeightSource": "tierzero.formats",
     "from_pretrained": "tierzero.hf",
     "save_pretrained": "tierzero.hf",
-    "PrefetchPolicy": "tierzero.policies",
-    "PrefetchView": "tierzero.policies",
-    "Fetch": "tierzero.policies",
-    "NoPrefetch": "tierzero.policies",
-    "Lookahead": "tierzero.policies",
-    "BytesAhead": "tierzero.policies",
-    "Adaptive": "tierzero.policies",
-    "Kind": "tierzero.handles",
-    "TensorHandle": "tierzero.handles",
+    "PrefetchPolicy": "tierzero.prefetch",
+    "PrefetchView": "tierzero.prefetch",
+    "Fetch": "tierzero.prefetch",
+    "NoPrefetch": "tierzero.prefetch",
+    "Lookahead": "tierzero.prefetch",
+    "BytesAhead": "tierzero.prefetch",
+    "Adaptive": "tierzero.prefetch",
 }
 
 __all__ = ["Config", "IOConfig", "PrefetchConfig", "parse_size", "format_size", *_LAZY]

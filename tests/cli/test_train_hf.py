@@ -1,0 +1,88 @@
+"""`tierzero train --model <transformers folder> --data <jsonl> --export DIR`: the main job on a
+pretrained model with its own tokenizer, exported back to a folder transformers loads."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+from builders import REPO as ROOT
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+TEXTS = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(200)]
+
+
+def make_folder(folder: Path) -> None:
+    """A tiny Llama with a byte-level BPE tokenizer trained here, saved in several shards."""
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<unk>", "<eos>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TEXTS, trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(fast), hidden_size=48, intermediate_size=96,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=64, eos_token_id=fast.eos_token_id,
+                                      bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="60KB")
+    fast.save_pretrained(folder)
+
+
+def test_fine_tune_a_transformers_folder_and_export_it(tmp_path: Path) -> None:
+    folder, data, out, run = tmp_path / "llama", tmp_path / "train.jsonl", tmp_path / "out", tmp_path / "run"
+    make_folder(folder)
+    assert (folder / "model.safetensors.index.json").is_file()
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    args = ["--model", str(folder), "--data", str(data), "--export", str(out), "--steps", "4", "--batch", "2",
+            "--seq", "32", "--device-budget", "1MiB", "--host-budget", "2MiB", "--params", "nvme",
+            "--optimizer-states", "nvme", "--nvme-dir", str(tmp_path / "nvme"), "--run-dir", str(run),
+            "--no-progress", "--lr", "1e-3"]
+    proc = subprocess.run([sys.executable, "-m", "tierzero.cli", "train", *args], env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and all(math.isfinite(r["loss"]) for r in rows)
+    # the loss starts near ln(vocab): the model reads token ids of its own tokenizer
+    vocab = transformers.AutoTokenizer.from_pretrained(folder).__len__()
+    assert abs(rows[0]["loss"] - math.log(vocab)) < 1.0
+    for name in ("metrics.jsonl", "trace.json", "tiers.png", "summary.json"):
+        assert (run / name).is_file(), name
+    # the export loads in transformers, with the tokenizer, and holds the trained weights
+    trained = transformers.AutoModelForCausalLM.from_pretrained(out)
+    start = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    ids = torch.tensor([tok(TEXTS[0])["input_ids"][:16]])
+    assert not torch.equal(trained(ids).logits, start(ids).logits)
+    assert not list((tmp_path / "nvme").rglob("*.bin"))
+
+
+def test_a_folder_that_is_not_a_model_fails_at_start(tmp_path: Path, capsys) -> None:
+    from tierzero.cli import train
+
+    assert train.main(["--model", str(tmp_path / "nope"), "--steps", "1"]) == 2
+    assert "built-in model" in capsys.readouterr().err
+
+
+def test_a_folder_without_a_tokenizer_is_refused(tmp_path: Path, capsys) -> None:
+    from tierzero.cli import train
+
+    folder = tmp_path / "llama"
+    make_folder(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (folder / name).unlink(missing_ok=True)
+    args = ["--model", str(folder), "--steps", "1", "--batch", "2", "--seq", "16", "--no-progress",
+            "--run-dir", str(tmp_path / "run")]
+    assert train.main(args) == 2
+    assert "no tokenizer" in capsys.readouterr().err

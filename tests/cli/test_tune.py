@@ -1,0 +1,155 @@
+"""The tier model's replay of a recorded iteration, and `tierzero tune` end to end on a tiny GPT."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tierzero.cli import train
+from tierzero.cli import tune
+from tierzero.prefetch.policies import Adaptive, FetchPhase, Lookahead, NoPrefetch, TraceEvent, Unit
+from tierzero.planning.recording import Recording, Slot
+from tierzero.planning.tier_model import Rate, TierModel, simulate
+
+MS = 1e-3
+BLOCK = 1000
+
+
+def recording(compute_s: float = 10 * MS, device_blocks: int = 2) -> Recording:
+    """Four NVMe-homed blocks, forward then backward, `compute_s` after each fetch."""
+    names = ["b0", "b1", "b2", "b3"]
+    events = [TraceEvent(FetchPhase.FORWARD, n) for n in names] + \
+             [TraceEvent(FetchPhase.BACKWARD, n) for n in reversed(names)]
+    slots = [Slot(ev, (), compute_s, 0.0, 0.0) for ev in events]
+    units = {n: Unit(n, (f"{n}.param",), BLOCK, True) for n in names}
+    return Recording(slots, units, [], [], {}, device_room=device_blocks * BLOCK, host_room=100 * BLOCK,
+                     workers=2, io_threads=4, io_block_size=1 << 22, wraps=True, policy="none")
+
+
+# A read of a block: 1 ms, its copy to the device: 0.1 ms, nothing else.
+MODEL = TierModel({("nvme", "host"): Rate(MS / BLOCK), ("host", "nvme"): Rate(MS / BLOCK),
+                   ("host", "device"): Rate(0.1 * MS / BLOCK), ("device", "host"): Rate(0.1 * MS / BLOCK)},
+                  overhead_s=0.0, source="test")
+
+
+def test_on_demand_fetches_wait_for_their_read_and_copy() -> None:
+    p = simulate(recording(), NoPrefetch(), MODEL)
+    # Every device copy is a miss that waits for its read and copy; the device keeps two blocks,
+    # so the turns between forward and backward hit.
+    assert 0 < p.copies < 8
+    assert p.stall_s == pytest.approx(p.copies * 1.1 * MS)
+    assert p.step_s == pytest.approx(8 * 10 * MS + p.stall_s)
+    assert p.disk_s == pytest.approx(p.copies * MS)
+
+
+def test_prefetching_hides_copies_while_compute_is_slower() -> None:
+    assert simulate(recording(), Lookahead(1, nvme_depth=0), MODEL).stall_s == 0
+    assert simulate(recording(), Adaptive(), MODEL).stall_s == 0
+
+
+def test_faster_compute_needs_deeper_reads_and_the_disk_bounds_the_step() -> None:
+    rec = recording(device_blocks=3)
+    rec.host_room = 2 * BLOCK  # no room to keep blocks in host memory: reads every step
+    shallow = simulate(rec, Lookahead(1, nvme_depth=0), MODEL, speedup=50)  # 0.2 ms of compute a fetch
+    deep = simulate(rec, Lookahead(2, nvme_depth=4), MODEL, speedup=50)
+    assert shallow.stall_s > deep.stall_s
+    # The disk reads every block it brings: no step is shorter than its busy time.
+    assert shallow.step_s >= shallow.disk_s == pytest.approx(2 * MS)
+    assert simulate(rec, Adaptive(), MODEL, speedup=50).stall_s <= shallow.stall_s
+
+
+def test_a_policy_cannot_put_the_model_over_its_rooms() -> None:
+    class Everything(NoPrefetch):
+        def plan(self, view):  # every unit, both tiers, every time
+            from tierzero.prefetch.policies import Fetch
+            from tierzero.config.tiernames import Tier
+            return [Fetch(n, t) for n in view.units for t in (Tier.DEVICE, Tier.HOST)]
+
+    rec = recording(device_blocks=2)
+    rec.host_room = 2 * BLOCK
+    p = simulate(rec, Everything(), MODEL, speedup=50)
+    assert p.copies >= 4  # still trains through every block, within two blocks of room
+
+
+def test_calibration_from_busy_time_and_bench_io_threads() -> None:
+    rec = recording()
+    rec.busy = {("nvme", "host"): (4 * BLOCK, 8 * MS), ("host", "device"): (8 * BLOCK, 0.8 * MS)}
+    rec.miss_overheads = [0.3 * MS, 0.1 * MS, 0.2 * MS]
+    model = TierModel.calibrate(rec)
+    assert model.leg_seconds("nvme", "host", BLOCK) == pytest.approx(2 * MS)
+    assert model.leg_seconds("host", "device", BLOCK) == pytest.approx(0.1 * MS)
+    assert model.overhead_s == pytest.approx(0.2 * MS)
+    bench = {"engine": [{"op": "read", "threads": t, "block_size": 1 << 22, "gbps": g} for t, g in ((2, 1.0), (4, 2.0))]
+             + [{"op": "write", "threads": 8, "block_size": 1 << 22, "gbps": 9.0}]}
+    # Recorded with 2 workers reading one piece each (blocks are smaller than io pieces): 2 at once.
+    assert TierModel.calibrate(rec, bench, io_threads=8).leg_seconds("nvme", "host", BLOCK) == pytest.approx(2 * MS)
+    faster = TierModel.calibrate(rec, bench, io_threads=8, workers=6)  # nearest measured: 4 at once
+    assert faster.leg_seconds("nvme", "host", BLOCK) == pytest.approx(1 * MS)
+    slower = TierModel.calibrate(rec, bench, io_threads=1, workers=6)  # nearest measured: 2 at once
+    assert slower.leg_seconds("nvme", "host", BLOCK) == pytest.approx(2 * MS)
+    with pytest.raises(ValueError, match="no engine read results"):
+        TierModel.calibrate(rec, {"engine": []}, io_threads=8, workers=6)
+
+
+# ------------------------------------------------------------------------------ the command
+
+
+def tiny_args(tmp_path: Any, *extra: str) -> list[str]:
+    return ["--model", "tiny", "--n-layer", "3", "--device-budget", "2MiB", "--host-budget", "64MiB",
+            "--nvme-dir", str(tmp_path / "nvme"), "--params", "nvme", "--grads", "host",
+            "--optimizer-states", "host", "--batch", "2", "--seq", "32", "--no-progress", *extra]
+
+
+def test_tune_runs_candidates_and_picks_the_least_stall(tmp_path: Any, capsys: Any) -> None:
+    rc = tune.main(tiny_args(tmp_path, "--steps", "2", "--policies", "none,lookahead:1,bytes:1GiB",
+                             "--nvme-depths", "0", "--io-threads", "2", "--json"))
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    *rows, refused = report["candidates"]
+    assert "prefetch reserve" in refused["error"] and refused["stall_s"] is None
+    assert [(r["policy"], r["settings"]) for r in rows] == [
+        ("none", {"nvme_depth": 0, "io_threads": 2}), ("lookahead", {"depth": 1, "nvme_depth": 0, "io_threads": 2})]
+    for r in rows:
+        assert r["stall_s"] >= 0 and r["step_s"] > 0 and r["predicted_stall_s"] >= 0
+        assert len(r["stall_s_each"]) == 2
+    assert report["best"] in rows
+    assert report["best"]["stall_s"] == min(r["stall_s"] for r in rows)
+    ties = [r for r in rows if r["stall_s"] == report["best"]["stall_s"]]
+    assert report["best"]["step_s"] == min(r["step_s"] for r in ties)
+    assert 'policy = "' + report["best"]["policy"] + '"' in report["snippets"]["toml"]
+
+
+def test_simulate_replays_a_run_folders_trace(tmp_path: Any, capsys: Any) -> None:
+    run = tmp_path / "run"
+    assert train.main(["--model", "tiny", "--steps", "4", "--batch", "2", "--seq", "32", "--device-budget", "1MiB",
+                       "--host-budget", "64MiB", "--nvme-dir", str(tmp_path / "nvme"), "--run-dir", str(run),
+                       "--no-progress"]) == 0
+    capsys.readouterr()
+    rec = Recording.load(run)
+    assert [s.event.unit for s in rec.slots][:2] == ["root", "blocks.0"] and rec.compute_s > 0
+    assert tune.main(["--simulate", "--trace", str(run), "--compute-speedup", "50", "--policies",
+                      "none,adaptive", "--nvme-depths", "4", "--io-threads", "4", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "predictions for compute 50x faster" in out and "<- best" in out and "[prefetch]" in out
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--simulate"], "--model is required"),
+    (["--model", "huge"], "expected a built-in model"),
+    (["--model", "tiny", "--policies", "sometimes"], "unknown policy 'sometimes'"),
+    (["--model", "tiny", "--policies", "lookahead"], "lookahead:DEPTH"),
+    (["--model", "tiny", "--warmup", "1"], "--warmup: expected >= 2"),
+    (["--model", "tiny", "--compute-speedup", "0"], "--compute-speedup: expected a number > 0"),
+    (["--simulate", "--trace", "no/such/run"], "expected a trace.json or a run folder"),
+])
+def test_bad_flags_are_refused(argv: list[str], match: str, capsys: Any) -> None:
+    assert tune.main(argv + ["--no-progress"]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_bad_list_flags_are_usage_errors(capsys: Any) -> None:
+    with pytest.raises(SystemExit):
+        tune.main(["--model", "tiny", "--io-threads", "0"])
+    assert "expected ints >= 1" in capsys.readouterr().err

@@ -1,0 +1,154 @@
+"""tierzero.hf.Trainer against transformers.Trainer on the same tiny Llama: logged losses and
+grad norms every step (clipping, accumulation, warmup schedule), save and resume, refusals; and the
+plain Trainer refused at its first step when given a tiered model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import tierzero as tz  # noqa: E402
+from tierzero import runtime
+from tierzero.hf.trainer import TIERZERO_DIR, Trainer
+import builders
+
+STEPS = 8
+TOL = 1e-5
+
+
+def llama(seed: int = 0) -> Any:
+    return builders.llama(seed=seed, hidden=40, intermediate=72, layers=2, tied=False)
+
+
+def data() -> list[dict[str, torch.Tensor]]:
+    """Enough rows for STEPS optimizer steps of 2 accumulated batches of 2 (one epoch)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 211, (STEPS * 4, 13), generator=g)
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def training_args(out: Path, **over: Any) -> Any:
+    kw: dict[str, Any] = dict(
+        output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=2, max_grad_norm=0.5, logging_steps=1,
+        save_strategy="no", report_to=[], use_cpu=True, dataloader_num_workers=0, seed=7, disable_tqdm=True)
+    kw.update(over)
+    return transformers.TrainingArguments(**kw)
+
+
+@pytest.fixture
+def wrapped(tmp_path):
+    made = []
+
+    def wrapped(seed: int = 0) -> Any:
+        model = llama(seed)
+        n = len(made)
+        tz.wrap(model, tz.Config(device_budget="8MiB", host_budget="64MiB", nvme_dir=str(tmp_path / f"nvme{n}"),
+                                 nvme_budget="64MiB", params="nvme", optimizer_states="nvme",
+                                 compute_dtype="float32"))
+        made.append(model)
+        return model
+
+    yield wrapped
+    for m in made:
+        runtime.close(m)
+
+
+def logged(trainer: Any) -> list[tuple[int, float, float]]:
+    """(step, loss, grad_norm) of every logging step."""
+    return [(h["step"], h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+
+
+def assert_same(got: list[tuple[int, float, float]], want: list[tuple[int, float, float]]) -> None:
+    assert [s for s, _, _ in got] == [s for s, _, _ in want]
+    for (step, loss, norm), (_, ref_loss, ref_norm) in zip(got, want):
+        assert abs(loss - ref_loss) <= TOL, f"step {step}: loss {loss} vs {ref_loss}"
+        assert abs(norm - ref_norm) <= TOL, f"step {step}: grad_norm {norm} vs {ref_norm}"
+
+
+def test_matches_plain_trainer(wrapped, tmp_path):
+    plain = transformers.Trainer(model=llama(), args=training_args(tmp_path / "plain"), train_dataset=data())
+    plain.train()
+    want = logged(plain)
+    tiered = Trainer(model=wrapped(), args=training_args(tmp_path / "tiered"), train_dataset=data())
+    tiered.train()
+    got = logged(tiered)
+    assert len(got) == STEPS
+    assert max(n for _, _, n in want) > 0.5, "the test should exercise clipping"
+    assert_same(got, want)
+    lrs = [h["learning_rate"] for h in tiered.state.log_history if "loss" in h]
+    assert lrs == [h["learning_rate"] for h in plain.state.log_history if "loss" in h]
+    assert isinstance(tiered.optimizer.optimizer, tz.AdamW)
+
+
+def test_unclipped_norm_logged(wrapped, tmp_path):
+    """max_grad_norm=0: nothing clipped, the true norm still logged (as the plain Trainer does)."""
+    over = dict(max_steps=2, max_grad_norm=0.0)
+    plain = transformers.Trainer(model=llama(), args=training_args(tmp_path / "plain", **over), train_dataset=data())
+    plain.train()
+    tiered = Trainer(model=wrapped(), args=training_args(tmp_path / "tiered", **over), train_dataset=data())
+    tiered.train()
+    assert all(n > 0.5 for _, _, n in logged(plain))
+    assert_same(logged(tiered), logged(plain))
+
+
+def test_save_and_resume(wrapped, tmp_path):
+    out = tmp_path / "out"
+    args = training_args(out, save_strategy="steps", save_steps=4)
+    whole = Trainer(model=wrapped(), args=args, train_dataset=data())
+    whole.train()
+    want = logged(whole)
+    ckpt = out / "checkpoint-4"
+    assert (ckpt / TIERZERO_DIR).is_dir() and (ckpt / "trainer_state.json").is_file()
+    assert (ckpt / "scheduler.pt").is_file() and (ckpt / "rng_state.pth").is_file()
+    assert not (ckpt / "model.safetensors").exists() and not (ckpt / "optimizer.pt").exists()
+
+    # a fresh model (another init) and Trainer continue from step 4 to the same losses
+    resumed = Trainer(model=wrapped(seed=3), args=args, train_dataset=data())
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    history = logged(resumed)  # steps 1-4 come back from checkpoint-4's trainer_state.json
+    assert_same(history[:4], want[:4])
+    assert_same([e for e in history if e[0] > 4], want[4:])
+
+
+def test_plain_trainer_refused_at_first_step(wrapped, tmp_path):
+    model = wrapped()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = transformers.Trainer(model=model, args=training_args(tmp_path / "plain"), train_dataset=data(),
+                                   optimizers=(tz.AdamW(model, lr=1e-3, weight_decay=0.0), None))
+    with pytest.raises(ValueError, match=r"tierzero\.hf\.Trainer"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_plain_trainer_without_an_optimizer_refused_at_first_step(wrapped, tmp_path):
+    """It builds torch.optim.AdamW over the tiered model's placeholders: refused, not a silent no-op."""
+    model = wrapped()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = transformers.Trainer(model=model, args=training_args(tmp_path / "plain"), train_dataset=data())
+    with pytest.raises(ValueError, match=r"tierzero\.hf\.Trainer"):
+        trainer.train()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_refusals(wrapped, tmp_path):
+    model = wrapped()
+    with pytest.raises(ValueError, match="weight_decay=0.1.*exempts biases and norm weights"):
+        Trainer(model=model, args=training_args(tmp_path, weight_decay=0.1), train_dataset=data()).train()
+    with pytest.raises(ValueError, match="must be a tz.AdamW / tz.SGD built on this model, got AdamW"):
+        Trainer(model=model, args=training_args(tmp_path), train_dataset=data(),
+                optimizers=(torch.optim.AdamW(model.parameters()), None))
+    with pytest.raises(ValueError, match="expected a model wrapped with tz.wrap"):
+        Trainer(model=llama(), args=training_args(tmp_path), train_dataset=data())
+    with pytest.raises(ValueError, match="no tiered counterpart"):
+        Trainer(model=model, args=training_args(tmp_path, optim="adafactor"), train_dataset=data()).train()
+    with pytest.raises(ValueError, match="holds no tierzero/ folder"):
+        Trainer(model=model, args=training_args(tmp_path), train_dataset=data()).train(
+            resume_from_checkpoint=str(tmp_path))

@@ -1,0 +1,71 @@
+"""Tiny transformers models for the tests, uneven on purpose (Llama tied and untied with
+vocabulary 211, GPT-2 with vocabulary 157), and a folder of several safetensors shards with an
+index: what tests of weights, copy-on-write homes and from_pretrained load."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+
+import tierzero as tz
+from builders import llama_config, tier_config
+
+
+def hf() -> Any:
+    """transformers, or the test is skipped (an optional extra)."""
+    return pytest.importorskip("transformers")
+
+
+def llama(tied: bool = True, layers: int = 3) -> Any:
+    hf()
+    return llama_config(tied=tied, layers=layers)
+
+
+def gpt2() -> Any:
+    transformers = hf()
+    return transformers.GPT2Config(vocab_size=157, n_embd=40, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+
+
+MODELS: dict[str, Callable[[], tuple[str, Any]]] = {
+    "llama-tied": lambda: ("LlamaForCausalLM", llama(True)),
+    "llama-untied": lambda: ("LlamaForCausalLM", llama(False)),
+    "gpt2": lambda: ("GPT2LMHeadModel", gpt2()),
+}
+
+
+def build(cls_name: str, config: Any, *, meta: bool = False, seed: int = 0) -> nn.Module:
+    cls = getattr(hf(), cls_name)
+    torch.manual_seed(seed)
+    if meta:
+        with torch.device("meta"):
+            return cls(config)
+    return cls(config)
+
+
+def save(model: nn.Module, folder: Path) -> Path:
+    model.save_pretrained(folder, max_shard_size="20KB")
+    assert (folder / "model.safetensors.index.json").is_file() and len(list(folder.glob("*.safetensors"))) > 2
+    return folder
+
+
+def weights_config(tmp_path: Path, **kw: Any) -> tz.Config:
+    """Parameters and optimizer states on NVMe under tmp_path/nvme, an 8 MiB device budget."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    return tier_config(tmp_path / "nvme", tier="host", device_budget="8MiB", params="nvme", optimizer_states="nvme",
+                       **kw)
+
+
+def swap_files(tmp_path: Path) -> list[str]:
+    """The files under the swap folder of weights_config(tmp_path)."""
+    return [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "nvme") for f in fs]
+
+
+def token_batches(vocab: int, n: int, seq: int, rows: int = 2) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, vocab, (rows, seq), generator=g) for _ in range(n)]

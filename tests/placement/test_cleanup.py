@@ -1,0 +1,125 @@
+"""Nothing left behind on disk: swap files go at normal interpreter exit, when wrap fails, and
+when a later run finds the folder of a process that was killed; a failing plot does not fail
+a finished training run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tierzero.cli import train
+from tierzero.config.config import Config
+from tierzero.placement.manager import PlacementManager
+
+from builders import REPO as ROOT
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+SCRIPT = """
+import torch, tierzero as tz
+from torch import nn
+model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+cfg = tz.Config(device_budget="1MiB", host_budget={host!r}, nvme_dir={nvme!r}, params="nvme",
+                grads="nvme", optimizer_states="nvme", compute_dtype="float32")
+tz.wrap(model, cfg)
+opt = tz.AdamW(model, lr=1e-3)
+model(torch.randn(8, 64)).sum().backward()
+opt.step(); opt.zero_grad()
+{ending}
+"""
+
+
+def swap_files(nvme: Path) -> list[Path]:
+    return sorted(p for p in nvme.rglob("*") if p.is_file())
+
+
+def run_script(nvme: Path, ending: str, host: str = "4MiB") -> subprocess.CompletedProcess:
+    code = textwrap.dedent(SCRIPT).format(nvme=str(nvme), ending=ending, host=host)
+    return subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("host", ["4MiB", "64MiB"])
+def test_a_script_that_simply_ends_leaves_no_swap_file(tmp_path: Path, host: str) -> None:
+    nvme = tmp_path / "nvme"
+    # a last step without zero_grad: with 64 MiB of host room, dirty copies are there at exit
+    proc = run_script(nvme, "model(torch.randn(8, 64)).sum().backward(); opt.step(); print('trained')", host)
+    assert proc.returncode == 0 and "trained" in proc.stdout, proc.stderr
+    assert swap_files(nvme) == []
+    assert "tierzero" not in proc.stderr  # closed quietly: no write into files that are going
+
+
+def test_a_script_whose_wrap_raises_leaves_no_swap_file(tmp_path: Path) -> None:
+    nvme = tmp_path / "nvme"
+    ending = "tz.wrap(nn.Linear(4096, 4096), cfg.replace(device_budget='64KiB'))"  # too small a budget
+    proc = run_script(nvme, ending)
+    assert proc.returncode != 0 and "device_budget" in proc.stderr
+    assert swap_files(nvme) == []
+
+
+def test_a_killed_run_is_reclaimed_by_the_next_start(tmp_path: Path, capsys) -> None:
+    nvme = tmp_path / "nvme"
+    proc = run_script(nvme, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    assert proc.returncode == -signal.SIGKILL
+    left = swap_files(nvme)
+    assert any(p.name.startswith("swap") for p in left)  # the killed process could not clean up
+    pm = PlacementManager(Config(nvme_dir=str(nvme), device_budget="1MiB", host_budget="4MiB"))
+    try:
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "removed" in err and "which is gone" in err
+        assert [p for p in swap_files(nvme) if p.parent != pm.swap.run_dir] == []
+    finally:
+        pm.close()
+    assert swap_files(nvme) == []
+
+
+def test_a_live_run_is_not_reclaimed(tmp_path: Path, capsys) -> None:
+    cfg = Config(nvme_dir=str(tmp_path / "nvme"), device_budget="1MiB", host_budget="4MiB")
+    first = PlacementManager(cfg)
+    try:
+        second = PlacementManager(cfg)  # same rank folder, another live run beside it
+        second.close()
+        assert first.swap.run_dir.exists() and capsys.readouterr().err == ""
+    finally:
+        first.close()
+
+
+def test_a_failing_plot_does_not_fail_a_finished_run(tmp_path: Path, monkeypatch, capsys) -> None:
+    def broken(run_dir):
+        raise ModuleNotFoundError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(train, "plot_run", broken)
+    args = ["--model", "tiny", "--steps", "2", "--batch", "2", "--seq", "32", "--device-budget", "4MiB",
+            "--host-budget", "8MiB", "--no-progress", "--nvme-dir", str(tmp_path / "nvme"),
+            "--run-dir", str(tmp_path / "run")]
+    assert train.main(args) == 0
+    assert "tiers.png not drawn" in capsys.readouterr().err
+    for name in ("metrics.jsonl", "trace.json", "summary.json"):
+        assert (tmp_path / "run" / name).is_file()
+    assert swap_files(tmp_path / "nvme") == []
+
+
+def test_a_disk_error_while_wrap_writes_fails_wrap_and_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
+    from torch import nn
+
+    import tierzero as tz
+    from tierzero.placement import nvme
+
+    def broken(*args, **kwargs):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(nvme, "write_extent", broken)  # the registers' asynchronous NVMe writes fail
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    cfg = tz.Config(device_budget="1MiB", host_budget="4MiB", nvme_dir=str(tmp_path / "nvme"), params="nvme",
+                    compute_dtype="float32")
+    try:
+        tz.wrap(model, cfg)
+    except OSError as e:
+        assert "Input/output error" in str(e)
+    else:
+        raise AssertionError("wrap returned a model whose weights never reached the disk")
+    assert swap_files(tmp_path / "nvme") == []

@@ -1,0 +1,137 @@
+"""CUDA-only checks of the copy streams and of placement on a real device (`make test-gpu`)."""
+
+import pytest
+import torch
+
+from tierzero.config.config import Config
+from tierzero.placement.handles import Kind
+from tierzero.placement.manager import PlacementManager
+from tierzero.placement.residency import Residency
+from tierzero.placement.streams import CopyStreams
+from tierzero.config.tiernames import Tier
+
+pytestmark = pytest.mark.gpu
+
+MiB = 1 << 20
+
+
+def _elapsed_ms(start, end):
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def _timed(stream, fn):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    with torch.cuda.stream(stream):
+        fn()
+    end.record(stream)
+    return start, end
+
+
+def test_h2d_on_copy_stream_overlaps_matmuls_on_default_stream():
+    dev = torch.device("cuda", torch.cuda.current_device())
+    streams = CopyStreams(dev)
+    src = torch.empty(512 * MiB, dtype=torch.uint8, pin_memory=True).fill_(7)
+    dst = torch.empty_like(src, device=dev)
+    a = torch.randn(4096, 4096, device=dev)
+    compute = torch.cuda.current_stream(dev)
+
+    def copy():
+        streams.copy(dst, src)
+
+    def matmuls(n):
+        for _ in range(n):
+            a @ a
+
+    for _ in range(2):  # warm up cuBLAS and the copy path
+        copy()
+        matmuls(2)
+    torch.cuda.synchronize()
+    t_copy = _elapsed_ms(*_timed(streams.h2d, copy))
+    t_one = _elapsed_ms(*_timed(compute, lambda: matmuls(4))) / 4
+    n = max(2, round(t_copy / t_one))  # compute about as long as the copy
+    t_compute = _elapsed_ms(*_timed(compute, lambda: matmuls(n)))
+
+    torch.cuda.synchronize()
+    begin = torch.cuda.Event(enable_timing=True)
+    begin.record(compute)
+    streams.h2d.wait_event(begin)  # both streams start from the same point
+    c_start, c_end = _timed(streams.h2d, copy)
+    m_start, m_end = _timed(compute, lambda: matmuls(n))
+    torch.cuda.synchronize()
+    total = max(begin.elapsed_time(c_end), begin.elapsed_time(m_end))
+    # The copy's and the compute's intervals intersect, and together they take clearly less than
+    # one after the other.
+    assert begin.elapsed_time(c_start) < begin.elapsed_time(m_end)
+    assert begin.elapsed_time(m_start) < begin.elapsed_time(c_end)
+    assert total < 0.85 * (t_copy + t_compute), (total, t_copy, t_compute)
+    assert torch.equal(dst[:: 64 * MiB].cpu(), src[:: 64 * MiB])
+
+
+def test_compute_waits_on_copy_event_before_using_the_tensor():
+    dev = torch.device("cuda", torch.cuda.current_device())
+    streams = CopyStreams(dev)
+    src = torch.arange(64 * MiB // 4, dtype=torch.int32).pin_memory()
+    expected = int(src.sum(dtype=torch.int64))
+    for _ in range(5):
+        with streams.alloc_context():
+            dst = torch.empty(src.shape, dtype=src.dtype, device=dev)
+        event = streams.copy(dst, src)
+        streams.compute_wait(event, dst)
+        assert int(dst.sum(dtype=torch.int64)) == expected
+
+
+@pytest.mark.parametrize("home", ["nvme", "host", "device"])
+def test_placement_roundtrip_on_cuda_is_bit_exact(tmp_path, home):
+    cfg = Config(device_budget="64MiB", host_budget="64MiB", nvme_dir=str(tmp_path / "nvme"),
+                 nvme_budget="256MiB")
+    data = torch.randn(1023, 517).to(torch.bfloat16)
+    with PlacementManager(cfg) as pm:
+        assert pm.device.type == "cuda" and pm.pool.pinned
+        p = pm.register("layers.0", data, home, kind=Kind.PARAM)
+        t = pm.acquire(p, "device")
+        assert t.is_cuda and t.dtype is torch.bfloat16 and torch.equal(t.cpu(), data)
+        t.mul_(-2).add_(1)  # modified by compute on the default stream, then written back
+        expected = (data * -2 + 1)
+        pm.release(p, "device", dirty=True)
+        pm.flush()
+        assert torch.equal(pm.read(p).view(torch.int16), expected.view(torch.int16))
+        h = pm.acquire(p, "host")
+        assert torch.equal(h.view(torch.int16), expected.view(torch.int16))
+        assert home == "device" or h.is_pinned()
+        pm.release(p, "host")
+        # Evicted and fetched again: still the written-back contents.
+        if home != "device":
+            pm.drop(p, "device")
+            assert pm.record(p).residency[Tier.DEVICE] is Residency.ABSENT
+            t = pm.acquire(p, "device")
+            assert torch.equal(t.cpu().view(torch.int16), expected.view(torch.int16))
+            pm.release(p, "device")
+        pm.unregister(p)
+        assert pm.bytes_used("device") == 0  # exact-size CUDA buffers: nothing cached
+
+
+def test_placement_pipeline_with_prefetch_and_eviction_on_cuda(tmp_path):
+    cfg = Config(device_budget="48MiB", host_budget="96MiB", nvme_dir=str(tmp_path / "nvme"),
+                 nvme_budget="1GiB")
+    blocks = [torch.randn(4 * MiB // 4 + 13 * i) for i in range(16)]  # ~4 MiB each, uneven
+    with PlacementManager(cfg) as pm:
+        params = [pm.register(f"layers.{i}", b, "nvme" if i % 2 else "host", kind=Kind.PARAM)
+                  for i, b in enumerate(blocks)]
+        for step in range(3):
+            pm.prefetch(params[0])
+            for i in range(len(blocks)):
+                for j in (i + 1, i + 2):
+                    if j < len(blocks):
+                        pm.prefetch(params[j])
+                t = pm.acquire(params[i])
+                t.add_(1.0)
+                blocks[i] += 1.0
+                pm.release(params[i], dirty=True)
+            pm.flush()
+            assert pm.peak_bytes("device") <= pm.budget("device")
+            assert pm.peak_bytes("host") <= pm.budget("host")
+        for p, b in zip(params, blocks):
+            assert torch.equal(pm.read(p), b)
+        assert pm.telemetry.prefetch_hits > 0

@@ -1,0 +1,101 @@
+import threading
+import time
+
+import pytest
+import torch
+
+from tierzero.placement.tiers import ALIGNMENT, Budget, HostPool, round_up
+from tierzero.config.tiernames import Tier
+
+
+def test_tier_names_and_parsing():
+    assert Tier("nvme") is Tier.NVME and Tier.parse("host") is Tier.HOST
+    assert Tier.DEVICE == "device" and str(Tier.HOST) == "host" and f"{Tier.NVME}" == "nvme"
+    assert {Tier.HOST: 1}["host"] == 1  # hashes like its value
+    with pytest.raises(ValueError, match="expected one of 'device', 'host', 'nvme', got 'gpu'"):
+        Tier.parse("gpu")
+
+
+@pytest.mark.parametrize("n,expected", [(0, 0), (1, 4096), (4096, 4096), (4097, 8192)])
+def test_round_up(n, expected):
+    assert round_up(n) == expected
+
+
+def test_budget_reserve_release_peak_and_hooks():
+    seen = []
+    b = Budget(Tier.HOST, 1000)
+    b.add_hook(lambda tier, used: seen.append((tier, used)))
+    assert b.try_reserve(600) and not b.try_reserve(401) and b.try_reserve(400)
+    assert b.used == 1000 and b.free == 0
+    b.release(700)
+    assert b.used == 300 and b.peak == 1000
+    b.reset_peak()
+    assert b.peak == 300
+    assert seen == [(Tier.HOST, 600), (Tier.HOST, 1000), (Tier.HOST, 300)]
+    assert "host" in repr(b)
+
+
+def test_budget_reserve_waits_for_release_and_times_out():
+    b = Budget(Tier.DEVICE, 100)
+    b.reserve(80)
+    threading.Timer(0.05, b.release, args=(80,)).start()
+    t0 = time.monotonic()
+    b.reserve(50, timeout=5)
+    assert time.monotonic() - t0 >= 0.04 and b.used == 50
+    with pytest.raises(TimeoutError, match="did not become free"):
+        b.reserve(60, timeout=0.01)
+    with pytest.raises(ValueError, match="can never fit"):
+        b.reserve(101)
+
+
+def test_budget_never_exceeded_under_threads():
+    b = Budget(Tier.HOST, 10_000)
+    over = []
+    b.add_hook(lambda tier, used: over.append(used) if used > 10_000 else None)
+
+    def worker(seed):
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(500):
+            n = int(torch.randint(1, 3000, (1,), generator=g))
+            if b.try_reserve(n):
+                b.release(n)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not over and b.used == 0 and 0 < b.peak <= 10_000
+
+
+def test_host_pool_aligned_reused_and_counted():
+    b = Budget(Tier.HOST, 5 * ALIGNMENT)
+    pool = HostPool(b, pinned=False)
+    buf = pool.try_alloc(5000)
+    assert buf.dtype == torch.uint8 and buf.numel() == 8192 and buf.data_ptr() % ALIGNMENT == 0
+    assert b.used == 8192 and pool.in_use_count == 1
+    ptr = buf.data_ptr()
+    pool.free(buf)
+    assert b.used == 8192 and pool.cached_bytes == 8192  # cached memory still counts
+    again = pool.try_alloc(8000)
+    assert again.data_ptr() == ptr and pool.cached_bytes == 0
+    pool.free(again)
+    # A different bucket that only fits once the cache is dropped: the pool trims itself.
+    big = pool.try_alloc(4 * ALIGNMENT + 1)
+    assert big is not None and big.numel() == 5 * ALIGNMENT and b.used == 5 * ALIGNMENT
+    assert pool.try_alloc(1) is None  # full
+    pool.free(big)
+    assert pool.trim() == 5 * ALIGNMENT and b.used == 0
+    pool.close()
+
+
+def test_host_pool_pinned_buckets_are_powers_of_two():
+    pool = HostPool(Budget(Tier.HOST, 1 << 30), pinned=True)
+    assert pool.bucket(5000) == 8192 and pool.bucket(3 << 20) == 4 << 20 and pool.bucket(1) == 4096
+
+
+def test_host_pool_close_reports_leaks():
+    pool = HostPool(Budget(Tier.HOST, 1 << 20), pinned=False)
+    pool.try_alloc(10)
+    with pytest.raises(RuntimeError, match="1 buffers .* still in use"):
+        pool.close()

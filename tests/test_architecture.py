@@ -1,0 +1,143 @@
+"""The never-rules of docs/architecture.md hold, and each check fails on a planted violation.
+
+import-linter checks the layers, io_engine's independence, the CLI above the library and the
+absence of cycles (pyproject.toml, [tool.importlinter]); an `ast` walk checks what it cannot
+express: imports across packages go through the package's face, no `_private` name is imported
+from another module, function-level imports only for optional dependencies and the CLI
+dispatcher; and a fresh interpreter shows that importing the config loads no torch.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from builders import REPO
+
+OPTIONAL = {"transformers", "accelerate", "tomllib"}
+"""Optional dependencies, imported where first needed."""
+FUNCTION_LEVEL_ALLOWED = {
+    ("tierzero/config/machine.py", "torch"), ("tierzero/config/machine.py", "psutil"),  # config stays torch-free
+    ("tierzero/hf/__init__.py", "tierzero.hf.trainer"),  # tierzero.hf.Trainer needs transformers
+}
+"""(file, module) function-level imports allowed besides OPTIONAL and the CLI dispatcher."""
+DISPATCHER = "tierzero/cli/dispatch.py"
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess:
+    code = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True, no_logo=True))"
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    return subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def _function_level(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    out: list[ast.Import | ast.ImportFrom] = []
+
+    def walk(node: ast.AST, inside: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                walk(child, True)
+            elif isinstance(child, (ast.Import, ast.ImportFrom)):
+                if inside:
+                    out.append(child)
+            else:
+                walk(child, inside)
+
+    walk(tree, False)
+    return out
+
+
+def ast_violations(root: Path) -> list[str]:
+    """Every breach of the rules the `ast` walk checks, as 'file:line: what'."""
+    found = []
+    for path in sorted((root / "tierzero").rglob("*.py")) + sorted((root / "io_engine").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        parts = rel.split("/")
+        package = parts[1] if parts[0] == "tierzero" and len(parts) > 2 else None
+        tree = ast.parse(path.read_text(), rel)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+                continue
+            mod = node.module.split(".")
+            if mod[0] == "tierzero" and len(mod) > 2 and package is not None and mod[1] != package:
+                found.append(f"{rel}:{node.lineno}: imports {node.module} past the face of tierzero.{mod[1]}")
+            if mod[0] in ("tierzero", "io_engine"):
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        found.append(f"{rel}:{node.lineno}: imports the private name {alias.name} of {node.module}")
+        for node in _function_level(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            for name in names:
+                if rel == DISPATCHER or name.split(".")[0] in OPTIONAL or (rel, name) in FUNCTION_LEVEL_ALLOWED:
+                    continue
+                found.append(f"{rel}:{node.lineno}: imports {name} inside a function")
+    return found
+
+
+def tree_copy(tmp_path: Path) -> Path:
+    for name in ("tierzero", "io_engine"):
+        shutil.copytree(REPO / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    return tmp_path
+
+
+def plant(root: Path, file: str, line: str, *, inside_function: bool = False) -> None:
+    path = root / file
+    text = path.read_text()
+    if inside_function:
+        line = f"\n\ndef _planted() -> None:\n    {line}\n"
+    path.write_text(text + "\n" + line + "\n")
+
+
+def test_the_contracts_hold() -> None:
+    result = lint_imports(REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
+
+
+def test_the_ast_rules_hold() -> None:
+    assert ast_violations(REPO) == []
+
+
+def test_the_config_imports_no_torch() -> None:
+    code = "import sys, tierzero.config; assert 'torch' not in sys.modules, 'tierzero.config imported torch'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                   timeout=60)
+
+
+@pytest.mark.parametrize("file,line,inside,broken", [
+    # a function-level import upward counts like any other
+    ("tierzero/placement/tiers.py", "from tierzero.runtime import wrap", True, "layers"),
+    # TYPE_CHECKING imports too
+    ("tierzero/layout/zero.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tierzero.optim import AdamW",
+     False, "layers"),
+    ("io_engine/sizes.py", "import tierzero", False, "io_engine never imports tierzero"),
+    ("tierzero/hf/pretrained.py", "from tierzero.cli import main", True, "the library never imports the command line"),
+    # a cycle inside one package: blocks imports wrapping, which imports blocks
+    ("tierzero/runtime/blocks.py", "from tierzero.runtime import wrapping", True, "no import cycle"),
+], ids=["upward-in-function", "upward-type-checking", "io_engine", "library-cli", "cycle"])
+def test_a_planted_import_breaks_its_contract(tmp_path: Path, file: str, line: str, inside: bool, broken: str) -> None:
+    root = tree_copy(tmp_path)
+    plant(root, file, line, inside_function=inside)
+    result = lint_imports(root)
+    assert result.returncode != 0, result.stdout
+    assert f"{broken}" in result.stdout and "BROKEN" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("file,line,inside,what", [
+    ("tierzero/runtime/grads.py", "from tierzero.placement.manager import PlacementManager", False, "past the face"),
+    ("tierzero/cli/train.py", "from tierzero.cli.harness import _unknown", False, "private name"),
+    ("tierzero/optim/clip.py", "import json", True, "inside a function"),
+], ids=["past-the-face", "private-name", "function-level"])
+def test_a_planted_breach_is_found(tmp_path: Path, file: str, line: str, inside: bool, what: str) -> None:
+    root = tree_copy(tmp_path)
+    plant(root, file, line, inside_function=inside)
+    found = ast_violations(root)
+    assert len(found) == 1 and what in found[0] and found[0].startswith(file), found

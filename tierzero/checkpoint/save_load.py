@@ -1,0 +1,328 @@
+"""Checkpoints of a wrapped model: save and load its tiered state (and its optimizer's).
+
+The format on disk is format.py's; the checksummed file IO is chunk_io.py's;
+the resharding plans are reshard.py's. This module is the orchestration around them and
+the only part that touches the model's runtime objects (its flat tensors, the placement
+manager's records, the optimizer's states), which it turns into region keys and bytes.
+
+Phases of a save (every rank): rank 0 picks the next number and makes `.tmp-ckpt-N/`; each
+rank preallocates its data file (a full disk fails here, before anything is written) and
+streams its tensors block by block: a tensor is read from its home tier into one of two
+page-aligned buffers (NVMe homes through io_engine) while the previous buffer's chunks are
+written with io_engine (O_DIRECT, checksummed as they go); files are fsynced; every rank
+learns every rank's outcome; rank 0 writes the model's transformers config.json when it has
+one (for `tierzero export --to DIR`), then the manifest last, fsyncs it and the folder,
+renames the folder to `ckpt-N` and fsyncs DIR, then prunes to `keep_last`. A crash at any
+moment leaves either the old set of complete checkpoints or the new one; `.tmp-*` leftovers
+are ignored by load and removed by the next save.
+
+Phases of a load: the manifest's checksum, the model's layouts (a different model is refused
+before anything is touched), every rank file's presence and size are checked first; then each
+tensor's shard for this rank is planned from the saved layout (`reshard_plan`: a pure function
+of the old layout, the new one and the rank, so N ranks load into M), only the chunks holding
+those bytes are read and verified, and the tensor is stored to its home tier while the next one
+is read. A corrupt chunk fails the load with an error naming the file and byte range; the model
+is then partially loaded and must be loaded again before use.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import io
+import os
+import shutil
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from io_engine import PAGE
+from tierzero import runtime
+from tierzero.checkpoint.chunk_io import Reader, Source, double_buffered, open_engine, write_rank_files
+from tierzero.checkpoint.format import (CHUNK_BYTES, MANIFEST, PREFIX, TMP_PREFIX, TRASH_PREFIX, VALUES,
+                                        CheckpointError, FlatEntry, Manifest, RankFiles, checkpoints,
+                                        latest_checkpoint, next_number, open_checkpoint, round_up,
+                                        torch_dtype, write_manifest)
+from tierzero.checkpoint.reshard import reshard_plan
+from tierzero.formats import fsync_dir, persistent_buffers, write_config_files
+from tierzero.optim import TieredOptimizer
+from tierzero.placement import PlacementManager, TensorHandle
+from tierzero.runtime import FlatParam, model_dtype, world
+
+__all__ = ["save_checkpoint", "load_checkpoint", "persistent_buffers", "CheckpointError", "checkpoints",
+           "latest_checkpoint"]
+
+
+# ------------------------------------------------------------------------ the rank's tensors
+
+
+class _Job(NamedTuple):
+    """One stored tensor of this rank: its region key, its kind in the checkpoint ("values" or
+    a moment's kind), and its handle. A checkpoint holds this rank's shard of it, whatever the
+    ZeRO stage: a rank that keeps the whole parameters (stages 1 and 2) saves its shard."""
+
+    key: str
+    flat: FlatParam
+    kind: str
+    handle: TensorHandle
+
+    @property
+    def numel(self) -> int:
+        return self.flat.layout.shard_numel
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.handle.dtype.itemsize
+
+    def read_into(self, pm: PlacementManager, buf: np.ndarray) -> None:
+        """This rank's shard of the tensor, into `buf`."""
+        if self.handle.shape.numel() == self.numel:
+            pm.read(self.handle, out=buf)
+        else:
+            torch.from_numpy(buf[:self.nbytes]).view(self.handle.dtype).copy_(pm.read(self.handle)[self.flat.shard])
+
+
+def _stored(flat: FlatParam, optimizer: TieredOptimizer | None) -> dict[str, TensorHandle]:
+    """What a checkpoint stores of `flat`, by kind: its values (the fp32 master weights when
+    there are any, else the parameters), and the optimizer's moments."""
+    moments = optimizer.state_handles(flat) if optimizer is not None and flat.trainable else {}
+    return {VALUES: flat.values, **{kind.value: h for kind, h in moments.items()}}
+
+
+def _jobs(state: runtime.TieredState, optimizer: TieredOptimizer | None) -> list[_Job]:
+    return [_Job(f"{flat.param.name}/{kind}", flat, kind, handle)
+            for flat in state.flat_params() for kind, handle in _stored(flat, optimizer).items()]
+
+
+def _check_optimizer(state: runtime.TieredState, optimizer: object) -> None:
+    if optimizer is None:
+        return
+    mine = set(state.flat_params())
+    if not isinstance(optimizer, TieredOptimizer) or not set(optimizer.flat_params) <= mine:
+        raise ValueError(f"checkpoint: expected a tz.AdamW / tz.SGD built on this model, got "
+                         f"{type(optimizer).__name__}; pass the optimizer created with this model, or None")
+
+
+class _Comm:
+    """The few collectives a save needs (world size 1: none)."""
+
+    def __init__(self, group: Any, world_size: int) -> None:
+        self.group, self.world_size = group, world_size
+
+    def broadcast(self, obj: Any) -> Any:
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def gather(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def save_checkpoint(dir: str | os.PathLike[str], model: nn.Module, optimizer: TieredOptimizer | None = None,
+                    extra: Any = None, keep_last: int | None = None) -> Path:
+    """Save the model's tiered state (and the optimizer's) as a new checkpoint in `dir`; returns
+    its folder. `extra` (RNG states, data position, ...; anything torch.save takes with
+    weights_only loading) is stored per rank and returned by load_checkpoint. keep_last: keep
+    only that many newest checkpoints. Call it on every rank, between training steps."""
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"save_checkpoint: keep_last: expected None or an int >= 1, got {keep_last}")
+    state = runtime.state_of(model)
+    _check_optimizer(state, optimizer)
+    state.ctx.drain_updates()
+    rank, world_size = world(state.ctx.group)
+    comm = _Comm(state.ctx.group, world_size)
+    root = Path(dir)
+    seq = None
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for p in root.iterdir():  # leftovers of saves that were interrupted
+            if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+                shutil.rmtree(p, ignore_errors=True)
+        seq = next_number(root)
+        (root / f"{TMP_PREFIX}{seq:08d}").mkdir()
+    seq = comm.broadcast(seq)
+    tmp, final = root / f"{TMP_PREFIX}{seq:08d}", root / f"{PREFIX}{seq:08d}"
+    # Every rank learns whether every other one succeeded (a failed rank must not leave the
+    # others waiting in a collective); only then does rank 0 publish the checkpoint.
+    try:
+        outcome: RankFiles | str = _write_rank(tmp, rank, state, optimizer, extra)
+    except Exception as e:
+        outcome, failure = f"rank {rank}: {e}", e
+    except BaseException:  # interrupted: no collective may follow
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    else:
+        failure = None
+    every = comm.gather(outcome)
+    errors = [o for o in every if isinstance(o, str)]
+    if rank == 0 and not errors:
+        try:
+            _write_hf_config(state, tmp)
+            _publish(root, tmp, final, _manifest(state, optimizer, world_size, every), keep_last)
+        except Exception as e:
+            errors, failure = [f"rank 0: {e}"], e
+    errors = comm.broadcast(errors)
+    if errors:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if failure is not None:
+            raise failure
+        raise RuntimeError(f"save_checkpoint: the save failed on other ranks ({'; '.join(errors)}); the "
+                           "previous checkpoints are intact")
+    return final
+
+
+def _publish(root: Path, tmp: Path, final: Path, manifest: Manifest, keep_last: int | None) -> None:
+    """Rank 0: the manifest last, fsynced; the folder renamed into place; old ones pruned."""
+    write_manifest(tmp / MANIFEST, manifest)
+    fsync_dir(tmp)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    if keep_last is not None:
+        for old in checkpoints(root)[:-keep_last]:
+            trash = root / f"{TRASH_PREFIX}{old.name}"
+            os.rename(old, trash)  # a crash mid-delete leaves no half checkpoint under ckpt-*
+            shutil.rmtree(trash)
+
+
+def _write_hf_config(state: runtime.TieredState, tmp: Path) -> None:
+    """Rank 0: the model's transformers config.json (and generation_config.json), when it has a
+    transformers `config`, so that `tierzero export CKPT --to DIR` can write a model folder."""
+    model = state.model
+    if callable(getattr(getattr(model, "config", None), "save_pretrained", None)):
+        write_config_files(model, tmp, model_dtype(state))
+
+
+def _manifest(state: runtime.TieredState, optimizer: TieredOptimizer | None, world_size: int,
+              ranks: list[RankFiles]) -> Manifest:
+    flats = []
+    for flat in state.flat_params():
+        kinds = {kind: str(h.dtype).removeprefix("torch.") for kind, h in _stored(flat, optimizer).items()}
+        steps = optimizer.block_steps(flat) if optimizer is not None and flat.trainable else None
+        flats.append(FlatEntry(name=flat.param.name, trainable=flat.trainable, layout=flat.layout,
+                               dtypes=tuple(str(d).removeprefix("torch.") for d in flat.orig_dtypes),
+                               kinds=kinds, steps=steps))
+    canonical = {id(p): n for n, p in state.model.named_parameters()}
+    aliases = {n: canonical[id(p)] for n, p in state.model.named_parameters(remove_duplicate=False)
+               if canonical[id(p)] != n}
+    return Manifest(world_size=world_size, optimizer=type(optimizer).__name__ if optimizer is not None else None,
+                    chunk_bytes=CHUNK_BYTES, flats=tuple(flats), ranks=tuple(ranks), aliases=aliases)
+
+
+def _training_blob(optimizer: TieredOptimizer | None, extra: Any, buffers: dict[str, torch.Tensor]) -> bytes:
+    blob = io.BytesIO()
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
+    torch.save({"param_groups": groups, "extra": extra,
+                "buffers": {k: v.detach().to("cpu", copy=True) for k, v in buffers.items()}}, blob)
+    return blob.getvalue()
+
+
+def _write_rank(tmp: Path, rank: int, state: runtime.TieredState, optimizer: TieredOptimizer | None,
+                extra: Any) -> RankFiles:
+    pm = state.pm
+    sources = [Source(j.key, j.nbytes, lambda buf, j=j: j.read_into(pm, buf)) for j in _jobs(state, optimizer)]
+    blob = _training_blob(optimizer, extra, persistent_buffers(state.model))
+    return write_rank_files(tmp, rank, sources, blob, state.config.io)
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def load_checkpoint(dir: str | os.PathLike[str], model: nn.Module,
+                    optimizer: TieredOptimizer | None = None) -> Any:
+    """Load the newest checkpoint in `dir` (or the checkpoint folder `dir`) into the wrapped
+    model and optimizer, resharding when the world size differs; returns the `extra` saved by
+    this rank (rank 0's when the checkpoint had fewer ranks). Call it on every rank."""
+    state = runtime.state_of(model)
+    _check_optimizer(state, optimizer)
+    state.ctx.drain_updates(forget_failure=True)  # what a failed step left is replaced now
+    rank, _ = world(state.ctx.group)
+    folder, manifest = open_checkpoint(dir)
+    jobs = _jobs(state, optimizer)
+    _check_model(folder / MANIFEST, manifest, state, optimizer, jobs)
+    with open_engine(state.config.io) as engine:
+        reader = Reader(folder, manifest, engine)
+        reader.check_files()
+        state_rank = rank if rank < manifest.world_size else 0
+        saved = reader.read_state(state_rank)
+        buffers = persistent_buffers(model)
+        if set(buffers) != set(saved["buffers"]):
+            raise CheckpointError(
+                f"{str(folder / manifest.ranks[state_rank].state)!r} holds buffers {sorted(saved['buffers'])[:6]}, "
+                f"this model has {sorted(buffers)[:6]}; load it into the model it was saved from")
+        pm = state.pm
+        plans = []
+        for job in jobs:
+            entry = manifest.flat(job.flat.param.name)
+            plans.append((torch_dtype(entry.kinds[job.kind]), reshard_plan(entry.layout, job.flat.layout, rank)))
+        size = max((round_up(job.numel * dtype.itemsize) for job, (dtype, _) in zip(jobs, plans)), default=PAGE)
+
+        def read(i: int, buf: np.ndarray) -> torch.Tensor:
+            """Job i's shard, in the saved dtype, in `buf`."""
+            (dtype, ops), nbytes = plans[i], jobs[i].numel * plans[i][0].itemsize
+            dst = buf[:round_up(nbytes)]
+            reader.read_ops(jobs[i].key, ops, dtype.itemsize, dst)
+            return torch.from_numpy(dst[:nbytes]).view(dtype)
+
+        # one thread reads the next shard while this one stores the current one to its tier
+        with cf.ThreadPoolExecutor(1, thread_name_prefix="tierzero-ckpt-read") as ahead:
+            double_buffered(len(jobs), size, lambda i, buf: [ahead.submit(read, i, buf)],
+                            lambda i, futures: _store(pm, jobs[i], futures[0].result()))
+    with torch.no_grad():
+        for name, buf in buffers.items():
+            buf.copy_(saved["buffers"][name])
+    if optimizer is not None:
+        for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+            group.update(saved_group)
+        for flat in optimizer.flat_params:
+            optimizer.set_block_steps(flat, manifest.flat(flat.param.name).steps)
+    return saved["extra"]
+
+
+def _store(pm: PlacementManager, job: _Job, values: torch.Tensor) -> None:
+    if job.kind == VALUES:
+        job.flat.store_values(values)
+    else:
+        pm.store(job.handle, values.to(job.handle.dtype))
+
+
+def _check_model(path: Path, manifest: Manifest, state: runtime.TieredState, optimizer: TieredOptimizer | None,
+                 jobs: list[_Job]) -> None:
+    """The manifest describes this model (and this optimizer's state): else CheckpointError."""
+    mine = {f.param.name: f for f in state.flat_params()}
+    saved = {f.name: f for f in manifest.flats}
+    if set(mine) != set(saved):
+        raise CheckpointError(
+            f"{str(path)!r} was written for a different model: its blocks are {sorted(saved)[:8]}, this "
+            f"model's are {sorted(mine)[:8]} (missing here: {sorted(set(saved) - set(mine))[:4]}, not in the "
+            f"checkpoint: {sorted(set(mine) - set(saved))[:4]}); load it into the model it was saved from")
+    for name, flat in mine.items():
+        ours = [(s.fqn, tuple(s.shape)) for s in flat.layout.slots]
+        theirs = [(s.fqn, tuple(s.shape)) for s in saved[name].layout.slots]
+        if ours != theirs:
+            diff = next(((a, b) for a, b in zip(ours, theirs) if a != b), (ours[len(theirs):], theirs[len(ours):]))
+            raise CheckpointError(
+                f"{str(path)!r} was written for a different model: block {name!r} holds (name, shape) "
+                f"{diff[1]} in the checkpoint but {diff[0]} in this model; load it into the model it was "
+                "saved from")
+    for job in jobs:
+        if job.kind not in saved[job.flat.param.name].kinds:
+            raise CheckpointError(
+                f"{str(path)!r} holds no optimizer state {job.kind!r} for {job.flat.param.name!r} (saved with "
+                f"optimizer {manifest.optimizer}, loading into {type(optimizer).__name__}); load with "
+                "optimizer=None, or use the optimizer the checkpoint was saved with")
+    if optimizer is not None and manifest.optimizer is None:
+        raise CheckpointError(f"{str(path)!r} was saved without an optimizer; load with optimizer=None")

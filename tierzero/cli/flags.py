@@ -1,0 +1,60 @@
+"""Flags several subcommands share, each with the function that reads it back into Config
+fields or planning inputs."""
+
+from __future__ import annotations
+
+import argparse
+
+from tierzero.config import TIER_NAMES
+from tierzero.planning import DriveRates, rates_from_bench
+
+
+def add_rate_flags(p: argparse.ArgumentParser) -> None:
+    """--bench-io FILE, or --read-gbps and --write-gbps; read back with `rates_from_flags`."""
+    p.add_argument("--bench-io", default=None, metavar="FILE",
+                   help="a `tierzero bench-io --json` result: the drive's rates for the NVMe floor")
+    p.add_argument("--read-gbps", type=float, default=None, help="the drive's read rate, GB/s (instead of --bench-io)")
+    p.add_argument("--write-gbps", type=float, default=None, help="the drive's write rate, GB/s (instead of --bench-io)")
+
+
+def rates_from_flags(args: argparse.Namespace) -> DriveRates | None:
+    """The rates the flags of `add_rate_flags` give, or None (ValueError for half a pair)."""
+    given = (args.read_gbps is not None, args.write_gbps is not None)
+    if args.bench_io is not None:
+        if any(given):
+            raise ValueError("give either --bench-io or --read-gbps/--write-gbps, not both")
+        return rates_from_bench(args.bench_io)
+    if any(given) and not all(given):
+        raise ValueError("--read-gbps and --write-gbps go together (or give --bench-io FILE)")
+    return DriveRates(args.read_gbps, args.write_gbps, "flags") if all(given) else None
+
+
+def add_placement_flags(p: argparse.ArgumentParser) -> None:
+    """--params, --grads and --optimizer-states; read them back with `placement_from_flags`."""
+    p.add_argument("--params", default=None, choices=TIER_NAMES,
+                   help="home tier of parameters (default: nvme when --nvme-dir is given, else host)")
+    p.add_argument("--optimizer-states", default=None, choices=TIER_NAMES,
+                   help="tier of fp32 master weights and moments (default: as --params)")
+    p.add_argument("--grads", default=None, choices=TIER_NAMES,
+                   help="tier of gradients (default: as --params)")
+
+
+def placement_from_flags(args: argparse.Namespace) -> dict[str, str]:
+    """The Config placement fields from the flags of `add_placement_flags` (and --nvme-dir)."""
+    params = args.params or ("nvme" if args.nvme_dir else "host")
+    return {"params": params, "grads": args.grads or params,
+            "optimizer_states": args.optimizer_states or params}
+
+
+def add_zero_flags(p: argparse.ArgumentParser) -> None:
+    """--zero-stage and --grad-dtype; read them back with `zero_from_flags`."""
+    p.add_argument("--zero-stage", type=int, default=3, choices=(1, 2, 3),
+                   help="what is partitioned across ranks: 1 optimizer states, 2 and gradients, "
+                        "3 and parameters (default 3)")
+    p.add_argument("--grad-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="dtype gradients are reduced and kept in (default float32)")
+
+
+def zero_from_flags(args: argparse.Namespace) -> dict[str, object]:
+    """The Config fields of `add_zero_flags`."""
+    return {"zero_stage": args.zero_stage, "grad_dtype": args.grad_dtype}

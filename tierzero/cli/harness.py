@@ -1,0 +1,94 @@
+"""What `tierzero train` and `tierzero tune` both do to get a model running: build it on the
+meta device (a built-in GPT, or a transformers folder with its tokenizer), read the corpus, check
+that the budgets and the disk can hold its state, and compute the loss of a batch."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+
+import tierzero as tz
+from io_engine.files import free_disk_bytes
+from tierzero import formats as tzdata
+from tierzero import hf
+from tierzero.config import TIER_NAMES, format_size
+from tierzero.models import CONFIGS, GPT, build
+from tierzero.planning import Estimate, estimate
+
+
+def check_room(model: torch.nn.Module, cfg: tz.Config, world_size: int = 1) -> Estimate:
+    """Fail at start, before anything is written, when a tier's budget (per rank) cannot hold a
+    rank's part of the state homed there (its ZeRO stage's share), or when the disk under
+    nvme_dir (shared by the ranks) has less free space than the ranks place on NVMe. (A device
+    budget too small for the largest block is wrap's error.)"""
+    est = estimate(model, cfg, world_size)
+    flags = {"device": "--device-budget", "host": "--host-budget", "nvme": "--nvme-budget"}
+    for tier in TIER_NAMES:
+        budget = getattr(cfg, f"{tier}_budget")
+        per_rank = est.home[tier]
+        if per_rank > budget:
+            raise ValueError(
+                f"{flags[tier]} {format_size(budget)} is too small: this model needs "
+                f"{format_size(per_rank)} ({per_rank} bytes) on {tier} per rank ({world_size} ranks, ZeRO stage "
+                f"{cfg.zero_stage}) with params={cfg.params}, grads={cfg.grads}, "
+                f"optimizer_states={cfg.optimizer_states}; raise {flags[tier]} or move state to a lower tier "
+                "(--params/--grads/--optimizer-states nvme)" + (" or raise --zero-stage" if cfg.zero_stage < 3 else ""))
+    on_disk = est.home["nvme"] * world_size
+    if on_disk:
+        free = free_disk_bytes(cfg.nvme_dir)
+        if on_disk > free:
+            raise OSError(
+                f"--nvme-dir {cfg.nvme_dir}: the disk holding it has {format_size(free)} free but "
+                f"the state the ranks place on NVMe needs {format_size(on_disk)} "
+                f"({on_disk} bytes); free space there or pick a larger disk")
+    return est
+
+
+def pretrained(args: argparse.Namespace) -> bool:
+    """--model names a transformers folder, not a built-in GPT."""
+    return args.model not in CONFIGS
+
+
+def meta_model(args: argparse.Namespace) -> tuple[torch.nn.Module, tzdata.Tokenizer | None]:
+    """The model built on the meta device (wrap fills it), and the tokenizer of its folder. A
+    built-in GPT takes `args.n_layer` / `args.n_embd` where the command has them (tune)."""
+    if not pretrained(args):
+        shape = {k: v for k in ("n_layer", "n_embd") if (v := getattr(args, k, None))}
+        return build(args.model, device="meta", vocab_size=tzdata.VOCAB_SIZE, seq_len=max(args.seq, 1), **shape), None
+    return hf.meta_model(args.model), tzdata.folder_tokenizer(args.model)
+
+
+def corpus(args: argparse.Namespace, tokenizer: tzdata.Tokenizer | None, model: torch.nn.Module) -> np.ndarray:
+    """The training tokens: bytes for a built-in model, the folder's tokenizer for a pretrained
+    one (the default corpus too), whose ids must fit the model's vocabulary."""
+    if not pretrained(args):
+        return tzdata.file_corpus(args.data) if args.data else tzdata.stdlib_corpus()
+    if tokenizer is None:
+        raise ValueError(f"--model {args.model!r}: the folder has no tokenizer (tokenizer.json, "
+                         "tokenizer_config.json, ...), so its token ids cannot be made from text; save the "
+                         "model's tokenizer into the folder (tokenizer.save_pretrained(folder))")
+    if args.data:
+        corpus = tzdata.file_corpus(args.data, tokenizer)
+    else:  # the standard library's source, as text through the model's own tokenizer
+        text = tzdata.stdlib_corpus(DEFAULT_TEXT_BYTES).tobytes().decode("utf-8", errors="replace")
+        corpus = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
+    vocab = model.get_input_embeddings().num_embeddings
+    if int(corpus.max()) >= vocab:
+        raise ValueError(f"--data: token id {int(corpus.max())} from the folder's tokenizer is outside the "
+                         f"model's vocabulary of {vocab}; the tokenizer files do not belong to this model")
+    return corpus
+
+
+DEFAULT_TEXT_BYTES = 4 << 20
+"""Text of the default corpus tokenized for a pretrained model (tokenizing all of it is slow)."""
+
+
+def batch_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy (targets y = x shifted by one), for either kind of model."""
+    out = model(x, y) if isinstance(model, GPT) else model(input_ids=x)
+    if isinstance(model, GPT):
+        return out.loss
+    logits = out.logits
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))

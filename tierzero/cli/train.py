@@ -1,0 +1,408 @@
+"""`tierzero train`: train a model with tiered state and write a complete run folder.
+
+`--model` is a built-in GPT (tiny ... 7b, on bytes of text) or a transformers model folder
+(config.json + safetensors; built on the meta device and streamed in block by block, its own
+tokenizer for `--data`); `--export DIR` writes the trained model as a transformers folder.
+
+The run folder holds:
+- metrics.jsonl: one JSON object per step ("step", "loss", "lr", "step_s", "tokens_per_s",
+  "stall_s", "prefetch_hits", "prefetch_misses", "bytes" {"device", "host", "nvme"} in use at
+  the step's end, "moved_bytes" per destination tier, "nvme_read_bytes", "nvme_write_bytes"
+  and "nvme_busy_s" (time with a swap file read or write in flight), "nvme_bytes" by kind
+  {"params", "grads", "master", "moments", "other"}: {"read", "write"}, "comm_bytes"
+  {"all_gather", "reduce_scatter", "all_reduce"}: the bytes rank 0's collectives covered);
+- trace.json: the Chrome trace of every move (open in https://ui.perfetto.dev);
+- tiers.png: per-tier bytes over time and stall per step;
+- summary.json: "state_bytes" (params + grads + optimizer states), "nvme" (the mean step's NVMe
+  bytes and busy time, the least traffic the placement needs, and with --bench-io FILE or
+  --read-gbps/--write-gbps the floor: those bytes / the drive's rates, and step / floor), "budgets" and
+  "peak_bytes" (each {"device", "host", "nvme"}, budgets and peaks per rank, peaks the largest
+  over ranks), "peak_bytes_per_rank", "peak_rss", the model and the run's settings.
+
+Under `torchrun --nproc-per-node N` (environment WORLD_SIZE > 1) the ranks form a process group
+(NCCL with CUDA, gloo otherwise; --collective-timeout bounds every collective, so a rank that
+raised or died stops the others with an error instead of a hang) and train with ZeRO
+(--zero-stage, 3 by default): --batch is the global batch, split evenly over the ranks; rank 0
+writes the run folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import torch
+import torch.distributed as dist
+
+import tierzero as tz
+from io_engine.progress import Progress
+from tierzero.checkpoint import latest_checkpoint
+from tierzero.cli.flags import (add_placement_flags, add_rate_flags, add_zero_flags, placement_from_flags,
+                                rates_from_flags, zero_from_flags)
+from tierzero.cli.harness import batch_loss, check_room, corpus, meta_model, pretrained
+from tierzero.cli.plots import plot_run
+from tierzero.config import TIER_NAMES, format_size
+from tierzero.formats import corpus as tzdata
+from tierzero.models import CONFIGS
+from tierzero.placement import PlacementManager
+from tierzero.planning import DriveRates, Estimate, step_traffic
+from tierzero.runtime import RankRuntimeError, close, placement_manager, settle, step_comm_bytes, step_stats
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tierzero train", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tiny", help=f"a built-in GPT ({', '.join(CONFIGS)}) or a "
+                   "transformers model folder (config.json + safetensors) to fine-tune")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--device-budget", default="1GiB")
+    p.add_argument("--host-budget", default="4GiB")
+    p.add_argument("--nvme-dir", default=None, help="folder for swap files (on the fastest disk)")
+    p.add_argument("--nvme-budget", default="256GiB")
+    add_placement_flags(p)
+    add_zero_flags(p)
+    p.add_argument("--run-dir", default="runs/train")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps before cosine decay")
+    p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (0 = off)")
+    p.add_argument("--step-in-backward", action="store_true", help="update each block as soon as "
+                   "backward has made its gradient final (gradients never reach NVMe; needs --clip 0)")
+    add_rate_flags(p)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", default=None, help="text file, or JSONL with a \"text\" field per line, "
+                   "to train on (default: the Python standard library's source, read as bytes); "
+                   "tokenized by the model folder's tokenizer when it has one")
+    p.add_argument("--export", default=None, metavar="DIR", help="at the end, write the trained model "
+                   "as a transformers folder (config.json, safetensors shards, tokenizer) to DIR")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--collective-timeout", type=float, default=tz.Config.collective_timeout_s,
+                   help="seconds a collective waits for the other ranks before the run fails "
+                        "(under torchrun)")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="save a checkpoint every K steps (0 = never)")
+    p.add_argument("--checkpoint-dir", default=None, help="where checkpoints go (default: RUN_DIR/checkpoints)")
+    p.add_argument("--keep-last", type=int, default=2, help="checkpoints to keep (the newest)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint, exactly "
+                   "(model, optimizer, LR schedule, data position, RNG); starts afresh when there is none")
+    return p
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.model not in CONFIGS and not Path(args.model).is_dir():
+        raise ValueError(f"--model {args.model!r}: expected a built-in model ({', '.join(CONFIGS)}) or a "
+                         "transformers model folder (config.json + model.safetensors or shards)")
+    for name in ("steps", "batch", "seq"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name}: expected an int >= 1, got {getattr(args, name)}")
+    if args.step_in_backward and args.clip > 0:
+        raise ValueError(f"--step-in-backward updates each block during backward, before the gradient norm "
+                         f"is known, so it cannot clip: give --clip 0 with it (got --clip {args.clip})")
+    if args.checkpoint_every < 0 or args.keep_last < 1:
+        raise ValueError(f"--checkpoint-every: expected an int >= 0 and --keep-last an int >= 1, got "
+                         f"{args.checkpoint_every} and {args.keep_last}")
+
+
+def _config(args: argparse.Namespace) -> tz.Config:
+    return tz.Config(device_budget=args.device_budget, host_budget=args.host_budget,
+                     nvme_dir=args.nvme_dir, nvme_budget=args.nvme_budget,
+                     collective_timeout_s=args.collective_timeout, step_in_backward=args.step_in_backward,
+                     **placement_from_flags(args), **zero_from_flags(args))
+
+
+def _init_distributed(cfg: tz.Config) -> tuple[int, int]:
+    """(rank, world size); joins the process group torchrun describes in the environment."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return 0, 1
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _lr_lambda(warmup: int, total: int):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return f
+
+
+@dataclass
+class _Run:
+    """A `tierzero train` run once its model is wrapped: what the steps, the checkpoints and the
+    end of the run work with."""
+
+    args: argparse.Namespace
+    cfg: tz.Config
+    rank: int
+    world_size: int
+    run_dir: Path
+    sampler: tzdata.BatchSampler
+    model: torch.nn.Module
+    pm: PlacementManager
+    """The model's PlacementManager."""
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
+    rates: DriveRates | None = None
+    """The drive's rates (--bench-io or --read/--write-gbps), for the NVMe floor."""
+    io_rows: list[dict] = field(default_factory=list)
+    """Per step run: its time and this rank's NVMe bytes and busy time."""
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return Path(self.args.checkpoint_dir) if self.args.checkpoint_dir else self.run_dir / "checkpoints"
+
+
+def _train_state(r: _Run, step: int) -> dict:
+    """What a checkpoint needs besides the model and optimizer to continue bit-identically."""
+    return {"step": step, "sampler": r.sampler.state_dict(), "scheduler": r.sched.state_dict(),
+            "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "run": {k: getattr(r.args, k) for k in _RESUME_MUST_MATCH}}
+
+
+_RESUME_MUST_MATCH = ("model", "steps", "batch", "seq", "seed", "data", "lr", "weight_decay", "warmup", "clip")
+
+
+def _resume(r: _Run) -> int:
+    """Load the newest checkpoint and the training state saved with it; the step to continue at
+    (0 when there is none). metrics.jsonl (rank 0's) keeps the rows of the steps before it."""
+    ckpt_dir = r.ckpt_dir
+    if latest_checkpoint(ckpt_dir) is None:
+        print(f"tierzero train: --resume: no checkpoint in {str(ckpt_dir)!r}; starting at step 0", file=sys.stderr)
+        return 0
+    state = tz.load_checkpoint(ckpt_dir, r.model, r.opt)
+    differ = {k: (v, getattr(r.args, k)) for k, v in state["run"].items() if getattr(r.args, k) != v}
+    if differ:
+        raise ValueError(f"--resume: the checkpoint in {str(ckpt_dir)!r} was saved by a run with other settings "
+                         f"(name: (saved, given)) {differ}; resume with the same flags or start a new --run-dir")
+    r.sampler.load_state_dict(state["sampler"])
+    r.sched.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"])
+    if state["cuda_rng"]:
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    metrics = r.run_dir / "metrics.jsonl"
+    if r.rank == 0 and metrics.exists():  # rows past the checkpoint belong to steps that will run again
+        rows = [row for row in metrics.read_text().splitlines() if row and json.loads(row)["step"] < state["step"]]
+        tmp = metrics.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(row + "\n" for row in rows))
+        os.replace(tmp, metrics)
+    return state["step"]
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Train as the flags say and write the run folder (rank 0); the run's summary."""
+    _check_args(args)
+    rates = rates_from_flags(args)
+    cfg = _config(args)
+    rank, world_size = _init_distributed(cfg)
+    if args.batch % world_size:  # main() prefixes the rank
+        raise ValueError(f"--batch {args.batch} is the global batch and must split evenly "
+                         f"over {world_size} ranks; give a multiple of {world_size}")
+    run_dir = Path(args.run_dir)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+    model, tokenizer = meta_model(args)
+    sampler = tzdata.BatchSampler(corpus(args, tokenizer, model), batch=args.batch, seq=args.seq, seed=args.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    est = check_room(model, cfg, world_size)
+    model = tz.wrap(model, cfg, weights=args.model if pretrained(args) else None)
+    try:
+        opt = tz.AdamW(model, lr=args.lr, weight_decay=args.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(args.warmup, args.steps))
+        r = _Run(args, cfg, rank, world_size, run_dir, sampler, model, placement_manager(model), opt, sched, rates)
+        start = _resume(r) if args.resume else 0
+        started = time.perf_counter()
+        last_loss = _train(r, start)
+        summary = _finish(r, est, n_params, last_loss, started)
+        if args.export:
+            _export(r, tokenizer)
+        return summary
+    finally:
+        close(model)  # frees host memory and removes the swap files
+
+
+def _export(r: _Run, tokenizer: tzdata.Tokenizer | None) -> None:
+    """--export: the trained model as a transformers folder (every rank gathers, rank 0 writes)."""
+    out = tz.save_pretrained(r.model, r.args.export)
+    if r.rank == 0:
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
+        print(f"tierzero train: exported the model to {out}", file=sys.stderr)
+
+
+def _train(r: _Run, start: int) -> float:
+    """Steps `start` to --steps: a metrics.jsonl row (rank 0) and a progress line each, a
+    checkpoint every --checkpoint-every steps; the last step's loss."""
+    args = r.args
+    last_loss = float("nan")
+    with Progress(args.steps, enabled=not args.no_progress and r.rank == 0, initial=start) as progress, \
+            _metrics_file(r, start) as metrics:
+        for step in range(start, args.steps):
+            row = _step(r, step)
+            r.io_rows.append({k: row[k] for k in ("step_s", "nvme_read_bytes", "nvme_write_bytes", "nvme_busy_s")})
+            last_loss = row["loss"]
+            if metrics is not None:
+                metrics.write(json.dumps(row) + "\n")
+                metrics.flush()
+            progress.advance(_progress_text(row))
+            if not math.isfinite(last_loss):
+                raise FloatingPointError(f"step {step}: loss is {last_loss}; lower --lr or check the data")
+            if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+                tz.save_checkpoint(r.ckpt_dir, r.model, r.opt, extra=_train_state(r, step + 1),
+                                   keep_last=args.keep_last)
+    return last_loss
+
+
+def _metrics_file(r: _Run, start: int) -> contextlib.AbstractContextManager[IO[str] | None]:
+    """Rank 0: metrics.jsonl, appended to when resuming; other ranks: nothing."""
+    if r.rank != 0:
+        return contextlib.nullcontext()
+    return open(r.run_dir / "metrics.jsonl", "a" if start else "w")
+
+
+def _step(r: _Run, step: int) -> dict:
+    """One training step on this rank's slice of the global batch; its metrics.jsonl row."""
+    args, pm = r.args, r.pm
+    t0 = time.perf_counter()
+    x, y = r.sampler.next()
+    local = slice(r.rank * args.batch // r.world_size, (r.rank + 1) * args.batch // r.world_size)
+    x, y = x[local].to(pm.device), y[local].to(pm.device)
+    loss = batch_loss(r.model, x, y)
+    loss.backward()
+    if args.clip > 0:
+        tz.clip_grad_norm_(r.model, args.clip)
+    r.opt.step()
+    r.opt.zero_grad()
+    r.sched.step()
+    last_loss = _global_mean(loss.detach(), r.world_size)
+    step_s = time.perf_counter() - t0
+    stats = step_stats(r.model)
+    return {
+        "step": step, "loss": last_loss, "lr": r.sched.get_last_lr()[0], "step_s": step_s,
+        "tokens_per_s": args.batch * args.seq / step_s, "stall_s": sum(stats.stall_s.values()),
+        "stall_s_by_tier": stats.stall_s, "prefetch_hits": stats.prefetch_hits,
+        "prefetch_misses": stats.prefetch_misses,
+        "bytes": {t: pm.bytes_used(t) for t in TIER_NAMES},
+        "moved_bytes": stats.bytes_moved, "nvme_read_bytes": stats.nvme_read_bytes,
+        "nvme_write_bytes": stats.nvme_write_bytes, "nvme_busy_s": stats.nvme_busy_s,
+        "nvme_bytes": stats.nvme_by_kind, "comm_bytes": step_comm_bytes(r.model).as_dict(),
+    }
+
+
+def _progress_text(row: dict) -> str:
+    nvme_gbps = (row["nvme_read_bytes"] + row["nvme_write_bytes"]) / row["step_s"] / 1e9
+    return (f"loss {row['loss']:.4f} {row['tokens_per_s']:.0f} tok/s "
+            f"dev {format_size(row['bytes']['device'])} "
+            f"host {format_size(row['bytes']['host'])} "
+            f"nvme {format_size(row['bytes']['nvme'])} io {nvme_gbps:.2f} GB/s")
+
+
+def _finish(r: _Run, est: Estimate, n_params: int, last_loss: float, started: float) -> dict:
+    """The run's summary, from every rank's peaks; rank 0 writes trace.json, summary.json and
+    tiers.png."""
+    args, pm, world_size = r.args, r.pm, r.world_size
+    settle(r.model)  # the last step's overlapped updates, and every write
+    peaks = _per_rank({t: pm.peak_bytes(t) for t in TIER_NAMES}, world_size)
+    summary = {
+        "model": args.model, "params": n_params, "steps": args.steps, "batch": args.batch,
+        "seq": args.seq, "final_loss": last_loss, "wall_s": time.perf_counter() - started,
+        "world_size": world_size, "state_bytes": est.state_bytes,
+        "budgets": {t: pm.budget(t) for t in TIER_NAMES},
+        "peak_bytes": {t: max(p[t] for p in peaks) for t in TIER_NAMES},
+        "peak_bytes_per_rank": peaks,
+        "peak_rss": max(_per_rank(_peak_rss(), world_size)),
+        "nvme": _nvme_summary(r, n_params),
+        "config": r.cfg.to_dict(),
+    }
+    if r.rank == 0:
+        pm.telemetry.write_chrome_trace(r.run_dir / "trace.json")
+        (r.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        try:
+            plot_run(r.run_dir)
+        except Exception as e:  # the training is done and saved: a plot must not fail the run
+            print(f"tierzero train: tiers.png not drawn ({type(e).__name__}: {e}); the run folder's "
+                  "metrics.jsonl and trace.json hold the same figures", file=sys.stderr)
+    return summary
+
+
+def _nvme_summary(r: _Run, n_params: int) -> dict:
+    """This rank's NVMe traffic per step (the mean over the steps after the first, which also
+    writes the zero moments: all steps when there is one), the least traffic the placement
+    needs (tierzero.traffic), and with the drive's rates the floor and step / floor."""
+    rows = r.io_rows[1:] or r.io_rows
+    mean = {k: sum(row[k] for row in rows) / len(rows) for k in rows[0]} if rows else {}
+    least = step_traffic(n_params, r.cfg, world_size=r.world_size)
+    out: dict = {"steps_measured": len(rows), "step_s": mean.get("step_s"),
+                 "read_bytes": mean.get("nvme_read_bytes"), "write_bytes": mean.get("nvme_write_bytes"),
+                 "busy_s": mean.get("nvme_busy_s"), "least": least.to_json(),
+                 "drive": None if r.rates is None else r.rates.to_json(), "floor_s": None, "step_over_floor": None}
+    if rows and r.rates is not None:
+        floor = r.rates.floor_s(mean["nvme_read_bytes"], mean["nvme_write_bytes"])
+        out["floor_s"] = floor
+        out["step_over_floor"] = mean["step_s"] / floor if floor > 0 else None
+    return out
+
+
+def _global_mean(loss: torch.Tensor, world_size: int) -> float:
+    """The loss over the global batch: the mean of the ranks' losses on equal slices."""
+    if world_size > 1:
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+        loss = loss / world_size
+    return loss.item()
+
+
+def _per_rank(value: object, world_size: int) -> list:
+    """`value` of every rank, in rank order."""
+    if world_size == 1:
+        return [value]
+    out: list = [None] * world_size
+    dist.all_gather_object(out, value)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    owns_group = not dist.is_initialized()  # run() joins torchrun's group; leave a caller's alone
+    try:
+        summary = run(args)
+    except (ValueError, OSError) as e:
+        rank = f"rank {dist.get_rank()}: " if dist.is_initialized() else ""
+        print(f"tierzero train: error: {rank}{e}", file=sys.stderr)
+        return 2
+    except RankRuntimeError:
+        raise
+    except Exception as e:
+        if not dist.is_initialized():
+            raise
+        raise RankRuntimeError(dist.get_rank(), f"{type(e).__name__}: {e}") from e
+    finally:
+        if owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+    if summary["world_size"] > 1 and int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    print(json.dumps({k: summary[k] for k in ("model", "params", "steps", "final_loss",
+                                              "wall_s", "state_bytes", "budgets", "peak_bytes",
+                                              "peak_rss")}, indent=2))
+    return 0

@@ -1,0 +1,377 @@
+"""`tierzero tune`: measure prefetch settings on a model and say which to use.
+
+    tierzero tune --model NAME_OR_FOLDER --device-budget X --host-budget Y --nvme-dir D
+                  [--steps K] [--simulate] [--compute-speedup F] [--json]
+
+Candidates are policy x its knobs x NVMe read-ahead depth x io threads (`--policies`,
+`--nvme-depths`, `--io-threads`). A few steps are recorded (policy none, no read-ahead: every
+copy on demand, so its copy times are clean), or a run's trace is read (`--trace`); the tier
+model (tier_model.py) replays the recording under every candidate and predicts its stall.
+Unless `--simulate`, each candidate trains the model for real: a fresh wrap, the same batches,
+`--warmup` steps (the first records the block order) and `--steps` measured ones; its stall and
+step time are the medians. Then steps are recorded again and merged with the first recording,
+so that drift of a shared machine over the run evens out in the predictions (the report keeps
+the recorded stall of each, a measure of that drift). The best is the least measured stall, equal stalls going
+to the shorter step; with `--simulate` the least predicted stall. It is printed with
+the table and as config snippets (TOML and Python); `--json` prints one object instead:
+{"candidates": [{"policy", "settings", "stall_s", "step_s", "predicted_stall_s", ...}], "best"}.
+
+`--compute-speedup F` divides the recorded compute times by F in the predictions, so on a slow
+machine the tuner answers what a GPU F times faster would need from the same disk;
+`--bench-io FILE` (the output of `tierzero bench-io --json`) tells the model how the disk's rate
+changes with io threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+import tierzero as tz
+from io_engine.progress import Progress
+from io_engine.sizes import parse_size
+from tierzero.cli.flags import add_placement_flags, placement_from_flags
+from tierzero.cli.harness import batch_loss, check_room, corpus, meta_model
+from tierzero.config import format_size
+from tierzero.formats import corpus as tzdata
+from tierzero.models import CONFIGS
+from tierzero.planning import Recording, TierModel, simulate
+from tierzero.prefetch import policy_from_config
+from tierzero.runtime import close, placement_manager, step_stats
+
+POLICIES = "none,lookahead:1,lookahead:2,lookahead:4,bytes,adaptive"
+RECORD_STEPS = 6
+"""Steps of the recording run: the first records the block order, the last closes the
+iterations replayed (the four between, merged: see Recording.from_trace)."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One prefetch setting: a built-in policy with its knob, NVMe read-ahead depth, io threads."""
+
+    policy: str
+    knob: int | None
+    """depth for lookahead, reserve bytes for bytes (None: half the device budget), else None."""
+    nvme_depth: int
+    io_threads: int
+
+    def settings(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.policy == "lookahead":
+            out["depth"] = self.knob
+        if self.policy == "bytes" and self.knob:
+            out["reserve"] = self.knob
+        return out | {"nvme_depth": self.nvme_depth, "io_threads": self.io_threads}
+
+    def config(self, base: tz.Config) -> tz.Config:
+        prefetch = {"policy": self.policy, "nvme_depth": self.nvme_depth}
+        if self.policy == "lookahead":
+            prefetch["depth"] = self.knob
+        if self.policy == "bytes":
+            prefetch["reserve"] = self.knob or 0
+        return base.replace(prefetch=tz.PrefetchConfig(**prefetch),
+                            io=dataclasses.replace(base.io, threads=self.io_threads))
+
+    def label(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.settings().items())
+
+    def snippets(self) -> dict[str, str]:
+        s = self.settings()
+        io_threads = s.pop("io_threads")
+        prefetch = {"policy": self.policy, **s}
+        toml = "\n".join(["[prefetch]"] + [f"{k} = {json.dumps(v)}" for k, v in prefetch.items()]
+                         + ["[io]", f"threads = {io_threads}"])
+        args = ", ".join(f"{k}={v!r}" for k, v in prefetch.items())
+        return {"toml": toml, "python": f"tz.Config(..., prefetch=tz.PrefetchConfig({args}), "
+                                        f"io=tz.IOConfig(threads={io_threads}))"}
+
+
+def candidates(policies: str, nvme_depths: list[int], io_threads: list[int]) -> list[Candidate]:
+    out = []
+    for spec in policies.split(","):
+        name, _, knob = spec.strip().partition(":")
+        if name not in ("none", "lookahead", "bytes", "adaptive"):
+            raise ValueError(f"--policies: unknown policy {name!r} in {spec!r}; expected none, lookahead:DEPTH, "
+                             "bytes[:RESERVE] or adaptive, comma separated")
+        if name == "lookahead":
+            if not knob.isdigit() or int(knob) < 1:
+                raise ValueError(f"--policies: {spec!r}: expected lookahead:DEPTH with DEPTH an int >= 1")
+            value: int | None = int(knob)
+        elif name == "bytes":
+            value = parse_size(knob, what=f"--policies {spec!r} reserve") if knob else None
+        elif knob:
+            raise ValueError(f"--policies: {spec!r}: {name} takes no knob")
+        else:
+            value = None
+        out += [Candidate(name, value, d, t) for d in nvme_depths for t in io_threads]
+    return out
+
+
+def _ints(minimum: int) -> Callable[[str], list[int]]:
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(v) for v in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+        if any(v < minimum for v in values):
+            raise argparse.ArgumentTypeError(f"expected ints >= {minimum}, got {text!r}")
+        return values
+    return parse
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tierzero tune", description=__doc__.splitlines()[0])
+    p.add_argument("--model", help=f"a built-in GPT ({', '.join(CONFIGS)}) or a transformers model folder")
+    p.add_argument("--n-layer", type=int, default=None, help="blocks of a built-in GPT (its shape otherwise)")
+    p.add_argument("--n-embd", type=int, default=None, help="width of a built-in GPT")
+    p.add_argument("--device-budget", default="1GiB")
+    p.add_argument("--host-budget", default="4GiB")
+    p.add_argument("--nvme-dir", default=None, help="folder for swap files (on the disk to tune for)")
+    p.add_argument("--nvme-budget", default="256GiB")
+    add_placement_flags(p)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--steps", type=int, default=3, help="measured steps per candidate")
+    p.add_argument("--warmup", type=int, default=2, help="steps before measuring (the first records the trace)")
+    p.add_argument("--policies", default=POLICIES, help=f"comma list (default {POLICIES}); bytes:RESERVE "
+                   "sets its reserve (default half the device budget)")
+    p.add_argument("--nvme-depths", type=_ints(0), default=[2, 4, 8])
+    p.add_argument("--io-threads", type=_ints(1), default=[2, 4])
+    p.add_argument("--simulate", action="store_true", help="predict only, from the recording: no candidate runs")
+    p.add_argument("--trace", default=None, help="replay this run folder's trace.json (or a trace.json) instead "
+                   "of recording steps (with --simulate, --model is then not needed)")
+    p.add_argument("--compute-speedup", type=float, default=1.0, metavar="F",
+                   help="predict for compute F times faster than recorded (e.g. 50: a GPU)")
+    p.add_argument("--bench-io", default=None, metavar="FILE", help="`tierzero bench-io --json` output: the "
+                   "disk's rate per io threads for the predictions")
+    p.add_argument("--data", default=None, help="text or JSONL file to train on (default: the Python standard "
+                   "library's source, as tierzero train)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return p
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.model is None and not (args.simulate and args.trace):
+        raise ValueError("--model is required (a built-in GPT or a model folder), except with --simulate --trace")
+    if args.model is not None and args.model not in CONFIGS and not Path(args.model).is_dir():
+        raise ValueError(f"--model {args.model!r}: expected a built-in model ({', '.join(CONFIGS)}) or a "
+                         "transformers model folder")
+    if args.model not in CONFIGS and (args.n_layer or args.n_embd):
+        raise ValueError("--n-layer / --n-embd change a built-in GPT's shape; a model folder has its own")
+    for name in ("steps", "batch", "seq"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name}: expected an int >= 1, got {getattr(args, name)}")
+    if args.warmup < 2:
+        raise ValueError(f"--warmup: expected >= 2 (the first step records the block order, the second "
+                         f"is the first to prefetch), got {args.warmup}")
+    if args.compute_speedup <= 0:
+        raise ValueError(f"--compute-speedup: expected a number > 0, got {args.compute_speedup}")
+
+
+# ------------------------------------------------------------------------------ real steps
+
+
+class Trainer:
+    """Builds the model and its batches the same way for every candidate."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.base = tz.Config(device_budget=args.device_budget, host_budget=args.host_budget,
+                              nvme_dir=args.nvme_dir, nvme_budget=args.nvme_budget, **placement_from_flags(args))
+        model, self.tokenizer = self._meta_model()
+        self.corpus = corpus(args, self.tokenizer, model)
+
+    def _meta_model(self) -> tuple[torch.nn.Module, Any]:
+        torch.manual_seed(self.args.seed)
+        return meta_model(self.args)
+
+    def run(self, cfg: tz.Config, steps: int, step_done: Callable[[int, float, float], None]) -> tuple[list, dict]:
+        """Train `steps` steps with `cfg`; (stall_s, step_s) per step and the Chrome trace."""
+        model, _ = self._meta_model()
+        check_room(model, cfg)
+        model = tz.wrap(model, cfg, weights=None if self.args.model in CONFIGS else self.args.model)
+        sampler = tzdata.BatchSampler(self.corpus, batch=self.args.batch, seq=self.args.seq, seed=self.args.seed)
+        try:
+            opt = tz.AdamW(model, lr=1e-4)
+            device = placement_manager(model).device
+            out = []
+            for i in range(steps):
+                x, y = (t.to(device) for t in sampler.next())
+                t0 = time.perf_counter()
+                batch_loss(model, x, y).backward()
+                opt.step()
+                opt.zero_grad()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                step_s = time.perf_counter() - t0
+                stall_s = sum(step_stats(model).stall_s.values())
+                out.append((stall_s, step_s))
+                step_done(i, stall_s, step_s)
+            trace = placement_manager(model).telemetry.chrome_trace()
+        finally:
+            close(model)
+        return out, trace
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def tune(args: argparse.Namespace) -> dict[str, Any]:
+    """Record (or read) steps, run the candidates unless --simulate, record again after them,
+    predict every candidate from the recordings; the report."""
+    _check(args)
+    cands = candidates(args.policies, args.nvme_depths, args.io_threads)
+    bench = _read_json(args.bench_io, "--bench-io") if args.bench_io else None
+    trainer = Trainer(args) if args.model is not None else None
+    recordings = 0 if args.trace else 1 if args.simulate else 2
+    total = (0 if args.simulate else len(cands) * (args.warmup + args.steps)) + recordings * RECORD_STEPS
+    rows = [{"policy": c.policy, "settings": c.settings(), "stall_s": None, "step_s": None,
+             "predicted_stall_s": None} for c in cands]
+    traces = []
+    with Progress(total, enabled=not args.no_progress) as bar:
+        if recordings:
+            traces.append(_record(trainer, args, bar, "before"))
+        if not args.simulate:
+            _measure(trainer, args, cands, rows, bar)
+        if recordings == 2:  # before and after the candidates: drift of the machine evens out
+            traces.append(_record(trainer, args, bar, "after"))
+    recording = Recording.load(args.trace) if args.trace else Recording.from_traces(traces, where="the recordings")
+    for c, row in zip(cands, rows):
+        row.update(_predict(c, recording, bench, args, trainer))
+    key = "predicted_stall_s" if args.simulate else "stall_s"
+    step_key = "predicted_step_s" if args.simulate else "step_s"
+    ran = [i for i, r in enumerate(rows) if r[key] is not None]
+    if not ran:
+        raise ValueError(f"every candidate was refused; the first: {rows[0].get('error')}")
+    best = min(ran, key=lambda i: (rows[i][key], rows[i][step_key]))
+    summary = recording.summary()
+    if len(traces) > 1:  # the same setting's stall at each recording: how much the machine drifted
+        summary["stall_s_each_recording"] = [round(Recording.from_trace(t).summary()["stall_s"], 4) for t in traces]
+    return {"candidates": rows, "best": rows[best], "best_index": best, "chosen_by": key,
+            "recording": summary, "compute_speedup": args.compute_speedup,
+            "snippets": cands[best].snippets(), "setup": _setup(args, trainer)}
+
+
+def _record(trainer: Trainer | None, args: argparse.Namespace, bar: Progress, when: str) -> dict:
+    """The Chrome trace of RECORD_STEPS steps fetching on demand (policy none, no read-ahead)."""
+    assert trainer is not None
+    base = Candidate("none", None, 0, args.io_threads[0])
+    _, trace = trainer.run(base.config(trainer.base), RECORD_STEPS,
+                           lambda i, stall, step: bar.advance(f"recording ({when}) step {i + 1}: step {step:.3f} s"))
+    return trace
+
+
+def _measure(trainer: Trainer | None, args: argparse.Namespace, cands: list[Candidate], rows: list[dict],
+             bar: Progress) -> None:
+    """Each candidate's real steps: medians of the measured ones into its row."""
+    assert trainer is not None
+    for i, (c, row) in enumerate(zip(cands, rows)):
+        label = f"{i + 1}/{len(cands)} {c.policy} {c.label()}"
+        try:
+            measured, _ = trainer.run(c.config(trainer.base), args.warmup + args.steps, lambda k, stall, step:
+                                      bar.advance(f"{label} step {k + 1}: stall {stall:.4f} s step {step:.3f} s"))
+        except ValueError as e:  # a setting this model or budget refuses (a reserve too large)
+            row["error"] = str(e)
+            for _ in range(args.warmup + args.steps):
+                bar.advance(f"{label}: refused")
+            continue
+        kept = measured[args.warmup:]
+        row["stall_s"] = statistics.median(s for s, _ in kept)
+        row["step_s"] = statistics.median(t for _, t in kept)
+        row["stall_s_each"] = [round(s, 5) for s, _ in kept]
+        row["step_s_each"] = [round(t, 4) for _, t in kept]
+
+
+def _predict(c: Candidate, recording: Recording, bench: dict | None, args: argparse.Namespace,
+             trainer: Trainer | None) -> dict[str, Any]:
+    workers = max(2, c.nvme_depth)
+    model = TierModel.calibrate(recording, bench, io_threads=c.io_threads, workers=workers)
+    cfg = c.config(trainer.base if trainer else tz.Config(device_budget=recording.device_room))
+    pred = simulate(recording, policy_from_config(cfg), model, workers=workers, speedup=args.compute_speedup)
+    return {"predicted_stall_s": round(pred.stall_s, 5), "predicted_step_s": round(pred.step_s, 5),
+            "predicted_disk_busy_s": round(pred.disk_s, 5), "predicted_device_copies": pred.copies,
+            "model": {"disk_read_gbps": _gbps(model, ("nvme", "host")), "h2d_gbps": _gbps(model, ("host", "device")),
+                      "move_overhead_s": round(model.overhead_s, 6), "disk_rate_from": model.source}}
+
+
+def _gbps(model: TierModel, leg: tuple[str, str]) -> float | None:
+    spb = model.rates[leg].seconds_per_byte
+    return round(1 / spb / 1e9, 3) if spb else None
+
+
+def _setup(args: argparse.Namespace, trainer: Trainer | None) -> dict[str, Any]:
+    keys = ("model", "n_layer", "n_embd", "batch", "seq", "steps", "warmup", "simulate", "trace", "bench_io")
+    out = {k: getattr(args, k) for k in keys}
+    if trainer is not None:
+        b = trainer.base
+        out |= {"device_budget": b.device_budget, "host_budget": b.host_budget, "params": b.params,
+                "grads": b.grads, "optimizer_states": b.optimizer_states}
+    return out
+
+
+def _read_json(path: str, flag: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{flag} {path!r}: no such file") from None
+    except ValueError as e:
+        raise ValueError(f"{flag} {path!r}: not JSON ({e})") from e
+
+
+def format_table(report: dict[str, Any]) -> str:
+    rec, setup = report["recording"], report["setup"]
+    speed = report["compute_speedup"]
+    lines = [f"tierzero tune: {setup['model'] or setup['trace']}, recorded step: {rec['fetches']} fetches of "
+             f"{rec['units']} blocks, compute {rec['compute_s']:.3f} s, device room "
+             f"{format_size(rec['device_room'])}, host room {format_size(rec['host_room'])}"
+             + (f"; predictions for compute {speed:g}x faster" if speed != 1 else "")
+             + (f"; recorded on-demand stall before / after the candidates: "
+                + " / ".join(f"{x:.4f}" for x in rec["stall_s_each_recording"]) + " s"
+                if "stall_s_each_recording" in rec else ""),
+             f"{'policy':<10} {'settings':<34} {'stall s':>9} {'step s':>8} {'pred stall s':>12} "
+             f"{'pred step s':>11} {'disk busy s':>11}"]
+    for i, r in enumerate(report["candidates"]):
+        settings = " ".join(f"{k}={format_size(v) if k == 'reserve' else v}" for k, v in r["settings"].items())
+        stall = "refused" if r.get("error") else "-" if r["stall_s"] is None else f"{r['stall_s']:.4f}"
+        step = "-" if r["step_s"] is None else f"{r['step_s']:.3f}"
+        mark = "  <- best" if i == report["best_index"] else ""
+        lines.append(f"{r['policy']:<10} {settings:<34} {stall:>9} {step:>8} {r['predicted_stall_s']:>12.4f} "
+                     f"{r['predicted_step_s']:>11.3f} {r['predicted_disk_busy_s']:>11.3f}{mark}")
+    how = ("least measured stall; equal stalls: the shorter step" if report["chosen_by"] == "stall_s"
+           else "least predicted stall; equal stalls: the shorter predicted step")
+    lines += [f"refused: {r['policy']} {' '.join(f'{k}={v}' for k, v in r['settings'].items())}: {r['error']}"
+              for r in report["candidates"] if r.get("error")]
+    best = report["best"]
+    lines += ["", f"best: {best['policy']} " + " ".join(f"{k}={v}" for k, v in best["settings"].items()) + f" ({how})",
+              "TOML (a config file for tz.Config.from_file):"]
+    lines += ["  " + line for line in report["snippets"]["toml"].splitlines()]
+    lines += ["Python:", "  " + report["snippets"]["python"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    try:
+        report = tune(args)
+    except (ValueError, OSError) as e:
+        print(f"tierzero tune: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({k: v for k, v in report.items() if k not in ("best_index",)}, indent=2))
+    else:
+        print(format_table(report))
+    return 0
+
+
+__all__ = ["Candidate", "candidates", "tune", "main"]

@@ -1,0 +1,293 @@
+"""tierzero's configuration: frozen, keyword-only dataclasses, validated on construction.
+
+Sizes are ints (bytes) or strings such as "8GiB", "512MB", "1.5GiB". Tiers are the strings
+"device", "host" and "nvme". A Config is read from TOML or JSON with `Config.from_file(path)`
+and chosen from the machine with `Config.auto(model)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping, NamedTuple
+
+from io_engine.sizes import format_size, parse_size
+from tierzero.config.machine import has_cuda, machine_budgets
+from tierzero.config.policy_names import check_policy
+from tierzero.config.tiernames import TIER_NAMES, TierName
+
+__all__ = ["Config", "IOConfig", "PrefetchConfig", "StateBytes", "TIER_NAMES", "TierName", "format_size", "parse_size",
+           "OPTIMIZER_BYTES_PER_PARAM", "MASTER_BYTES_PER_PARAM", "DTYPE_BYTES"]
+
+
+def _check_choice(what: str, value: Any, choices: tuple[Any, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{what}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class IOConfig:
+    """Settings of the io_engine used for the NVMe tier (`tierzero bench-io` prints the best)."""
+
+    threads: int = 4
+    """Worker threads issuing preadv/pwritev calls concurrently."""
+    block_size: int | str = "4MiB"
+    """Large requests are split into pieces of this size, served concurrently."""
+    direct: Literal["auto", True, False] = "auto"
+    """O_DIRECT: "auto" uses it where the file system and alignment allow."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.threads, int) or self.threads < 1:
+            raise ValueError(f"io.threads: expected an int >= 1, got {self.threads!r}")
+        bs = parse_size(self.block_size, what="io.block_size")
+        if bs < 4096 or bs % 4096:
+            raise ValueError(f"io.block_size: expected a multiple of 4096 bytes, got {bs}")
+        object.__setattr__(self, "block_size", bs)
+        _check_choice("io.direct", self.direct, ("auto", True, False))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefetchConfig:
+    """How blocks are fetched ahead of compute, from the trace recorded in the first step (see
+    tierzero/prefetch/policies.py and `tierzero tune`, which measures the choices on a model)."""
+
+    policy: str | Any = "adaptive"
+    """"adaptive" (the default): each block just early enough, from the compute and copy times
+    of earlier steps; "none": on demand; "lookahead": the next `depth` blocks; "bytes": as many
+    upcoming blocks as fit `reserve` bytes of the device budget; a dotted path
+    "package.module.Class" to a tz.PrefetchPolicy class (built with `options`); or a policy
+    object."""
+    depth: int = 2
+    """Blocks fetched ahead to the device tier with policy "lookahead"."""
+    reserve: int | str = 0
+    """Bytes of the device budget set aside for prefetched blocks with policy "bytes"
+    (0 = half the device budget)."""
+    nvme_depth: int = 4
+    """Blocks read ahead from NVMe into host memory (the built-ins; "adaptive" reads ahead what
+    its times ask for, within the host room), and the placement manager's move workers (at
+    least 2), so the NVMe reads that run at once."""
+    options: Mapping[str, Any] = field(default_factory=dict)
+    """Keyword arguments of a policy class named by dotted path."""
+
+    def __post_init__(self) -> None:
+        check_policy(self.policy, self.options)
+        for name in ("depth", "nvme_depth"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"prefetch.{name}: expected an int >= 0, got {v!r}")
+        object.__setattr__(self, "reserve", parse_size(self.reserve, what="prefetch.reserve"))
+        object.__setattr__(self, "options", dict(self.options))
+
+
+OPTIMIZER_BYTES_PER_PARAM = 12
+"""AdamW: fp32 master weight + exp_avg + exp_avg_sq (the ZeRO paper's K)."""
+MASTER_BYTES_PER_PARAM = 4
+"""fp32 master weights alone (part of OPTIMIZER_BYTES_PER_PARAM)."""
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes of an element of each dtype a Config names."""
+
+
+class StateBytes(NamedTuple):
+    """Bytes per parameter of each kind of state."""
+
+    params: int
+    """Compute-dtype parameters."""
+    grads: int
+    """Gradients (Config.grad_dtype)."""
+    optimizer_states: int
+    """fp32 master weights and two moments (with fp32 parameters on the optimizer states'
+    tier, the parameters are the master weights)."""
+
+    def by_tier(self, cfg: Config) -> dict[str, int]:
+        """Bytes per parameter on each tier, as `cfg` places the kinds."""
+        out = dict.fromkeys(TIER_NAMES, 0)
+        for tier, nbytes in zip((cfg.params, cfg.grads, cfg.optimizer_states), self):
+            out[tier] += nbytes
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """Where training state lives and how it moves. See DESIGN.md "Placement"."""
+
+    device_budget: int | str = "4GiB"
+    """Bytes of the device tier (GPU memory, or the CPU standing in for it without CUDA)."""
+    host_budget: int | str = "16GiB"
+    """Bytes of the host tier (pinned memory with CUDA, page-aligned memory otherwise)."""
+    nvme_dir: str | os.PathLike[str] | None = None
+    """Folder for swap files (one subfolder per rank); its parent must exist. Required when any
+    state is placed on "nvme"."""
+    nvme_budget: int | str = "256GiB"
+    """Bytes of swap space per rank, preallocated as needed."""
+    params: TierName = "host"
+    """Home tier of the parameter shards (compute dtype)."""
+    grads: TierName = "host"
+    """Tier of the gradients (in `grad_dtype`: shards at zero_stage 2 and 3, whole at 1)."""
+    optimizer_states: TierName = "host"
+    """Tier of fp32 master weights and optimizer moments."""
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype of parameters on the device: "auto" = bfloat16 with CUDA, float32 without."""
+    grad_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype gradients are reduced across ranks in and kept in on the grads tier. "bfloat16"
+    halves their memory and reduce traffic; the optimizer still updates fp32 master weights
+    (each chunk of gradient is widened to fp32 for the update and the norm)."""
+    zero_stage: Literal[1, 2, 3] = 3
+    """What is partitioned across data-parallel ranks (the ZeRO paper's stages; README "ZeRO
+    stages"): 3 = parameters, gradients and optimizer states (blocks are all-gathered to
+    compute); 2 = gradients and optimizer states (each rank keeps the full parameters; updated
+    ones are all-gathered after the step); 1 = optimizer states only (gradients all-reduced
+    and kept whole). The same code path at every stage; at world size 1 they coincide."""
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    """Prefetch policy (see PrefetchConfig); a policy object here stands for
+    PrefetchConfig(policy=that object)."""
+    io: IOConfig = field(default_factory=IOConfig)
+    """io_engine settings for the NVMe tier."""
+    step_in_backward: bool = False
+    """Update each block with the tiered optimizer (tz.AdamW / tz.SGD) as soon as its gradients
+    are final in backward, overlapping the optimizer step with the rest of backward;
+    `opt.step()` then updates what is left. Exact (the same result as stepping after backward)
+    when gradients are not clipped and every step runs one backward: tz.clip_grad_norm_
+    refuses to run under it, and a second backward before opt.step() is an error."""
+    overlap_step: bool = True
+    """Run opt.step()'s block updates on a thread of their own under the next forward, which
+    computes each block once its update is done (see [Note: overlapped step] in tierzero/runtime/step_queue.py; the same values as a
+    step run to the end first). One rank with the CPU as device; elsewhere the step runs inline."""
+    checksums: bool = True
+    """Record a checksum of every NVMe write and verify it on read."""
+    block_classes: tuple[str, ...] = ()
+    """Class names of modules that form blocks; empty = the repeated children (transformer
+    layers) found automatically."""
+    min_block_bytes: int | str = 0
+    """Blocks smaller than this are merged with their neighbour (0 = never merge)."""
+    collective_timeout_s: float = 300.0
+    """Seconds a collective may wait for other ranks before the run fails instead of hanging.
+    `tierzero train` gives it to torch.distributed.init_process_group; a script that creates the
+    process group itself passes `timeout=datetime.timedelta(seconds=config.collective_timeout_s)`."""
+
+    def __post_init__(self) -> None:
+        for name in ("device_budget", "host_budget", "nvme_budget", "min_block_bytes"):
+            object.__setattr__(self, name, parse_size(getattr(self, name), what=name))
+        for name in ("params", "grads", "optimizer_states"):
+            _check_choice(name, getattr(self, name), TIER_NAMES)
+        _check_choice("compute_dtype", self.compute_dtype, ("auto", "float32", "bfloat16", "float16"))
+        if self.grad_dtype == "float16":
+            raise ValueError("grad_dtype: expected one of 'float32', 'bfloat16', got 'float16' (float16 "
+                             "gradients need loss scaling, which tierzero does not do; use 'bfloat16')")
+        _check_choice("grad_dtype", self.grad_dtype, ("float32", "bfloat16"))
+        if type(self.zero_stage) is not int or self.zero_stage not in (1, 2, 3):
+            raise ValueError(f"zero_stage: expected 1, 2 or 3 (1: optimizer states partitioned, 2: "
+                             f"and gradients, 3: and parameters), got {self.zero_stage!r}")
+        if isinstance(self.prefetch, Mapping):
+            object.__setattr__(self, "prefetch", PrefetchConfig(**self.prefetch))
+        elif callable(getattr(self.prefetch, "plan", None)):
+            object.__setattr__(self, "prefetch", PrefetchConfig(policy=self.prefetch))
+        if isinstance(self.io, Mapping):
+            object.__setattr__(self, "io", IOConfig(**self.io))
+        if not isinstance(self.prefetch, PrefetchConfig):
+            raise ValueError(f"prefetch: expected a PrefetchConfig, a mapping or a prefetch policy object "
+                             f"(tz.PrefetchPolicy: a plan(view) method), got {self.prefetch!r}")
+        if not isinstance(self.io, IOConfig):
+            raise ValueError(f"io: expected an IOConfig or a mapping, got {self.io!r}")
+        object.__setattr__(self, "block_classes", tuple(self.block_classes))
+        if not isinstance(self.step_in_backward, bool):
+            raise ValueError(f"step_in_backward: expected True or False, got {self.step_in_backward!r}")
+        if self.collective_timeout_s <= 0:
+            raise ValueError(f"collective_timeout_s: expected > 0, got {self.collective_timeout_s}")
+        if self.uses_nvme and self.nvme_dir is None:
+            raise ValueError(
+                "nvme_dir: some state is placed on 'nvme' "
+                f"(params={self.params!r}, grads={self.grads!r}, "
+                f"optimizer_states={self.optimizer_states!r}) but nvme_dir is not set; "
+                "give nvme_dir='/path/on/nvme' or place that state on 'host'")
+        if self.nvme_dir is not None:
+            object.__setattr__(self, "nvme_dir", os.fspath(self.nvme_dir))
+
+    @property
+    def uses_nvme(self) -> bool:
+        return "nvme" in (self.params, self.grads, self.optimizer_states)
+
+    def compute_dtype_name(self, *, cuda: bool) -> str:
+        """The torch dtype name parameters are computed in: `compute_dtype`, with "auto" resolved
+        to bfloat16 when the device is CUDA and float32 otherwise."""
+        if self.compute_dtype == "auto":
+            return "bfloat16" if cuda else "float32"
+        return self.compute_dtype
+
+    def budget(self, tier: str) -> int:
+        """Budget in bytes of a tier named "device", "host" or "nvme"."""
+        _check_choice("tier", tier, TIER_NAMES)
+        return getattr(self, f"{tier}_budget")
+
+    def replace(self, **changes: Any) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Config":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown config keys {unknown}; known keys are {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> "Config":
+        """Read a Config from a .toml or .json file (a [tierzero] table in TOML is also accepted)."""
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"config file {str(p)!r} does not exist")
+        if p.suffix == ".json":
+            data = json.loads(p.read_text())
+        elif p.suffix == ".toml":
+            try:
+                import tomllib
+            except ModuleNotFoundError as e:  # Python 3.10
+                raise ValueError("reading TOML needs Python >= 3.11; use a .json config") from e
+            data = tomllib.loads(p.read_text())
+            data = data.get("tierzero", data)
+        else:
+            raise ValueError(f"config file {str(p)!r}: expected a .toml or .json file")
+        return cls.from_dict(data)
+
+    def state_bytes_per_param(self, *, cuda: bool) -> StateBytes:
+        """Bytes per parameter of each kind of state under this config (`cuda`: whether the
+        device is a GPU, which decides compute_dtype "auto")."""
+        compute = DTYPE_BYTES[self.compute_dtype_name(cuda=cuda)]
+        shared = compute == 4 and self.params == self.optimizer_states  # fp32 params are the masters
+        optim = OPTIMIZER_BYTES_PER_PARAM - (MASTER_BYTES_PER_PARAM if shared else 0)
+        return StateBytes(compute, DTYPE_BYTES[self.grad_dtype], optim)
+
+    @classmethod
+    def auto(cls, model: Any = None, *, nvme_dir: str | os.PathLike[str] | None = None,
+             headroom: float = 0.8, **overrides: Any) -> "Config":
+        """Pick budgets and placement from what this machine offers (tierzero/config/machine.py:
+        free GPU memory, RAM, free disk under nvme_dir).
+
+        State stays on the host tier when it fits there; the optimizer states move to NVMe when
+        the whole training state exceeds the host budget, the parameters too past twice it
+        (when nvme_dir is given).
+        """
+        offer = machine_budgets(None if nvme_dir is None else os.fspath(nvme_dir), headroom)
+        state = 0
+        if model is not None:
+            n = sum(p.numel() for p in model.parameters())
+            probe = cls(compute_dtype=overrides.get("compute_dtype", "auto"))
+            state = n * sum(probe.state_bytes_per_param(cuda=has_cuda()))
+        params = grads = optim = "host"
+        nvme_budget: int | str = cls.nvme_budget
+        if nvme_dir is not None:
+            nvme_budget = offer["nvme"]
+            if state > offer["host"]:
+                optim = "nvme"
+            if state > 2 * offer["host"]:
+                params = "nvme"
+        kw: dict[str, Any] = dict(device_budget=offer["device"], host_budget=offer["host"],
+                                  nvme_dir=nvme_dir, nvme_budget=nvme_budget, params=params,
+                                  grads=grads, optimizer_states=optim)
+        kw.update(overrides)
+        return cls(**kw)

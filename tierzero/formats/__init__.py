@@ -1,0 +1,22 @@
+"""Formats: the files tierzero reads and writes for models, beside its own checkpoints.
+
+    safetensors_file.py  a streaming safetensors writer and header reader
+    weights.py           weight sources (safetensors files, transformers folders) planned per block
+    buffers.py           a model's buffers loaded from a checkpoint or computed by the model
+    hf_folder.py         transformers' model folder: config files, shards, index, the meta-device build
+    corpus.py            training text: the standard library's source, text and JSONL files, batches
+"""
+
+from tierzero.formats.corpus import VOCAB_SIZE, BatchSampler, Tokenizer, file_corpus, stdlib_corpus
+from tierzero.formats.hf_folder import (CONFIG_FILE, CONFIG_FILES, INDEX_FILE, SINGLE_FILE, folder_tokenizer,
+                                        kept_names, meta_model, require_transformers, saved_dtype,
+                                        write_config_files, write_synced, write_weights_folder)
+from tierzero.formats.safetensors_file import TensorSpec, fsync_dir, save_safetensors, write_safetensors
+from tierzero.formats.buffers import check_buffers, init_buffers, load_buffers, persistent_buffers
+from tierzero.formats.weights import LoadedShard, ShardRequest, WeightSource, load_safetensors, open_weights
+
+__all__ = ["VOCAB_SIZE", "BatchSampler", "Tokenizer", "file_corpus", "stdlib_corpus", "CONFIG_FILE", "CONFIG_FILES",
+           "INDEX_FILE", "SINGLE_FILE", "folder_tokenizer", "kept_names", "meta_model", "require_transformers",
+           "saved_dtype", "write_config_files", "write_synced", "write_weights_folder", "TensorSpec", "fsync_dir",
+           "save_safetensors", "write_safetensors", "LoadedShard", "ShardRequest", "WeightSource", "check_buffers",
+           "init_buffers", "load_buffers", "load_safetensors", "open_weights", "persistent_buffers"]

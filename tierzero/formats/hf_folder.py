@@ -1,0 +1,280 @@
+"""transformers' model folder format: what tz.save_pretrained and `tierzero export CKPT --to DIR`
+write and tz.from_pretrained reads (tierzero/hf/pretrained.py streams the values).
+
+The folder is transformers' own format: config.json (and generation_config.json when the model
+has one), then the weights as one `model.safetensors`, or, past `max_shard_size`, as shards
+`model-00001-of-0000N.safetensors` listed by `model.safetensors.index.json`
+({"metadata": {"total_size": bytes}, "weight_map": {name: file}}). Tied parameters are saved
+once, under the name transformers keeps (its tied-weights keys are dropped); persistent buffers
+are saved, non-persistent ones are not, as transformers' own save_pretrained does. A folder is
+written whole or not at all (`staged_folder`).
+
+transformers is an optional extra (`pip install 'tierzero[hf]'`): this module imports without
+it; building a model from a folder needs it (`require_transformers`), writing one only uses the
+model's own `config` object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from tierzero.formats.corpus import Tokenizer
+from tierzero.formats.safetensors_file import TensorSpec, fsync_dir, write_safetensors
+
+__all__ = ["from_pretrained", "save_pretrained", "meta_model", "folder_tokenizer", "Trainer",
+           "require_transformers", "write_weights_folder",
+           "write_config_files", "CONFIG_FILES", "SINGLE_FILE", "INDEX_FILE"]
+
+CONFIG_FILE, GENERATION_CONFIG_FILE = "config.json", "generation_config.json"
+CONFIG_FILES = (CONFIG_FILE, GENERATION_CONFIG_FILE)
+"""The configuration files of a folder (the second only for models that generate)."""
+SINGLE_FILE, SHARD_FILE, INDEX_FILE = ("model.safetensors", "model-{:05d}-of-{:05d}.safetensors",
+                                       "model.safetensors.index.json")
+"""transformers' names: the one file, a shard (formatted with its number and the count), the index."""
+_METADATA = {"format": "pt"}
+"""Every file's safetensors metadata: transformers refuses files whose format is not "pt"."""
+
+
+def require_transformers() -> Any:
+    """The transformers module; ImportError naming the extra that installs it otherwise."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError(f"tierzero's transformers integration needs the transformers package ({e}); "
+                          "install it with: pip install 'tierzero[hf]'") from e
+    return transformers
+
+
+# ------------------------------------------------------------------------------ in
+
+
+def meta_model(path: str | os.PathLike[str], *, dtype: torch.dtype | None = None, model_cls: Any = None,
+               **model_kwargs: Any) -> nn.Module:
+    """The model of the local folder `path`, built on the meta device from its config.json (no
+    memory, no weights yet): what from_pretrained wraps, and what `tierzero train` sizes first."""
+    transformers = require_transformers()
+    folder = Path(path)
+    if not (folder / CONFIG_FILE).is_file():
+        raise ValueError(f"from_pretrained: {str(folder)!r} holds no {CONFIG_FILE}; give a local folder "
+                         "written by save_pretrained (download a hub model first, e.g. with "
+                         "`huggingface-cli download`)")
+    hf_config = transformers.AutoConfig.from_pretrained(folder)
+    dtype = dtype or config_dtype(hf_config) or torch.float32
+    set_config_dtype(hf_config, dtype)
+    with torch.device("meta"), _default_dtype(dtype):
+        if model_cls is None:
+            model = transformers.AutoModelForCausalLM.from_config(hf_config, **model_kwargs)
+        elif hasattr(model_cls, "_from_config"):
+            model = model_cls._from_config(hf_config, **model_kwargs)
+        else:
+            model = model_cls(hf_config, **model_kwargs)
+    if (folder / GENERATION_CONFIG_FILE).is_file() and hasattr(model, "generation_config"):
+        model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
+    return model
+
+
+def folder_tokenizer(path: str | os.PathLike[str]) -> Tokenizer | None:
+    """The tokenizer saved in a model folder (transformers' AutoTokenizer), or None when the
+    folder has no tokenizer files."""
+    transformers = require_transformers()
+    folder = Path(path)
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        return None
+    return transformers.AutoTokenizer.from_pretrained(folder)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""Files whose presence says a folder has a tokenizer."""
+
+
+def config_dtype(hf_config: Any) -> torch.dtype | None:
+    """The dtype a transformers config names (`dtype` since transformers 5, `torch_dtype` before)."""
+    value = vars(hf_config).get("dtype", vars(hf_config).get("torch_dtype"))
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) else None
+
+
+def set_config_dtype(hf_config: Any, dtype: torch.dtype) -> None:
+    """Record `dtype` in a transformers config, under the name its version reads."""
+    setattr(hf_config, "torch_dtype" if "torch_dtype" in vars(hf_config) else "dtype", dtype)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default dtype set to `dtype` (a floating one) for a model's construction."""
+    old = torch.get_default_dtype()
+    if dtype.is_floating_point:
+        torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+# ------------------------------------------------------------------------------ out
+
+
+def saved_dtype(orig: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """A tensor's dtype in the folder: `dtype` for floating tensors when given."""
+    return dtype if dtype is not None and orig.is_floating_point else orig
+
+
+def kept_names(model: nn.Module) -> dict[int, str]:
+    """id(parameter) -> the one name it is saved under: of a tied parameter's names, the first
+    that is not one of the model's tied-weights keys (the first name when all or none are)."""
+    tied = _tied_weight_keys(model)
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {pid: next((n for n in ns if not tied(n)), ns[0]) for pid, ns in names.items()}
+
+
+def _tied_weight_keys(model: nn.Module) -> Callable[[str], bool]:
+    """Whether a parameter name is a tied-weights key (a name transformers drops on save):
+    `all_tied_weights_keys` ({target: source}, transformers >= 5), else the modules'
+    `_tied_weights_keys` (regular expressions before 5)."""
+    keys = getattr(model, "all_tied_weights_keys", None)
+    if isinstance(keys, dict):
+        return set(keys).__contains__
+    patterns = []
+    for prefix, module in model.named_modules():
+        tied = getattr(module, "_tied_weights_keys", None) or ()
+        patterns += [f"{prefix}.{k}" if prefix else k for k in tied]
+    return lambda name: any(re.search(p, name) for p in patterns)
+
+
+# --------------------------------------------------------------------- the folder format
+
+
+class Shard(NamedTuple):
+    file: str
+    specs: list[TensorSpec]
+
+
+def spec_nbytes(spec: TensorSpec) -> int:
+    return int(np.prod(spec.shape, dtype=np.int64)) * spec.dtype.itemsize
+
+
+def plan_shards(specs: Sequence[TensorSpec], max_shard_size: int) -> list[Shard]:
+    """The files of a folder: tensors in order, a new file when the next tensor would take the
+    current one past `max_shard_size` (so a tensor larger than that gets a file of its own);
+    one file is `model.safetensors`, several `model-0000i-of-0000N.safetensors`."""
+    groups: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        nbytes = spec_nbytes(spec)
+        if groups[-1] and size + nbytes > max_shard_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(spec)
+        size += nbytes
+    if len(groups) == 1:
+        return [Shard(SINGLE_FILE, groups[0])]
+    return [Shard(SHARD_FILE.format(i + 1, len(groups)), g) for i, g in enumerate(groups)]
+
+
+def write_weights_folder(out_dir: Path, specs: Sequence[TensorSpec], max_shard_size: int,
+                         write_configs: Callable[[Path], None]) -> Path:
+    """Write `out_dir` whole (per `staged_folder`): the config files (`write_configs(folder)`),
+    then the shards of `specs` in order, and the index when there are several."""
+    shards = plan_shards(specs, max_shard_size)
+    with staged_folder(out_dir) as tmp:
+        write_configs(tmp)
+        for shard in shards:
+            write_safetensors(tmp / shard.file, shard.specs, _METADATA)
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(spec_nbytes(s) for s in specs)},
+                     "weight_map": {s.name: shard.file for shard in shards for s in shard.specs}}
+            write_synced(tmp / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return out_dir
+
+
+def write_config_files(model: nn.Module, folder: Path, dtype: torch.dtype) -> None:
+    """The model's config.json (recording `dtype` and the model's class, as transformers does)
+    and its generation_config.json when it generates, fsynced, into `folder`."""
+    hf_config = copy.deepcopy(model.config)
+    set_config_dtype(hf_config, dtype)
+    hf_config.architectures = [type(model).__name__]
+    hf_config.save_pretrained(folder)
+    generation = getattr(model, "generation_config", None)
+    can_generate = getattr(model, "can_generate", lambda: False)
+    if generation is not None and can_generate():
+        generation.save_pretrained(folder)
+    for name in CONFIG_FILES:
+        if (folder / name).is_file():
+            _fsync_file(folder / name)
+
+
+def write_synced(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _is_weights_file(name: str) -> bool:
+    """A weights file of transformers' folder format (replaced whole by a new save)."""
+    return name == INDEX_FILE or (name.startswith("model") and name.endswith(".safetensors"))
+
+
+@contextlib.contextmanager
+def staged_folder(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
+    """A temporary folder next to `out_dir` to write into; on a clean exit it is fsynced and
+    renamed to `out_dir` (an existing one renamed away first, then deleted, its files other than
+    the weights copied over first: a tokenizer saved beside the model stays); on an error it is
+    deleted and `out_dir` left as it was. An existing `out_dir` must be empty or a model folder
+    (holding config.json or .safetensors files): anything else is refused, not replaced."""
+    out = Path(out_dir).absolute()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{str(out)!r} is a file; give a folder path (or a .safetensors file name to "
+                         "export one file)")
+    if out.is_dir() and any(out.iterdir()) and not ((out / CONFIG_FILE).is_file() or any(out.glob("*.safetensors"))):
+        raise ValueError(f"{str(out)!r} exists and is not a model folder (no {CONFIG_FILE}, no .safetensors "
+                         "files); it would be replaced: give a new or empty folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if out.is_dir():  # what the folder holds besides the model (tokenizer, README, ...) stays
+            for f in out.iterdir():
+                if not (tmp / f.name).exists() and not _is_weights_file(f.name):
+                    (shutil.copytree if f.is_dir() else shutil.copy2)(f, tmp / f.name)
+        fsync_dir(tmp)
+        if out.exists():
+            old = out.with_name(f".old-{out.name}-{os.getpid()}")
+            os.rename(out, old)
+            try:
+                os.rename(tmp, out)
+            except BaseException:
+                os.rename(old, out)
+                raise
+            fsync_dir(out.parent)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, out)
+            fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,26 @@
+"""transformers models in and out of tierzero, and transformers' Trainer for a tiered model.
+
+    pretrained.py  tz.from_pretrained / tz.save_pretrained: folders streamed in and out, block by block
+    trainer.py     tierzero.hf.Trainer: transformers.Trainer for a wrapped model
+
+transformers is an optional extra (`pip install 'tierzero[hf]'`): this package imports without
+it; `Trainer` is imported on first use (it subclasses transformers.Trainer).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tierzero.formats import meta_model, require_transformers
+from tierzero.hf.pretrained import from_pretrained, save_pretrained
+
+__all__ = ["from_pretrained", "save_pretrained", "meta_model", "Trainer"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Trainer":
+        require_transformers()
+        from tierzero.hf.trainer import Trainer  # optional dependency: transformers
+
+        return Trainer
+    raise AttributeError(f"module 'tierzero.hf' has no attribute {name!r}")

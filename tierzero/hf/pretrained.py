@@ -1,0 +1,147 @@
+"""`tz.from_pretrained` and `tz.save_pretrained`: transformers model folders streamed into the
+tiers and back out, one block at a time (the folder format is tierzero/formats/hf_folder.py).
+
+Phases of `save_pretrained` (every rank calls it):
+
+1. plan (every rank, no data): one `TensorSpec` per saved tensor, block by block in the
+   model's flat order, then the buffers; the specs are cut into shards in that order
+   (`plan_shards`), so the files are written in the order the blocks are read.
+2. write (rank 0): into a temporary folder next to `out_dir` (`staged_folder`), config files
+   first, then each shard through the streaming safetensors writer, which asks for one tensor
+   at a time; the first tensor of a flat tensor reads that flat tensor's full values
+   (`FlatParam.read_full`), after the previous one's were dropped (`_FlatValues`), so one
+   block's values are in memory at a time.
+3. gather (ranks > 0): `read_full` is a collective, so the other ranks read the same flat
+   tensors in the same order and drop them (`_FlatValues.drain`); rank 0 drains what is left
+   when its write failed, then every rank learns rank 0's outcome.
+4. publish (rank 0): files and folder fsynced, the folder renamed to `out_dir` (see
+   `staged_folder` for what happens to an existing one).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tierzero import runtime
+from tierzero.config import Config, parse_size
+from tierzero.formats import (TensorSpec, kept_names, meta_model, persistent_buffers, saved_dtype,
+                              write_config_files, write_weights_folder)
+from tierzero.runtime import FlatParam, model_dtype
+
+
+def from_pretrained(path: str | os.PathLike[str], config: Config, *, dtype: torch.dtype | None = None,
+                    model_cls: Any = None, **model_kwargs: Any) -> nn.Module:
+    """A transformers causal LM from the local folder `path`, wrapped by tierzero with its
+    weights streamed in: the folder's config.json is read, the model is built on the meta
+    device (no memory), then `tz.wrap(model, config, weights=path)` loads it block by block.
+
+    dtype: the dtype of the parameters' values (None: the folder's config `dtype` /
+    `torch_dtype`, else float32); tierzero computes in `config.compute_dtype`. model_cls: a
+    model class to build instead of AutoModelForCausalLM (its `_from_config`, else
+    `model_cls(hf_config)`); model_kwargs go to that construction (e.g. attn_implementation).
+    The folder's generation_config.json, when there is one, becomes `model.generation_config`.
+    """
+    model = runtime.wrap(meta_model(path, dtype=dtype, model_cls=model_cls, **model_kwargs), config, weights=path)
+    return model.eval()  # as transformers' from_pretrained returns it; training sets train()
+
+
+def save_pretrained(model: nn.Module, out_dir: str | os.PathLike[str], *, dtype: torch.dtype | None = None,
+                    max_shard_size: int | str = "5GB") -> Path:
+    """Write the wrapped transformers model as a folder `transformers.AutoModelForCausalLM.
+    from_pretrained(out_dir)` loads (see the module docstring), one block's values in memory at
+    a time; returns `out_dir`.
+
+    dtype: the saved values' dtype for floating tensors (None: the parameters' original dtypes);
+    config.json records it. max_shard_size: bytes per file, an int or "5GB" / "2GiB" (a larger
+    tensor gets a file of its own). With several ranks every rank must call it (the values are
+    gathered); rank 0 writes.
+
+    The folder appears whole or not at all: it is written as `.tmp-<name>-<pid>/` next to
+    `out_dir`, fsynced, then renamed. An existing `out_dir` (a model folder, or empty: anything
+    else is refused) is replaced only after the new folder is complete: it is renamed to
+    `.old-<name>-<pid>`, the new one renamed into place, and the old one deleted. A failure
+    leaves the old `out_dir` as it was and no temporary folder; a crash between the two renames
+    leaves both folders under those names.
+    """
+    state = runtime.state_of(model)
+    hf_config = getattr(model, "config", None)
+    if not callable(getattr(hf_config, "save_pretrained", None)):
+        raise ValueError(f"save_pretrained: {type(model).__name__} has no transformers `config`; save a "
+                         "transformers model, or use tz.save_safetensors(tz.full_state_dict(model), path)")
+    limit = parse_size(max_shard_size, what="save_pretrained: max_shard_size")
+    flats = state.flat_params()
+    values = _FlatValues(flats)
+    specs = model_specs(state, values, dtype)
+    saved = dtype or model_dtype(state)
+    out = Path(out_dir)
+    failure: Exception | None = None
+    if state.ctx.rank == 0:
+        try:
+            write_weights_folder(out, specs, limit, lambda tmp: write_config_files(model, tmp, saved))
+        except Exception as e:  # interrupted (BaseException): no collective may follow
+            failure = e
+    if state.ctx.world_size > 1:
+        values.drain()  # gathers: every rank reads the blocks rank 0 did not, whatever its outcome
+        error = _broadcast_outcome(state, failure)
+        if failure is None and error is not None:
+            raise RuntimeError(f"save_pretrained: rank 0 failed to write {str(out)!r} ({error})")
+    if failure is not None:
+        raise failure
+    return out
+
+
+def _broadcast_outcome(state: runtime.TieredState, failure: Exception | None) -> str | None:
+    """Rank 0's error message (None when it succeeded), on every rank."""
+    box = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+    dist.broadcast_object_list(box, src=0, group=state.ctx.group)
+    return box[0]
+
+
+class _FlatValues:
+    """The full values of one flat tensor at a time, read in the order of `flats`.
+
+    `read_full` is a collective at world size > 1: every rank reads the same flat tensors in
+    the same order (rank 0 as its writer asks for them, the others by `drain`)."""
+
+    def __init__(self, flats: Sequence[FlatParam]) -> None:
+        self._flats = list(flats)
+        self._next = 0
+        self._current: tuple[FlatParam, list[torch.Tensor]] | None = None
+
+    def get(self, flat: FlatParam) -> list[torch.Tensor]:
+        if self._current is None or self._current[0] is not flat:
+            self._current = None  # the previous block's values go before the next are read
+            assert self._next < len(self._flats) and self._flats[self._next] is flat, (
+                f"{flat!r} asked for out of order")
+            self._next += 1
+            self._current = (flat, flat.read_full())
+        return self._current[1]
+
+    def drain(self) -> None:
+        """Read (and drop) every flat tensor not read yet."""
+        self._current = None
+        while self._next < len(self._flats):
+            self._next += 1
+            self._flats[self._next - 1].read_full()
+
+
+def model_specs(state: runtime.TieredState, values: _FlatValues, dtype: torch.dtype | None) -> list[TensorSpec]:
+    """The saved tensors of a wrapped model in read order: each parameter once (under the name
+    `kept_names` picks), flat tensor by flat tensor, then the persistent buffers."""
+    names = kept_names(state.model)
+    specs = []
+    for flat in state.flat_params():
+        for i, (p, slot, orig) in enumerate(zip(flat.params, flat.layout.slots, flat.orig_dtypes)):
+            out = saved_dtype(orig, dtype)
+            specs.append(TensorSpec(names[id(p)], tuple(slot.shape), out,
+                                    lambda f=flat, i=i, d=out: values.get(f)[i].to(d)))
+    for name, buf in persistent_buffers(state.model).items():
+        out = saved_dtype(buf.dtype, dtype)
+        specs.append(TensorSpec(name, tuple(buf.shape), out, lambda b=buf, d=out: b.detach().to("cpu", d)))
+    return specs

@@ -1,0 +1,19 @@
+"""Layout: which modules form a block, how a block's parameters pack into flat tensors, and
+what each ZeRO stage keeps whole. Pure arithmetic over a model's parameters (no placement, no
+communication), shared by the runtime that builds blocks and the planning that sizes them.
+
+    grouping.py     blocks of a model: the repeated children, the root
+    flat_layout.py  FlatLayout: parameters packed, aligned, padded to the world size, sharded
+    zero.py         ZeroStage (what a rank keeps whole) and CommBytes (bytes of collectives)
+    sizes.py        device bytes of a block while fetched
+"""
+
+from tierzero.layout.flat_layout import ALIGN_BYTES, FlatLayout, ParamSlot
+from tierzero.layout.grouping import (ROOT, BlockSpec, assign_params, block_specs, blocks_of, group_modules,
+                                      param_count, unique_params)
+from tierzero.layout.sizes import block_fetch_bytes, fetched_bytes, flat_groups
+from tierzero.layout.zero import CommBytes, ZeroStage
+
+__all__ = ["FlatLayout", "ParamSlot", "ALIGN_BYTES", "ROOT", "BlockSpec", "assign_params", "block_specs",
+           "blocks_of", "group_modules", "param_count", "unique_params", "block_fetch_bytes", "fetched_bytes",
+           "flat_groups", "CommBytes", "ZeroStage"]

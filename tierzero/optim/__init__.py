@@ -1,0 +1,12 @@
+"""Tiered optimizers and gradient clipping over a wrapped model's flat gradients.
+
+    base.py   TieredOptimizer: the block-by-block step (streamed state, overlapped or in backward)
+    adamw.py  AdamW and SGD: torch's fused CPU kernels on tiered fp32 state
+    clip.py   clip_grad_norm_: the global norm from the norms backward computed
+"""
+
+from tierzero.optim.adamw import SGD, AdamW
+from tierzero.optim.base import TieredOptimizer
+from tierzero.optim.clip import clip_grad_norm_
+
+__all__ = ["AdamW", "SGD", "TieredOptimizer", "clip_grad_norm_"]

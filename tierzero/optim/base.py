@@ -1,0 +1,357 @@
+"""Tiered optimizers and gradient clipping over a wrapped model's flat gradients.
+
+tz.AdamW / tz.SGD are torch.optim.Optimizer subclasses (param_groups with "lr" and friends, so
+torch's LR schedulers work) whose state lives in the placement manager on
+`config.optimizer_states`: fp32 master weights (owned by the runtime's FlatParam) and the
+moments, one flat tensor of each per block. A step walks the blocks in the last forward's order
+as a three-stage pipeline: block k+1's gradient, master weights and moments are being read (prefetched to the
+host) while block k is updated on the CPU in fp32 by torch's fused kernels (bit for bit what
+torch.optim.AdamW/SGD(fused=True) compute for the same parameters) and block k-1's updated
+state and new compute-dtype parameters are being written to their home tier (dirty releases
+and `store` write NVMe asynchronously; host budget reservations bound how far it runs ahead).
+With Config.step_in_backward each block is updated as soon as backward has made its gradient
+final, and step() updates what is left. Otherwise (Config.overlap_step, one rank, CPU as
+device) step() queues the blocks' updates and returns: they run under the next forward (note
+[Note: overlapped step] in tierzero/runtime/step_queue.py). The parameters' `.grad` are not used; `zero_grad()`
+clears the flat gradients. One param group, holding every trainable parameter of the model.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import functools
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from tierzero import runtime
+from tierzero.config import Tier
+from tierzero.layout import FlatLayout
+from tierzero.placement import Kind, TensorHandle
+from tierzero.runtime import FlatGrad, FlatParam, StepQueue
+
+READ_AHEAD = 2
+"""Blocks whose gradient and state a step reads ahead of the one it updates: the drive always
+has the next block's reads queued behind the current one's writes."""
+
+UPDATE_CHUNK = 1 << 22
+"""Elements updated at a time (16 MiB of fp32): bounds the scaled gradient's temporary."""
+
+
+def _update_batches(layout: FlatLayout, rank: int,
+                    skip: frozenset[int] = frozenset()) -> list[list[tuple[int, int, int]]]:
+    """This rank's shard of `layout` as (lo, hi, parameter index) pieces, lo and hi in shard
+    coordinates, in batches of at most UPDATE_CHUNK elements, leaving out the parameters in
+    `skip` (by index: those without a gradient, which torch's optimizers skip). Each piece lies
+    inside one parameter (padding is never updated), and a parameter longer than UPDATE_CHUNK is
+    cut at multiples of UPDATE_CHUNK from its own start.
+
+    [Note: fused chunks] torch's fused CPU kernels run a vector loop and then a scalar loop for
+    the last `numel % vector width` elements, whose roundings differ; cutting where a separate
+    tensor per parameter would end puts every element in the same loop as
+    torch.optim.AdamW(fused=True) over the model's parameters, so the bits are the same (at
+    world size 1; a shard that cuts a parameter moves its tail)."""
+    start, stop = layout.shard_range(rank)
+    batches: list[list[tuple[int, int, int]]] = [[]]
+    room = UPDATE_CHUNK
+    for i, slot in enumerate(layout.slots):
+        if i in skip:
+            continue
+        lo, end = max(slot.offset, start), min(slot.offset + slot.numel, stop)
+        while lo < end:
+            hi = min(end, slot.offset + ((lo - slot.offset) // UPDATE_CHUNK + 1) * UPDATE_CHUNK)
+            if hi - lo > room:
+                batches.append([])
+                room = UPDATE_CHUNK
+            batches[-1].append((lo - start, hi - start, i))
+            room -= hi - lo
+            lo = hi
+    return [b for b in batches if b]
+
+
+class TieredOptimizer(torch.optim.Optimizer):
+    """The block-by-block step shared by AdamW and SGD; subclasses give the update math.
+
+    The optimizer owns the handles of its moments (registered here, zeros at the start, given
+    back when a newer optimizer of the same model replaces this one); the master weights belong
+    to the FlatParam (they hold the values), which this optimizer asks for."""
+
+    _tierzero_steps_flat_gradients = True  # runtime.TIERED_OPTIMIZER: the guard lets it step
+    state_kinds: tuple[Kind, ...] = ()
+    """Flat fp32 state tensors per block besides the master weights (zeros at the start)."""
+
+    def __init__(self, model: nn.Module, defaults: dict[str, Any]) -> None:
+        self._model_state = runtime.state_of(model)
+        if self._model_state.ctx.updates is not None:  # the last optimizer's step lands first
+            self._model_state.ctx.updates.close()
+        self._flats = self._model_state.flat_params(trainable=True)
+        params = [p for flat in self._flats for p in flat.params]
+        if not params:
+            raise ValueError(f"{type(self).__name__}: the model has no trainable parameters "
+                             "(requires_grad=True); nothing to optimize")
+        super().__init__(params, defaults)
+        previous = _OPTIMIZER_OF.get(self._model_state)
+        if previous is not None:
+            previous._give_back_states()
+        ctx = self._model_state.ctx
+        self._states: dict[FlatParam, dict[Kind, TensorHandle]] = {}
+        """Per flat tensor: the master weights, then the moments, by kind."""
+        self._steps: dict[FlatParam, list[int]] = {}
+        """Per flat tensor, updates applied to each parameter (by index): torch counts AdamW's
+        steps per parameter, and skips a parameter without a gradient."""
+        try:
+            for flat in self._flats:
+                self._states[flat] = {Kind.MASTER: flat.ensure_master()}
+                for kind in self.state_kinds:
+                    self._states[flat][kind] = ctx.register(flat.name, torch.zeros(flat.layout.shard_numel),
+                                                            ctx.master_tier, kind=kind)
+                self._steps[flat] = [0] * len(flat.layout.slots)
+            ctx.pm.settle()  # the zero moments' NVMe writes landed (a disk error fails here)
+            ctx.pm.check_staging()  # host-homed states may leave no room to stage the NVMe ones
+        except BaseException:  # nothing half-registered stays behind: a retry starts clean
+            self._give_back_states()
+            raise
+        _OPTIMIZER_OF[self._model_state] = self
+        self._stepped: set[FlatParam] = set()
+        """Flats updated during this step's backward (Config.step_in_backward)."""
+        self._driver: str | None = None
+        """The training loop that declared it clips and clears the flat gradients (driven_by)."""
+        self._pending: list[cf.Future[None]] = []
+        """Updates of Config.step_in_backward running on the updater thread."""
+        self._updater: cf.ThreadPoolExecutor | None = None
+        self._queue: StepQueue | None = None
+        """The overlapped step's updates (None: step() updates inline)."""
+        config = self._model_state.config
+        if config.overlap_step and not config.step_in_backward and ctx.world_size == 1 and not ctx.pm.streams.cuda:
+            self._queue = StepQueue(on_wait=lambda s: ctx.pm.telemetry.record_stall(Tier.HOST, s))
+            ctx.overlap_step(self._queue)
+            weakref.finalize(self, self._queue.close)
+        if config.step_in_backward:
+            ctx.on_grads_final(self._step_in_backward)
+            ctx.on_iteration_end(self._drain)
+            # On one rank with the CPU as device, a block's update runs on a thread of its own
+            # while backward computes the blocks before it: the update mostly waits for its
+            # state's NVMe reads, which then overlap backward's compute. (With several ranks an
+            # update touches the all-gathers the backward thread manages, and CUDA streams are
+            # per thread: those run the update inline until that path is measured on a GPU.)
+            if ctx.world_size == 1 and not ctx.pm.streams.cuda:
+                self._updater = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierzero-update")
+                weakref.finalize(self, self._updater.shutdown, wait=False)
+
+    @property
+    def flat_params(self) -> list[FlatParam]:
+        """The blocks' flat tensors this optimizer updates (a step takes them in the last
+        forward's order)."""
+        return list(self._flats)
+
+    def state_handles(self, flat: FlatParam) -> dict[Kind, TensorHandle]:
+        """The handles of `flat`'s moments, by kind (tierzero.checkpoint streams them)."""
+        self._model_state.ctx.drain_updates()
+        return {k: h for k, h in self._live_states(flat).items() if k is not Kind.MASTER}
+
+    def block_steps(self, flat: FlatParam) -> int | list[int]:
+        """Updates applied to `flat`'s parameters so far (AdamW's bias correction counts them):
+        one count when they are all equal (every parameter got a gradient every step), else one
+        per parameter."""
+        self._model_state.ctx.drain_updates()
+        counts = self._steps[flat]
+        return counts[0] if len(set(counts)) == 1 else list(counts)
+
+    def set_block_steps(self, flat: FlatParam, steps: int | list[int]) -> None:
+        self._model_state.ctx.drain_updates()
+        n = len(flat.layout.slots)
+        counts = [int(steps)] * n if isinstance(steps, int) else [int(s) for s in steps]
+        if len(counts) != n:
+            raise ValueError(f"{flat.name}: {len(counts)} step counts for {n} parameters")
+        self._steps[flat] = counts
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if len(self.param_groups) != 1:
+            raise ValueError(f"{type(self).__name__} supports one param group, got {len(self.param_groups)}")
+        self._check_live()
+        self._model_state.ctx.drain_updates()
+        group = dict(self.param_groups[0])  # as now: an LR scheduler changes it before queued updates run
+        todo = [f for f in self._flats if not flat_grad(f).empty and f not in self._stepped]
+        # in the last forward's order: the next forward's first block is updated first
+        order = {name: i for i, name in enumerate(self._model_state.ctx.forward_order)}
+        todo.sort(key=lambda f: order.get(f.name, len(order)))
+        self._stepped.clear()
+        for i, flat in enumerate(todo):
+            update = functools.partial(self._step_flat, flat, group,
+                                       then=lambda i=i: self._read_ahead(todo[i + 1:i + 1 + READ_AHEAD]))
+            if self._queue is None:
+                update()
+            else:
+                self._queue.submit(flat.param, flat.name, update)
+        return loss
+
+    @torch.no_grad()
+    def _step_in_backward(self, flat: FlatParam) -> None:
+        """Config.step_in_backward: update `flat` now that backward has made its gradient final."""
+        if flat in self._stepped:
+            raise RuntimeError(
+                f"{type(self).__name__}: a second backward reached block {flat.name!r} before "
+                "opt.step(); with Config(step_in_backward=True) each backward updates the "
+                "blocks it finishes, so call opt.step() after every backward (for gradient "
+                "accumulation, set step_in_backward=False)")
+        self._stepped.add(flat)
+        i = self._flats.index(flat)
+        # backward finishes blocks in reverse order: read the previous one's state meanwhile
+        # (one only: backward's own reads compete for the host room, and a second block's
+        # state read this early was measured to be pushed out before its update)
+        ahead = self._flats[max(0, i - 1):i]
+        group = self.param_groups[0]
+
+        def update() -> None:
+            with torch.no_grad():
+                self._step_flat(flat, group, then=lambda: self._read_ahead(ahead, grad=False))
+                flat_grad(flat).clear()  # used up: its host room goes back now, and it never reaches NVMe
+
+        if self._updater is None:
+            update()
+        else:  # in order, one at a time, while backward goes on
+            self._pending.append(self._updater.submit(update))
+
+    def _drain(self) -> None:
+        """Wait for the updates started during this backward; raise the first one's error."""
+        pending, self._pending = self._pending, []
+        cf.wait(pending)
+        for fut in pending:
+            if fut.exception() is not None:
+                raise fut.exception()
+
+    def driven_by(self, loop: str) -> None:
+        """Declare that `loop` (e.g. "tierzero.hf.Trainer") drives this optimizer and handles the
+        flat gradients: clips with tz.clip_grad_norm_ and clears with this optimizer's zero_grad()."""
+        self._driver = loop
+
+    def train(self) -> None:
+        """tz optimizers have no train/eval modes. This is the schedule-free optimizers' hook,
+        which transformers' Trainer calls (through accelerate's optimizer wrapper) before every
+        training step, before the forward; it refuses the plain Trainer there. The plain Trainer
+        clips `p.grad` and clears gradients with `model.zero_grad()`, but a wrapped model keeps
+        its gradients in flat shards that neither touches: it would log grad_norm 0, never clip,
+        and sum the gradients of every step. tierzero.hf.Trainer calls `driven_by` first."""
+        if self._driver is None:
+            raise ValueError(
+                f"{type(self).__name__}.train() was called: transformers' Trainer calls it before each "
+                "training step. The plain transformers.Trainer cannot train a tierzero-wrapped model: it "
+                "clips and clears `p.grad`, which tierzero leaves None (gradients live in flat shards), "
+                "so it would log grad_norm 0, ignore max_grad_norm and sum the gradients of every step. "
+                "Use tierzero.hf.Trainer (`from tierzero.hf import Trainer`; defined in "
+                "tierzero/hf/trainer.py), a drop-in subclass of transformers.Trainer. In your own loop, drop "
+                "the optimizer.train() call: tz optimizers have no train/eval modes")
+
+    def _read_ahead(self, flats: list[FlatParam], *, grad: bool = True) -> None:
+        """Start reading the next blocks' gradients and state: the first for sure, the ones
+        after it only into room that needs no dirty copy written back (speculative)."""
+        pm = self._model_state.pm
+        for k, flat in enumerate(flats):
+            if grad:
+                flat_grad(flat).prefetch(speculative=k > 0)
+            for handle in self._live_states(flat).values():
+                pm.prefetch(handle, handle.staging, speculative=k > 0)
+
+    def _step_flat(self, flat: FlatParam, group: dict[str, Any], *, then: Callable[[], None]) -> None:
+        """Update `flat`; `then` (the next block's prefetch) runs once this block's state is
+        pinned, so the read-ahead can never evict what this update is about to use."""
+        pm = self._model_state.pm
+        handles = list(self._live_states(flat).values())
+        gradient = flat_grad(flat)
+        with torch.profiler.record_function(f"tierzero::optimizer_step {flat.name}"), gradient.acquire() as grad:
+            tensors = [pm.acquire(h, h.staging) for h in handles]
+            try:
+                then()
+                skip = gradient.unreached()
+                steps = self._steps[flat]
+                for j in range(len(steps)):
+                    if j not in skip:
+                        steps[j] += 1
+                for pieces in _update_batches(flat.layout, self._model_state.ctx.rank, skip):
+                    grads = [gradient.scaled(grad[lo:hi]) for lo, hi, _ in pieces]
+                    self._update(group, [steps[j] for _, _, j in pieces], grads,
+                                 *([t[lo:hi] for lo, hi, _ in pieces] for t in tensors))
+                flat.master_updated(tensors[0])
+            finally:
+                for h in handles:
+                    pm.release(h, h.staging, dirty=True)
+
+    def _update(self, group: dict[str, Any], steps: list[int], grads: list[torch.Tensor],
+                params: list[torch.Tensor], *states: list[torch.Tensor]) -> None:
+        """Update `params` (fp32 master pieces) and `states` in place from `grads`, piece by
+        piece; `steps`: each piece's parameter's update count, this update included."""
+        raise NotImplementedError
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for flat in self._flats:
+            clear = functools.partial(flat.clear_grad, set_to_none=set_to_none)
+            if self._queue is None or not self._queue.clear_after(flat.param, clear):
+                clear()
+
+    def _live_states(self, flat: FlatParam) -> dict[Kind, TensorHandle]:
+        self._check_live()
+        return self._states[flat]
+
+    def _check_live(self) -> None:
+        if not self._states:
+            raise RuntimeError(f"{type(self).__name__}: a newer tiered optimizer was created for this "
+                               "model and took over its state; use that one")
+
+    def _give_back_states(self) -> None:
+        """A newer optimizer of the same model takes over: unregister this one's moments."""
+        pm = self._model_state.pm
+        for states in self._states.values():
+            for kind, handle in states.items():
+                if kind is not Kind.MASTER:
+                    pm.unregister(handle)
+        self._states = {}
+
+    # ------------------------------------------------------------------------- state dicts
+
+    def state_dict(self) -> dict[str, Any]:
+        """param_groups as torch packs them; "state" maps each block to its step count and its
+        fp32 master weights and moments (full CPU tensors)."""
+        self._model_state.ctx.drain_updates()
+        sd = super().state_dict()
+        pm = self._model_state.pm
+        sd["state"] = {flat.name: {"step": self.block_steps(flat),
+                                   **{k.value: pm.read(h) for k, h in self._live_states(flat).items()}}
+                       for flat in self._flats}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._model_state.ctx.drain_updates()
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"optimizer state has {len(saved_groups)} param groups, expected "
+                             f"{len(self.param_groups)}")
+        for group, saved in zip(self.param_groups, saved_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        pm = self._model_state.pm
+        by_name = {flat.name: flat for flat in self._flats}
+        unknown = sorted(set(state_dict["state"]) - set(by_name))
+        if unknown:
+            raise ValueError(f"optimizer state for unknown blocks {unknown}; this model's blocks are "
+                             f"{sorted(by_name)}")
+        for name, entry in state_dict["state"].items():
+            flat = by_name[name]
+            self.set_block_steps(flat, entry["step"])
+            for k, h in self._live_states(flat).items():
+                pm.store(h, entry[k.value])
+            flat.master_updated(entry[Kind.MASTER.value])
+
+
+_OPTIMIZER_OF: "weakref.WeakKeyDictionary[runtime.TieredState, TieredOptimizer]" = weakref.WeakKeyDictionary()
+"""Side table: a wrapped model's state -> its tiered optimizer (the newest one)."""
+
+
+def flat_grad(flat: FlatParam) -> FlatGrad:
+    assert flat.grad is not None, f"{flat.name} is not trainable"
+    return flat.grad

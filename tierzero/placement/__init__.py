@@ -1,0 +1,29 @@
+"""Placement: where every placed tensor lives, within each tier's budget, and how it moves.
+
+One module per level, from the bytes up (see the manager's module docstring for the data flow):
+
+    handles.py    TensorHandle and Kind: what a placed tensor is
+    tiers.py      Budget (a tier's byte account) and HostPool (page-aligned, pinned with CUDA)
+    streams.py    the device's copy streams and events (synchronous stand-ins on the CPU)
+    cow_home.py   a checkpoint's files serving as NVMe homes until first written
+    nvme.py       this run's swap files: extents, checksummed IO through io_engine
+    tier_store.py one store per tier: buffers within the tier's budget
+    telemetry.py  moves, stalls, bytes per tier and the Chrome trace
+    moves.py      the typed plan of each move and the worker bodies that run it
+    eviction.py   Room: reservations across tiers, all or nothing, evicting by policy
+    residency.py  Residency, TensorRecord, ResidencyTable: the only writers of residency
+    manager.py    PlacementManager: the public API
+"""
+
+from tierzero.config import Tier
+from tierzero.placement.cow_home import CheckpointHome, Segment
+from tierzero.placement.eviction import EvictionPolicy, LeastRecentlyUsed
+from tierzero.placement.handles import TRAFFIC_GROUPS, Kind, TensorHandle
+from tierzero.placement.manager import PlacementManager
+from tierzero.placement.nvme import ChecksumError, SwapSpace
+from tierzero.placement.residency import Residency, TensorRecord
+from tierzero.placement.telemetry import StepStats, Telemetry
+
+__all__ = ["PlacementManager", "Tier", "Kind", "TensorHandle", "TRAFFIC_GROUPS", "Residency", "TensorRecord",
+           "EvictionPolicy", "LeastRecentlyUsed", "CheckpointHome", "Segment", "SwapSpace", "ChecksumError",
+           "StepStats", "Telemetry"]

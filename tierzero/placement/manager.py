@@ -1,0 +1,539 @@
+"""PlacementManager: where every registered tensor lives; through its ResidencyTable, the only
+writer of residency.
+
+Each tensor, named by the `TensorHandle` register() returns, has a home tier that holds it for
+its whole life (bytes reserved there from register to unregister) and, on the other tiers, at
+most one cached copy whose state is a `Residency`. The data flow of one tensor:
+
+    register    copy the data to its home tier, synchronously (lazy: an NVMe home's staging
+                copy stays as a dirty host copy, written like a lazy release's)
+    prefetch    start a copy toward a tier, best effort: reserve room there (evicting unpinned
+                cached copies by the eviction policy), then a worker thread runs the copy
+    acquire     wait for that copy, or start it and wait; pin it; order compute after its event
+                (overwrite=True: a caller that writes it whole gets a fresh copy, nothing read)
+    release     unpin; dirty: write the copy back to its home (async) and invalidate the other
+                cached copies, which now hold old data
+    store       overwrite the contents: every cached copy now, the home too (an NVMe home
+                asynchronously, from a host staging copy)
+    evict       an unpinned cached copy is dropped when its tier needs the room
+    unregister  wait for its moves, free every copy and the home, forget the handle
+
+A copy toward the device from NVMe goes NVMe -> host staging buffer (io_engine read, checksum
+verified) -> device (copy stream); a write-back goes device -> host staging (copy stream) ->
+NVMe. A cached HOST copy is used instead of staging when there is one. Every reservation a move
+needs (its destination and any staging buffer) is taken in the caller's thread before the move
+starts, never holding one while waiting for another, so worker threads never wait for memory.
+Moves of one tensor that touch its home run in order: each waits for the earlier ones.
+
+The levels, one module each:
+
+    manager.py     PlacementManager: the public API; checks calls, waits for room and moves
+    residency.py   Residency, TensorRecord, and ResidencyTable: the records and the transition
+                   methods, the only writers of residency; moves commit there
+    eviction.py    Room: reservations across tiers, all or nothing, evicting by EvictionPolicy
+    tier_store.py  one store per tier (alloc/free/reserved within its budget)
+    moves.py       Copy, Move, MoveTable, the typed plan of each move kind and its worker body
+
+Locking: one condition variable (the table's) guards all records, copies, room and the move
+table; worker threads run copies and IO without it and take it to commit; every commit
+notifies waiters, and a call that must wait for room or a move sleeps on it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures as cf
+import sys
+import time
+import weakref
+from typing import Callable, TypeVar
+
+import numpy as np
+import torch
+
+from tierzero.config import Config, Tier, format_size
+from tierzero.placement.cow_home import CheckpointHome
+from tierzero.placement.eviction import EvictionPolicy, LeastRecentlyUsed, Shortfall
+from tierzero.placement.handles import Kind, TensorHandle
+from tierzero.placement.moves import Move, staging_needs
+from tierzero.placement.nvme import SwapRegion, SwapSpace
+from tierzero.placement.residency import Residency, ResidencyTable, TensorRecord, assert_in_states
+from tierzero.placement.streams import CopyStreams, resolve_device
+from tierzero.placement.telemetry import Telemetry
+from tierzero.placement.tier_store import flat, tier_stores
+from tierzero.placement.tiers import Budget, HostPool, round_up
+
+__all__ = ["PlacementManager", "Residency", "TensorRecord", "EvictionPolicy", "LeastRecentlyUsed", "Move"]
+
+_T = TypeVar("_T")
+
+_OPEN: "weakref.WeakSet[PlacementManager]" = weakref.WeakSet()
+"""Placement managers not closed yet: closed at interpreter exit, so a script that ends
+without closing its model leaves no swap files behind."""
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    for pm in list(_OPEN):
+        try:
+            pm.close(flush=False)  # the swap files go: writing dirty copies into them is waste
+        except Exception as e:  # the interpreter is exiting: report, close the others
+            print(f"tierzero: closing {pm!r} at exit failed: {e}", file=sys.stderr)
+
+
+class PlacementManager:
+    """Places registered tensors on the device, host and NVMe tiers within their budgets.
+
+    See the module docstring for the data flow. Thread-safe. `wait_timeout_s` bounds how long a
+    call waits for room that only a release by another thread could make (everything on the tier
+    pinned): past it the call raises instead of hanging.
+    """
+
+    def __init__(self, config: Config, rank: int = 0, device: torch.device | str | None = None, *,
+                 wait_timeout_s: float = 60.0) -> None:
+        self.config = config
+        self.rank = rank
+        self.device = resolve_device(device)
+        self.wait_timeout_s = wait_timeout_s
+        self.telemetry = Telemetry()
+        self.streams = CopyStreams(self.device)
+        self.budgets = {t: Budget(t, config.budget(t.value)) for t in Tier}
+        for b in self.budgets.values():
+            b.add_hook(self.telemetry.on_bytes)
+        self.pool = HostPool(self.budgets[Tier.HOST], pinned=self.streams.cuda)
+        self.device_pool = None if self.streams.cuda else HostPool(self.budgets[Tier.DEVICE], pinned=False)
+        self.swap = None
+        if config.nvme_dir is not None:
+            self.swap = SwapSpace(config.nvme_dir, rank, self.budgets[Tier.NVME], config.io,
+                                  checksums=config.checksums, telemetry=self.telemetry)
+        try:
+            self._tiers = tier_stores(self.budgets, self.streams, self.pool, self.device_pool, self.swap)
+            self._table = ResidencyTable(self._tiers, self.streams, self.pool, self.swap, self.telemetry,
+                                         workers=max(2, config.prefetch.nvme_depth), rank=rank)
+        except BaseException:
+            if self.swap is not None:
+                self.swap.close()
+            raise
+        self._room = self._table.room
+        self._cond = self._table.cond
+        self._closed = False
+        _OPEN.add(self)
+
+    # ----------------------------------------------------------------------------- public API
+
+    def register(self, owner: str, data: torch.Tensor, home: Tier | str, *, kind: Kind = Kind.TENSOR,
+                 dtype: torch.dtype | None = None, lazy: bool = False,
+                 borrowed: CheckpointHome | None = None) -> TensorHandle:
+        """Copy `data` (cast to `dtype`) to its home tier, where its bytes stay reserved; the
+        handle names the tensor in every other call. An NVMe home is written asynchronously from
+        a host staging copy (later reads wait for it; `flush()` raises its error), so a caller
+        registering many tensors reads the next while this one is written. lazy=True keeps that
+        host copy instead, dirty, as a lazy release leaves one: written home only when its room
+        is needed or by flush(), so what fits the host budget is not written yet (a load's last
+        blocks). `data` on the meta device reserves the room without writing anything: the
+        contents are undefined until the first store or dirty release (a gradient before its
+        first backward).
+
+        borrowed: checkpoint bytes equal to `data`'s, read by `SwapSpace.borrow`, that serve as
+        the NVMe home until its first write (see [Note: copy-on-write home] in tierzero/placement/cow_home.py): the home's swap extent is
+        reserved all the same, so that write can never lack room, but nothing is written now,
+        nor copied anywhere: `data` may be meta (its shape and dtype). Closed if the register
+        fails."""
+        try:
+            return self._register(owner, data, home, kind, dtype, lazy, borrowed)
+        except BaseException:
+            if borrowed is not None:
+                borrowed.close()
+            raise
+
+    def _register(self, owner: str, data: torch.Tensor, home: Tier | str, kind: Kind, dtype: torch.dtype | None,
+                  lazy: bool, borrowed: CheckpointHome | None) -> TensorHandle:
+        h = TensorHandle(owner, kind, torch.Size(data.shape), dtype or data.dtype,
+                         Tier.parse(home, what=f"register({owner!r}) home"))
+        if borrowed is not None and (h.home is not Tier.NVME or borrowed.nbytes != h.nbytes or data.dtype != h.dtype):
+            raise ValueError(f"register({h.name!r}, borrowed={borrowed!r}): a checkpoint home serves only an "
+                             f"NVMe home of the same bytes; got home {h.home.value}, {h.nbytes} bytes of "
+                             f"{h.dtype} from {data.dtype} data")
+        with self._cond:
+            self._check_open()
+            if self._table.named(h.name):
+                raise ValueError(f"register: a tensor named {h.name!r} is already registered; "
+                                 "unregister it first, or give another owner or kind")
+            if h.home is Tier.NVME and self.swap is None:
+                raise ValueError(f"register({h.name!r}, home='nvme'): config.nvme_dir is not set; "
+                                 "give nvme_dir or choose another home tier")
+            self._room.check_fits(h.name, h.nbytes, h.home)
+            staging = [] if data.is_meta or borrowed is not None else staging_needs(None, h.home, h.nbytes)
+            for tier, nbytes in staging:
+                self._room.check_fits(h.name, nbytes, tier, why="NVMe-homed tensors are staged through host memory")
+            needs = [(h.home, h.nbytes)] + staging
+            buf, *staged = self._wait_until(lambda: self._room.take(needs, h), h.name, f"register({h.name!r})")
+            self._table.to_home(h, data, buf, staged[0] if staged else None, lazy=lazy, borrowed=borrowed)
+            return h
+
+    def unregister(self, h: TensorHandle) -> None:
+        """Take the handle back: wait for its moves in flight, free every cached copy and its home
+        (budgets given back, an NVMe region freed) and forget it; any later call with it raises
+        KeyError. RuntimeError while a copy is pinned (acquired and not released). An error of
+        its last write-back stays for flush() to raise."""
+        rec = self._record_of(h, "unregister")
+        with self._cond:
+            self._check_open()
+            self._check_live(rec)
+            self._wait_until(lambda: not rec.in_flight or None, rec, f"unregister({h.name!r}) waiting for its moves")
+            pinned = {t.value: rec.pins(t) for t in Tier if rec.pins(t)}
+            if pinned:
+                raise RuntimeError(f"unregister({h.name!r}): copies are still pinned (tier: pins) {pinned}; "
+                                   "release() every acquire() first")
+            self._table.forget(rec)
+            self._cond.notify_all()
+
+    def prefetch(self, h: TensorHandle, tier: Tier | str = Tier.DEVICE, *, speculative: bool = False) -> bool:
+        """Start a copy toward `tier` without waiting. True if it is there, on its way, or was
+        started; False if there is no room without evicting a pinned copy (or, speculative,
+        without writing back a dirty one or evicting a prefetched copy not used yet: a read
+        further ahead never pushes out data that is still to be used)."""
+        rec, tier = self._lookup(h, tier, "prefetch")
+        with self._cond:
+            self._check_open()
+            self._check_live(rec)
+            if tier is h.home or rec.residency[tier] is not Residency.ABSENT:
+                self._room.touch(h, tier)
+                return True
+            self._room.check_fits(h.name, h.nbytes, tier)
+            return self._table.try_fetch(rec, tier, speculative=speculative) is True
+
+    def acquire(self, h: TensorHandle, tier: Tier | str = Tier.DEVICE, *, overwrite: bool = False) -> torch.Tensor:
+        """The tensor on `tier` (registered shape and dtype), pinned until release().
+
+        overwrite=True: the caller will write every element and release(dirty=True), so when
+        there is no copy on `tier` yet its bytes are not read: a fresh uninitialised copy is
+        made there (no NVMe read; a gradient's first write in a step, say)."""
+        rec, tier = self._lookup(h, tier, "acquire")
+        with torch.profiler.record_function(f"tierzero::acquire {h.name}"):
+            if tier is h.home:
+                return self._acquire_home(rec)
+            with self._cond:
+                self._check_open()
+                self._check_live(rec)
+                hit = rec.residency[tier] is not Residency.ABSENT
+                if not hit:
+                    self._room.check_fits(h.name, h.nbytes, tier)
+                    if overwrite:
+                        bufs = self._wait_until(lambda: self._room.take([(tier, h.nbytes)], h), rec,
+                                                f"acquire({h.name!r}, {tier.value!r}, overwrite=True)")
+                        self._table.install_blank(rec, tier, bufs[0])
+                    else:
+                        self._wait_until(lambda: self._table.try_fetch(rec, tier), rec,
+                                         f"acquire({h.name!r}, {tier.value!r})")
+                copy = self._table.pin(rec, tier)
+                move = self._table.moves.get(h, tier)
+            self.telemetry.record_prefetch(hit)
+            if move is not None:
+                t0 = time.perf_counter()
+                cf.wait([move.future])
+                self.telemetry.record_stall(tier, time.perf_counter() - t0)
+                error = move.future.exception() if move.dst is tier else None
+                if error is not None:
+                    raise error  # the fetch failed; its copy is gone
+            with self._cond:
+                assert_in_states(rec, tier, Residency.RESIDENT, Residency.WRITING_BACK)
+            self.streams.compute_wait(copy.event, copy.tensor)
+            return copy.tensor
+
+    def release(self, h: TensorHandle, tier: Tier | str = Tier.DEVICE, *, dirty: bool = False,
+                lazy: bool = False) -> None:
+        """Unpin; dirty=True writes this copy's contents back to the home tier (async).
+
+        lazy=True (with dirty, for a host copy of an NVMe home): keep the copy dirty instead; it
+        is written home only when its room is needed (or by flush()), and never if discard()
+        comes first: a gradient used and cleared within a step never reaches the disk. Where a
+        write-back would need a staging buffer (a device copy of an NVMe home) it is eager."""
+        rec, tier = self._lookup(h, tier, "release")
+        lazy = lazy and dirty and tier is not h.home and not staging_needs(tier, h.home, h.nbytes)
+        with self._cond:
+            self._check_open()
+            self._check_live(rec)
+            self._table.releasing(rec, tier)
+            staging = None
+            if lazy:
+                self._wait_until(lambda: rec.residency[tier] is not Residency.WRITING_BACK or None, rec,
+                                 f"release({h.name!r}, {tier.value!r}, lazy=True) waiting for its write-back")
+            elif dirty and tier is not h.home:
+                # Still pinned while waiting (for an earlier write-back of this copy to finish,
+                # and for a staging buffer), so the dirty copy cannot be evicted meanwhile.
+                needs = staging_needs(tier, h.home, h.nbytes)
+                bufs = self._wait_until(
+                    lambda: None if rec.residency[tier] is Residency.WRITING_BACK else self._room.take(needs, h),
+                    rec, f"release({h.name!r}, {tier.value!r}, dirty=True)")
+                staging = flat(bufs[0]) if bufs else None
+            self._table.release(rec, tier, dirty=dirty, staging=staging, lazy=lazy)
+            self._cond.notify_all()
+
+    def discard(self, h: TensorHandle) -> None:
+        """Forget the tensor's contents: its cached copies are dropped unwritten, dirty ones too
+        (a pinned or moving copy when it is free); the home keeps whatever it held last. For
+        data that is dead, such as a gradient set to None; read it again only after writing it."""
+        rec = self._record_of(h, "discard")
+        with self._cond:
+            self._check_live(rec)
+            self._table.discard(rec)
+            self._cond.notify_all()
+
+    def drop(self, h: TensorHandle, tier: Tier | str) -> None:
+        """Free an unpinned cached copy now (after its write-back, if one is in flight or it is
+        dirty)."""
+        rec, tier = self._lookup(h, tier, "drop")
+        if tier is h.home:
+            raise ValueError(f"drop({h.name!r}, {tier.value!r}): {tier.value} is the tensor's home; "
+                             "only cached copies on other tiers can be dropped")
+        with self._cond:
+            self._check_live(rec)
+            self._wait_until(lambda: self._table.settled_clean(rec, tier) or None,
+                             rec, f"drop({h.name!r}) waiting for its move")
+            if rec.residency[tier] is Residency.ABSENT:
+                return
+            if rec.pins(tier):
+                raise RuntimeError(f"drop({h.name!r}, {tier.value!r}): the copy is pinned by "
+                                   f"{rec.pins(tier)} acquire(s); release it first")
+            self._table.drop(h, tier)
+            self._cond.notify_all()
+
+    def store(self, h: TensorHandle, data: torch.Tensor) -> None:
+        """Overwrite the tensor's contents: its home and every cached copy. An NVMe home is
+        written asynchronously from a host staging copy of `data` (later reads wait for it;
+        `flush()` raises its error), so the caller may reuse `data` at once."""
+        rec = self._record_of(h, "store")
+        if tuple(data.shape) != tuple(h.shape):
+            raise ValueError(f"store({h.name!r}): expected shape {tuple(h.shape)}, got {tuple(data.shape)}")
+        with self._cond:
+            self._check_open()
+            self._check_live(rec)
+            needs = staging_needs(None, h.home, h.nbytes)
+            bufs = self._wait_until(lambda: None if rec.in_flight else self._room.take(needs, h),
+                                    rec, f"store({h.name!r}) waiting for its moves")
+            self._table.store(rec, data, flat(bufs[0]) if bufs else None)
+            self._cond.notify_all()
+
+    def read(self, h: TensorHandle, out: np.ndarray | None = None) -> torch.Tensor:
+        """A CPU copy of the tensor's current contents (its home, after write-backs): fresh, or in
+        `out` (a page-aligned uint8 numpy buffer of at least `io_bytes(h)`; reused buffers save
+        the page faults of fresh ones when a caller streams many tensors)."""
+        rec = self._record_of(h, "read")
+        if out is not None and out.nbytes < self.io_bytes(h):
+            raise ValueError(f"read({h.name!r}): out holds {out.nbytes} bytes, expected at least {self.io_bytes(h)}")
+        with self._cond:
+            self._check_open()
+            self._check_live(rec)
+            self._wait_until(lambda: not any(m.dst is h.home for m in rec.in_flight) or None,
+                             rec, f"read({h.name!r}) waiting for its write-backs")
+            return self._table.read_home(rec, None if out is None else torch.from_numpy(out))
+
+    def reserve_scratch(self, nbytes: int, tier: Tier | str = Tier.DEVICE, *, what: str) -> torch.Tensor:
+        """A uint8 buffer of at least `nbytes` on `tier` that the caller fills itself (a block
+        gathered from every rank's shards), reserved within the tier's budget like any copy
+        (evicting unpinned cached copies, waiting up to wait_timeout_s for releases); give it
+        back with free_scratch(). `what` names it in errors."""
+        tier = Tier.parse(tier, what=f"reserve_scratch({what!r}) tier")
+        if tier is Tier.NVME:
+            raise ValueError(f"reserve_scratch({what!r}, 'nvme'): scratch buffers live on 'device' or 'host'")
+        with self._cond:
+            self._check_open()
+            self._room.check_fits(what, nbytes, tier)
+            (buf,) = self._wait_until(lambda: self._room.take([(tier, nbytes)], None), what,
+                                      f"reserve_scratch({what!r}, {tier.value!r})")
+        return flat(buf)
+
+    def free_scratch(self, buf: torch.Tensor, tier: Tier | str = Tier.DEVICE) -> None:
+        """Give back a buffer from reserve_scratch()."""
+        with self._cond:
+            self._tiers[Tier.parse(tier)].free(buf)
+            self._cond.notify_all()
+
+    def io_bytes(self, h: TensorHandle) -> int:
+        """Bytes a buffer given to read(h, out=...) must hold (NVMe regions are whole pages)."""
+        self._record_of(h, "io_bytes")
+        return round_up(h.nbytes) if h.home is Tier.NVME else h.nbytes
+
+    def record(self, h: TensorHandle) -> TensorRecord:
+        """The read-only view of where the tensor is: residency per tier, pins(tier), in_flight."""
+        return self._record_of(h, "record")
+
+    def nvme_location(self, h: TensorHandle) -> tuple[str, int]:
+        """(file, byte offset) where an NVMe-homed tensor's bytes start: a swap file, or the
+        checkpoint file of a copy-on-write home (see [Note: copy-on-write home] in tierzero/placement/cow_home.py); for tools that inspect
+        or repair swap files, and for tests that damage them on purpose."""
+        rec = self._record_of(h, "nvme_location")
+        if h.home is not Tier.NVME or self.swap is None:
+            raise ValueError(f"nvme_location({h.name!r}): the tensor is homed on {h.home.value}, not nvme")
+        with self._cond:
+            region = self._table.home_buffer(rec)
+        assert isinstance(region, SwapRegion), region
+        return self.swap.location(region)
+
+    def check_staging(self) -> None:
+        """ValueError when an NVMe-homed tensor's host staging buffer can never fit beside the
+        tensors now homed on the host tier: its first fetch would wait for room nothing can make.
+        (register() checks each tensor against the homes registered before it; call this once
+        the homes are all there: at the end of wrap, and of an optimizer's construction.)"""
+        with self._cond:
+            self._check_open()
+            for rec in self._table.records():
+                h = rec.handle
+                if h.home is Tier.NVME:
+                    self._room.check_fits(h.name, h.nbytes, Tier.HOST,
+                                          why="NVMe-homed tensors are staged through host memory")
+
+    @property
+    def handles(self) -> tuple[TensorHandle, ...]:
+        """Every registered tensor's handle, in registration order."""
+        with self._cond:
+            return tuple(rec.handle for rec in self._table.records())
+
+    def flush(self) -> None:
+        """Write every dirty cached copy home, wait for every move in flight; raise the first
+        write-back error since the last flush."""
+        with self._cond:
+            self._table.write_back_all_dirty()
+        self.settle()
+
+    def settle(self) -> None:
+        """Wait for every move in flight (dirty cached copies stay dirty); raise the first
+        write-back error since the last flush or settle."""
+        while True:
+            with self._cond:
+                futures = [m.future for m in self._table.moves.all()]
+            if not futures:
+                break
+            cf.wait(futures)
+        with self._cond:
+            errors, self._table.errors = self._table.errors, []
+        if errors:
+            raise errors[0]
+
+    def set_eviction_policy(self, policy: EvictionPolicy) -> None:
+        """Choose victims with `policy.order(candidates)` (handles, least recently used first)."""
+        if not callable(getattr(policy, "order", None)):
+            raise ValueError(f"set_eviction_policy: expected an object with order(candidates), got {policy!r}")
+        with self._cond:
+            self._room.policy = policy
+
+    def bytes_used(self, tier: Tier | str) -> int:
+        return self.budgets[Tier.parse(tier)].used
+
+    def peak_bytes(self, tier: Tier | str) -> int:
+        return self.budgets[Tier.parse(tier)].peak
+
+    def budget(self, tier: Tier | str) -> int:
+        return self.budgets[Tier.parse(tier)].limit
+
+    def close(self, *, flush: bool = True) -> None:
+        """Finish in-flight work, free every copy, remove the swap files, join threads; idempotent.
+        flush=False: dirty cached copies are dropped, not written home first (at interpreter
+        exit, when concurrent.futures already refuses new work and the files are going anyway)."""
+        if self._closed:
+            return
+        _OPEN.discard(self)
+        error: BaseException | None = None
+        try:
+            if flush:
+                self.flush()
+        except BaseException as e:  # still free everything, then report
+            error = e
+        with self._cond:
+            self._closed = True
+        self._table.close()  # joins the workers, which take the lock to commit
+        with self._cond:
+            self._cond.notify_all()  # a call still waiting for room fails now, not after its timeout
+        for store in self._tiers.values():
+            store.close()
+        if error is not None:
+            raise error
+
+    def __enter__(self) -> "PlacementManager":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        used = ", ".join(f"{t.value}={format_size(b.used)}/{format_size(b.limit)}" for t, b in self.budgets.items())
+        return (f"PlacementManager(rank={self.rank}, device={self.device}, tensors={len(self._table)}, "
+                f"in_flight={len(self._table.moves)}, {used})")
+
+    # ----------------------------------------------------------------------------- helpers
+
+    def _acquire_home(self, rec: TensorRecord) -> torch.Tensor:
+        h = rec.handle
+        if h.home is Tier.NVME:
+            raise ValueError(f"acquire({h.name!r}, 'nvme'): NVMe holds bytes, not tensors; "
+                             "acquire it on 'host' or 'device'")
+        with self._cond:
+            self._check_open()
+            self._check_live(rec)
+            self._wait_until(lambda: not any(m.dst is h.home for m in rec.in_flight) or None,
+                             rec, f"acquire({h.name!r}) waiting for write-backs to its home")
+            self._table.check_home(rec)
+            copy = self._table.pin(rec, h.home)
+        self.streams.compute_wait(None, copy.tensor)
+        return copy.tensor
+
+    def _wait_until(self, attempt: Callable[[], _T | Shortfall | None], subject: TensorRecord | str,
+                    what: str) -> _T:
+        """Call `attempt` (under the lock) until it returns a result, sleeping until the next
+        change while it returns None (waiting for a move) or a Shortfall (no room); past
+        wait_timeout_s raise, naming what was missing. `subject` is the tensor waited for (a
+        KeyError if another thread unregisters it meanwhile), or the name of a new one."""
+        deadline = time.monotonic() + self.wait_timeout_s
+        name = subject if isinstance(subject, str) else subject.name
+        while True:
+            self._check_open()
+            if not isinstance(subject, str):
+                self._check_live(subject, what)
+            result = attempt()
+            if result is not None and not isinstance(result, Shortfall):
+                return result
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if result is None:
+                    raise RuntimeError(f"{what}: nothing changed for {self.wait_timeout_s} s")
+                raise RuntimeError(f"{what}: {self._no_room_message(name, result)}")
+            self._cond.wait(remaining)
+
+    def _no_room_message(self, name: str, short: Shortfall) -> str:
+        tier = short.tier
+        pinned = [(r.name, r.pins(tier)) for r in self._table.records() if r.pins(tier)]
+        b = self.budgets[tier]
+        return (f"tensor {name!r}: no room for {format_size(self._tiers[tier].reserved(short.nbytes))} on the "
+                f"{tier.value} tier after waiting {self.wait_timeout_s} s: {format_size(b.used)} of "
+                f"{format_size(b.limit)} reserved, {len(self._table.moves)} moves in flight, pinned copies "
+                f"(name, pins): {pinned[:8]}{' ...' if len(pinned) > 8 else ''}; release tensors "
+                f"before acquiring more, or raise {tier.value}_budget")
+
+    def _record_of(self, h: TensorHandle, what: str) -> TensorRecord:
+        self._check_open()
+        rec = self._table.get(h)
+        if rec is None:
+            if not isinstance(h, TensorHandle):
+                raise TypeError(f"{what}: expected the TensorHandle that register() returned, got {h!r}")
+            raise KeyError(f"{what}: no tensor named {h.name!r} is registered (unregistered, or "
+                           "registered with another PlacementManager)")
+        return rec
+
+    def _lookup(self, h: TensorHandle, tier: Tier | str, what: str) -> tuple[TensorRecord, Tier]:
+        rec = self._record_of(h, what)
+        tier = Tier.parse(tier, what=f"{what}({h.name!r}) tier")
+        if tier is Tier.NVME and tier is not h.home:
+            raise ValueError(f"{what}({h.name!r}, 'nvme'): only tensors homed on NVMe live there; "
+                             "use 'host' or 'device'")
+        return rec, tier
+
+    def _check_live(self, rec: TensorRecord, what: str = "") -> None:
+        """Under the lock: the record looked up before taking it is still registered (another
+        thread may have unregistered it in between)."""
+        if self._table.get(rec.handle) is not rec:
+            raise KeyError(f"{what or rec.name}: {rec.name!r} was unregistered by another thread meanwhile")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("PlacementManager is closed")

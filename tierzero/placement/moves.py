@@ -1,0 +1,232 @@
+"""Moves between tiers: the copies they fill, their typed plans, the table of moves in flight,
+and the worker bodies that run them.
+
+PlacementManager plans a move under its lock: it reserves every buffer the move needs (its
+destination and any host staging buffer), pins the source, and bundles all of it in a plan (a
+`FetchPlan`, `WritebackPlan` or `StorePlan`). A worker thread runs the plan's body (`run_fetch`,
+`run_writeback`, `run_store`: plain functions, without the lock, so tests can patch the IO they
+call), which returns a `Done` (the copy's event and its legs for telemetry) or raises; the
+manager turns that into an `Outcome` and commits it under its lock. The body's legs:
+
+    fetch       NVMe -> host (io_engine read into the destination host copy, or into a staging
+                buffer when the destination is the device), then host or device -> the
+                destination (copy stream)
+    write-back  the cached copy -> its home (copy stream); for an NVMe home, device -> host
+                staging (copy stream), then host -> NVMe (io_engine write)
+    store       a host staging copy of the caller's data -> the NVMe home (io_engine write)
+
+Moves of one tensor that touch its home run in order: a plan lists the earlier moves it waits for.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from dataclasses import dataclass
+from typing import NamedTuple, Union
+
+import torch
+
+from tierzero.config import Tier
+from tierzero.placement.handles import TensorHandle
+from tierzero.placement.nvme import SwapSpace
+from tierzero.placement.streams import DONE, CopyEvent, CopyStreams
+from tierzero.placement.tier_store import Buffer, flat, region, typed
+
+
+@dataclass(eq=False)
+class Copy:
+    """One tensor's bytes on one tier (a TensorRecord keeps one per tier it is on)."""
+
+    buffer: Buffer
+    """What holds the reservation: a host pool buffer, a device buffer, or an NVMe region."""
+    tensor: torch.Tensor | None
+    """The bytes viewed with the registered shape and dtype (None for an NVMe region)."""
+    pins: int = 0
+    """Acquires not yet released, plus moves in flight reading from this copy."""
+    stale: bool = False
+    """Another copy was written back while this one was pinned or in flight: drop it when free."""
+    used: bool = False
+    """Acquired since it was fetched: a prefetched copy not yet used is evicted last."""
+    dirty: bool = False
+    """Newer than the home (released dirty with lazy=True): written back before it is evicted,
+    or dropped unwritten by discard()."""
+    event: CopyEvent = DONE
+    """The copy that filled it; compute waits on it before using the tensor."""
+
+
+class Move(NamedTuple):
+    """One copy in flight; `future` completes when the copy is done and committed."""
+
+    tensor: TensorHandle
+    src: Tier
+    dst: Tier
+    nbytes: int
+    future: cf.Future[None]
+    start: float
+
+
+class MoveTable:
+    """Every move in flight, in one place, keyed by (tensor, tier of its cached copy): the tier
+    a fetch fills or a write-back copies from (a store, which targets the NVMe home, is keyed by
+    NVMe: no other move is). A cached copy has at most one move at a time."""
+
+    def __init__(self) -> None:
+        self._moves: dict[tuple[TensorHandle, Tier], Move] = {}
+
+    def add(self, tier: Tier, move: Move) -> None:
+        assert (move.tensor, tier) not in self._moves, f"{move.tensor.name} already moving on {tier}"
+        self._moves[(move.tensor, tier)] = move
+
+    def pop(self, handle: TensorHandle, tier: Tier) -> Move:
+        return self._moves.pop((handle, tier))
+
+    def get(self, handle: TensorHandle, tier: Tier) -> Move | None:
+        return self._moves.get((handle, tier))
+
+    def for_tensor(self, handle: TensorHandle) -> tuple[Move, ...]:
+        return tuple(m for (h, _), m in tuple(self._moves.items()) if h is handle)
+
+    def all(self) -> tuple[Move, ...]:
+        return tuple(self._moves.values())
+
+    def __len__(self) -> int:
+        return len(self._moves)
+
+
+def staging_needs(src: Tier | None, dst: Tier, nbytes: int) -> list[tuple[Tier, int]]:
+    """The host staging buffer that `nbytes` moved from `src` (None: a caller's tensor) to `dst`
+    pass through, as a reservation need, or none: NVMe IO needs page-aligned host bytes, and
+    only a cached host copy already is."""
+    return [(Tier.HOST, nbytes)] if Tier.NVME in (src, dst) and Tier.HOST not in (src, dst) else []
+
+
+class Span(NamedTuple):
+    """One leg of a move, for telemetry."""
+
+    src: Tier
+    dst: Tier
+    start: float
+    end: float
+
+
+class Done(NamedTuple):
+    """A body finished: the event of its last copy (complete once it returns) and its legs."""
+
+    event: CopyEvent
+    spans: list[Span]
+
+
+class Failed(NamedTuple):
+    """A body raised `error`; the manager commits the move as failed, then re-raises it."""
+
+    error: BaseException
+
+
+Outcome = Union[Done, Failed]
+
+
+class MoveIO(NamedTuple):
+    """What worker bodies copy with: the device tier's copy streams and this rank's swap files."""
+
+    streams: CopyStreams
+    swap: SwapSpace | None
+
+    def nvme(self) -> SwapSpace:
+        assert self.swap is not None, "an NVMe move without swap files"
+        return self.swap
+
+
+class FetchPlan(NamedTuple):
+    """A copy toward a cached copy's tier, every buffer it needs already reserved."""
+
+    handle: TensorHandle
+    src: Tier
+    """Where the bytes come from: the home, or a cached host copy of an NVMe-homed tensor."""
+    dst: Tier
+    source: Copy
+    """The copy read; pinned from the start of the move until its commit."""
+    copy: Copy
+    """The copy filled (its bytes reserved on `dst`)."""
+    staging: torch.Tensor | None
+    """Host bytes between the NVMe read and the device copy (NVMe -> device only)."""
+    ready: CopyEvent | None
+    """Compute's work queued on a device source when the move started: copied after it."""
+    after: tuple[cf.Future[None], ...]
+    """Earlier moves of this tensor writing its home or its source."""
+    source_fetch: cf.Future[None] | None
+    """The fetch still filling `source`, when there is one: its failure fails this fetch."""
+
+
+class WritebackPlan(NamedTuple):
+    """A copy of a cached copy's contents to the home (released dirty)."""
+
+    handle: TensorHandle
+    src: Tier
+    copy: Copy
+    """The cached copy written back; WRITING_BACK until the commit."""
+    home: Copy
+    staging: torch.Tensor | None
+    """Host bytes between the device copy and the NVMe write (device -> NVMe only)."""
+    ready: CopyEvent | None
+    """Compute's work on a device copy when it was released: copied after it."""
+    after: tuple[cf.Future[None], ...]
+    """Every earlier move of this tensor."""
+
+
+class StorePlan(NamedTuple):
+    """A write of a host staging copy of stored data to the NVMe home."""
+
+    handle: TensorHandle
+    home: Copy
+    staging: torch.Tensor
+
+
+def run_fetch(plan: FetchPlan, io: MoveIO) -> Done:
+    cf.wait(plan.after)
+    error = plan.source_fetch.exception() if plan.source_fetch is not None else None
+    if error is not None:
+        raise error  # the copy this fetch reads failed, and is gone
+    h, spans = plan.handle, []
+    with torch.profiler.record_function(f"tierzero::fetch {h.name}"), io.streams.context():
+        t0 = time.perf_counter()
+        if plan.src is Tier.NVME:
+            landing = plan.staging if plan.staging is not None else flat(plan.copy.buffer)
+            io.nvme().read(region(plan.source.buffer), landing.numpy(), h.name, h.kind.traffic)
+            spans.append(Span(Tier.NVME, Tier.HOST, t0, time.perf_counter()))
+            if plan.dst is Tier.HOST:
+                return Done(DONE, spans)
+            t0 = time.perf_counter()
+        copy_src = plan.source.tensor if plan.staging is None else typed(plan.staging, h)
+        event = io.streams.copy(plan.copy.tensor, copy_src, after=plan.ready)
+        # The source and staging are freed at commit: they must outlive the copy.
+        event.synchronize()
+        spans.append(Span(plan.src if plan.staging is None else Tier.HOST, plan.dst, t0, time.perf_counter()))
+    return Done(event, spans)
+
+
+def run_writeback(plan: WritebackPlan, io: MoveIO) -> Done:
+    cf.wait(plan.after)
+    h, spans = plan.handle, []
+    with torch.profiler.record_function(f"tierzero::writeback {h.name}"), io.streams.context():
+        t0 = time.perf_counter()
+        if h.home is not Tier.NVME:
+            io.streams.copy(plan.home.tensor, plan.copy.tensor, after=plan.ready).synchronize()
+            spans.append(Span(plan.src, h.home, t0, time.perf_counter()))
+            return Done(DONE, spans)
+        landing = flat(plan.copy.buffer)
+        if plan.staging is not None:
+            io.streams.copy(typed(plan.staging, h), plan.copy.tensor, after=plan.ready).synchronize()
+            spans.append(Span(plan.src, Tier.HOST, t0, time.perf_counter()))
+            landing, t0 = plan.staging, time.perf_counter()
+        io.nvme().write(region(plan.home.buffer), landing.numpy(), h.name, h.kind.traffic)
+        spans.append(Span(Tier.HOST, Tier.NVME, t0, time.perf_counter()))
+    return Done(DONE, spans)
+
+
+def run_store(plan: StorePlan, io: MoveIO) -> Done:
+    t0 = time.perf_counter()
+    with torch.profiler.record_function(f"tierzero::store {plan.handle.name}"):
+        io.nvme().write(region(plan.home.buffer), plan.staging.numpy(), plan.handle.name,
+                        plan.handle.kind.traffic)
+    return Done(DONE, [Span(Tier.HOST, Tier.NVME, t0, time.perf_counter())])

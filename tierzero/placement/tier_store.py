@@ -1,0 +1,177 @@
+"""The tiers' memory: one object per tier hands out buffers within that tier's budget.
+
+PlacementManager asks a tier store for the bytes of a copy (`alloc`: a buffer, or None when the
+budget has no room now), gives them back (`free`), and learns what a tensor really reserves
+there (`reserved`: buffers are rounded up). The stores, one per tier:
+
+    DEVICE  CudaTier: device memory from torch's caching allocator, allocated on the h2d copy
+            stream. Without CUDA the device tier is CPU memory with the device budget: a PoolTier
+            over its own HostPool, whose buffers are reused the way CUDA's caching allocator
+            reuses device blocks rather than page-faulting fresh memory on every copy.
+    HOST    PoolTier over the HostPool (pinned with CUDA, page-aligned always).
+    NVME    NvmeTier: regions of this rank's swap files. It holds bytes, not tensors.
+
+A store's budget counts everything it holds (a pool's cached free buffers too); the stores are
+not thread-safe on their own: PlacementManager calls them under its lock.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Union
+
+import torch
+
+from tierzero.config import Tier
+from tierzero.placement.handles import TensorHandle
+from tierzero.placement.nvme import SwapRegion, SwapSpace
+from tierzero.placement.streams import CopyStreams
+from tierzero.placement.tiers import Budget, HostPool, round_up
+
+Buffer = Union[torch.Tensor, SwapRegion]
+"""What holds one copy's reservation: a flat uint8 tensor (device or host) or an NVMe region."""
+
+
+class TierStore(Protocol):
+    """One tier's memory, as PlacementManager uses it."""
+
+    tier: Tier
+    budget: Budget
+
+    def alloc(self, nbytes: int) -> Buffer | None:
+        """A buffer of at least `nbytes`, reserved from the budget; None when it has no room."""
+        ...
+
+    def free(self, buffer: Buffer) -> None:
+        """Give back a buffer from alloc()."""
+        ...
+
+    def reserved(self, nbytes: int) -> int:
+        """Bytes a buffer of `nbytes` takes from the budget."""
+        ...
+
+    def view(self, buffer: Buffer, handle: TensorHandle) -> torch.Tensor | None:
+        """The buffer as the handle's tensor (shape, dtype); None on a tier of bytes (NVMe)."""
+        ...
+
+    def close(self) -> None:
+        """Give back what the store still caches; every buffer must have been freed."""
+        ...
+
+
+def typed(buf: torch.Tensor, handle: TensorHandle) -> torch.Tensor:
+    """The first nbytes of a flat uint8 buffer viewed with the handle's dtype and shape."""
+    return buf[: handle.nbytes].view(handle.dtype).view(handle.shape)
+
+
+def flat(buffer: Buffer) -> torch.Tensor:
+    """A buffer known to be memory (not an NVMe region)."""
+    assert isinstance(buffer, torch.Tensor), f"expected a memory buffer, got {buffer!r}"
+    return buffer
+
+
+def region(buffer: Buffer) -> SwapRegion:
+    """A buffer known to be an NVMe region."""
+    assert isinstance(buffer, SwapRegion), f"expected an NVMe region, got {type(buffer).__name__}"
+    return buffer
+
+
+class PoolTier:
+    """A tier whose memory comes from a HostPool: the host tier, and the device tier's CPU
+    stand-in (see the module docstring)."""
+
+    def __init__(self, tier: Tier, pool: HostPool) -> None:
+        self.tier = tier
+        self.pool = pool
+        self.budget = pool.budget
+
+    def alloc(self, nbytes: int) -> torch.Tensor | None:
+        return self.pool.try_alloc(nbytes)
+
+    def free(self, buffer: Buffer) -> None:
+        self.pool.free(flat(buffer))
+
+    def reserved(self, nbytes: int) -> int:
+        return self.pool.bucket(nbytes)
+
+    def view(self, buffer: Buffer, handle: TensorHandle) -> torch.Tensor:
+        return typed(flat(buffer), handle)
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def __repr__(self) -> str:
+        return f"PoolTier({self.tier.value}, {self.pool!r})"
+
+
+class CudaTier:
+    """The device tier on CUDA: exact-size buffers from torch's caching allocator."""
+
+    def __init__(self, budget: Budget, streams: CopyStreams) -> None:
+        self.tier = Tier.DEVICE
+        self.budget = budget
+        self.streams = streams
+
+    def alloc(self, nbytes: int) -> torch.Tensor | None:
+        if not self.budget.try_reserve(nbytes):
+            return None
+        try:
+            with self.streams.alloc_context():
+                return torch.empty(nbytes, dtype=torch.uint8, device=self.streams.device)
+        except BaseException:
+            self.budget.release(nbytes)
+            raise
+
+    def free(self, buffer: Buffer) -> None:
+        self.budget.release(flat(buffer).numel())
+
+    def reserved(self, nbytes: int) -> int:
+        return nbytes
+
+    def view(self, buffer: Buffer, handle: TensorHandle) -> torch.Tensor:
+        return typed(flat(buffer), handle)
+
+    def close(self) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return f"CudaTier({self.streams.device}, {self.budget!r})"
+
+
+class NvmeTier:
+    """The NVMe tier: 4 KiB-aligned regions of this rank's swap files."""
+
+    def __init__(self, swap: SwapSpace) -> None:
+        self.tier = Tier.NVME
+        self.swap = swap
+        self.budget = swap.budget
+
+    def alloc(self, nbytes: int) -> SwapRegion | None:
+        return self.swap.try_alloc(nbytes)
+
+    def free(self, buffer: Buffer) -> None:
+        self.swap.free(region(buffer))
+
+    def reserved(self, nbytes: int) -> int:
+        return round_up(nbytes)
+
+    def view(self, buffer: Buffer, handle: TensorHandle) -> None:
+        return None
+
+    def close(self) -> None:
+        self.swap.close()
+
+    def __repr__(self) -> str:
+        return f"NvmeTier({self.swap!r})"
+
+
+def tier_stores(budgets: dict[Tier, Budget], streams: CopyStreams, pool: HostPool,
+                device_pool: HostPool | None, swap: SwapSpace | None) -> dict[Tier, TierStore]:
+    """The store of every tier this manager has (no NVMe store without swap files)."""
+    stores: dict[Tier, TierStore] = {
+        Tier.DEVICE: CudaTier(budgets[Tier.DEVICE], streams) if device_pool is None
+        else PoolTier(Tier.DEVICE, device_pool),
+        Tier.HOST: PoolTier(Tier.HOST, pool),
+    }
+    if swap is not None:
+        stores[Tier.NVME] = NvmeTier(swap)
+    return stores

@@ -1,0 +1,214 @@
+"""Tiers, byte budgets and the host buffer pool.
+
+Every byte a tier holds is reserved from that tier's `Budget` before the memory is allocated or
+the move that fills it starts, and is given back when the memory is freed, so a budget is never
+exceeded, not even for a moment. Host memory comes from one `HostPool` whose buffers are pinned
+when CUDA is present (so host-to-device copies run asynchronously) and page-aligned always (so
+NVMe reads and writes can use O_DIRECT); the pool's cached free buffers count in the host budget
+too, because the memory is still held.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import torch
+
+from io_engine import aligned_empty
+from tierzero.config import Tier
+
+ALIGNMENT = 4096
+"""Alignment (bytes) of host buffers and NVMe extents: the page size O_DIRECT needs."""
+
+BudgetHook = Callable[[Tier, int], None]
+
+
+def round_up(nbytes: int, multiple: int = ALIGNMENT) -> int:
+    return -(-nbytes // multiple) * multiple
+
+
+class Budget:
+    """The byte account of one tier: reservations are taken before memory is used.
+
+    Thread-safe. `used` never exceeds `limit` (reserve refuses or waits instead); `peak` is the
+    highest `used` seen since creation or `reset_peak()`. Hooks run after every change, under the
+    budget's lock, with (tier, used); they must be cheap and must not call back into the budget.
+    """
+
+    def __init__(self, tier: Tier, limit: int) -> None:
+        if limit < 0:
+            raise ValueError(f"{tier} budget: expected a non-negative byte count, got {limit}")
+        self.tier = tier
+        self.limit = int(limit)
+        self._used = 0
+        self._peak = 0
+        self._hooks: list[BudgetHook] = []
+        self._cond = threading.Condition(threading.Lock())
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+    @property
+    def peak(self) -> int:
+        return self._peak
+
+    @property
+    def free(self) -> int:
+        return self.limit - self._used
+
+    def add_hook(self, hook: BudgetHook) -> None:
+        with self._cond:
+            self._hooks.append(hook)
+
+    def try_reserve(self, nbytes: int) -> bool:
+        """Reserve `nbytes` if they fit now; False (and nothing reserved) otherwise."""
+        with self._cond:
+            return self._reserve_locked(nbytes)
+
+    def reserve(self, nbytes: int, timeout: float | None = None) -> None:
+        """Reserve `nbytes`, waiting for releases; TimeoutError after `timeout` seconds."""
+        if nbytes > self.limit:
+            raise ValueError(f"{self.tier} budget: {nbytes} bytes can never fit a budget of {self.limit} bytes")
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._reserve_locked(nbytes), timeout):
+                raise TimeoutError(
+                    f"{self.tier} budget: {nbytes} bytes did not become free within {timeout} s "
+                    f"({self._used} of {self.limit} bytes reserved)")
+
+    def release(self, nbytes: int) -> None:
+        with self._cond:
+            assert 0 <= nbytes <= self._used, f"{self.tier}: releasing {nbytes} of {self._used} bytes"
+            self._used -= nbytes
+            self._changed()
+            self._cond.notify_all()
+
+    def reset_peak(self) -> None:
+        with self._cond:
+            self._peak = self._used
+
+    def _reserve_locked(self, nbytes: int) -> bool:
+        assert nbytes >= 0, nbytes
+        if self._used + nbytes > self.limit:
+            return False
+        self._used += nbytes
+        self._peak = max(self._peak, self._used)
+        self._changed()
+        return True
+
+    def _changed(self) -> None:
+        for hook in self._hooks:
+            hook(self.tier, self._used)
+
+    def __repr__(self) -> str:
+        return f"Budget({self.tier.value}, used={self._used}, peak={self._peak}, limit={self.limit})"
+
+
+class HostPool:
+    """Reusable host buffers, page-aligned and (with CUDA) pinned, all counted in the host budget.
+
+    Buffers are flat uint8 tensors whose size is a bucket: a multiple of 4096 bytes, or with
+    pinned memory the next power of two (torch's pinned allocator rounds to powers of two, so
+    that is what is really pinned). A freed buffer is cached for the next request of the same
+    bucket; cached buffers are dropped, largest first, when a request does not fit otherwise.
+    """
+
+    def __init__(self, budget: Budget, *, pinned: bool) -> None:
+        self.budget = budget
+        self.pinned = pinned
+        self._lock = threading.Lock()
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._cached_bytes = 0
+        self._in_use: dict[int, int] = {}  # data_ptr -> bucket size of buffers handed out
+
+    def bucket(self, nbytes: int) -> int:
+        size = round_up(max(nbytes, 1))
+        if self.pinned:
+            size = 1 << (size - 1).bit_length()
+        return size
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._cached_bytes
+
+    @property
+    def in_use_bytes(self) -> int:
+        with self._lock:
+            return sum(self._in_use.values())
+
+    @property
+    def in_use_count(self) -> int:
+        return len(self._in_use)
+
+    def try_alloc(self, nbytes: int) -> torch.Tensor | None:
+        """A buffer of bucket(nbytes) bytes, or None when the host budget cannot hold it."""
+        size = self.bucket(nbytes)
+        with self._lock:
+            cached = self._free.get(size)
+            if cached:
+                buf = cached.pop()
+                self._cached_bytes -= size
+            else:
+                if not self.budget.try_reserve(size):
+                    self._trim_locked(size - self.budget.free)
+                    if not self.budget.try_reserve(size):
+                        return None
+                try:
+                    buf = self._new_buffer(size)
+                except BaseException:
+                    self.budget.release(size)
+                    raise
+            self._in_use[buf.data_ptr()] = size
+            return buf
+
+    def free(self, buf: torch.Tensor) -> None:
+        """Give a buffer back; it is cached for reuse and still counted in the budget."""
+        with self._lock:
+            size = self._in_use.pop(buf.data_ptr())
+            self._free.setdefault(size, []).append(buf)
+            self._cached_bytes += size
+
+    def trim(self) -> int:
+        """Drop every cached buffer, giving its bytes back to the budget; returns the bytes."""
+        with self._lock:
+            return self._trim_locked(self._cached_bytes)
+
+    def close(self) -> None:
+        """Drop the cache; every buffer handed out must have been freed."""
+        self.trim()
+        if self._in_use:
+            raise RuntimeError(f"HostPool closed with {len(self._in_use)} buffers "
+                               f"({sum(self._in_use.values())} bytes) still in use")
+
+    def _trim_locked(self, want: int) -> int:
+        freed = 0
+        for size in sorted(self._free, reverse=True):
+            bufs = self._free[size]
+            while bufs and freed < want:
+                bufs.pop()
+                self._cached_bytes -= size
+                self.budget.release(size)
+                freed += size
+        self._free = {s: b for s, b in self._free.items() if b}
+        if freed and self.pinned:
+            # torch keeps freed pinned blocks in its own cache; hand them back for real.
+            empty_cache = getattr(torch._C, "_host_emptyCache", None)
+            if empty_cache is not None:
+                empty_cache()
+        return freed
+
+    def _new_buffer(self, size: int) -> torch.Tensor:
+        if self.pinned:
+            buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        else:
+            buf = torch.from_numpy(aligned_empty(size, ALIGNMENT))
+        if buf.data_ptr() % ALIGNMENT:
+            raise RuntimeError(f"host buffer of {size} bytes at {buf.data_ptr():#x} is not "
+                               f"{ALIGNMENT}-byte aligned; O_DIRECT IO needs page-aligned buffers")
+        return buf
+
+    def __repr__(self) -> str:
+        kind = "pinned" if self.pinned else "pageable"
+        return (f"HostPool({kind}, in_use={self.in_use_bytes}, cached={self._cached_bytes}, "
+                f"budget={self.budget!r})")

@@ -1,0 +1,248 @@
+"""A recorded training iteration, read back from a Chrome trace, as the tier model replays it.
+
+The prefetcher writes one span per block fetch to the trace (track "blocks": unit, phase, the
+units held beside it, its stall, other stalls until the next fetch) and what a reader needs in
+"otherData" (units and their tensors, device room, workers, io threads); the placement manager
+writes every move leg (tracks "src -> dst", with bytes). `Recording.from_trace` turns the
+training iterations that can be replayed (each after one with the same block order, and
+followed by another, which closes its last fetch's compute: the optimizer step) into:
+
+    slots       per fetch: event, units held, compute seconds (its span less the stalls in
+                it), its own stall, the other stalls (the optimizer waiting for its states)
+    background  move legs no policy decides (stores, write-backs, optimizer state reads),
+                each placed by the fetch it followed and the seconds after it
+    busy        per leg kind, bytes moved and seconds such legs ran (overlaps counted once)
+
+Several iterations are merged, of one trace or of several recorded at different times
+(`from_traces`: drift of a shared machine evens out): per fetch the median of each figure, busy
+bytes and seconds summed, the background of the latest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, NamedTuple, Sequence
+
+from tierzero.prefetch import FetchPhase, TraceEvent, Unit
+
+TRAINING_KEY = repr((True, True))
+"""The prefetcher's key of a training iteration (grad enabled, module in training mode)."""
+
+
+class Slot(NamedTuple):
+    """One fetch of the recorded iteration."""
+
+    event: TraceEvent
+    held: tuple[str, ...]
+    compute_s: float
+    stall_s: float
+    other_stall_s: float
+    """Stalls after the fetch that were not this block's (the optimizer's)."""
+
+
+class Leg(NamedTuple):
+    src: str
+    dst: str
+    nbytes: int
+    seconds: float
+
+
+class Background(NamedTuple):
+    """A move leg no policy decides, replayed `offset_s` after the start of slot `pos`."""
+
+    pos: int
+    offset_s: float
+    leg: Leg
+
+
+@dataclass
+class Recording:
+    """One iteration of a run, as much as replaying it needs (see the module docstring)."""
+
+    slots: list[Slot]
+    units: dict[str, Unit]
+    background: list[Background]
+    legs: list[Leg]
+    """Every move leg of the iteration (fetches too), to calibrate the channels."""
+    busy: dict[tuple[str, str], tuple[int, float]]
+    """Per leg (src, dst): bytes moved and seconds such legs ran (overlaps counted once)."""
+    device_room: int
+    host_room: int
+    workers: int
+    io_threads: int
+    io_block_size: int
+    wraps: bool
+    policy: str
+    miss_overheads: list[float] = field(default_factory=list)
+    """Per fetch that waited for its own copy: the wait less the copy's legs."""
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "Recording":
+        """From a trace.json, or a run folder holding one."""
+        p = Path(path)
+        if p.is_dir():
+            p = p / "trace.json"
+        if not p.is_file():
+            raise FileNotFoundError(f"--trace {str(path)!r}: expected a trace.json or a run folder holding one "
+                                    "(tierzero train writes it)")
+        try:
+            trace = json.loads(p.read_text())
+        except ValueError as e:
+            raise ValueError(f"--trace {str(p)!r} is not JSON: {e}") from e
+        return cls.from_trace(trace, where=str(p))
+
+    @classmethod
+    def from_trace(cls, trace: Mapping[str, Any], *, last: int | None = None, where: str = "the trace") -> "Recording":
+        """The training iterations of a Chrome trace the telemetry wrote that can be replayed
+        (each after one with the same block order, and followed by another), the `last` latest
+        of them (None: all) merged: per fetch the median compute and stalls, the channels' bytes
+        and busy seconds summed, the background moves of the latest."""
+        return cls._merge([cls._parts(trace, last, where)])
+
+    @classmethod
+    def from_traces(cls, traces: Sequence[Mapping[str, Any]], *, where: str = "the traces") -> "Recording":
+        """The replayable iterations of several traces of the same model and settings (recorded
+        at different times, so drift of the machine in between evens out), merged as above."""
+        return cls._merge([cls._parts(t, None, f"{where} #{i + 1}") for i, t in enumerate(traces)])
+
+    @classmethod
+    def _merge(cls, traces: list[tuple[dict, dict[str, Unit], list["_Part"]]]) -> "Recording":
+        info, units, _ = traces[-1]
+        parts = [p for _, _, ps in traces for p in ps]
+        if any(len(p.slots) != len(parts[0].slots) or [s.event for s in p.slots] != [s.event for s in parts[0].slots]
+               for p in parts):
+            raise ValueError("the recordings differ in their block order; record the same model and settings")
+        slots = [Slot(ss[0].event, ss[0].held, *(statistics.median(getattr(s, f) for s in ss)
+                                                  for f in ("compute_s", "stall_s", "other_stall_s")))
+                 for ss in zip(*(p.slots for p in parts))]
+        busy: dict[tuple[str, str], tuple[int, float]] = {}
+        for p in parts:
+            for leg, (n, sec) in p.busy.items():
+                n0, s0 = busy.get(leg, (0, 0.0))
+                busy[leg] = (n0 + n, s0 + sec)
+        return cls(slots, units, parts[-1].background, [leg for p in parts for leg in p.legs], busy,
+                   info["device_room"], min(p.host_room for p in parts), info["workers"], info["io_threads"],
+                   info["io_block_size"], info.get("device_wraps", True), info.get("policy", "?"),
+                   [o for p in parts for o in p.miss_overheads])
+
+    @staticmethod
+    def _parts(trace: Mapping[str, Any], last: int | None, where: str) -> tuple[dict, dict[str, Unit], list["_Part"]]:
+        """The trace's facts, units, and its replayable iterations (the `last` latest)."""
+        info = (trace.get("otherData") or {}).get("tierzero") or {}
+        events = trace.get("traceEvents", [])
+        spans = [e for e in events if e.get("ph") == "X" and e.get("cat") == "blocks"
+                 and e["args"].get("key") == TRAINING_KEY]
+        if not info.get("units") or not spans:
+            raise ValueError(f"{where}: no block fetches of a training step in it (a trace written by "
+                             "tierzero with the block track: tierzero train after 3 or more steps)")
+        by_it: dict[int, list[dict]] = {}
+        for e in spans:
+            by_it.setdefault(e["args"]["iteration"], []).append(e)
+        numbers = sorted(by_it)
+        full = [i for i in numbers[1:] if i + 1 in by_it and i - 1 in by_it
+                and _order(by_it[i - 1]) == _order(by_it[i]) == _order(by_it[i + 1])]
+        if not full:
+            raise ValueError(f"{where}: needs three training steps in a row with the same block order "
+                             f"(the first records it, the last closes the one replayed); it has iterations {numbers}")
+        units = {name: Unit(name, tuple(u.get("tensors", ())), u["bytes"], u["nvme"]) for name, u in info["units"].items()}
+        tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+        moves = [e for e in events if e.get("ph") == "X" and e.get("cat") == "move"]
+        return info, units, [_iteration(by_it[i], by_it[i + 1], moves, tracks, units) for i in full[-(last or len(full)):]]
+
+    @property
+    def compute_s(self) -> float:
+        return sum(s.compute_s for s in self.slots)
+
+    def summary(self) -> dict[str, Any]:
+        return {"fetches": len(self.slots), "units": len(self.units), "compute_s": round(self.compute_s, 4),
+                "stall_s": round(sum(s.stall_s for s in self.slots), 4),
+                "other_stall_s": round(sum(s.other_stall_s for s in self.slots), 4),
+                "background_moves": len(self.background), "policy": self.policy, "workers": self.workers,
+                "io_threads": self.io_threads, "device_room": self.device_room, "host_room": self.host_room}
+
+
+def _order(spans: list[dict]) -> list[tuple[str, str]]:
+    return [(e["args"]["phase"], e["args"]["unit"]) for e in sorted(spans, key=lambda e: e["args"]["pos"])]
+
+
+class _Part(NamedTuple):
+    slots: list[Slot]
+    legs: list[Leg]
+    background: list[Background]
+    busy: dict[tuple[str, str], tuple[int, float]]
+    host_room: int
+    miss_overheads: list[float]
+
+
+def _iteration(spans: list[dict], after: list[dict], moves: list[dict], tracks: dict[int, str],
+               units: Mapping[str, Unit]) -> _Part:
+    """One iteration's fetch spans (and the next's, which closes its last compute) as slots, its
+    move legs, the background ones placed by the fetch they followed, its channels' busy time."""
+    this = sorted(spans, key=lambda e: e["args"]["pos"])
+    first_next = min(after, key=lambda e: e["args"]["pos"])
+    slots = []
+    for i, e in enumerate(this):
+        a = e["args"]
+        span = e["dur"] / 1e6
+        other = a["other_stall_s"]
+        if i == len(this) - 1:  # to the next iteration's first fetch, the optimizer step included
+            span += (first_next["ts"] - e["ts"] - e["dur"]) / 1e6
+            other += first_next["args"].get("gap_stall_s", 0.0)
+        slots.append(Slot(TraceEvent(FetchPhase(a["phase"]), a["unit"]), tuple(a["held"]),
+                          max(0.0, span - a["stall_s"] - other), a["stall_s"], other))
+    start, end = this[0]["ts"], first_next["ts"]
+    fetch_tensors = {t for u in units.values() for t in u.tensors}
+    starts = [e["ts"] for e in this]
+    legs, background = [], []
+    inside = [m for m in moves if start <= m["ts"] < end]
+    for m in inside:
+        src, _, dst = tracks[m["tid"]].partition(" -> ")
+        leg = Leg(src, dst, m["args"]["bytes"], m["dur"] / 1e6)
+        legs.append(leg)
+        if not (m["name"] in fetch_tensors and dst in ("host", "device")):
+            pos = max(i for i, s in enumerate(starts) if s <= m["ts"])
+            background.append(Background(pos, (m["ts"] - starts[pos]) / 1e6, leg))
+    return _Part(slots, legs, background, _busy(inside, tracks), this[0]["args"]["host_room"],
+                 _miss_overheads(this, moves, tracks, units))
+
+
+def _busy(moves: list[dict], tracks: dict[int, str]) -> dict[tuple[str, str], tuple[int, float]]:
+    """Per leg (src, dst): bytes and busy seconds (the union of its intervals)."""
+    intervals: dict[tuple[str, str], list[tuple[float, float, int]]] = {}
+    for e in moves:
+        src, _, dst = tracks[e["tid"]].partition(" -> ")
+        intervals.setdefault((src, dst), []).append((e["ts"], e["ts"] + e["dur"], e["args"]["bytes"]))
+    out = {}
+    for leg, ivs in intervals.items():
+        ivs.sort()
+        busy, reach = 0.0, float("-inf")
+        for a, b, _ in ivs:
+            if b > reach:
+                busy += b - max(a, reach)
+                reach = b
+        out[leg] = (sum(n for _, _, n in ivs), busy / 1e6)
+    return out
+
+
+def _miss_overheads(slots: list[dict], moves: list[dict], tracks: dict[int, str],
+                    units: Mapping[str, Unit]) -> list[float]:
+    """For fetches that waited for a copy they started themselves (its first leg began after the
+    fetch), the wait less the copy's legs: what a move costs beside its legs."""
+    by_tensor: dict[str, list[dict]] = {}
+    for m in moves:
+        by_tensor.setdefault(m["name"], []).append(m)
+    out = []
+    for s in slots:
+        a = s["args"]
+        if a["stall_s"] <= 0:
+            continue
+        t0, t1 = s["ts"], s["ts"] + a["stall_s"] * 1e6
+        legs = [m for t in units[a["unit"]].tensors for m in by_tensor.get(t, ())
+                if t0 <= m["ts"] <= t1 and tracks[m["tid"]].endswith(("-> host", "-> device"))]
+        if legs:
+            out.append(a["stall_s"] - sum(m["dur"] for m in legs) / 1e6)
+    return out

@@ -1,0 +1,320 @@
+"""A model of the tiers that replays a recorded iteration under any prefetch policy, without IO.
+
+What it replays is a `Recording` (recording.py): one training iteration's block fetches with
+their compute seconds, the moves no policy decides, the device and host room.
+
+How the tiers are modelled (`TierModel`): a move takes one of the placement manager's workers
+for its whole life and goes through its legs in order; each leg queues on its channel (the
+disk for NVMe reads and writes, one copy channel toward the device, one back), first come first
+served, taking `bytes * seconds_per_byte`; a move ends `overhead_s` after its last leg (thread
+hand-off, commit). The rates come from the recording's own moves (bytes over the seconds such
+legs ran); the overhead from its on-demand fetches (their wait less their legs); a `tierzero
+bench-io --json` result scales the disk's rates by read concurrency: the pieces of reads in
+flight at once (workers x pieces per unit read, at most io threads), its sequential GB/s at
+the candidate's concurrency over that at the recording's. Compute is the recording's, divided by
+`speedup` (e.g. 50: "what would a GPU fifty times faster need from this disk?").
+
+How a policy is replayed (`simulate`): the recorded fetches in order, three iterations (the
+last one is measured, caches warm), the policy asked at every fetch with the same
+`PrefetchView` a real run gives it (rooms and cached tiers from the model; times: the model's),
+its plan clipped to the rooms as the prefetcher does, room taken before a move starts and made
+by evicting unpinned cached copies in the policy's `victims` order; the background moves
+submitted when they happened. A fetch whose copy is not there waits: that wait is the
+predicted stall. Stalls the recording saw outside block fetches are added as they were.
+
+What it leaves out: compute slowed down by copies competing for the CPU or memory bandwidth,
+the disk shared unevenly between concurrent reads; `tierzero tune` prints predictions beside
+measured figures so the model's error is visible.
+"""
+
+from __future__ import annotations
+
+import heapq
+import statistics
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Mapping, NamedTuple, Sequence
+
+from tierzero.config import Tier
+from tierzero.planning.recording import Background, Recording
+from tierzero.prefetch import BlockTimes, PrefetchPolicy, PrefetchView, Unit, fitting, next_use_order
+
+CHANNELS = {("nvme", "host"): "disk", ("host", "nvme"): "disk", ("host", "device"): "h2d",
+            ("device", "host"): "d2h"}
+"""The channel each leg (src, dst) queues on."""
+
+
+# ------------------------------------------------------------------------------- the tiers
+
+
+class Rate(NamedTuple):
+    seconds_per_byte: float
+    latency_s: float = 0.0
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency_s + nbytes * self.seconds_per_byte
+
+
+@dataclass(frozen=True)
+class TierModel:
+    """Rates per leg and per-move overhead (see the module docstring)."""
+
+    rates: Mapping[tuple[str, str], Rate]
+    overhead_s: float
+    source: str
+    """Where the disk's rates came from, for the report."""
+
+    @classmethod
+    def calibrate(cls, rec: Recording, bench: Mapping[str, Any] | None = None, *,
+                  io_threads: int | None = None, workers: int | None = None) -> "TierModel":
+        """Rates from the time the recording's legs were busy; the disk's scaled by `bench` (a
+        bench-io --json result) from the recording's read concurrency to that of `io_threads`
+        and `workers` (see `read_concurrency`)."""
+        rates = {}
+        for leg in CHANNELS:
+            nbytes, busy = rec.busy.get(leg, (0, 0.0))
+            rates[leg] = Rate(busy / nbytes if nbytes else 0.0)
+        source = "the recording"
+        was = read_concurrency(rec, rec.io_threads, rec.workers)
+        now = read_concurrency(rec, io_threads or rec.io_threads, workers or rec.workers)
+        if bench is not None and now != was:
+            at = _bench_read_gbps(bench, was, rec.io_block_size)
+            to = _bench_read_gbps(bench, now, rec.io_block_size)
+            for leg in (("nvme", "host"), ("host", "nvme")):
+                rates[leg] = Rate(rates[leg].seconds_per_byte * at / to)
+            source = f"the recording, scaled by bench-io ({at:.2f} -> {to:.2f} GB/s, {was} -> {now} requests at once)"
+        overhead = statistics.median(rec.miss_overheads) if rec.miss_overheads else 0.0002
+        return cls(rates, max(0.0, overhead), source)
+
+    def leg_seconds(self, src: str, dst: str, nbytes: int) -> float:
+        return self.rates[(src, dst)].seconds(nbytes)
+
+
+def read_concurrency(rec: Recording, io_threads: int, workers: int) -> int:
+    """Pieces of NVMe reads that can be in flight at once: each worker reads one unit at a time,
+    split into io block_size pieces, served by io_threads threads."""
+    sizes = sorted(u.nbytes for u in rec.units.values() if u.nvme) or [rec.io_block_size]
+    pieces = -(-sizes[len(sizes) // 2] // rec.io_block_size)
+    return max(1, min(io_threads, workers * pieces))
+
+
+def _bench_read_gbps(bench: Mapping[str, Any], threads: int, block_size: int) -> float:
+    """Mean read GB/s of a bench-io result at `threads` (the nearest thread count and block size
+    it measured)."""
+    rows = [r for r in bench.get("engine", []) if r.get("op") == "read"]
+    if not rows:
+        raise ValueError("--bench-io: no engine read results in it; give the output of `tierzero bench-io --json`")
+    t = min({r["threads"] for r in rows}, key=lambda x: (abs(x - threads), x))
+    bs = min({r["block_size"] for r in rows if r["threads"] == t}, key=lambda x: (abs(x - block_size), x))
+    return statistics.mean(r["gbps"] for r in rows if r["threads"] == t and r["block_size"] == bs)
+
+
+# ---------------------------------------------------------------------------- the replay
+
+
+class Prediction(NamedTuple):
+    stall_s: float
+    """Predicted stall per step: block fetches waiting, plus the recorded other stalls."""
+    step_s: float
+    disk_s: float
+    """Seconds the disk is busy per step."""
+    copies: int
+    """Device copies per step."""
+
+
+class _Copy:
+    __slots__ = ("ready", "pins")
+
+    def __init__(self, ready: float) -> None:
+        self.ready = ready
+        self.pins = 0
+
+
+class _Sim:
+    """The state of one replay: copies per tier, workers, channels, clock."""
+
+    def __init__(self, rec: Recording, policy: PrefetchPolicy, model: TierModel, workers: int, speedup: float) -> None:
+        self.rec, self.policy, self.model, self.speedup = rec, policy, model, speedup
+        self.trace = tuple(s.event for s in rec.slots)
+        self.uses: dict[str, list[int]] = {}
+        for i, ev in enumerate(self.trace):
+            self.uses.setdefault(ev.unit, []).append(i)
+        self.copies: dict[Tier, OrderedDict[str, _Copy]] = {Tier.DEVICE: OrderedDict(), Tier.HOST: OrderedDict()}
+        self.staging: list[tuple[float, int]] = []
+        """Host staging buffers of NVMe -> device moves: (freed at, bytes)."""
+        self.unpins: list[tuple[float, _Copy]] = []
+        """Host copies read by a device copy in flight: (unpinned at, copy)."""
+        self.workers = [0.0] * max(1, workers)
+        self.free_at = dict.fromkeys(CHANNELS.values(), 0.0)
+        self.now = 0.0
+        self.pos = -1
+        self.held: frozenset[str] = frozenset()
+        self.disk_s = 0.0
+        self.device_copies = 0
+        fetch = {}
+        for name, u in rec.units.items():
+            fetch[(name, Tier.DEVICE)] = model.leg_seconds("host", "device", u.nbytes) + model.overhead_s
+            fetch[(name, Tier.HOST)] = model.leg_seconds("nvme", "host", u.nbytes) + model.overhead_s
+        self.times = BlockTimes([s.compute_s / speedup for s in rec.slots], fetch)
+
+    # ------------------------------------------------------------------------ rooms, views
+
+    def used(self, tier: Tier) -> int:
+        n = sum(self.rec.units[u].nbytes for u in self.copies[tier])
+        if tier is Tier.HOST:
+            n += sum(b for t, b in self.staging if t > self.now)
+        return n
+
+    def room(self, tier: Tier) -> int:
+        if tier is Tier.DEVICE:
+            return self.rec.device_room - sum(self.rec.units[u].nbytes for u in self.held)
+        return self.rec.host_room - sum(b for t, b in self.staging if t > self.now)
+
+    def where(self, name: str) -> frozenset[Tier]:
+        return frozenset(t for t in (Tier.DEVICE, Tier.HOST) if name in self.copies[t])
+
+    def view(self) -> PrefetchView:
+        return PrefetchView(self.trace, self.pos, self.rec.units, self.held, self.rec.wraps, self.times,
+                            self.room, self.where, self.uses)
+
+    # --------------------------------------------------------------------------------- moves
+
+    def move(self, t: float, legs: Sequence[tuple[str, str, int]]) -> float:
+        """Submit a move at `t`; when it is done."""
+        start = max(t, heapq.heappop(self.workers))
+        for src, dst, nbytes in legs:
+            ch = CHANNELS[(src, dst)]
+            begin = max(start, self.free_at[ch])
+            start = begin + self.model.leg_seconds(src, dst, nbytes)
+            self.free_at[ch] = start
+            if ch == "disk":
+                self.disk_s += start - begin
+        done = start + self.model.overhead_s
+        heapq.heappush(self.workers, done)
+        return done
+
+    def make_room(self, tier: Tier, nbytes: int, exclude: str) -> bool:
+        cap = self.rec.device_room if tier is Tier.DEVICE else self.rec.host_room
+        if self.used(tier) + nbytes <= cap:
+            return True
+        copies = self.copies[tier]
+        candidates = [n for n, c in copies.items() if n != exclude and c.pins == 0 and c.ready <= self.now
+                      and n not in (self.held if tier is Tier.DEVICE else ())]
+        victims = getattr(self.policy, "victims", None)
+        order = list(victims(self.view(), candidates) if callable(victims) else next_use_order(self.view(), candidates))
+        order += [n for n in candidates if n not in order]
+        for name in order:
+            if name in candidates and name in copies:
+                del copies[name]
+                if self.used(tier) + nbytes <= cap:
+                    return True
+        return False
+
+    def fetch(self, name: str, tier: Tier) -> bool:
+        """Start a copy of the unit toward `tier` now if there is room; True if it is there or
+        on its way."""
+        unit = self.rec.units[name]
+        copies = self.copies[tier]
+        if name in copies:
+            copies.move_to_end(name)
+            return True
+        if not self.make_room(tier, unit.nbytes, name):
+            return False
+        host = self.copies[Tier.HOST].get(name)
+        if tier is Tier.HOST:
+            done = self.move(self.now, [("nvme", "host", unit.nbytes)])
+        elif host is not None:
+            host.pins += 1
+            done = self.move(max(self.now, host.ready), [("host", "device", unit.nbytes)])
+            self.unpins.append((done, host))
+        elif unit.nvme:  # through a host staging buffer, reserved as a copy's room is
+            if not self.make_room(Tier.HOST, unit.nbytes, name):
+                return False
+            done = self.move(self.now, [("nvme", "host", unit.nbytes), ("host", "device", unit.nbytes)])
+            self.staging.append((done, unit.nbytes))
+        else:
+            done = self.move(self.now, [("host", "device", unit.nbytes)])
+        if tier is Tier.DEVICE:
+            self.device_copies += 1
+        copies[name] = _Copy(done)
+        return True
+
+    def settle(self) -> None:
+        """Unpin host copies whose device copy is done, forget finished staging."""
+        keep = []
+        for t, copy in self.unpins:
+            if t <= self.now:
+                copy.pins -= 1
+            else:
+                keep.append((t, copy))
+        self.unpins = keep
+        self.staging = [(t, b) for t, b in self.staging if t > self.now]
+
+    # ----------------------------------------------------------------------------- the step
+
+    def plan(self) -> None:
+        device: list[Unit] = []
+        host: list[Unit] = []
+        for f in self.policy.plan(self.view()):
+            unit, tier = self.rec.units[f[0]], Tier(f[1])
+            chosen = device if tier is Tier.DEVICE else host
+            if unit.name not in self.held and unit not in chosen:
+                chosen.append(unit)
+        fitting_units = fitting(device, self.room(Tier.DEVICE))
+        for u in fitting_units:
+            self.fetch(u.name, Tier.DEVICE)
+        host = [u for u in host if u.nvme and (u not in fitting_units or Tier.HOST in self.where(u.name))]
+        room = self.room(Tier.HOST)  # free bytes and the units' host copies, as the prefetcher counts
+        for u in host:
+            if u.nbytes > room:
+                break
+            room -= u.nbytes
+            self.fetch(u.name, Tier.HOST)
+
+    def iteration(self, background: dict[int, list[Background]]) -> float:
+        """One iteration from now; its block stall seconds."""
+        stall = 0.0
+        pending = []
+        for pos, slot in enumerate(self.rec.slots):
+            self.pos = pos
+            self.held = frozenset(slot.held) | {slot.event.unit}
+            for b in pending:  # background legs due by now, at their own times
+                if b[0] <= self.now:
+                    self.move(b[0], [(b[1].src, b[1].dst, b[1].nbytes)])
+            pending = [b for b in pending if b[0] > self.now]
+            self.settle()
+            self.plan()
+            name = slot.event.unit
+            start = self.now
+            while not self.fetch(name, Tier.DEVICE):  # no room: wait for a copy in flight to land
+                later = [c.ready for t in self.copies.values() for c in t.values() if c.ready > self.now]
+                later += [t for t, _ in self.staging if t > self.now]
+                self.now = min(later) if later else self.now + 0.001
+                self.settle()
+            self.now = max(self.now, self.copies[Tier.DEVICE][name].ready)
+            stall += self.now - start
+            pending += [(start + b.offset_s / self.speedup, b.leg) for b in background.get(pos, ())]
+            self.now += slot.compute_s / self.speedup + slot.other_stall_s
+        for t, leg in pending:
+            self.move(t, [(leg.src, leg.dst, leg.nbytes)])
+        return stall
+
+
+def simulate(rec: Recording, policy: PrefetchPolicy, model: TierModel, *, workers: int | None = None,
+             speedup: float = 1.0, iterations: int = 3) -> Prediction:
+    """Replay `rec` under `policy` (see the module docstring); the last iteration's figures."""
+    if speedup <= 0:
+        raise ValueError(f"speedup: expected > 0, got {speedup}")
+    sim = _Sim(rec, policy, model, workers or rec.workers, speedup)
+    background: dict[int, list[Background]] = {}
+    for b in rec.background:
+        background.setdefault(b.pos, []).append(b)
+    stall = 0.0
+    for _ in range(iterations):
+        start, disk0, copies0 = sim.now, sim.disk_s, sim.device_copies
+        stall = sim.iteration(background)
+    other = sum(s.other_stall_s for s in rec.slots)
+    return Prediction(stall + other, sim.now - start, sim.disk_s - disk0, sim.device_copies - copies0)
+
+
+__all__ = ["TierModel", "Prediction", "simulate", "read_concurrency"]

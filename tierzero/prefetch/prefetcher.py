@@ -1,0 +1,331 @@
+"""Trace-based prefetch: record the block order of one step, fetch ahead of it in later steps.
+
+Phases of one iteration (a forward and its backward):
+
+1. The runtime calls `Prefetcher.begin(key)` at the root module's forward; `key` tells apart
+   traces that differ by mode (training with grad, inference).
+2. Before each block is fetched it calls `on_fetch(event, held)`, and `fetched()` once the block
+   is on the device. The event (phase, unit) is recorded and timed. When a trace of this key
+   exists and the event is the one it expects next, the policy (policies.py) is shown a
+   `PrefetchView` of the trace at this position and answers what to fetch toward which tier;
+   the prefetcher starts the device copies that fit the device room left beside the held
+   blocks (copies, or all-gathers across ranks) and the reads into host memory that fit the
+   host room. The placement manager reserves every byte before a copy starts.
+3. `end()` at the end of the backward (or of an inference forward) adopts the new recording
+   when it differs, writes one span per fetch to the telemetry's Chrome trace (track "blocks":
+   each fetch to the next, with its stall), and learns the iteration's times (`BlockTimes`):
+   compute per trace position (the span less the stalls in it) and copy time per unit and
+   tier (from the telemetry's moves). A fetch that deviates from the trace (dynamic control
+   flow) warns once and turns this iteration into on-demand fetching.
+
+Eviction: the prefetcher is also the placement manager's eviction policy. Tensors of no unit go
+first; units follow in the policy's `victims` order (by default the copy whose next use in the
+trace is farthest away: Belady's rule).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterable, NamedTuple, Sequence
+
+from tierzero.config import Tier
+from tierzero.placement import PlacementManager, Residency, TensorHandle
+from tierzero.prefetch.policies import (BlockTimes, FetchPhase, PrefetchPolicy, PrefetchView, TraceEvent,
+                                        Unit, describe, fitting, next_use_order, policy_from_config)
+
+__all__ = ["FetchPhase", "Prefetcher", "TraceEvent", "Unit", "policy_from_config", "prefetch_unit"]
+
+_clock = time.perf_counter
+"""The prefetcher's clock (tests replace it)."""
+
+TRACK = "blocks"
+"""The Chrome trace track of block fetches (one span per fetch, to the next)."""
+
+
+def prefetch_unit(pm: PlacementManager, unit: Unit, tier: Tier) -> bool:
+    """Start copies of a unit's tensors toward `tier` (module level so tests can patch it)."""
+    return all([pm.prefetch(handle, tier) for handle in unit.tensors])
+
+
+class _Mark(NamedTuple):
+    """One fetch of an iteration, as timed: when it was asked for, the run's stall seconds then
+    and once the block was fetched, the units held beside it."""
+
+    event: TraceEvent
+    start: float
+    stall0: float
+    stall1: float | None
+    held: tuple[str, ...]
+
+
+@dataclass
+class _Iteration:
+    key: Hashable
+    trace: tuple[TraceEvent, ...] | None
+    """The trace followed (None: none recorded for this key yet)."""
+    recording: list[TraceEvent] = field(default_factory=list)
+    marks: list[_Mark] = field(default_factory=list)
+    pos: int = 0
+    deviated: bool = False
+    start: float = field(default_factory=lambda: _clock())
+    host_room: int = 0
+    """Host bytes for unit copies at the first fetch (see Prefetcher._room)."""
+    gap_stall: float = 0.0
+    """Stall seconds between the previous iteration's end and this one's first fetch."""
+
+
+class _Pending(NamedTuple):
+    """An iteration's last fetch, whose compute (to the next iteration's first fetch, the
+    optimizer step included) is known once the next iteration of the same key starts."""
+
+    key: Hashable
+    length: int
+    start: float
+    stall: float
+
+
+class Prefetcher:
+    """Records traces and times, asks the policy what to fetch, and orders eviction victims."""
+
+    def __init__(self, pm: PlacementManager, units: Sequence[Unit], policy: PrefetchPolicy, *,
+                 device_room: Callable[[], int], fetch_ahead: Callable[[list[Unit]], object] | None = None,
+                 device_wraps: bool = True, busy: Callable[[Unit], bool] | None = None) -> None:
+        self.pm = pm
+        self.units = {u.name: u for u in units}
+        self.policy = policy
+        self.device_room = device_room
+        """Bytes of the device budget not taken by homes and held units."""
+        self.fetch_ahead = fetch_ahead or (lambda units: [prefetch_unit(pm, u, Tier.DEVICE) for u in units])
+        """Starts bringing the units the policy chose to the device (the runtime's block
+        prefetch: copies, or all-gathers across ranks)."""
+        self.device_wraps = device_wraps
+        """Device prefetches look past the end of an iteration into the next one (False where
+        what they bring cannot outlive the optimizer step: blocks all-gathered across ranks)."""
+        self.busy = busy or (lambda unit: False)
+        """Whether a unit's values are still being written (the overlapped step's update,
+        tierzero/runtime/step_queue.py): it is not prefetched until they are done."""
+        self._unit_of = {t: u.name for u in units for t in u.tensors}
+        self._unit_of_name = {t.name: u.name for u in units for t in u.tensors}
+        self._traces: dict[Hashable, tuple[TraceEvent, ...]] = {}
+        self._uses: dict[Hashable, dict[str, list[int]]] = {}
+        self._times: dict[Hashable, BlockTimes] = {}
+        self._it: _Iteration | None = None
+        self._pending: _Pending | None = None
+        self._ended: tuple[float, float] | None = None
+        """(time, run's stall seconds) at the last end()."""
+        self._iterations = 0
+        self._warned = False
+        self.deviations = 0
+        """Iterations that deviated from their trace (each re-recorded)."""
+        cfg = pm.config
+        pm.telemetry.info.update(
+            units={u.name: {"bytes": u.nbytes, "nvme": u.nvme, "tensors": [t.name for t in u.tensors]} for u in units},
+            policy=describe(policy),
+            device_room=device_room(), device_wraps=device_wraps, workers=max(2, cfg.prefetch.nvme_depth),
+            io_threads=cfg.io.threads, io_block_size=cfg.io.block_size)
+
+    # --------------------------------------------------------------------- iteration lifecycle
+
+    def begin(self, key: Hashable) -> None:
+        if self._it is not None:
+            self.end()
+        self._it = _Iteration(key, self._traces.get(key))
+
+    def on_fetch(self, event: TraceEvent, held: Iterable[str]) -> None:
+        it = self._it
+        if it is None:
+            return  # a block run outside the root module's forward: on demand
+        held = set(held) | {event.unit}
+        now, stall = _clock(), self.pm.telemetry.total_stall_s()
+        if not it.marks:
+            self._learn_last(it.key, now, stall)
+            it.host_room = self._room(Tier.HOST)
+            it.gap_stall = stall - self._ended[1] if self._ended is not None else 0.0
+        it.marks.append(_Mark(event, now, stall, None, tuple(sorted(held - {event.unit}))))
+        it.recording.append(event)
+        if it.trace is None or it.deviated:
+            return
+        if it.pos >= len(it.trace) or it.trace[it.pos] != event:
+            self._deviate(it, f"expected {it.trace[it.pos] if it.pos < len(it.trace) else 'the end'}, "
+                              f"got {event}")
+            return
+        it.pos += 1
+        self._issue(it, held)
+
+    def fetched(self) -> None:
+        """The block of the last on_fetch is on the device (its stall is over)."""
+        it = self._it
+        if it is not None and it.marks:
+            it.marks[-1] = it.marks[-1]._replace(stall1=self.pm.telemetry.total_stall_s())
+
+    def end(self, *, learn: bool = True) -> None:
+        """The iteration is over; learn=False: it was cut short (a backward that raised), its
+        fetches are neither a trace nor timings."""
+        it, self._it = self._it, None
+        if it is None or not it.recording or not learn:
+            return
+        now, stall = _clock(), self.pm.telemetry.total_stall_s()
+        self._ended = (now, stall)
+        new = tuple(it.recording)
+        if it.trace is not None and not it.deviated and new != it.trace:
+            self._deviate(it, f"the iteration ended after {len(new)} of {len(it.trace)} fetches")
+        if new != it.trace:
+            self._traces[it.key] = new
+            uses: dict[str, list[int]] = {}
+            for i, ev in enumerate(new):
+                uses.setdefault(ev.unit, []).append(i)
+            self._uses[it.key] = uses
+        self._record(it, now, stall)
+
+    def trace(self, key: Hashable) -> tuple[TraceEvent, ...] | None:
+        return self._traces.get(key)
+
+    def times(self, key: Hashable) -> BlockTimes | None:
+        """The times learned for the iterations of `key` (None before one was measured)."""
+        return self._times.get(key)
+
+    def next_unit(self) -> str | None:
+        """The unit the followed trace fetches next (None: no trace followed, or at its end)."""
+        it = self._it
+        if it is None or it.trace is None or it.deviated or it.pos >= len(it.trace):
+            return None
+        return it.trace[it.pos].unit
+
+    def _deviate(self, it: _Iteration, why: str) -> None:
+        it.deviated = True
+        self.deviations += 1
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"tierzero: the block order differs from the recorded trace ({why}); "
+                          "fetching on demand for this step and recording the trace again. "
+                          "Dynamic control flow makes prefetching less effective.", stacklevel=4)
+
+    # ------------------------------------------------------------------------- times learned
+
+    def _record(self, it: _Iteration, now: float, stall: float) -> None:
+        """An iteration is over: its fetches go to the Chrome trace (one span each, to the next
+        fetch), and when it followed the trace now kept its compute and copy times are learned."""
+        self._iterations += 1
+        marks = it.marks
+        ends = [(m.start, m.stall0) for m in marks[1:]] + [(now, stall)]
+        compute = []
+        for i, (m, (end, stall_end)) in enumerate(zip(marks, ends)):
+            own = (m.stall1 if m.stall1 is not None else m.stall0) - m.stall0
+            compute.append(max(0.0, end - m.start - (stall_end - m.stall0)))
+            self.pm.telemetry.record_span(TRACK, f"{m.event.phase} {m.event.unit}", m.start, end, {
+                "iteration": self._iterations, "key": repr(it.key), "pos": i, "phase": str(m.event.phase),
+                "unit": m.event.unit, "held": list(m.held), "stall_s": own,
+                "other_stall_s": stall_end - m.stall0 - own,
+                **({"host_room": it.host_room, "gap_stall_s": it.gap_stall} if i == 0 else {})})
+        self._pending = None
+        if tuple(it.recording) != self._traces.get(it.key):
+            return
+        times = self._times.setdefault(it.key, BlockTimes(sizes={n: u.nbytes for n, u in self.units.items()}))
+        times.learn_compute(compute)
+        self._pending = _Pending(it.key, len(marks), marks[-1].start, marks[-1].stall0)
+        legs = {(Tier.NVME, Tier.HOST): Tier.HOST, (Tier.HOST, Tier.DEVICE): Tier.DEVICE}
+        spent: dict[tuple[str, Tier], list[float]] = {}
+        for move in self.pm.telemetry.moves_since(it.start):
+            unit, tier = self._unit_of_name.get(move.tensor), legs.get((Tier(move.src), Tier(move.dst)))
+            if unit is not None and tier is not None:
+                spent.setdefault((unit, tier), []).append(move.end - move.start)
+        for (unit, tier), seconds in spent.items():
+            per_tensor = sum(seconds) / len(seconds) * len(self.units[unit].tensors)
+            times.learn_fetch(unit, tier, per_tensor, self.units[unit].nbytes)
+
+    def _learn_last(self, key: Hashable, now: float, stall: float) -> None:
+        """The first fetch of an iteration: the previous one's last compute is known now."""
+        p, self._pending = self._pending, None
+        if p is None or p.key != key:
+            return
+        compute = [0.0] * p.length
+        compute[-1] = max(0.0, now - p.start - (stall - p.stall))
+        self._times[key].learn_compute(compute, last=True)
+
+    # ----------------------------------------------------------------------------- prefetch
+
+    def _view(self, it: _Iteration) -> PrefetchView:
+        assert it.trace is not None
+        held = frozenset(it.marks[-1].held) | {it.marks[-1].event.unit} if it.marks else frozenset()
+        times = self._times.get(it.key) or BlockTimes()
+        return PrefetchView(it.trace, it.pos - 1, self.units, held, self.device_wraps, times,
+                            self._room, self._where, self._uses.get(it.key, {}))
+
+    def _issue(self, it: _Iteration, held: set[str]) -> None:
+        view = self._view(it)
+        device: list[Unit] = []
+        host: list[Unit] = []
+        for f in self.policy.plan(view):
+            unit, tier = self._check(f)
+            chosen = device if tier is Tier.DEVICE else host
+            if unit.name not in held and unit not in chosen and not self.busy(unit):
+                chosen.append(unit)
+        device = fitting(device, self.device_room())
+        self.fetch_ahead(device)
+        # A read of a unit the device copy above reads itself would read it twice.
+        host = [u for u in host if u.nvme and (u not in device or Tier.HOST in self._where(u.name))]
+        for unit in fitting(host, self._room(Tier.HOST)) if host else ():
+            prefetch_unit(self.pm, unit, Tier.HOST)
+
+    def _check(self, f: Any) -> tuple[Unit, Tier]:
+        """A Fetch from the policy, checked: a unit of the trace toward the device or host."""
+        try:
+            name, tier = f
+            unit, tier = self.units[name], Tier(tier)
+        except (TypeError, ValueError, KeyError):
+            unit, tier = None, None
+        if unit is None or tier not in (Tier.DEVICE, Tier.HOST):
+            raise ValueError(f"prefetch policy {self.policy!r}: plan() gave {f!r}; expected "
+                             f"Fetch(unit, tier) with a unit name of the trace (e.g. {next(iter(self.units))!r}) "
+                             "and tier Tier.DEVICE or Tier.HOST")
+        return unit, tier
+
+    def _room(self, tier: Tier) -> int:
+        if tier is Tier.DEVICE:
+            return self.device_room()
+        if tier is Tier.HOST:
+            cached = sum(h.nbytes for u in self.units.values() if u.nvme for h in u.tensors
+                         if self.pm.record(h).residency[Tier.HOST] is Residency.RESIDENT)
+            return self.pm.budget(Tier.HOST) - self.pm.bytes_used(Tier.HOST) + cached
+        return 0
+
+    def _where(self, name: str) -> frozenset[Tier]:
+        tiers = set()
+        for tier in (Tier.DEVICE, Tier.HOST):
+            if all(h.home is not tier and self.pm.record(h).residency[tier] is not Residency.ABSENT
+                   for h in self.units[name].tensors):
+                tiers.add(tier)
+        return frozenset(tiers)
+
+    # ----------------------------------------------------------------------------- eviction
+
+    def order(self, candidates: list[TensorHandle]) -> list[TensorHandle]:
+        """Eviction victims first: tensors of no unit, then units in the policy's order (by
+        default the farthest next use in the trace first)."""
+        it = self._it
+        if it is None or it.trace is None or it.deviated:
+            return list(candidates)
+        others: list[TensorHandle] = []
+        by_unit: dict[str, list[TensorHandle]] = {}
+        for h in candidates:
+            name = self._unit_of.get(h)
+            if name is None:
+                others.append(h)
+            else:
+                by_unit.setdefault(name, []).append(h)
+        if not by_unit:
+            return others
+        victims = getattr(self.policy, "victims", None)
+        names = list(by_unit)
+        view = self._view(it)
+        ranked = victims(view, names) if callable(victims) else next_use_order(view, names)
+        ordered = list(dict.fromkeys(n for n in ranked if n in by_unit))
+        ordered += [n for n in names if n not in ordered]  # left out: last
+        return others + [h for n in ordered for h in by_unit[n]]
+
+    def __repr__(self) -> str:
+        return (f"Prefetcher(policy={self.policy}, units={len(self.units)}, traces={len(self._traces)}, "
+                f"deviations={self.deviations})")
+

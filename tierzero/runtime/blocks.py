@@ -1,0 +1,280 @@
+"""Blocks of a wrapped model: the unit that is fetched to the device, computed on, released.
+
+Levels, the way FSDP2 splits them:
+
+- `FlatParam` (flat_param.py) owns one flat tensor of a block (its trainable parameters, or its
+  frozen ones): the handles in the placement manager, the ParamState of the nn.Parameters that
+  view it, its values; its gradient is a `FlatGrad` (grads.py).
+- `FetchGroup` (fetch_group.py) brings a block's flat tensors to the device together (copies,
+  all-gathers across ranks) and reduces their gradients after backward.
+- `Block` (here) counts holds (forward calls, backward calls, recomputation) and runs the hooks:
+  fetch before forward, release after it, fetch again before backward (a hook on the outputs'
+  gradients), reduce gradients and release after backward (`RegisterPostBackward` on the inputs).
+- `StepContext` (step_context.py) is what blocks share; the root state (state.py) owns it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from tierzero.config import Tier
+from tierzero.prefetch import FetchPhase, TraceEvent, Unit
+from tierzero.runtime.fetch_group import FetchGroup
+from tierzero.runtime.flat_param import FlatParam, SavedView
+from tierzero.runtime.step_context import Phase, StepContext
+
+
+class _Outer(NamedTuple):
+    """A tensor packed by the saved-tensor hooks that were active outside the model's forward."""
+
+    unpack: Callable[[Any], torch.Tensor]
+    packed: Any
+
+
+class SavedParamViews:
+    """[Note: saved parameter views] Saved-tensor hooks active during the root module's forward.
+
+    Autograd saves parameters that are leaves by reference (backward reads their current .data),
+    but ops also save views of them (F.linear saves weight.t() for its backward). Those would
+    keep the forward's device copy alive until backward, or read a reused buffer. Instead a
+    saved tensor whose storage is a held block's device copy is packed as (flat, size, stride,
+    offset) and rebuilt from the copy the pre-backward hook fetched. Other tensors go to the
+    hooks that were active outside the forward (e.g. torch.autograd.graph.save_on_cpu), or are
+    saved as they are; activation checkpointing installs its own hooks inside, which win.
+    """
+
+    def __init__(self, ctx: StepContext) -> None:
+        self.ctx = ctx
+        self._context: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._outer: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
+
+    def enter(self) -> None:
+        self.exit()
+        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        self._outer = top(False) if top is not None else None
+        self._context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._context.__enter__()
+
+    def exit(self) -> None:
+        if self._context is not None:
+            self._context.__exit__(None, None, None)
+            self._context = None
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        flat = self.ctx.held_flat(t)
+        if flat is not None and t.dtype == self.ctx.compute_dtype:
+            return SavedView(flat, t.size(), t.stride(), t.storage_offset())
+        if self._outer is not None:
+            pack, unpack = self._outer
+            return _Outer(unpack, pack(t))
+        return t
+
+    @staticmethod
+    def _unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, SavedView):
+            return packed.flat.saved_view(packed)
+        if isinstance(packed, _Outer):
+            return packed.unpack(packed.packed)
+        return packed
+
+
+class RegisterPostBackward(torch.autograd.Function):
+    """Identity on a block call's inputs whose backward runs once their gradients are computed,
+    i.e. after the block's backward: the block's post-backward."""
+
+    @staticmethod
+    def forward(ctx: Any, call: "_Call", *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.call = call
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.call.block.post_backward(ctx.call)
+        return (None, *grads)
+
+
+@dataclass(eq=False)
+class _Call:
+    """One forward call of a block that autograd may run backward through."""
+
+    block: "Block"
+    pre_backward_done: bool = False
+    """The block was fetched for this call's backward (from the start for a recompute)."""
+    post_backward_done: bool = False
+    recompute: bool = False
+    """A forward run again in backward (activation checkpointing)."""
+
+    @property
+    def holds_backward(self) -> bool:
+        """This call holds the block for backward until its post-backward."""
+        return self.pre_backward_done and not self.post_backward_done
+
+
+class Block:
+    """The FlatParams of some modules, fetched and released together (see module docstring)."""
+
+    def __init__(self, name: str, modules: list[nn.Module], flats: list[FlatParam], ctx: StepContext) -> None:
+        self.name = name
+        self.modules = modules
+        self.flats = flats
+        self.ctx = ctx
+        self.group = FetchGroup(name, flats, ctx)
+        self.unit = Unit(name, tuple(f.param for f in flats), sum(f.nbytes for f in flats),
+                         any(f.home is Tier.NVME for f in flats))
+        self._holds = 0
+        self._calls: list[_Call] = []
+        """Forward calls whose backward may still come (swept by the final callback)."""
+        self._running: list[_Call] = []
+        """Calls between their pre- and post-forward hooks."""
+        self._handles: list[Any] = []
+        self._grads_final_sent = False
+        """ctx.grads_final was called for this block's flats since its last forward."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.unit.nbytes
+
+    def register_hooks(self) -> None:
+        for module in self.modules:
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._post_forward))
+
+    # ------------------------------------------------------------------------------ holds
+
+    def hold(self, phase: FetchPhase) -> None:
+        """Fetch on the first hold; nested holds (recompute, repeated calls) share the copy."""
+        self._holds += 1
+        if self._holds > 1 or not self.flats:
+            return
+        ctx = self.ctx
+        ctx.hold(self)
+        with torch.profiler.record_function(f"tierzero::fetch {self.name}"):
+            if ctx.prefetcher is not None:
+                ctx.prefetcher.on_fetch(TraceEvent(phase, self.name), ctx.held.keys())
+            try:
+                ctx.wait_updates(self.flats)  # the overlapped step's update of this block
+                self.group.fetch()
+            except BaseException:  # not held: the next iteration starts clean
+                self._holds -= 1
+                ctx.release(self)
+                raise
+            if ctx.prefetcher is not None:
+                ctx.prefetcher.fetched()
+
+    def unhold(self) -> None:
+        assert self._holds > 0, f"{self.name}: release without a hold"
+        self._holds -= 1
+        if self._holds == 0 and self.flats:
+            ctx = self.ctx
+            # A gathered block fetched again next (the last block: forward, then its backward)
+            # keeps its gathered copy instead of gathering it again.
+            keep = ctx.zero.gathers and ctx.prefetcher is not None and ctx.prefetcher.next_unit() == self.name
+            with torch.profiler.record_function(f"tierzero::release {self.name}"):
+                self.group.free(keep_gathered=keep)
+            ctx.release(self)
+
+    def begin_iteration(self) -> None:
+        """A new forward from the root: release holds an interrupted step left (a backward
+        that raised), forget the calls."""
+        while self._holds:
+            self.unhold()
+        for flat in self.flats:
+            if flat.grad is not None:
+                flat.grad.drop_capture()  # of a backward that raised before its accumulate
+        self._running.clear()
+        # A call still holding for backward belongs to a backward that raised (its holds were
+        # just released); a call whose backward never started is added back by its pre-backward.
+        self._calls.clear()
+        self._grads_final_sent = False
+
+    # ------------------------------------------------------------------------------ hooks
+    # A forward call (grad enabled) becomes a _Call: RegisterPostBackward on its inputs, a
+    # pre-backward hook on its outputs. A forward run again inside backward (activation
+    # checkpointing) is a call that holds the block from the start: non-reentrant checkpointing
+    # may stop it early (no post-forward hook) and reentrant checkpointing backpropagates through
+    # it, so its hold ends at the block's next post-backward, not at its post-forward.
+
+    def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        recompute = self.ctx.phase is Phase.BACKWARD
+        self.hold(FetchPhase.RECOMPUTE if recompute else FetchPhase.FORWARD)
+        if not torch.is_grad_enabled():
+            return None
+        call = _Call(self, pre_backward_done=recompute, recompute=recompute)
+        self._calls.append(call)
+        if not recompute:
+            self._running.append(call)
+        flat, spec = tree_flatten((args, kwargs))
+        idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not idx:
+            return None
+        outs = RegisterPostBackward.apply(call, *(flat[i] for i in idx))
+        for i, t in zip(idx, outs):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
+    def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if self.ctx.phase is Phase.BACKWARD:
+            if not torch.is_grad_enabled():
+                self.unhold()  # a recompute without autograd: nothing comes back for it
+            return None
+        self.unhold()
+        if not torch.is_grad_enabled():
+            return None
+        call = self._running.pop()
+        hook = self._make_pre_backward(call)
+        for t in output_tensors(output):
+            if t.requires_grad:
+                t.register_hook(hook)
+        return None
+
+    def _make_pre_backward(self, call: _Call) -> Callable[[torch.Tensor], None]:
+        def pre_backward(grad: torch.Tensor) -> None:
+            if call.pre_backward_done:
+                return
+            call.pre_backward_done = True
+            if call not in self._calls:
+                self._calls.append(call)
+            self.ctx.begin_backward()
+            self.hold(FetchPhase.BACKWARD)
+        return pre_backward
+
+    def post_backward(self, call: _Call | None = None) -> None:
+        """Accumulate gradients; release the backward hold of `call` and of every recompute of
+        this block (call None: of every call, at the end of backward). Idempotent."""
+        done = [c for c in self._calls if c.holds_backward and (call is None or c is call or c.recompute)]
+        if call is not None and call.holds_backward and call not in done:
+            done.append(call)
+        self.group.reduce_grads()
+        for c in done:
+            c.post_backward_done = True
+            self.unhold()
+        if (self.ctx.wants_grads_final and not self._grads_final_sent
+                and all(c.post_backward_done for c in self._calls)):
+            # No forward call of this block still waits for its backward: its gradients are final.
+            self._grads_final_sent = True
+            for flat in self.flats:
+                if flat.grad is not None and not flat.grad.empty:
+                    self.ctx.grads_final(flat)
+        if call is None:
+            self._calls.clear()
+
+    def __repr__(self) -> str:
+        return f"Block({self.name!r}, {len(self.flats)} flat tensors, {self.nbytes} bytes, holds={self._holds})"
+
+
+def output_tensors(obj: Any) -> list[torch.Tensor]:
+    """Tensors inside an output: tuples, lists, dicts, namedtuples and dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if dataclass_fields := getattr(obj, "__dataclass_fields__", None):
+        return [t for name in dataclass_fields for t in output_tensors(getattr(obj, name))]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in output_tensors(v)]
+    if isinstance(obj, (tuple, list)):
+        return [t for v in obj for t in output_tensors(v)]
+    return []

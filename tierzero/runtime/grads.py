@@ -1,0 +1,326 @@
+"""`FlatGrad`: the gradient of one trainable flat tensor, and the one place a clip factor applies.
+
+This rank's shard of the flat gradient, in `config.grad_dtype`, lives in the placement manager
+on `config.grads` (at ZeRO stage 1 the whole flat gradient, of which readers see this rank's
+shard). Its life in a step:
+
+    accumulate  after the block's backward, the parameters' .grad (what early capture, below,
+                did not take already) are flattened (and
+                reduce-scattered, averaged, across ranks; all-reduced at stage 1) into the
+                stored gradient, in its dtype: the first time in a step it is overwritten,
+                later times (gradient accumulation) added to
+    norms       with clipping on (StepContext.clip_norm_type, set by the first tz.clip_grad_norm_),
+                each accumulate computes the shard's norms while the bytes are at hand, so
+                clipping reads no gradient: they stand until the stored gradient changes
+    scale       tz.clip_grad_norm_ records a factor without touching the stored bytes
+    scaled      readers (the optimizer, the norm) see the gradient in fp32 times the pending
+                factor; the next accumulate folds the factor into the stored bytes first
+    clear       zero_grad(): forgotten (set_to_none) or zeros
+
+`empty` is set_to_none's state: no gradient since the last zero_grad().
+
+[Note: early gradient capture] Early capture (`GradCapture`): each share of a parameter's gradient is summed into the stored
+gradient as autograd sends it (a post hook on the node that sends it), in the order autograd
+would sum it, so the bits are the same, and None goes on in its place: autograd neither buffers
+it nor sets `.grad`. Without it the root block (embedding, LM head, final norm), fetched before
+the first block and done after the last, has its gradients held by autograd from the LM head's
+backward to the end of backward (a tied embedding / LM head's share waits in autograd's input
+buffer for the embedding's: vocab x width x 4 bytes, 0.5 GB at 50k x 2560), and every block's
+`.grad` exist whole beside its stored gradient before the flattening: all outside the budgets.
+The stored gradient is acquired (host budget) at the first share and held until the block's
+accumulate. Only where that is exact and local: one rank (no reduce-scatter needs the whole
+gradient), the CPU as device, gradients stored in the parameters' dtype, the first backward
+since zero_grad() (a second one adds to the stored sum, which autograd's order would not); a
+share that arrives otherwise (a recompute in backward) is added at accumulate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, NamedTuple, Sequence
+
+import torch
+from torch import nn
+
+from tierzero.layout import FlatLayout
+from tierzero.placement import Kind, TensorHandle
+from tierzero.runtime.collectives import all_reduce_flat, rank_errors, reduce_scatter_flat
+from tierzero.runtime.step_context import StepContext
+
+
+class FlatGrad:
+    """The gradient shard of one trainable flat tensor (see the module docstring)."""
+
+    def __init__(self, owner: str, layout: FlatLayout, ctx: StepContext) -> None:
+        self.layout = layout
+        self.ctx = ctx
+        self.whole = ctx.zero.grads_whole
+        """The whole flat gradient is kept (stage 1), not this rank's shard."""
+        # Room only: nothing is read before the first accumulate overwrites it whole (or a
+        # zero_grad(set_to_none=False) zeroes it), so no zeros are written to the tier at wrap.
+        numel = layout.padded_numel if self.whole else layout.shard_numel
+        self.handle: TensorHandle = ctx.register(owner, torch.empty(numel, device="meta"), ctx.grad_tier,
+                                                 kind=Kind.GRAD, dtype=ctx.grad_dtype)
+        self.empty = True
+        self.scale: torch.Tensor | None = None
+        """A factor (clip_grad_norm_) not yet applied to the stored gradient."""
+        self._norms: tuple[float, list[torch.Tensor]] | None = None
+        """(norm type, norms_of() of the stored gradient), computed as it was written."""
+        self._reached: set[int] = set()
+        """Parameters (by index) that a gradient reached since the last zero_grad(set_to_none)."""
+        self._captured: set[int] = set()
+        """Early capture: parameters (by index) with contributions summed into `_held`."""
+        self._held: torch.Tensor | None = None
+        """Early capture: the stored gradient, acquired (overwrite) at the first contribution
+        and pinned until accumulate folds in the rest."""
+
+    @contextlib.contextmanager
+    def acquire(self, *, writable: bool = False) -> Iterator[torch.Tensor]:
+        """This rank's shard as stored (its dtype, without the pending factor) on the tier the
+        CPU works on."""
+        with self._stored(writable=writable) as buf:
+            yield self._mine(buf)
+
+    def _mine(self, buf: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the stored gradient `buf` (all of it, but at stage 1)."""
+        return buf[slice(*self.layout.shard_range(self.ctx.rank))] if self.whole else buf
+
+    @contextlib.contextmanager
+    def _stored(self, *, writable: bool = False, overwrite: bool = False) -> Iterator[torch.Tensor]:
+        """The stored gradient (the whole one at stage 1); overwrite=True: the caller writes all
+        of it, so the stored bytes are not read."""
+        pm, tier = self.ctx.pm, self.handle.staging
+        buf = pm.acquire(self.handle, tier, overwrite=overwrite)
+        try:
+            yield buf
+        finally:
+            # lazily: a gradient that stays in host memory until the step is used and cleared
+            # there, never written to an NVMe home (written only when its room is needed)
+            pm.release(self.handle, tier, dirty=writable or overwrite, lazy=True)
+
+    def prefetch(self, *, speculative: bool = False) -> None:
+        if not self.empty:
+            self.ctx.pm.prefetch(self.handle, self.handle.staging, speculative=speculative)
+
+    def scaled(self, g: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
+        """`g` (the stored gradient or a slice of it) times the pending factor: the one place
+        the factor is applied. In fp32 (a copy of a bfloat16 gradient), unless `inplace`."""
+        if not inplace and g.dtype != torch.float32:
+            return g.float() if self.scale is None else g.float().mul_(self.scale)
+        if self.scale is None:
+            return g
+        return g.mul_(self.scale) if inplace else g * self.scale
+
+    def scale_by(self, factor: torch.Tensor) -> None:
+        if not self.empty:
+            self.scale = factor if self.scale is None else self.scale * factor
+            self._norms = None  # of the unscaled bytes: clipping twice reads again
+
+    def norms_of(self, g: torch.Tensor, norm_type: float) -> list[torch.Tensor]:
+        """The norms clip_grad_norm_ combines, of `g` (the stored shard) times the pending
+        factor: at world size 1 one per parameter, as torch.nn.utils.clip_grad_norm_ computes
+        them (the same bits); with several ranks one of the whole shard (padding is zeros)."""
+        if self.layout.world_size == 1:
+            return [torch.linalg.vector_norm(self.scaled(g[s.offset:s.offset + s.numel]), norm_type)
+                    for s in self.layout.slots]
+        return [torch.linalg.vector_norm(self.scaled(g), norm_type)]
+
+    def has_norms(self, norm_type: float) -> bool:
+        return self._norms is not None and self._norms[0] == norm_type
+
+    def norms(self, norm_type: float) -> list[torch.Tensor]:
+        """norms_of() the stored gradient: as computed in backward, or read now."""
+        if self._norms is not None and self.has_norms(norm_type):
+            return self._norms[1]
+        with self.acquire() as g:
+            return self.norms_of(g, norm_type)
+
+    def can_capture(self, dtype: torch.dtype) -> bool:
+        """Early capture applies now to a contribution of `dtype` (see the module docstring)."""
+        ctx = self.ctx
+        return (ctx.world_size == 1 and not ctx.pm.streams.cuda and dtype == self.handle.dtype
+                and (self.empty or self._held is not None))
+
+    def capture(self, index: int, g: torch.Tensor) -> bool:
+        """Sum one contribution to parameter `index`'s gradient into the stored gradient, as
+        autograd's input buffer would (the first one copied, later ones added, in arrival
+        order); False when early capture does not apply (the caller passes `g` on)."""
+        if not self.can_capture(g.dtype):
+            return False
+        if self._held is None:  # not zeroed: accumulate zeroes what no share reached
+            with torch.profiler.record_function(f"tierzero::capture_grad {self.handle.owner}"):
+                self._held = self.ctx.pm.acquire(self.handle, self.handle.staging, overwrite=True)
+        slot = self.layout.slots[index]
+        view = self._held[slot.offset:slot.offset + slot.numel]
+        self._reached.add(index)
+        if index in self._captured:
+            view.add_(g.reshape(-1))
+        else:
+            view.copy_(g.reshape(-1))
+            self._captured.add(index)
+        return True
+
+    @contextlib.contextmanager
+    def _accumulating(self) -> Iterator[torch.Tensor]:
+        """The stored gradient an accumulate writes: the one early capture holds (released
+        here, once), else acquired for it."""
+        if self._held is None:
+            with self._stored(writable=True, overwrite=self.empty) as buf:
+                yield buf
+            return
+        buf, self._held = self._held, None
+        try:
+            yield buf
+        finally:
+            self._captured.clear()
+            self.ctx.pm.release(self.handle, self.handle.staging, dirty=True, lazy=True)
+
+    def drop_capture(self) -> None:
+        """Forget contributions captured by a backward that never reached accumulate (it
+        raised): the stored gradient is left as it was (empty)."""
+        if self._held is not None:
+            self.ctx.pm.release(self.handle, self.handle.staging)
+            self._held = None
+            self._captured.clear()
+
+    def accumulate(self, params: list[nn.Parameter]) -> None:
+        """Move the parameters' .grad into the shard; idempotent (no .grad: no-op)."""
+        grads = [p.grad for p in params]
+        if all(g is None for g in grads) and self._held is None:
+            return
+        for p in params:
+            p.grad = None  # frees the device copy as soon as it is accumulated
+        self._reached.update(i for i, g in enumerate(grads) if g is not None)
+        ctx = self.ctx
+        with torch.profiler.record_function(f"tierzero::accumulate_grad {self.handle.owner}"), \
+                self._accumulating() as buf:
+            if self._captured:  # early capture: add what autograd still held, zero the rest
+                for i, (slot, g) in enumerate(zip(self.layout.slots, grads)):
+                    view = buf[slot.offset:slot.offset + slot.numel]
+                    if i in self._captured:
+                        if g is not None:
+                            view.add_(g.reshape(-1))
+                    elif g is not None:
+                        view.copy_(g.reshape(-1))
+                    else:
+                        view.zero_()
+                for lo, hi in self.layout.gaps():
+                    buf[lo:hi].zero_()
+            elif self.empty and self.layout.world_size == 1 and buf.device == ctx.device:
+                # No collective and no copy between devices: flatten straight into the
+                # gradient, without a block-sized temporary.
+                self.layout.flatten(grads, dtype=buf.dtype, out=buf)
+            else:
+                full = self.layout.flatten(grads, dtype=buf.dtype, device=ctx.device)
+                what = "all-reduce" if self.whole else "reduce-scatter"
+                with rank_errors(ctx.rank, ctx.world_size, f"{what} of {self.handle.name}"):
+                    if self.whole:
+                        reduced = all_reduce_flat(full, self.layout, ctx.group, ctx.comm)
+                    else:
+                        reduced = reduce_scatter_flat(full, self.layout, ctx.group, ctx.comm)
+                if self.empty:
+                    buf.copy_(reduced)
+                else:
+                    self.scaled(buf, inplace=True).add_(reduced.to(buf.device))
+            self.scale = None
+            norm_type = ctx.clip_norm_type
+            self._norms = None if norm_type is None else (norm_type, self.norms_of(self._mine(buf), norm_type))
+        self.empty = False
+
+    def unreached(self) -> frozenset[int]:
+        """Parameters (by index) without a gradient, which torch's optimizers and clipping skip
+        (`p.grad is None`): on one rank those no gradient reached since zero_grad(set_to_none);
+        with several ranks none (their stored zeros are the gradient, as DDP makes them)."""
+        if self.layout.world_size > 1:
+            return frozenset()
+        return frozenset(range(len(self.layout.slots))) - self._reached
+
+    def clear(self, *, set_to_none: bool = True) -> None:
+        """Forget the gradient (set_to_none) or make it zeros (a parameter without a gradient
+        keeps none, as torch's zero_grad(set_to_none=False) leaves its .grad None)."""
+        self.drop_capture()
+        if set_to_none:
+            self._reached.clear()
+        self.scale = None
+        self._norms = None
+        self.empty = set_to_none
+        if set_to_none:
+            self.ctx.pm.discard(self.handle)  # a dirty host copy is never written home
+        else:
+            with self._stored(overwrite=True) as buf:
+                buf.zero_()
+
+    def __repr__(self) -> str:
+        return f"FlatGrad({self.handle.name!r}, empty={self.empty}, scaled={self.scale is not None})"
+
+
+class GradCapture:
+    """Early capture (module docstring) for a wrapped model's trainable parameters: after each
+    forward with autograd, a walk of the graph from the outputs finds every edge into one of
+    those parameters' AccumulateGrad nodes and puts a post hook on the node that sends it; the
+    hook gives the share to the parameter's FlatGrad (`capture`) and passes None on in its
+    place."""
+
+    def __init__(self, params: Sequence[tuple[nn.Parameter, FlatGrad, int]]) -> None:
+        self._where = {id(p): (p, grad, i) for p, grad, i in params}
+        """id(parameter) -> (the parameter, its FlatGrad, its index there)."""
+
+    def install(self, outputs: Sequence[torch.Tensor]) -> None:
+        """Hook the nodes that send gradients to the parameters, in the graph behind `outputs`."""
+        if not self._where or not any(g.can_capture(p.dtype) for p, g, _ in self._where.values()):
+            return
+        seen: set[Any] = set()
+        todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        while todo:
+            node = todo.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            edges = []
+            for j, (child, _) in enumerate(node.next_functions):
+                if child is None:
+                    continue
+                variable = getattr(child, "variable", None)
+                if variable is not None and id(variable) in self._where:
+                    _, grad, i = self._where[id(variable)]
+                    edges.append(_Edge(j, child, grad, i))
+                elif child not in seen:
+                    todo.append(child)
+            if edges:
+                node.register_hook(_capture_hook(edges))
+
+
+def _accumulates(accumulate: Any) -> bool:
+    """This backward runs the AccumulateGrad node `accumulate`: a .backward() that reaches it
+    (the engine's answer, which torch's multi-grad hooks also ask); never torch.autograd.grad,
+    which returns gradients instead (the engine refuses the question there)."""
+    try:
+        return torch._C._will_engine_execute_node(accumulate)
+    except RuntimeError:  # "... currently running autograd.grad()"
+        return False
+
+
+class _Edge(NamedTuple):
+    """Where a node sends a parameter's gradient: its output `position`, to `accumulate` (the
+    parameter's AccumulateGrad node); the parameter is `index` in `grad`."""
+
+    position: int
+    accumulate: Any
+    grad: FlatGrad
+    index: int
+
+
+def _capture_hook(edges: list[_Edge]) -> Any:
+    """A node post hook: the gradients the node sends along `edges` go to the FlatGrads; None
+    goes on in their place; only when this backward accumulates into the parameter (not for
+    torch.autograd.grad, nor a backward(inputs=...) without it)."""
+    def hook(grad_inputs: tuple[torch.Tensor | None, ...], grad_outputs: Any) -> tuple[Any, ...] | None:
+        out = list(grad_inputs)
+        taken = False
+        for e in edges:
+            g = out[e.position]
+            if g is not None and _accumulates(e.accumulate) and e.grad.capture(e.index, g):
+                out[e.position] = None
+                taken = True
+        return tuple(out) if taken else None
+    return hook

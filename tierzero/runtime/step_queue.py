@@ -1,0 +1,141 @@
+"""`StepQueue`: the optimizer step's block updates running under the next forward.
+
+[Note: overlapped step] With params, gradients and optimizer states on NVMe, a step is a
+stream of reads and writes (26-28 bytes per parameter at 1b) during which the compute sits
+idle, and the next forward (compute, few bytes) cannot start until the step returns. Yet
+forward needs block k only once block k is updated, and the step updates the blocks in
+forward order. So `opt.step()` queues one update per block on a thread of its own and
+returns; the next forward computes block k as soon as block k's update is done, while the
+updates of the blocks after it read and write the drive. The values are those of a step that
+ran to the end before the forward: every read of an updated tensor waits for its update.
+
+Who waits, and for what (the queue is FIFO on one thread, so updates finish in step order):
+
+    a block's fetch            its flats' updates (Block.hold; the wait counts as a host stall)
+    a prefetch                 none: a unit whose update is queued is not prefetched yet; the
+                               prefetcher asks again at the next block
+    zero_grad                  none: a flat whose update is queued clears its gradient right
+                               after the update (`clear_after`)
+    backward, clipping, the    every update (`drain`): their reads span all blocks, and a flat
+    next step, state dicts,    no forward fetched (its block skipped) may still be queued
+    checkpoints, close
+
+An update that raises stops the queue: the updates after it are not run (the model holds a
+partial step), and every later wait raises an error naming the block that failed, from the
+update's error, until the model is closed.
+
+On one rank with the CPU as device only: CUDA streams are per thread and an update on several
+ranks all-gathers, which the main thread drives (the same limits as Config.step_in_backward's
+updater); elsewhere `opt.step()` updates inline.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+from typing import Callable, Iterable
+
+from tierzero.placement import TensorHandle
+
+
+class StepFailed(RuntimeError):
+    """An update of an overlapped step raised; the model holds a partial step."""
+
+
+class StepQueue:
+    """The FIFO of block updates of the current step, keyed by each flat's parameter handle."""
+
+    def __init__(self, on_wait: Callable[[float], None] | None = None) -> None:
+        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierzero-step")
+        self._lock = threading.Lock()
+        self._pending: dict[TensorHandle, cf.Future[None]] = {}
+        """Queued or running updates, by parameter handle (removed once they end)."""
+        self._clear: dict[TensorHandle, Callable[[], None]] = {}
+        """Gradient clears zero_grad asked for while the flat's update was queued."""
+        self._failed: StepFailed | None = None
+        self._on_wait = on_wait
+        """Told the seconds a fetch waited for updates (the telemetry's host stall)."""
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"StepQueue(pending={[h.name for h in self._pending]}, failed={self._failed is not None})"
+
+    def submit(self, key: TensorHandle, name: str, update: Callable[[], None]) -> None:
+        """Queue `update` of the flat whose parameter handle is `key` (`name` for errors)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("tierzero: the model was closed; it cannot be stepped")
+            assert key not in self._pending, f"{name}: queued twice in one step"
+            self._pending[key] = self._pool.submit(self._run, key, name, update)
+
+    def _run(self, key: TensorHandle, name: str, update: Callable[[], None]) -> None:
+        self._attempt(name, update)
+        while True:  # zero_grad's clear (one may come while another runs) before the flat is free
+            with self._lock:
+                clear = self._clear.pop(key, None)
+                if clear is None:
+                    del self._pending[key]
+                    return
+            self._attempt(name, clear, after_failure=True)  # a gradient is dead data either way
+
+    def _attempt(self, name: str, work: Callable[[], None], *, after_failure: bool = False) -> None:
+        if self._failed is not None and not after_failure:
+            return
+        try:
+            work()
+        except BaseException as e:
+            failed = StepFailed(
+                f"tierzero: opt.step() failed while updating block {name!r} on its update thread "
+                f"({type(e).__name__}: {e}); the blocks after it were not updated, so the model "
+                "holds a partial step. Restore it from a checkpoint (tz.load_checkpoint)")
+            failed.__cause__ = e
+            if self._failed is None:
+                self._failed = failed
+
+    def busy(self, keys: Iterable[TensorHandle]) -> bool:
+        """Whether any of these flats has an update queued or running."""
+        with self._lock:
+            return any(k in self._pending for k in keys)
+
+    def wait(self, keys: Iterable[TensorHandle]) -> None:
+        """Return once these flats' updates are done; raise StepFailed if an update failed."""
+        with self._lock:
+            futures = [self._pending[k] for k in keys if k in self._pending]
+        self._wait(futures)
+
+    def drain(self, *, forget_failure: bool = False) -> None:
+        """Return once every queued update is done; raise StepFailed if one failed, unless
+        `forget_failure` (a checkpoint load is about to replace the partial step)."""
+        with self._lock:
+            futures = list(self._pending.values())
+        if forget_failure:
+            cf.wait(futures)
+            self._failed = None
+        self._wait(futures)
+
+    def clear_after(self, key: TensorHandle, clear: Callable[[], None]) -> bool:
+        """Run `clear` (a gradient's zero_grad) right after the flat's update if one is queued
+        (True), else leave it to the caller (False)."""
+        with self._lock:
+            if key not in self._pending:
+                return False
+            self._clear[key] = clear
+            return True
+
+    def close(self) -> None:
+        """Wait for what is queued (errors are dropped: the model is going away), then stop."""
+        with self._lock:
+            self._closed = True
+            futures = list(self._pending.values())
+        cf.wait(futures)
+        self._pool.shutdown(wait=True)
+
+    def _wait(self, futures: list[cf.Future[None]]) -> None:
+        if futures and not all(f.done() for f in futures):
+            t0 = time.perf_counter()
+            cf.wait(futures)
+            if self._on_wait is not None:
+                self._on_wait(time.perf_counter() - t0)
+        if self._failed is not None:  # a fresh error each time: raising one object again grows its traceback
+            raise StepFailed(str(self._failed)) from self._failed.__cause__

@@ -1,0 +1,262 @@
+"""`tz.wrap(model, config)`: transparent tiered training of an unchanged nn.Module.
+
+Phases of one training step, once wrapped:
+
+1. wrap (once): parameters are grouped into blocks (the repeated children, e.g. transformer
+   layers, plus a root block for everything else and for parameters shared between blocks);
+   each block's parameters are packed into flat tensors registered with the placement manager
+   on `config.params` in the compute dtype, with gradients on `config.grads`; the
+   parameters become placeholders; hooks are registered once. With `weights=` the flat tensors
+   are read from a checkpoint instead, one block at a time (tierzero/formats/weights.py), so the model
+   may be built on the meta device.
+2. forward: the root's pre-hook starts an iteration of the prefetcher; each block's pre-hook
+   fetches it to the device (the prefetcher starts copies of the blocks ahead per the trace) and
+   points its parameters at the device copy; its post-hook releases it and hooks its outputs.
+3. backward: the hook on a block's outputs fetches it again; after the block's backward
+   (`RegisterPostBackward` on its inputs) the parameters' .grad are added into the flat
+   gradient (Config.grad_dtype) and released; a final callback per backward sweeps up what is
+   left (the root block, blocks whose inputs needed no gradient) and ends the prefetcher's
+   iteration.
+4. step: tz.AdamW / tz.SGD / tz.clip_grad_norm_ (tierzero.optim) read the flat gradients, update
+   fp32 master weights block by block, and store the new parameters on their home tier.
+
+The parameters' `.grad` stay None: gradients live in the flat gradients, which the
+clip function and the optimizers read and `optimizer.zero_grad()` clears. Outside a block's
+forward and backward its parameters hold no data (a zero-stride placeholder of the right shape
+and dtype): read values with `model.state_dict()` or `tz.full_state_dict(model)`, write them
+with `model.load_state_dict()`. During the root's forward, tensors autograd saves that view a
+block's device copy are saved as references into the block (blocks.SavedParamViews), so the
+copy is really freed after the forward and rebuilt for backward.
+
+Data parallelism (ZeRO, Config.zero_stage): with torch.distributed initialised, wrap uses the
+default process group (or `process_group=`). At stage 3 each rank tiers only its shard of every
+flat tensor, fetches all-gather the blocks (started ahead by the prefetcher), gradients are
+reduce-scattered and averaged, the optimizers step on shards; at stage 2 every rank keeps the
+whole parameters (fetched without communication; updated shards all-gathered after the step),
+at stage 1 the whole gradients too (all-reduced; tierzero.layout.ZeroStage). tz.clip_grad_norm_ takes
+the global norm; buffers and parameters are broadcast from the group's first rank at wrap (see
+blocks.py and state.py). Every rank must
+run the same blocks in the same order (no rank-dependent control flow), and call state_dict(),
+load_state_dict() and tz.full_state_dict() together: they gather.
+
+Limits: blocks run outside the root module's forward are fetched but their saved views are not
+managed; a second backward through one graph (retain_graph=True) is not supported; the
+optimizers take one param group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from tierzero.config import Config, Tier, format_size
+from tierzero.formats import LoadedShard, check_buffers, init_buffers, load_buffers, open_weights
+from tierzero.layout import (ROOT, BlockSpec, FlatLayout, ZeroStage, assign_params, block_fetch_bytes,
+                             block_specs, flat_groups, group_modules)
+from tierzero.placement import PlacementManager
+from tierzero.prefetch import Prefetcher, Unit, policy_from_config
+from tierzero.runtime.blocks import Block
+from tierzero.runtime.collectives import broadcast_from_first_, rank_errors, world
+from tierzero.runtime.fetch_group import gather_ahead
+from tierzero.runtime.flat_param import FlatParam, borrows_checkpoint, shard_request
+from tierzero.runtime.optimizer_guard import refuse_other_optimizers
+from tierzero.runtime.state import TieredState, adopt, is_wrapped
+from tierzero.runtime.step_context import StepContext
+
+# ------------------------------------------------------------------------------- public API
+
+
+def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
+         weights: str | os.PathLike[str] | None = None) -> nn.Module:
+    """Make `model` train with its state on tiers (see the module docstring); returns `model`.
+
+    `weights`: a transformers model folder (sharded safetensors) or a .safetensors file to fill
+    the tiers from, block by block, instead of the model's own values; the model may then be
+    built on the meta device whatever its modules (see tierzero/formats/weights.py: host memory holds
+    about one block at a time, every rank reads only its shard's rows, nothing is broadcast).
+
+    Raises ValueError for a model already wrapped, an unknown `config.block_classes` name, a
+    device budget too small for the largest block plus the prefetch reserve, meta-device
+    parameters in a module without `reset_parameters()` (without `weights`), or `weights` that do
+    not match the model (missing, unexpected, mis-shaped keys; before the model is changed).
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"wrap: expected an nn.Module, got {type(model).__name__}")
+    if is_wrapped(model):
+        raise ValueError(f"wrap: {type(model).__name__} is or contains part of a tierzero-wrapped model; "
+                         "wrap a model once (wrap the root module only)")
+    rank, world_size = world(process_group)
+    with contextlib.ExitStack() as files:
+        plan = None
+        if weights is None:
+            _check_meta(model)
+        else:  # every mismatch is found here, before the model changes
+            plan = open_weights(model, weights)
+            files.callback(plan.source.close)
+            check_buffers(model, plan)
+        groups = group_modules(model, config)
+        owner = assign_params(model, groups)
+        pm = PlacementManager(config, rank=rank)
+        try:
+            compute_dtype = getattr(torch, config.compute_dtype_name(cuda=pm.device.type == "cuda"))
+            ctx = StepContext(pm=pm, compute_dtype=compute_dtype,
+                              grad_tier=Tier(config.grads), master_tier=Tier(config.optimizer_states),
+                              rank=rank, world_size=world_size, group=process_group,
+                              zero_stage=config.zero_stage, grad_dtype=getattr(torch, config.grad_dtype))
+            specs = block_specs(model, groups, owner)
+            _check_device_budget(config, specs, ctx.compute_dtype, ctx.zero)
+            layouts = [(name, modules, flat_groups(params, world_size, compute_dtype))
+                       for name, modules, params in specs]
+            shards = None
+            if plan is not None:
+                init_buffers(model, plan)  # while the parameters are still as built
+                borrow = borrows_checkpoint(Tier(config.params), ctx.zero)
+                wanted = [shard_request(layout, [p.dtype for _, p in ps], compute_dtype, borrow=borrow)
+                          for _, _, flats in layouts for ps, layout in flats]
+                # closed before the files (the exit stack unwinds in reverse): no read left in flight
+                shards = files.enter_context(contextlib.closing(plan.read_shards(wanted, rank, swap=pm.swap)))
+            blocks = [_build_block(name, modules, flats, ctx, Tier(config.params), shards)
+                      for name, modules, flats in layouts]
+            if plan is not None:
+                load_buffers(model, plan, pm.device)
+            # the registers' NVMe writes landed: a disk error fails wrap, here (a load's blocks
+            # kept dirty in host room are written when their room is needed, errors at a flush)
+            pm.settle()
+            pm.check_staging()  # every home is registered: a host tier too full fails here, not later
+        except BaseException:
+            pm.close()
+            raise
+    try:
+        state = _start(model, config, ctx, blocks)
+    except BaseException:  # e.g. the buffers' broadcast failed: no swap file stays behind
+        pm.close()
+        raise
+    adopt(model, state)
+    refuse_other_optimizers(model)
+    return model
+
+
+def _start(model: nn.Module, config: Config, ctx: StepContext, blocks: list[Block]) -> TieredState:
+    """The wrapped model's root state, once its blocks are built: buffers on the device (the
+    same on every rank), the prefetcher, the hooks."""
+    pm = ctx.pm
+    for module in model.modules():
+        for key, buf in module._buffers.items():
+            if buf is not None and buf.device != pm.device:
+                module._buffers[key] = buf.to(pm.device)
+    _broadcast_buffers(model, ctx)
+    state = TieredState(model, config, ctx, blocks)
+    groups = {b.name: b.group for b in blocks}
+
+    def gather_units(units: list[Unit]) -> None:
+        gather_ahead(ctx, [groups[u.name] for u in units])
+
+    prefetcher = Prefetcher(pm, [b.unit for b in blocks if b.flats], policy_from_config(config),
+                            device_room=ctx.device_room, fetch_ahead=gather_units if ctx.zero.gathers else None,
+                            device_wraps=not ctx.zero.gathers, busy=lambda unit: ctx.updating(unit.tensors))
+    ctx.attach(prefetcher, state.end_backward)
+    pm.set_eviction_policy(prefetcher)
+    state.register_hooks()
+    ctx.comm.take()  # wrap's gathers (stages 1-2, weights=) are no step's traffic
+    return state
+
+
+def _check_device_budget(config: Config, specs: list[BlockSpec], dtype: torch.dtype, zero: ZeroStage) -> None:
+    if config.params == "device" and not zero.gathers:
+        return  # every block lives on the device whole; the placement manager checks the total
+    sizes = {name: block_fetch_bytes(ps, dtype, zero.world_size, zero.stage) for name, _, ps in specs}
+    root = sizes.pop(ROOT)
+    largest_name, largest = max(sizes.items(), key=lambda kv: kv[1], default=("(none)", 0))
+    reserve = config.prefetch.reserve if config.prefetch.policy == "bytes" else 0
+    need = root + largest + reserve
+    if config.device_budget < need:
+        raise ValueError(
+            f"device_budget {format_size(config.device_budget)} ({config.device_budget} bytes) is smaller "
+            f"than the root block ({format_size(root)}) plus the largest block {largest_name!r} "
+            f"({format_size(largest)}) plus the prefetch reserve ({format_size(reserve)}) = "
+            f"{format_size(need)} ({need} bytes) that must be on the device at once; raise "
+            f"device_budget to at least {need} bytes, lower prefetch.reserve, or split the model into "
+            "smaller blocks with config.block_classes")
+
+
+def _build_block(name: str, modules: list[nn.Module],
+                 layouts: list[tuple[list[tuple[str, nn.Parameter]], FlatLayout]], ctx: StepContext, home: Tier,
+                 shards: Iterator[LoadedShard] | None) -> Block:
+    """The block's flat tensors (`layouts`: flat_groups), registered from the parameters'
+    values, or from the next of `shards` (this rank's shards read from a checkpoint, in flat
+    order: registered and dropped, so about one block is in memory)."""
+    flats = []
+    for ps, layout in layouts:
+        if shards is None:
+            _materialize([p for _, p in ps], modules, ctx.device)
+        flat = FlatParam(name, [p for _, p in ps], layout, [p.dtype for _, p in ps], ctx, home)
+        if shards is None:
+            flat.register([p.detach() for _, p in ps])
+        else:
+            with torch.profiler.record_function(f"tierzero::load_weights {name}"):
+                shard = next(shards)
+            _unmeta([p for _, p in ps])
+            flat.register_shard(shard)
+            del shard  # before the next is asked for: two shards in memory, not three
+        flats.append(flat)
+    return Block(name, modules, flats, ctx)
+
+
+def _broadcast_buffers(model: nn.Module, ctx: StepContext) -> None:
+    """Every rank starts with the first rank's buffers (running statistics, masks)."""
+    for fqn, buf in model.named_buffers():
+        with rank_errors(ctx.rank, ctx.world_size, f"broadcast of buffer {fqn!r} at wrap"):
+            broadcast_from_first_(buf, ctx.group, ctx.world_size)
+
+
+# ------------------------------------------------------------------------ meta-device models
+
+
+def _check_meta(model: nn.Module) -> None:
+    missing = [f"{fqn or type(model).__name__} ({type(m).__name__})" for fqn, m in model.named_modules()
+               if _has_meta(m) and not callable(getattr(m, "reset_parameters", None))]
+    if missing:
+        raise ValueError(
+            f"wrap: the model has parameters or buffers on the meta device in modules without "
+            f"reset_parameters(): {missing[:6]}{' ...' if len(missing) > 6 else ''}; give those modules "
+            "a reset_parameters() method that initialises their tensors, build the model on a real "
+            "device, or fill it from a checkpoint with tz.wrap(model, config, weights=PATH)")
+
+
+def _has_meta(module: nn.Module) -> bool:
+    tensors = list(module._parameters.values()) + list(module._buffers.values())
+    return any(t is not None and t.is_meta for t in tensors)
+
+
+def _unmeta(params: list[nn.Parameter]) -> None:
+    """Meta parameters become CPU ones holding no memory (same Parameter objects), so that their
+    `.data` can point at tier copies and placeholders; their values come from a checkpoint."""
+    for p in params:
+        if p.is_meta:
+            empty = torch.zeros((), dtype=p.dtype).expand(p.shape)
+            torch.utils.swap_tensors(p, nn.Parameter(empty, requires_grad=p.requires_grad))
+
+
+def _materialize(params: list[nn.Parameter], modules: list[nn.Module], device: torch.device) -> None:
+    """Give meta parameters real memory (same Parameter objects) and initialise them with their
+    module's reset_parameters(); modules are materialised whole, once, when first needed."""
+    if not any(p.is_meta for p in params):
+        return
+    wanted = {id(p) for p in params if p.is_meta}
+    for root in modules:
+        for module in root.modules():
+            if not _has_meta(module) or not any(id(p) in wanted for p in module._parameters.values() if p is not None):
+                continue
+            for key, p in module._parameters.items():
+                if p is not None and p.is_meta:
+                    torch.utils.swap_tensors(p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
+                                                             requires_grad=p.requires_grad))
+            for key, b in module._buffers.items():
+                if b is not None and b.is_meta:
+                    module._buffers[key] = torch.empty(b.shape, dtype=b.dtype, device=device)
+            with torch.no_grad():
+                module.reset_parameters()
