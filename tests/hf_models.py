@@ -66,6 +66,7 @@ def swap_files(tmp_path: Path) -> list[str]:
     return [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "nvme") for f in fs]
 
 
-def token_batches(vocab: int, n: int, seq: int, rows: int = 2) -> list[torch.Tensor]:
+def token_batches(vocab: int, n: int = 10, seq: int = 12, rows: int = 2) -> list[torch.Tensor]:
+    """`n` batches of `rows` x `seq` token ids below `vocab`, the same every call."""
     g = torch.Generator().manual_seed(3)
     return [torch.randint(0, vocab, (rows, seq), generator=g) for _ in range(n)]

@@ -28,16 +28,6 @@ from tierzero.formats.weights import WeightPlan
 from builders import master_weights
 from hf_models import swap_files, token_batches, weights_config, MODELS, build, hf, llama, save
 
-STEPS = 10
-SEQ = 12
-
-
-def cfg(tmp_path: Path, **kw: Any) -> tz.Config:
-    return weights_config(tmp_path, **kw)
-
-
-def batches(vocab: int, n: int = STEPS, rows: int = 2) -> list[torch.Tensor]:
-    return token_batches(vocab, n, SEQ, rows)
 
 
 # ------------------------------------------------------------------------------ exact load
@@ -48,7 +38,7 @@ def test_meta_model_loads_exactly(tmp_path, wrapped, which):
     cls_name, config = MODELS[which]()
     ref = build(cls_name, config)
     folder = save(ref, tmp_path / "hf")
-    model = wrapped(build(cls_name, config, meta=True), cfg(tmp_path), weights=folder)
+    model = wrapped(build(cls_name, config, meta=True), weights_config(tmp_path), weights=folder)
     sd, want = model.state_dict(), ref.state_dict()
     assert sd.keys() == want.keys()
     for k in want:
@@ -61,7 +51,7 @@ def test_meta_model_loads_exactly(tmp_path, wrapped, which):
         assert not mine[k].is_meta and mine[k].dtype == plain[k].dtype and torch.equal(mine[k], plain[k]), k
     if which.startswith("llama"):
         assert "model.rotary_emb.inv_freq" in mine
-    x = batches(config.vocab_size, 1)[0]
+    x = token_batches(config.vocab_size, 1)[0]
     with torch.no_grad():
         assert torch.equal(model(x).logits, ref(x).logits)
 
@@ -72,12 +62,12 @@ def test_training_matches_from_pretrained(tmp_path, wrapped, which):
     folder = save(build(cls_name, config), tmp_path / "hf")
     ref = getattr(hf(), cls_name).from_pretrained(folder, dtype=torch.float32)
     ref.train()
-    model = tz.from_pretrained(folder, cfg(tmp_path))  # built on meta, wrapped with weights=folder
+    model = tz.from_pretrained(folder, weights_config(tmp_path))  # built on meta, wrapped with weights=folder
     assert type(model).__name__ == cls_name and runtime.state_of(model) is not None
     model.train()
     opt = tz.AdamW(model, lr=3e-3, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1, fused=True)
-    for step, x in enumerate(batches(config.vocab_size)):
+    for step, x in enumerate(token_batches(config.vocab_size)):
         want = ref(x, labels=x).loss
         want.backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
@@ -98,7 +88,7 @@ def test_bf16_checkpoint_gives_the_bits_of_to_bfloat16(tmp_path, wrapped):
     ref = build("LlamaForCausalLM", llama(False))
     as_bf16 = {k: v.to(torch.bfloat16) for k, v in ref.state_dict().items()}
     # an fp32 model computing in bf16: parameters in bf16, fp32 master weights of those values
-    model = wrapped(build("LlamaForCausalLM", llama(False), meta=True), cfg(tmp_path, compute_dtype="bfloat16"),
+    model = wrapped(build("LlamaForCausalLM", llama(False), meta=True), weights_config(tmp_path, compute_dtype="bfloat16"),
                     weights=folder)
     sd = model.state_dict()
     for k, v in as_bf16.items():
@@ -111,7 +101,7 @@ def test_bf16_checkpoint_gives_the_bits_of_to_bfloat16(tmp_path, wrapped):
             assert torch.equal(state.pm.read(flat.master), want.float()), flat.name
     # a bf16 model: its state dict is the bf16 tensors themselves
     meta = build("LlamaForCausalLM", llama(False), meta=True).to(torch.bfloat16)
-    other = wrapped(meta, cfg(tmp_path / "b", compute_dtype="bfloat16"), weights=folder)
+    other = wrapped(meta, weights_config(tmp_path / "b", compute_dtype="bfloat16"), weights=folder)
     sd = other.state_dict()
     for k, v in as_bf16.items():
         assert sd[k].dtype == torch.bfloat16 and torch.equal(sd[k].view(torch.int16), v.view(torch.int16)), k
@@ -126,7 +116,7 @@ def test_bf16_load_writes_master_weights_only_when_the_optimizer_needs_them(tmp_
     for bit."""
     transformers = hf()
     folder = save(build("LlamaForCausalLM", llama(False)).to(torch.bfloat16), tmp_path / "hf")
-    bf16 = cfg(tmp_path / "lazy", compute_dtype="bfloat16")
+    bf16 = weights_config(tmp_path / "lazy", compute_dtype="bfloat16")
     model = tz.from_pretrained(folder, bf16, dtype=torch.bfloat16)
     state = runtime.state_of(model)
     handles = state.pm.handles
@@ -135,17 +125,17 @@ def test_bf16_load_writes_master_weights_only_when_the_optimizer_needs_them(tmp_
     state.pm.flush()
     assert state.pm.telemetry.reset_step().bytes_moved["nvme"] == 0  # nothing dirty either
     eager = wrapped(build("LlamaForCausalLM", llama(False), meta=True),
-                    cfg(tmp_path / "eager", compute_dtype="bfloat16"), weights=folder)
+                    weights_config(tmp_path / "eager", compute_dtype="bfloat16"), weights=folder)
     assert any(h.kind is Kind.MASTER for h in runtime.state_of(eager).pm.handles)  # fp32 parameters
     ckpt = tz.save_checkpoint(tmp_path / "ckpt", model)  # before any master weights exist
     ref = wrapped(transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.bfloat16),
-                  cfg(tmp_path / "ref", compute_dtype="bfloat16"))
+                  weights_config(tmp_path / "ref", compute_dtype="bfloat16"))
     opts = [tz.AdamW(m, lr=3e-3, weight_decay=0.1) for m in (model, ref)]
     want = master_weights(eager)
     for m in (model, ref):
         got = master_weights(m)
         assert all(torch.equal(got[k].view(torch.int32), want[k].view(torch.int32)) for k in want)
-    for x in batches(211, 3):
+    for x in token_batches(211, 3):
         losses = [clipped_step(m, opt, m(x, labels=x).loss, 1.0, 1) for m, opt in zip((model, ref), opts)]
         assert losses[0] == losses[1]
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32))
@@ -164,7 +154,7 @@ def test_base_model_checkpoint_into_a_model_with_a_head_and_back(tmp_path, wrapp
     torch.manual_seed(0)
     base = transformers.LlamaModel(llama(True))
     folder = save(base, tmp_path / "base")
-    head = wrapped(build("LlamaForCausalLM", llama(True), meta=True), cfg(tmp_path / "a"), weights=folder)
+    head = wrapped(build("LlamaForCausalLM", llama(True), meta=True), weights_config(tmp_path / "a"), weights=folder)
     sd = head.state_dict()
     for k, v in base.state_dict().items():
         assert torch.equal(sd[f"model.{k}"], v), k
@@ -174,7 +164,7 @@ def test_base_model_checkpoint_into_a_model_with_a_head_and_back(tmp_path, wrapp
     with torch.device("meta"):
         meta_base = transformers.LlamaModel(llama(False))
     with pytest.warns(UserWarning, match=r"lm_head\.weight"):  # the head's weight is not used
-        base = wrapped(meta_base, cfg(tmp_path / "b"), weights=folder)
+        base = wrapped(meta_base, weights_config(tmp_path / "b"), weights=folder)
     sd = base.state_dict()
     for k, v in ref.state_dict().items():
         if k.startswith("model."):
@@ -196,7 +186,7 @@ def test_tied_weight_under_its_other_name_and_legacy_mapping(tmp_path, wrapped):
     torch.manual_seed(0)
     with torch.device("meta"):
         meta = Renamed(llama(True))
-    model = wrapped(meta, cfg(tmp_path), weights=tmp_path / "w.safetensors")
+    model = wrapped(meta, weights_config(tmp_path), weights=tmp_path / "w.safetensors")
     got = model.state_dict()
     for k, v in ref.state_dict().items():
         assert torch.equal(got[k], v), k
@@ -255,7 +245,7 @@ def test_bad_folder_fails_naming_it_and_leaves_nothing(tmp_path, damage):
     expect = damage(folder)
     model = build("LlamaForCausalLM", llama(True), meta=True)
     with pytest.raises(ValueError) as info:
-        tz.wrap(model, cfg(tmp_path), weights=folder)
+        tz.wrap(model, weights_config(tmp_path), weights=folder)
     for part in [*expect, str(folder)]:
         assert part in str(info.value), (part, str(info.value))
     assert all(p.is_meta for p in model.parameters()), "the model was changed before the error"
@@ -278,7 +268,7 @@ def test_failure_while_loading_closes_the_placement_manager(tmp_path, monkeypatc
 
     monkeypatch.setattr(WeightPlan, "read_shard", failing)
     with pytest.raises(OSError, match="disk on fire"):
-        tz.wrap(build("LlamaForCausalLM", llama(True), meta=True), cfg(tmp_path), weights=folder)
+        tz.wrap(build("LlamaForCausalLM", llama(True), meta=True), weights_config(tmp_path), weights=folder)
     assert swap_files(tmp_path) == []
 
 
@@ -286,10 +276,10 @@ def test_not_a_safetensors_file_or_folder(tmp_path):
     model = nn.Linear(3, 3, device="meta")
     (tmp_path / "bad.safetensors").write_bytes(b"\x10" * 20)
     with pytest.raises(ValueError, match="bad.safetensors"):
-        tz.wrap(model, cfg(tmp_path), weights=tmp_path / "bad.safetensors")
+        tz.wrap(model, weights_config(tmp_path), weights=tmp_path / "bad.safetensors")
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="neither model.safetensors nor"):
-        tz.wrap(model, cfg(tmp_path), weights=tmp_path / "empty")
+        tz.wrap(model, weights_config(tmp_path), weights=tmp_path / "empty")
     assert swap_files(tmp_path) == []
 
 
@@ -324,7 +314,7 @@ def test_plain_meta_model_from_one_file(tmp_path, wrapped):
     tz.save_safetensors(ref.state_dict(), tmp_path / "w.safetensors")
     with torch.device("meta"):
         meta = nn.Sequential(ScaledReset(5), ScaledReset(5), nn.Linear(5, 3))
-    model = wrapped(meta, cfg(tmp_path), weights=tmp_path / "w.safetensors")
+    model = wrapped(meta, weights_config(tmp_path), weights=tmp_path / "w.safetensors")
     got = model.state_dict()
     assert got.keys() == ref.state_dict().keys()
     assert all(torch.equal(got[k], v) for k, v in ref.state_dict().items())
@@ -340,19 +330,19 @@ def test_plain_meta_buffer_without_reset_parameters_is_a_clear_error(tmp_path):
     with torch.device("meta"):
         meta = nn.Sequential(Scaled(5), Scaled(5))
     with pytest.raises(ValueError, match=r"\['0.scale \(Scaled\)', '1.scale \(Scaled\)'\].*reset_parameters"):
-        tz.wrap(meta, cfg(tmp_path), weights=tmp_path / "w.safetensors")
+        tz.wrap(meta, weights_config(tmp_path), weights=tmp_path / "w.safetensors")
     assert all(p.is_meta for p in meta.parameters()) and swap_files(tmp_path) == []
 
 
 def test_load_weights_takes_a_folder(tmp_path, wrapped):
     ref = build("LlamaForCausalLM", llama(False))
     folder = save(ref, tmp_path / "hf")
-    model = wrapped(build("LlamaForCausalLM", llama(False), seed=9), cfg(tmp_path))
+    model = wrapped(build("LlamaForCausalLM", llama(False), seed=9), weights_config(tmp_path))
     opt = tz.AdamW(model, lr=1e-3)
     tz.load_weights(model, folder)
     got = model.state_dict()
     assert all(torch.equal(got[k], v) for k, v in ref.state_dict().items())
-    x = batches(211, 1)[0]
+    x = token_batches(211, 1)[0]
     model(x, labels=x).loss.backward()
     opt.step()  # the master weights were loaded too
     assert not torch.equal(model.state_dict()["lm_head.weight"], got["lm_head.weight"])

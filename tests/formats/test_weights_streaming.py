@@ -23,15 +23,6 @@ from tierzero.placement.handles import Kind
 from tierzero.runtime.flat_param import FlatParam
 
 STEPS = 10
-SEQ = 12
-
-
-def cfg(tmp_path: Path, **kw: Any) -> tz.Config:
-    return weights_config(tmp_path, **kw)
-
-
-def batches(vocab: int, n: int = STEPS, rows: int = 2) -> list[torch.Tensor]:
-    return token_batches(vocab, n, SEQ, rows)
 
 
 # ------------------------------------------------------------------------- bounded memory
@@ -140,7 +131,7 @@ def test_loading_holds_two_shards_at_a_time(tmp_path, wrapped, monkeypatch):
 
     monkeypatch.setattr(WeightSource, "read", tracked_read)
     monkeypatch.setattr(FlatParam, "register_shard", tracked_register)
-    model = wrapped(build("LlamaForCausalLM", config, meta=True), cfg(tmp_path, compute_dtype="bfloat16"),
+    model = wrapped(build("LlamaForCausalLM", config, meta=True), weights_config(tmp_path, compute_dtype="bfloat16"),
                     weights=folder)
     state = runtime.state_of(model)
     flats = state.flat_params()
@@ -178,13 +169,13 @@ def _zero_train(rank: int, world_size: int, folder: str, out: str) -> None:
     try:
         config = llama(True)
         model = build("LlamaForCausalLM", config, meta=True)
-        tz.wrap(model, cfg(Path(out) / f"r{rank}"), weights=folder)
+        tz.wrap(model, weights_config(Path(out) / f"r{rank}"), weights=folder)
     finally:
         undo()
     opt = tz.AdamW(model, lr=3e-3, weight_decay=0.1)
     rows = slice(rank * ZERO_BATCH // world_size, (rank + 1) * ZERO_BATCH // world_size)
     losses = []
-    for x in batches(config.vocab_size, STEPS, rows=ZERO_BATCH):
+    for x in token_batches(config.vocab_size, STEPS, rows=ZERO_BATCH):
         losses.append(clipped_step(model, opt, model(x[rows], labels=x[rows]).loss, 1.0, world_size)[0])
     read = {"read_bytes": sum(n for _, n in log), "borrowed_bytes": sum(n for k, n in log if k == "borrowed")}
     torch.save({"losses": losses, **read}, os.path.join(out, f"rank{rank}.pt"))
@@ -218,7 +209,7 @@ def _lazy_masters(rank: int, world_size: int, folder: str, out: str) -> None:
     rows = slice(rank * ZERO_BATCH // world_size, (rank + 1) * ZERO_BATCH // world_size)
     for stage in (1, 2, 3):
         def config(name: str) -> tz.Config:
-            return cfg(Path(out) / f"{name}{stage}-r{rank}", compute_dtype="bfloat16", zero_stage=stage)
+            return weights_config(Path(out) / f"{name}{stage}-r{rank}", compute_dtype="bfloat16", zero_stage=stage)
 
         lazy = tz.from_pretrained(folder, config("lazy"), dtype=torch.bfloat16)
         assert not any(h.kind is Kind.MASTER for h in runtime.state_of(lazy).pm.handles)
@@ -229,7 +220,7 @@ def _lazy_masters(rank: int, world_size: int, folder: str, out: str) -> None:
         for m in (lazy, ref):
             got = master_weights(m)
             assert all(torch.equal(got[k].view(torch.int32), want[k].view(torch.int32)) for k in want), stage
-        for x in batches(211, 2, rows=ZERO_BATCH):
+        for x in token_batches(211, 2, rows=ZERO_BATCH):
             losses = [clipped_step(m, opt, m(x[rows], labels=x[rows]).loss, 1.0, world_size)
                       for m, opt in zip((lazy, ref), opts)]
             assert losses[0] == losses[1], (stage, losses)
