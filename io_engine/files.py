@@ -79,8 +79,9 @@ def open_error(e: OSError, path: str, *, op: str) -> IOEngineError:
     return io_error(err, f"{op}: cannot open {path!r}", op=op, path=path)
 
 
-def open_handle(path: str, *, create: bool, direct: bool | str, op: str) -> FileHandle:
-    """Open `path` read-write (read-only if that is refused and not `create`) plus an O_DIRECT twin.
+def open_handle(path: str, *, create: bool, direct: bool | str, op: str, mode: int = 0o644) -> FileHandle:
+    """Open `path` read-write (read-only if that is refused and not `create`) plus an O_DIRECT twin;
+    a file it creates gets permission bits `mode` (less the umask).
 
     direct: False: no O_DIRECT fd; "auto": O_DIRECT where the file system accepts it; True: O_DIRECT
     required (IOEngineError EINVAL naming the path otherwise).
@@ -88,7 +89,7 @@ def open_handle(path: str, *, create: bool, direct: bool | str, op: str) -> File
     flags = os.O_RDWR | (os.O_CREAT if create else 0)
     try:
         try:
-            fd = open_fd(path, flags)
+            fd = open_fd(path, flags, mode)
         except (PermissionError, OSError) as e:
             if create or e.errno not in (errno.EACCES, errno.EROFS, errno.EPERM):
                 raise
@@ -204,19 +205,21 @@ class PreallocatedFile(_OpenFile):
     """A file of `nbytes` whose space is reserved with posix_fallocate at creation, so a full disk
     fails here, with a clear error, rather than in the middle of training.
 
-    Creates the file or opens an existing one (never shrinking it). Holds a buffered fd and, where
+    Creates the file (permission bits `mode`, less the umask) or opens an existing one (never
+    shrinking it). Holds a buffered fd and, where
     the file system allows and `direct` is not False, an O_DIRECT fd, both opened once; pass the
     object as `file` to IOEngine.pread/pwrite. Close it after its IO has completed.
     """
 
     def __init__(self, path: str | os.PathLike[str], nbytes: int, *, direct: bool | str = "auto",
-                 remove_on_close: bool = False) -> None:
+                 remove_on_close: bool = False, mode: int = 0o644) -> None:
         self.path = os.fspath(path)
         if not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"PreallocatedFile({self.path!r}): expected nbytes as an int >= 0, got {nbytes!r}")
         self.remove_on_close = remove_on_close
         existed = os.path.exists(self.path)
-        self._handle: FileHandle | None = open_handle(self.path, create=True, direct=direct, op="preallocate")
+        self._handle: FileHandle | None = open_handle(self.path, create=True, direct=direct, op="preallocate",
+                                                      mode=mode)
         try:
             self._preallocate(nbytes)
         except BaseException:

@@ -5,9 +5,11 @@ and import."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import textwrap
@@ -178,15 +180,23 @@ def test_keep_last_and_latest(make, tmp_path):
         tz.load_checkpoint(tmp_path / "empty", b, opt_b)
 
 
-def test_leftover_of_an_interrupted_save_is_ignored_then_removed(make, tmp_path):
+DEAD_PID = 2**22 + 12345  # above the kernel's pid_max default: never a live process
+
+
+def test_leftover_of_an_interrupted_save_is_ignored_then_removed_by_its_owners_successor(make, tmp_path):
+    """A save's temporary folder is named by its process: a killed save's is removed by the next
+    save; one whose process lives (another run saving there now) is left to it."""
     a, opt = make("host")
     tz.save_checkpoint(tmp_path / "ck", a, opt, extra=1)
-    (tmp_path / "ck" / ".tmp-ckpt-00000002").mkdir()
-    (tmp_path / "ck" / ".tmp-ckpt-00000002" / "rank00000.bin").write_bytes(b"half")
+    dead = tmp_path / "ck" / f".tmp-ckpt-00000002-{DEAD_PID}"
+    live = tmp_path / "ck" / f".tmp-ckpt-00000007-{os.getppid()}"
+    for leftover in (dead, live, tmp_path / "ck" / f".trash-ckpt-ckpt-00000000-{DEAD_PID}"):
+        leftover.mkdir()
+        (leftover / "rank00000.bin").write_bytes(b"half")
     b, opt_b = make("host", seed=1)
     assert tz.load_checkpoint(tmp_path / "ck", b, opt_b) == 1
     tz.save_checkpoint(tmp_path / "ck", a, opt, extra=2)
-    assert sorted(os.listdir(tmp_path / "ck")) == ["ckpt-00000001", "ckpt-00000002"]
+    assert sorted(os.listdir(tmp_path / "ck")) == sorted(["ckpt-00000001", "ckpt-00000002", live.name])
 
 
 class _Future:
@@ -371,7 +381,7 @@ def test_disk_full_while_saving_keeps_the_live_run_and_the_previous_checkpoint(t
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["errno"] == 27 and "EFBIG" in out["error"]  # EFBIG
-    assert str(tmp_path / "ck" / ".tmp-ckpt-00000002" / "rank00000.bin") in out["error"]
+    assert re.search(re.escape(str(tmp_path / "ck" / ".tmp-ckpt-00000002-")) + r"\d+/rank00000.bin", out["error"])
     assert out["after_fail"] == ["ckpt-00000001"]
     assert out["loaded"] == "third" and out["same"]
     ref_losses = _reference_losses()
@@ -564,3 +574,21 @@ def test_a_wrapped_model_starts_from_plain_weights(make, tmp_path, how):
         tz.load_weights(model, {k: v for k, v in sd.items() if not k.startswith("layers.0")})
     with pytest.raises(FileNotFoundError, match="nope.safetensors"):
         tz.load_weights(model, tmp_path / "nope.safetensors")
+
+
+def test_manifest_file_names_are_confined_to_the_checkpoint(make, tmp_path):
+    """A manifest (checksummed, so written on purpose) that names rank files elsewhere, or other
+    files than the model's config, is refused before anything is read."""
+    a, opt = make("host")
+    folder = tz.save_checkpoint(tmp_path / "ck", a, opt)
+    outside = tmp_path / "elsewhere.bin"
+    outside.write_bytes((folder / "rank00000.bin").read_bytes())
+    manifest = fmt.read_manifest(folder / "manifest.json")
+    rank = dataclasses.replace(manifest.ranks[0], data=f"../../{outside.name}")
+    fmt.write_manifest(folder / "manifest.json", dataclasses.replace(manifest, ranks=(rank,)))
+    b, opt_b = make("host", seed=1)
+    with pytest.raises(fmt.CheckpointError, match="expected 'rank00000.bin' and 'rank00000.pt' in the checkpoint"):
+        tz.load_checkpoint(tmp_path / "ck", b, opt_b)
+    fmt.write_manifest(folder / "manifest.json", dataclasses.replace(manifest, files={"../../x.json": 1}))
+    with pytest.raises(fmt.CheckpointError, match="names other files"):
+        tz.load_checkpoint(tmp_path / "ck", b, opt_b)

@@ -129,3 +129,33 @@ def test_resume_refuses_other_settings_and_starts_afresh_without_a_checkpoint(tm
         train.run(train.parser().parse_args([*args, "--steps", "3"]))
     summary = train.run(train.parser().parse_args([*args, "--steps", "2"]))  # already done: nothing to run
     assert summary["steps"] == 2 and len(_losses(tmp_path / "r")) == 2
+
+
+def test_sigterm_saves_at_the_step_boundary_and_resume_is_exact(tmp_path):
+    """What a scheduler's preemption sends: the run checkpoints at the end of the step under way
+    (off the --checkpoint-every cadence), removes its swap files and exits 143; --resume then
+    gives every step the uninterrupted run's loss, bit for bit."""
+    data = tmp_path / "data.txt"
+    data.write_bytes((REPO / "tierzero" / "cli" / "train.py").read_bytes() * 4)
+    ref_dir = tmp_path / "ref"
+    subprocess.run(_cmd(ref_dir, data), env=_env(), check=True, capture_output=True, timeout=120)
+    reference = _losses(ref_dir)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(_cmd(run_dir, data, "--checkpoint-every", "5"), env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while len(_losses(run_dir)) < 2 and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 143, err
+    stopped = int(err.split("stopped by SIGTERM at step ")[1].split(",")[0])
+    assert 2 <= stopped < STEPS and "saved (continue with --resume)" in err, err
+    assert not [p for p in (tmp_path / "nvme").rglob("*") if p.is_file()]
+    assert sorted(_losses(run_dir)) == list(range(stopped))
+    saved = [p.name for p in (run_dir / "checkpoints").iterdir()]
+    assert saved == ["ckpt-00000001"], saved  # the stop's own checkpoint (the cadence of 5 was not reached)
+    proc = subprocess.run(_cmd(run_dir, data, "--resume"), env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert _losses(run_dir) == reference

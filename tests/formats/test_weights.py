@@ -24,7 +24,7 @@ import tierzero as tz
 from tierzero import runtime
 from pairs import clipped_step
 from tierzero.placement.handles import Kind
-from tierzero.formats.weights import WeightPlan
+from tierzero.formats.weights import WeightPlan, WeightSource
 from builders import master_weights
 from hf_models import swap_files, token_batches, weights_config, MODELS, build, hf, llama, save
 
@@ -236,6 +236,36 @@ def _missing_key(folder: Path) -> list[str]:
         del t[KEY]
     _rewrite(folder, change, KEY)
     return ["1 missing key", KEY]
+
+
+def test_a_key_in_two_shards_is_read_from_the_one_the_index_names(tmp_path, wrapped):
+    """A stale copy of a key left in another shard: transformers follows the index's weight_map,
+    and so does tierzero (not the first shard in index order)."""
+    transformers = hf()
+    src = build("LlamaForCausalLM", llama(False))
+    folder = save(src, tmp_path / "hf")
+    weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = sorted(set(weight_map.values()))
+    key = next(k for k, shard in weight_map.items() if shard == shards[-1])  # in the last shard
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    first = safetensors_torch.load_file(str(folder / shards[0]))
+    first[key] = torch.full_like(src.state_dict()[key], 7.0)  # the stale copy, in the first shard
+    safetensors_torch.save_file(first, str(folder / shards[0]), metadata={"format": "pt"})
+    model = wrapped(build("LlamaForCausalLM", llama(False), meta=True), weights_config(tmp_path), weights=str(folder))
+    theirs = transformers.LlamaForCausalLM.from_pretrained(folder)
+    assert torch.equal(theirs.state_dict()[key], src.state_dict()[key])
+    assert torch.equal(model.state_dict()[key], src.state_dict()[key])
+
+
+def test_an_index_naming_files_outside_its_folder_is_refused(tmp_path):
+    folder = save(build("LlamaForCausalLM", llama(False)), tmp_path / "hf")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    key = next(iter(index["weight_map"]))
+    (tmp_path / "outside.safetensors").write_bytes((folder / index["weight_map"][key]).read_bytes())
+    index["weight_map"][key] = "../outside.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="names files outside the folder: \\['../outside.safetensors'\\]"):
+        WeightSource(folder)
 
 
 @pytest.mark.parametrize("damage", [_missing_shard, _wrong_shape, _extra_key, _missing_key],

@@ -362,3 +362,68 @@ def test_saving_over_a_model_folder_keeps_its_other_files(trained, tmp_path):
     assert (out / "tokenizer.json").read_text() == "{}" and (out / "README.md").read_text() == "notes"
     assert (out / "model.safetensors").is_file() and not (out / "model.safetensors.index.json").exists()
     assert not list(out.glob("model-*.safetensors"))
+
+
+def test_saving_over_a_folder_keeps_its_links_as_links(trained, tmp_path):
+    model, _ = trained("llama-tied")
+    out = tmp_path / "out"
+    tz.save_pretrained(model, out)
+    shared = tmp_path / "shared-tokenizer.json"
+    shared.write_text("{}")
+    (out / "tokenizer.json").symlink_to(shared)
+    (tmp_path / "notes.md").write_text("notes")
+    os.link(tmp_path / "notes.md", out / "README.md")
+    (out / "extras").mkdir()
+    (out / "extras" / "vocab.txt").symlink_to(shared)
+    link = tmp_path / "latest"
+    link.symlink_to(out)
+    tz.save_pretrained(model, link, max_shard_size=SMALL_SHARD)
+    assert link.is_symlink() and link.resolve() == out.resolve()
+    assert (out / "tokenizer.json").is_symlink() and os.readlink(out / "tokenizer.json") == str(shared)
+    assert (out / "extras" / "vocab.txt").is_symlink()
+    assert os.path.samefile(out / "README.md", tmp_path / "notes.md")  # still one file, two names
+    assert (out / hf_folder.INDEX_FILE).is_file() and not (out / "model.safetensors").exists()
+
+
+DEAD_PID = 2**22 + 12345  # above the kernel's pid_max default: never a live process
+
+
+def test_what_a_killed_save_left_is_removed_by_the_next_save_there(trained, tmp_path):
+    """A save killed mid-write leaves `.tmp-<name>-<pid>/` (marked as being written): the next
+    save to that parent removes it, and an `.old-` folder of a replace that finished; not what a
+    live save writes, not the only copy of a replaced folder, not a folder tierzero did not mark."""
+    model, _ = trained("llama-tied")
+
+    def leftover(name: str, *, mark: bool = True) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "model-00001-of-00002.safetensors").write_bytes(b"partial")
+        if mark:
+            (folder / hf_folder.STAGING_MARK).write_text("x")
+        return folder
+
+    (tmp_path / "other").mkdir()
+    dead = [leftover(f".tmp-out-{DEAD_PID}"), leftover(f".tmp-other-{DEAD_PID}"), leftover(f".old-other-{DEAD_PID}")]
+    kept = [leftover(f".tmp-out-{os.getppid()}"), leftover(f".tmp-mine-{DEAD_PID}", mark=False),
+            leftover(f".old-gone-{DEAD_PID}")]
+    tz.save_pretrained(model, tmp_path / "out")
+    assert not any(p.exists() for p in dead)
+    assert all(p.exists() for p in kept)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == sorted(p.name for p in kept)
+
+
+def test_a_flipped_byte_in_a_checkpoints_config_files_fails_load_and_export(trained, tmp_path):
+    """Every byte of a checkpoint is checksummed: the model's config.json and
+    generation_config.json too (listed with their xxh3 in the manifest)."""
+    model, opt = trained("llama-tied")
+    ckpt = tz.save_checkpoint(tmp_path / "ck", model, opt)
+    for name in ("config.json", "generation_config.json"):
+        path = ckpt / name
+        original = path.read_bytes()
+        path.write_bytes(original.replace(b"{", b"[", 1))
+        with pytest.raises(ckpt_format.CheckpointError, match=f"{name}'?: checksum mismatch"):
+            tz.load_checkpoint(tmp_path / "ck", model, opt)
+        with pytest.raises(ckpt_format.CheckpointError, match="checksum mismatch"):
+            tz.export_checkpoint(tmp_path / "ck", tmp_path / f"out-{name}")
+        path.write_bytes(original)
+    tz.load_checkpoint(tmp_path / "ck", model, opt)

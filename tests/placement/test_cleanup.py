@@ -89,7 +89,7 @@ def test_a_live_run_is_not_reclaimed(tmp_path: Path, capsys) -> None:
 
 
 def test_a_failing_plot_does_not_fail_a_finished_run(tmp_path: Path, monkeypatch, capsys) -> None:
-    def broken(run_dir):
+    def broken(*args, **kwargs):
         raise ModuleNotFoundError("No module named 'matplotlib'")
 
     monkeypatch.setattr(train, "plot_run", broken)
@@ -97,7 +97,9 @@ def test_a_failing_plot_does_not_fail_a_finished_run(tmp_path: Path, monkeypatch
             "--host-budget", "8MiB", "--no-progress", "--nvme-dir", str(tmp_path / "nvme"),
             "--run-dir", str(tmp_path / "run")]
     assert train.main(args) == 0
-    assert "tiers.png not drawn" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "tiers.png: not written (ModuleNotFoundError: No module named 'matplotlib')" in err
+    assert (tmp_path / "run" / "summary.json").is_file() and (tmp_path / "run" / "trace.json").is_file()
     for name in ("metrics.jsonl", "trace.json", "summary.json"):
         assert (tmp_path / "run" / name).is_file()
     assert swap_files(tmp_path / "nvme") == []
@@ -123,3 +125,26 @@ def test_a_disk_error_while_wrap_writes_fails_wrap_and_leaves_nothing(tmp_path: 
     else:
         raise AssertionError("wrap returned a model whose weights never reached the disk")
     assert swap_files(tmp_path / "nvme") == []
+
+
+def test_closing_at_exit_after_the_nvme_folder_is_gone_is_silent(tmp_path: Path) -> None:
+    nvme = tmp_path / "nvme"
+    proc = run_script(nvme, f"import shutil; shutil.rmtree({str(nvme)!r}); print('removed')")
+    assert proc.returncode == 0 and "removed" in proc.stdout, proc.stderr
+    assert proc.stderr == "", proc.stderr
+
+
+def test_sigterm_to_a_training_script_removes_its_swap_files(tmp_path: Path) -> None:
+    """SIGTERM is handled as SIGINT is: the script unwinds (SystemExit 143), its swap files go."""
+    nvme = tmp_path / "nvme"
+    ending = ("import os, signal, sys\nprint('training', flush=True)\n"
+              "while True:\n    model(torch.randn(8, 64)).sum().backward(); opt.step(); opt.zero_grad()")
+    code = textwrap.dedent(SCRIPT).format(nvme=str(nvme), ending=ending, host="4MiB")
+    proc = subprocess.Popen([sys.executable, "-c", code], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "training"
+    assert swap_files(nvme)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert swap_files(nvme) == []

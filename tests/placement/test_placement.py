@@ -398,18 +398,36 @@ def test_unregister_gives_everything_back(tmp_path):
 
 
 def test_no_room_names_the_pinned_copies_and_the_fix(tmp_path):
-    with make(tmp_path, device="16KiB", wait_timeout_s=0.1) as pm:
+    """A wait for room that only this thread's own pins block can never end: it raises within
+    seconds (stuck_after_s, not the timeout), naming the pinned copies and the budget that would
+    hold both."""
+    with make(tmp_path, device="16KiB", wait_timeout_s=30) as pm:
         a = pm.register("layers.2", torch.randn(2500), "host", kind=Kind.PARAM)  # 10000 bytes
         pm.acquire(a)
+        t0 = time.monotonic()
         with pytest.raises(RuntimeError, match=r"reserve_scratch\('gather layers.3', 'device'\): tensor 'gather "
-                                               r"layers.3': no room for .* on the device tier after waiting "
-                                               r"0.1 s: .* pinned copies \(name, pins\): \[\('layers.2.param', 1\)\]; "
-                                               r"release tensors before acquiring more, or raise device_budget"):
+                                               r"layers.3': no room for .* on the device tier and none can come: "
+                                               r".* pinned copies \(name, pins\): \[\('layers.2.param', 1\)\]; "
+                                               r"raise device_budget to at least \d+ bytes"):
             pm.reserve_scratch(8000, what="gather layers.3")
+        assert 2 <= time.monotonic() - t0 < 5
         pm.release(a)
         buf = pm.reserve_scratch(8000, what="gather layers.3")  # evicts a's unpinned copy
         assert buf.numel() >= 8000 and pm.record(a).residency[Tier.DEVICE] is Residency.ABSENT
         pm.free_scratch(buf)
+
+
+def test_a_wait_on_another_threads_pin_waits_up_to_the_timeout(tmp_path):
+    with make(tmp_path, device="16KiB", wait_timeout_s=0.3) as pm:
+        a = pm.register("layers.2", torch.randn(2500), "host", kind=Kind.PARAM)
+        holder = threading.Thread(target=pm.acquire, args=(a,))
+        holder.start()
+        holder.join()
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"no room for .* on the device tier after waiting 0.3 s"):
+            pm.reserve_scratch(8000, what="gather layers.3")
+        assert time.monotonic() - t0 >= 0.25
+        pm.release(a)
 
 
 def test_a_wait_ends_when_another_thread_unregisters_its_tensor(tmp_path):

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -49,6 +49,8 @@ PREFIX, TMP_PREFIX, TRASH_PREFIX = "ckpt-", ".tmp-ckpt-", ".trash-ckpt-"
 _CKPT_RE = re.compile(rf"^{PREFIX}(\d{{8}})$")
 DATA_FILE, STATE_FILE = "rank{:05d}.bin", "rank{:05d}.pt"
 """A rank's file names, formatted with the rank."""
+EXTRA_FILES = ("config.json", "generation_config.json")
+"""Files a checkpoint may hold besides the rank files (the model's transformers config)."""
 VALUES = "values"
 """Kind of a flat tensor's values: the fp32 master weights when there are any, else the parameters."""
 
@@ -125,6 +127,9 @@ class Manifest:
     ranks: tuple[RankFiles, ...]
     aliases: dict[str, str]
     """Other names of tied parameters -> the name they are stored under."""
+    files: dict[str, int] = field(default_factory=dict)
+    """The checkpoint's other files (the model's config.json, generation_config.json) -> the
+    xxh3 of their bytes: every byte of a checkpoint is checksummed."""
 
     def flat(self, name: str) -> FlatEntry | None:
         return next((f for f in self.flats if f.name == name), None)
@@ -133,6 +138,7 @@ class Manifest:
         return {
             "format": FORMAT, "version": VERSION, "world_size": self.world_size,
             "optimizer": self.optimizer, "chunk_bytes": self.chunk_bytes, "aliases": self.aliases,
+            "files": {name: f"{h:016x}" for name, h in self.files.items()},
             "flats": [{"name": f.name, "trainable": f.trainable, "dtypes": list(f.dtypes), "kinds": f.kinds,
                        "steps": f.steps, "numel": f.layout.numel, "padded_numel": f.layout.padded_numel,
                        "world_size": f.layout.world_size,
@@ -157,8 +163,15 @@ class Manifest:
             state_chunks=tuple(int(c, 16) for c in r["state_chunks"]),
             regions={k: Region(off, n, tuple(int(c, 16) for c in cs)) for k, (off, n, cs) in r["regions"].items()})
             for r in d["ranks"])
+        for i, r in enumerate(ranks):  # names from the file are confined to the checkpoint's folder
+            if r.data != DATA_FILE.format(i) or r.state != STATE_FILE.format(i):
+                raise ValueError(f"rank {i} names files {r.data!r} and {r.state!r}; expected "
+                                 f"{DATA_FILE.format(i)!r} and {STATE_FILE.format(i)!r} in the checkpoint's folder")
+        files = {name: int(h, 16) for name, h in d.get("files", {}).items()}
+        if not set(files) <= set(EXTRA_FILES):
+            raise ValueError(f"names other files {sorted(set(files) - set(EXTRA_FILES))}; expected some of {EXTRA_FILES}")
         return cls(world_size=d["world_size"], optimizer=d["optimizer"], chunk_bytes=d["chunk_bytes"],
-                   flats=flats, ranks=ranks, aliases=dict(d["aliases"]))
+                   flats=flats, ranks=ranks, aliases=dict(d["aliases"]), files=files)
 
 
 def write_manifest(path: Path, manifest: Manifest) -> None:
@@ -195,7 +208,7 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     try:
         return Manifest.from_json(json.loads(body))
     except (ValueError, KeyError, TypeError) as e:  # checksum matched: written by another format
-        raise CheckpointError(f"{str(path)!r}: unreadable manifest ({e!r})") from None
+        raise CheckpointError(f"{str(path)!r}: unreadable manifest ({e})") from None
 
 
 # ------------------------------------------------------------------------ finding checkpoints
@@ -206,6 +219,17 @@ def _numbered(root: Path) -> list[tuple[int, Path]]:
     if not root.is_dir():
         return []
     return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _CKPT_RE.match(p.name)))
+
+
+def verify_file(path: Path, expected: int) -> bytes:
+    """The bytes of one of a checkpoint's other files, checked against the manifest's xxh3."""
+    data = path.read_bytes()
+    got = xxhash.xxh3_64_intdigest(data)
+    if got != expected:
+        raise CheckpointError(f"{str(path)!r}: checksum mismatch: the manifest says xxh3 {expected:016x}, the file "
+                              f"hashes to {got:016x}; the file was changed or corrupted: restore it or load an "
+                              "earlier checkpoint")
+    return data
 
 
 def next_number(root: Path) -> int:
@@ -228,9 +252,13 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
 
 
 def open_checkpoint(root: str | os.PathLike[str]) -> tuple[Path, Manifest]:
-    """The checkpoint folder `root` names (per latest_checkpoint) and its verified manifest;
-    CheckpointError when there is none."""
+    """The checkpoint folder `root` names (per latest_checkpoint) and its verified manifest, the
+    other files it lists verified too (the rank files' chunks are verified as they are read);
+    CheckpointError when there is none or a file differs."""
     folder = latest_checkpoint(root)
     if folder is None:
         raise CheckpointError(f"{str(root)!r}: no checkpoint there (no {MANIFEST}, no complete {PREFIX}N folder)")
-    return folder, read_manifest(folder / MANIFEST)
+    manifest = read_manifest(folder / MANIFEST)
+    for name, expected in manifest.files.items():
+        verify_file(folder / name, expected)
+    return folder, manifest

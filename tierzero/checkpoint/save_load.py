@@ -37,13 +37,15 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 import torch.distributed as dist
+import xxhash
 from torch import nn
 
 from io_engine import PAGE
+from io_engine.owners import owner_gone, temp_name
 from tierzero import runtime
 from tierzero.checkpoint.chunk_io import Reader, Source, double_buffered, open_engine, write_rank_files
-from tierzero.checkpoint.format import (CHUNK_BYTES, MANIFEST, PREFIX, TMP_PREFIX, TRASH_PREFIX, VALUES,
-                                        CheckpointError, FlatEntry, Manifest, RankFiles, checkpoints,
+from tierzero.checkpoint.format import (CHUNK_BYTES, EXTRA_FILES, MANIFEST, PREFIX, TMP_PREFIX, TRASH_PREFIX,
+                                        VALUES, CheckpointError, FlatEntry, Manifest, RankFiles, checkpoints,
                                         latest_checkpoint, next_number, open_checkpoint, round_up,
                                         torch_dtype, write_manifest)
 from tierzero.checkpoint.reshard import reshard_plan
@@ -144,16 +146,17 @@ def save_checkpoint(dir: str | os.PathLike[str], model: nn.Module, optimizer: Ti
     rank, world_size = world(state.ctx.group)
     comm = _Comm(state.ctx.group, world_size)
     root = Path(dir)
-    seq = None
+    names = None
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        for p in root.iterdir():  # leftovers of saves that were interrupted
-            if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+        for p in root.iterdir():  # leftovers of saves whose process was killed (only theirs)
+            if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)) and not p.is_symlink() and owner_gone(p.name):
                 shutil.rmtree(p, ignore_errors=True)
         seq = next_number(root)
-        (root / f"{TMP_PREFIX}{seq:08d}").mkdir()
-    seq = comm.broadcast(seq)
-    tmp, final = root / f"{TMP_PREFIX}{seq:08d}", root / f"{PREFIX}{seq:08d}"
+        names = (temp_name(TMP_PREFIX, f"{seq:08d}"), f"{PREFIX}{seq:08d}")
+        (root / names[0]).mkdir()
+    names = comm.broadcast(names)
+    tmp, final = root / names[0], root / names[1]
     # Every rank learns whether every other one succeeded (a failed rank must not leave the
     # others waiting in a collective); only then does rank 0 publish the checkpoint.
     try:
@@ -170,8 +173,8 @@ def save_checkpoint(dir: str | os.PathLike[str], model: nn.Module, optimizer: Ti
     errors = [o for o in every if isinstance(o, str)]
     if rank == 0 and not errors:
         try:
-            _write_hf_config(state, tmp)
-            _publish(root, tmp, final, _manifest(state, optimizer, world_size, every), keep_last)
+            files = _write_hf_config(state, tmp)
+            _publish(root, tmp, final, _manifest(state, optimizer, world_size, every, files), keep_last)
         except Exception as e:
             errors, failure = [f"rank 0: {e}"], e
     errors = comm.broadcast(errors)
@@ -193,21 +196,24 @@ def _publish(root: Path, tmp: Path, final: Path, manifest: Manifest, keep_last: 
     fsync_dir(root)
     if keep_last is not None:
         for old in checkpoints(root)[:-keep_last]:
-            trash = root / f"{TRASH_PREFIX}{old.name}"
+            trash = root / temp_name(TRASH_PREFIX, old.name)
             os.rename(old, trash)  # a crash mid-delete leaves no half checkpoint under ckpt-*
             shutil.rmtree(trash)
 
 
-def _write_hf_config(state: runtime.TieredState, tmp: Path) -> None:
+def _write_hf_config(state: runtime.TieredState, tmp: Path) -> dict[str, int]:
     """Rank 0: the model's transformers config.json (and generation_config.json), when it has a
-    transformers `config`, so that `tierzero export CKPT --to DIR` can write a model folder."""
+    transformers `config`, so that `tierzero export CKPT --to DIR` can write a model folder; the
+    xxh3 of each file written, for the manifest."""
     model = state.model
     if callable(getattr(getattr(model, "config", None), "save_pretrained", None)):
         write_config_files(model, tmp, model_dtype(state))
+    return {name: xxhash.xxh3_64_intdigest((tmp / name).read_bytes()) for name in EXTRA_FILES
+            if (tmp / name).is_file()}
 
 
 def _manifest(state: runtime.TieredState, optimizer: TieredOptimizer | None, world_size: int,
-              ranks: list[RankFiles]) -> Manifest:
+              ranks: list[RankFiles], files: dict[str, int]) -> Manifest:
     flats = []
     for flat in state.flat_params():
         kinds = {kind: str(h.dtype).removeprefix("torch.") for kind, h in _stored(flat, optimizer).items()}
@@ -219,7 +225,7 @@ def _manifest(state: runtime.TieredState, optimizer: TieredOptimizer | None, wor
     aliases = {n: canonical[id(p)] for n, p in state.model.named_parameters(remove_duplicate=False)
                if canonical[id(p)] != n}
     return Manifest(world_size=world_size, optimizer=type(optimizer).__name__ if optimizer is not None else None,
-                    chunk_bytes=CHUNK_BYTES, flats=tuple(flats), ranks=tuple(ranks), aliases=aliases)
+                    chunk_bytes=CHUNK_BYTES, flats=tuple(flats), ranks=tuple(ranks), aliases=aliases, files=files)
 
 
 def _training_blob(optimizer: TieredOptimizer | None, extra: Any, buffers: dict[str, torch.Tensor]) -> bytes:

@@ -34,4 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if argv else 2
     args = parser.parse_args(argv[:1])
-    return importlib.import_module(_MODULES[args.command]).main(argv[1:])
+    try:
+        return importlib.import_module(_MODULES[args.command]).main(argv[1:])
+    except (ValueError, OSError) as e:  # bad input the subcommand did not word itself: one line
+        print(f"tierzero {args.command}: error: {e}", file=sys.stderr)
+        return 2

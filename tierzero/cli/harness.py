@@ -29,12 +29,15 @@ def check_room(model: torch.nn.Module, cfg: tz.Config, world_size: int = 1) -> E
         budget = getattr(cfg, f"{tier}_budget")
         per_rank = est.home[tier]
         if per_rank > budget:
+            lower = {"device": "host or nvme", "host": "nvme"}.get(tier)
+            move = (f" or move state to a lower tier (--params/--grads/--optimizer-states {lower})" if lower else
+                    " (NVMe is the lowest tier)")
             raise ValueError(
                 f"{flags[tier]} {format_size(budget)} is too small: this model needs "
                 f"{format_size(per_rank)} ({per_rank} bytes) on {tier} per rank ({world_size} ranks, ZeRO stage "
                 f"{cfg.zero_stage}) with params={cfg.params}, grads={cfg.grads}, "
-                f"optimizer_states={cfg.optimizer_states}; raise {flags[tier]} or move state to a lower tier "
-                "(--params/--grads/--optimizer-states nvme)" + (" or raise --zero-stage" if cfg.zero_stage < 3 else ""))
+                f"optimizer_states={cfg.optimizer_states}; raise {flags[tier]} to at least {per_rank} bytes{move}"
+                + (" or raise --zero-stage" if cfg.zero_stage < 3 else ""))
     on_disk = est.home["nvme"] * world_size
     if on_disk:
         free = free_disk_bytes(cfg.nvme_dir)

@@ -12,12 +12,14 @@ from matplotlib.figure import Figure
 from tierzero.config import TIER_NAMES
 
 
-def plot_run(run_dir: str | os.PathLike[str]) -> Path:
-    """tiers.png from a run folder's trace.json and metrics.jsonl."""
+def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None, *,
+             trace: dict | None = None, summary: dict | None = None) -> Path:
+    """tiers.png (or `out`) from a run folder's metrics.jsonl and its trace and summary (given,
+    or read from trace.json and summary.json)."""
     run_dir = Path(run_dir)
-    trace = json.loads((run_dir / "trace.json").read_text())
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    trace = trace if trace is not None else json.loads((run_dir / "trace.json").read_text())
+    summary = summary if summary is not None else json.loads((run_dir / "summary.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     fig = Figure(figsize=(10, 7))  # no pyplot: no global backend, nothing left open
     ax1, ax2 = fig.subplots(2, 1)
     end = max((e["ts"] + e.get("dur", 0)) / 1e6 for e in trace["traceEvents"] if "ts" in e)
@@ -41,6 +43,6 @@ def plot_run(run_dir: str | os.PathLike[str]) -> Path:
     ax2.set_ylabel("seconds")
     ax2.legend(loc="upper right")
     fig.tight_layout()
-    out = run_dir / "tiers.png"
-    fig.savefig(out, dpi=90)
+    out = Path(out) if out is not None else run_dir / "tiers.png"
+    fig.savefig(out, dpi=90, format="png")
     return out

@@ -35,8 +35,10 @@ import json
 import math
 import os
 import resource
+import signal
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -51,10 +53,13 @@ from tierzero.cli.flags import (add_placement_flags, add_rate_flags, add_zero_fl
                                 rates_from_flags, zero_from_flags)
 from tierzero.cli.harness import batch_loss, check_room, corpus, meta_model, pretrained
 from tierzero.cli.plots import plot_run
+from tierzero.cli.run_dir import RunDir
+from tierzero.cli.stop import Stopped, StopSignals
 from tierzero.config import TIER_NAMES, format_size
+from tierzero.formats import check_folder_target
 from tierzero.formats import corpus as tzdata
 from tierzero.models import CONFIGS
-from tierzero.placement import PlacementManager
+from tierzero.placement import MAX_EVENTS, PlacementManager
 from tierzero.planning import DriveRates, Estimate, step_traffic
 from tierzero.runtime import RankRuntimeError, close, placement_manager, settle, step_comm_bytes, step_stats
 
@@ -109,6 +114,10 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.step_in_backward and args.clip > 0:
         raise ValueError(f"--step-in-backward updates each block during backward, before the gradient norm "
                          f"is known, so it cannot clip: give --clip 0 with it (got --clip {args.clip})")
+    if args.export and not pretrained(args):
+        raise ValueError(f"--export writes a transformers model folder, and the built-in {args.model!r} GPT has no "
+                         "transformers config; export its checkpoint instead: tierzero export CKPT --to "
+                         "model.safetensors")
     if args.checkpoint_every < 0 or args.keep_last < 1:
         raise ValueError(f"--checkpoint-every: expected an int >= 0 and --keep-last an int >= 1, got "
                          f"{args.checkpoint_every} and {args.keep_last}")
@@ -159,6 +168,8 @@ class _Run:
     """The model's PlacementManager."""
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LRScheduler
+    folders: "_Folders"
+    stop: StopSignals
     rates: DriveRates | None = None
     """The drive's rates (--bench-io or --read/--write-gbps), for the NVMe floor."""
     io_rows: list[dict] = field(default_factory=list)
@@ -166,7 +177,56 @@ class _Run:
 
     @property
     def ckpt_dir(self) -> Path:
-        return Path(self.args.checkpoint_dir) if self.args.checkpoint_dir else self.run_dir / "checkpoints"
+        return _ckpt_dir(self.args)
+
+
+def _ckpt_dir(args: argparse.Namespace) -> Path:
+    return Path(args.checkpoint_dir) if args.checkpoint_dir else Path(args.run_dir) / "checkpoints"
+
+
+@dataclass
+class _Folders:
+    """Rank 0's locked run folder, and the checkpoint folder when it is elsewhere (other ranks:
+    none; they only read checkpoints)."""
+
+    run: RunDir | None = None
+    ckpt: RunDir | None = None
+
+    @classmethod
+    def open(cls, args: argparse.Namespace, rank: int) -> "_Folders":
+        if rank != 0:
+            return cls()
+        folders = cls(RunDir(args.run_dir))
+        try:
+            ckpt = _ckpt_dir(args).absolute()
+            if args.checkpoint_every and not ckpt.is_relative_to(folders.run.path.absolute()):
+                folders.ckpt = RunDir(ckpt, flag="--checkpoint-dir")
+        except BaseException:
+            folders.close()
+            raise
+        return folders
+
+    def check_room(self, args: argparse.Namespace, est: Estimate) -> None:
+        """The disks under the folders hold what the run writes there (module docstring of run_dir.py)."""
+        if self.run is None:
+            return
+        files = args.steps * METRICS_ROW_BYTES + min(args.steps * TRACE_EVENTS_PER_STEP, MAX_EVENTS) * TRACE_EVENT_BYTES
+        checkpoints = (args.keep_last + 1) * est.state_bytes if args.checkpoint_every else 0
+        if self.ckpt is None:
+            self.run.check_room(files + checkpoints, "the run folder (metrics, trace, plot, checkpoints)")
+        else:
+            self.run.check_room(files, "the run folder (metrics, trace, plot)")
+            self.ckpt.check_room(checkpoints, f"{args.keep_last + 1} checkpoints")
+
+    def close(self) -> None:
+        for folder in (self.ckpt, self.run):
+            if folder is not None:
+                folder.close()
+
+
+METRICS_ROW_BYTES = 2048
+TRACE_EVENTS_PER_STEP, TRACE_EVENT_BYTES = 4096, 200
+"""What the room check counts for a step's metrics row and trace (generous: it guards a full disk)."""
 
 
 def _train_state(r: _Run, step: int) -> dict:
@@ -197,12 +257,8 @@ def _resume(r: _Run) -> int:
     torch.set_rng_state(state["rng"])
     if state["cuda_rng"]:
         torch.cuda.set_rng_state_all(state["cuda_rng"])
-    metrics = r.run_dir / "metrics.jsonl"
-    if r.rank == 0 and metrics.exists():  # rows past the checkpoint belong to steps that will run again
-        rows = [row for row in metrics.read_text().splitlines() if row and json.loads(row)["step"] < state["step"]]
-        tmp = metrics.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(row + "\n" for row in rows))
-        os.replace(tmp, metrics)
+    if r.folders.run is not None:
+        r.folders.run.keep_metrics_before(state["step"])
     return state["step"]
 
 
@@ -210,8 +266,21 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Train as the flags say and write the run folder (rank 0); the run's summary."""
+@dataclass
+class _Outcome:
+    """How far a run got, for the summary.json written when it fails or is stopped."""
+
+    step: int = 0
+    """Steps completed."""
+    checkpoint: Path | None = None
+    """The last checkpoint saved."""
+
+
+def run(args: argparse.Namespace, outcome: _Outcome | None = None) -> dict:
+    """Train as the flags say and write the run folder (rank 0); the run's summary. Everything
+    the run needs is checked before its first step: flags, budgets, disks, the run folder's lock,
+    the --export target. A failure (or a stop) leaves summary.json saying so."""
+    outcome = outcome if outcome is not None else _Outcome()
     _check_args(args)
     rates = rates_from_flags(args)
     cfg = _config(args)
@@ -219,28 +288,60 @@ def run(args: argparse.Namespace) -> dict:
     if args.batch % world_size:  # main() prefixes the rank
         raise ValueError(f"--batch {args.batch} is the global batch and must split evenly "
                          f"over {world_size} ranks; give a multiple of {world_size}")
-    run_dir = Path(args.run_dir)
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
+    if args.export:
+        check_folder_target(args.export)
+    folders = _Folders.open(args, rank)
+    try:
+        return _run(args, cfg, rank, world_size, rates, folders, outcome)
+    except BaseException as e:
+        if folders.run is not None:
+            _write_failure(folders.run, args, outcome, e)
+        raise
+    finally:
+        folders.close()
+
+
+def _run(args: argparse.Namespace, cfg: tz.Config, rank: int, world_size: int, rates: DriveRates | None,
+         folders: _Folders, outcome: _Outcome) -> dict:
     torch.manual_seed(args.seed)
     model, tokenizer = meta_model(args)
     sampler = tzdata.BatchSampler(corpus(args, tokenizer, model), batch=args.batch, seq=args.seq, seed=args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     est = check_room(model, cfg, world_size)
+    folders.check_room(args, est)
     model = tz.wrap(model, cfg, weights=args.model if pretrained(args) else None)
     try:
         opt = tz.AdamW(model, lr=args.lr, weight_decay=args.weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(args.warmup, args.steps))
-        r = _Run(args, cfg, rank, world_size, run_dir, sampler, model, placement_manager(model), opt, sched, rates)
-        start = _resume(r) if args.resume else 0
-        started = time.perf_counter()
-        last_loss = _train(r, start)
-        summary = _finish(r, est, n_params, last_loss, started)
-        if args.export:
-            _export(r, tokenizer)
-        return summary
+        with StopSignals(at_step_boundary=bool(args.checkpoint_every)) as stop:
+            r = _Run(args, cfg, rank, world_size, Path(args.run_dir), sampler, model, placement_manager(model),
+                     opt, sched, folders, stop, rates)
+            start = outcome.step = _resume(r) if args.resume else 0
+            started = time.perf_counter()
+            last_loss = _train(r, start, outcome)
+            stop.at_step_boundary = False  # past the last step: a signal stops what follows at once
+            if stop.requested is not None:
+                raise Stopped(stop.requested)
+            if args.export:  # before the run folder's files: a full disk there cannot lose the model
+                _export(r, tokenizer)
+            return _finish(r, est, n_params, last_loss, started)
     finally:
         close(model)  # frees host memory and removes the swap files
+
+
+def _write_failure(folder: RunDir, args: argparse.Namespace, outcome: _Outcome, e: BaseException) -> None:
+    """summary.json of a run that failed or was stopped (what it got to, and why), and the
+    traceback in error.log; best effort: the error itself is what the user must see."""
+    stopped = isinstance(e, Stopped)
+    summary = {"model": args.model, "steps": args.steps, "steps_completed": outcome.step,
+               "checkpoint": str(outcome.checkpoint) if outcome.checkpoint else None,
+               "stopped_by": signal.Signals(e.signum).name if stopped else None,
+               "error": None if stopped else f"{type(e).__name__}: {e}"}
+    files: dict[str, str] = {"summary.json": json.dumps(summary, indent=2)}
+    if not stopped:
+        files["error.log"] = "".join(traceback.format_exception(e))
+    with contextlib.suppress(Exception):
+        folder.write_each(files)
 
 
 def _export(r: _Run, tokenizer: tzdata.Tokenizer | None) -> None:
@@ -252,15 +353,17 @@ def _export(r: _Run, tokenizer: tzdata.Tokenizer | None) -> None:
         print(f"tierzero train: exported the model to {out}", file=sys.stderr)
 
 
-def _train(r: _Run, start: int) -> float:
+def _train(r: _Run, start: int, outcome: _Outcome) -> float:
     """Steps `start` to --steps: a metrics.jsonl row (rank 0) and a progress line each, a
-    checkpoint every --checkpoint-every steps; the last step's loss."""
+    checkpoint every --checkpoint-every steps and at a stop ([Note: stopping at a step boundary]
+    in stop.py); the last step's loss."""
     args = r.args
     last_loss = float("nan")
     with Progress(args.steps, enabled=not args.no_progress and r.rank == 0, initial=start) as progress, \
             _metrics_file(r, start) as metrics:
         for step in range(start, args.steps):
             row = _step(r, step)
+            outcome.step = step + 1
             r.io_rows.append({k: row[k] for k in ("step_s", "nvme_read_bytes", "nvme_write_bytes", "nvme_busy_s")})
             last_loss = row["loss"]
             if metrics is not None:
@@ -269,17 +372,22 @@ def _train(r: _Run, start: int) -> float:
             progress.advance(_progress_text(row))
             if not math.isfinite(last_loss):
                 raise FloatingPointError(f"step {step}: loss is {last_loss}; lower --lr or check the data")
-            if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-                tz.save_checkpoint(r.ckpt_dir, r.model, r.opt, extra=_train_state(r, step + 1),
-                                   keep_last=args.keep_last)
+            stop = r.stop.agreed(r.world_size) if args.checkpoint_every else None
+            if stop is not None or (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0):
+                if metrics is not None:
+                    os.fsync(metrics.fileno())  # the rows up to a checkpoint survive what kills the run
+                outcome.checkpoint = tz.save_checkpoint(r.ckpt_dir, r.model, r.opt, extra=_train_state(r, step + 1),
+                                                        keep_last=args.keep_last)
+            if stop is not None:
+                raise Stopped(stop, step + 1)
     return last_loss
 
 
 def _metrics_file(r: _Run, start: int) -> contextlib.AbstractContextManager[IO[str] | None]:
     """Rank 0: metrics.jsonl, appended to when resuming; other ranks: nothing."""
-    if r.rank != 0:
+    if r.folders.run is None:
         return contextlib.nullcontext()
-    return open(r.run_dir / "metrics.jsonl", "a" if start else "w")
+    return r.folders.run.open_metrics(resume=start > 0)
 
 
 def _step(r: _Run, step: int) -> dict:
@@ -336,15 +444,22 @@ def _finish(r: _Run, est: Estimate, n_params: int, last_loss: float, started: fl
         "nvme": _nvme_summary(r, n_params),
         "config": r.cfg.to_dict(),
     }
-    if r.rank == 0:
-        pm.telemetry.write_chrome_trace(r.run_dir / "trace.json")
-        (r.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-        try:
-            plot_run(r.run_dir)
-        except Exception as e:  # the training is done and saved: a plot must not fail the run
-            print(f"tierzero train: tiers.png not drawn ({type(e).__name__}: {e}); the run folder's "
-                  "metrics.jsonl and trace.json hold the same figures", file=sys.stderr)
+    if r.folders.run is not None:
+        run_dir = r.folders.run.path
+        trace = pm.telemetry.chrome_trace()
+        failed = r.folders.run.write_each({
+            "trace.json": lambda out: _dump_json(trace, out),
+            "tiers.png": lambda out: plot_run(run_dir, out, trace=trace, summary=summary)})
+        summary["files_not_written"] = failed  # summary.json last: it lists what the others lacked
+        failed += r.folders.run.write_each({"summary.json": json.dumps(summary, indent=2, default=str)})
+    else:
+        summary["files_not_written"] = []
     return summary
+
+
+def _dump_json(obj: object, path: Path) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f)
 
 
 def _nvme_summary(r: _Run, n_params: int) -> dict:
@@ -385,24 +500,32 @@ def _per_rank(value: object, world_size: int) -> list:
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     owns_group = not dist.is_initialized()  # run() joins torchrun's group; leave a caller's alone
+    outcome = _Outcome()
     try:
-        summary = run(args)
-    except (ValueError, OSError) as e:
-        rank = f"rank {dist.get_rank()}: " if dist.is_initialized() else ""
-        print(f"tierzero train: error: {rank}{e}", file=sys.stderr)
-        return 2
-    except RankRuntimeError:
-        raise
+        summary = run(args, outcome)
+    except Stopped as e:
+        where = f" at step {e.step}, checkpoint {outcome.checkpoint} saved (continue with --resume)" if e.step else ""
+        print(f"tierzero train: {_rank()}{e}{where}; swap files removed", file=sys.stderr)
+        return e.exit_code
     except Exception as e:
-        if not dist.is_initialized():
-            raise
-        raise RankRuntimeError(dist.get_rank(), f"{type(e).__name__}: {e}") from e
+        log = f"; traceback in {Path(args.run_dir) / 'error.log'}" if not dist.is_initialized() or dist.get_rank() == 0 else ""
+        bad_input = isinstance(e, (ValueError, OSError))
+        rank = "" if isinstance(e, RankRuntimeError) else _rank()  # its message names the rank
+        print(f"tierzero train: error: {rank}{e if bad_input else f'{type(e).__name__}: {e}'}"
+              f"{'' if bad_input else log}", file=sys.stderr)
+        return 2 if bad_input else 1
     finally:
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
+    if any(not line.startswith(str(Path(args.run_dir) / "tiers.png")) for line in summary["files_not_written"]):
+        return 1  # the run folder lacks a file its contract promises (a plot that failed is a notice only)
     if summary["world_size"] > 1 and int(os.environ.get("RANK", "0")) != 0:
         return 0
     print(json.dumps({k: summary[k] for k in ("model", "params", "steps", "final_loss",
                                               "wall_s", "state_bytes", "budgets", "peak_bytes",
                                               "peak_rss")}, indent=2))
     return 0
+
+
+def _rank() -> str:
+    return f"rank {dist.get_rank()}: " if dist.is_initialized() else ""

@@ -23,6 +23,17 @@ __all__ = ["Config", "IOConfig", "PrefetchConfig", "StateBytes", "TIER_NAMES", "
            "OPTIMIZER_BYTES_PER_PARAM", "MASTER_BYTES_PER_PARAM", "DTYPE_BYTES"]
 
 
+def _check_bool(what: str, value: Any) -> None:
+    """True or False only: a string such as "false" would read as true."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{what}: expected True or False, got {type(value).__name__} {value!r}")
+
+
+def _check_number(what: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what}: expected a number, got {type(value).__name__} {value!r}")
+
+
 def _check_choice(what: str, value: Any, choices: tuple[Any, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{what}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
@@ -40,13 +51,14 @@ class IOConfig:
     """O_DIRECT: "auto" uses it where the file system and alignment allow."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.threads, int) or self.threads < 1:
+        if type(self.threads) is not int or self.threads < 1:
             raise ValueError(f"io.threads: expected an int >= 1, got {self.threads!r}")
         bs = parse_size(self.block_size, what="io.block_size")
         if bs < 4096 or bs % 4096:
             raise ValueError(f"io.block_size: expected a multiple of 4096 bytes, got {bs}")
         object.__setattr__(self, "block_size", bs)
-        _check_choice("io.direct", self.direct, ("auto", True, False))
+        if not (self.direct == "auto" or isinstance(self.direct, bool)):
+            raise ValueError(f"io.direct: expected 'auto', True or False, got {self.direct!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,7 +88,7 @@ class PrefetchConfig:
         check_policy(self.policy, self.options)
         for name in ("depth", "nvme_depth"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 0:
+            if type(v) is not int or v < 0:
                 raise ValueError(f"prefetch.{name}: expected an int >= 0, got {v!r}")
         object.__setattr__(self, "reserve", parse_size(self.reserve, what="prefetch.reserve"))
         object.__setattr__(self, "options", dict(self.options))
@@ -191,11 +203,17 @@ class Config:
                              f"(tz.PrefetchPolicy: a plan(view) method), got {self.prefetch!r}")
         if not isinstance(self.io, IOConfig):
             raise ValueError(f"io: expected an IOConfig or a mapping, got {self.io!r}")
+        if isinstance(self.block_classes, str) or not all(isinstance(c, str) for c in self.block_classes):
+            raise ValueError(f"block_classes: expected a list of class names (strings), got {self.block_classes!r}")
         object.__setattr__(self, "block_classes", tuple(self.block_classes))
-        if not isinstance(self.step_in_backward, bool):
-            raise ValueError(f"step_in_backward: expected True or False, got {self.step_in_backward!r}")
+        for name in ("step_in_backward", "overlap_step", "checksums"):
+            _check_bool(name, getattr(self, name))
+        _check_number("collective_timeout_s", self.collective_timeout_s)
         if self.collective_timeout_s <= 0:
             raise ValueError(f"collective_timeout_s: expected > 0, got {self.collective_timeout_s}")
+        if self.nvme_dir is not None and not isinstance(self.nvme_dir, (str, os.PathLike)):
+            raise ValueError(f"nvme_dir: expected a folder path (str or os.PathLike) or None, got "
+                             f"{type(self.nvme_dir).__name__} {self.nvme_dir!r}")
         if self.uses_nvme and self.nvme_dir is None:
             raise ValueError(
                 "nvme_dir: some state is placed on 'nvme' "

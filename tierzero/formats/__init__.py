@@ -7,15 +7,16 @@
     corpus.py            training text: the standard library's source, text and JSONL files, batches
 """
 
-from tierzero.formats.corpus import VOCAB_SIZE, BatchSampler, Tokenizer, file_corpus, stdlib_corpus
-from tierzero.formats.hf_folder import (CONFIG_FILE, CONFIG_FILES, INDEX_FILE, SINGLE_FILE, folder_tokenizer,
-                                        kept_names, meta_model, require_transformers, saved_dtype,
-                                        write_config_files, write_synced, write_weights_folder)
-from tierzero.formats.safetensors_file import TensorSpec, fsync_dir, save_safetensors, write_safetensors
 from tierzero.formats.buffers import check_buffers, init_buffers, load_buffers, persistent_buffers
+from tierzero.formats.corpus import VOCAB_SIZE, BatchSampler, Tokenizer, file_corpus, stdlib_corpus
+from tierzero.formats.hf_folder import (CONFIG_FILE, CONFIG_FILES, INDEX_FILE, SINGLE_FILE,
+                                        check_folder_target, folder_tokenizer, kept_names, meta_model,
+                                        require_transformers, saved_dtype, write_config_files, write_synced,
+                                        write_weights_folder)
+from tierzero.formats.safetensors_file import TensorSpec, fsync_dir, save_safetensors, write_safetensors
 from tierzero.formats.weights import LoadedShard, ShardRequest, WeightSource, load_safetensors, open_weights
 
-__all__ = ["VOCAB_SIZE", "BatchSampler", "Tokenizer", "file_corpus", "stdlib_corpus", "CONFIG_FILE", "CONFIG_FILES",
+__all__ = ["VOCAB_SIZE", "BatchSampler", "Tokenizer", "file_corpus", "stdlib_corpus", "CONFIG_FILE", "CONFIG_FILES", "check_folder_target",
            "INDEX_FILE", "SINGLE_FILE", "folder_tokenizer", "kept_names", "meta_model", "require_transformers",
            "saved_dtype", "write_config_files", "write_synced", "write_weights_folder", "TensorSpec", "fsync_dir",
            "save_safetensors", "write_safetensors", "LoadedShard", "ShardRequest", "WeightSource", "check_buffers",

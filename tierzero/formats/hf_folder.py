@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from io_engine.owners import owner_gone, temp_name
 from tierzero.formats.corpus import Tokenizer
 from tierzero.formats.safetensors_file import TensorSpec, fsync_dir, write_safetensors
 
@@ -237,13 +238,10 @@ def _is_weights_file(name: str) -> bool:
     return name == INDEX_FILE or (name.startswith("model") and name.endswith(".safetensors"))
 
 
-@contextlib.contextmanager
-def staged_folder(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
-    """A temporary folder next to `out_dir` to write into; on a clean exit it is fsynced and
-    renamed to `out_dir` (an existing one renamed away first, then deleted, its files other than
-    the weights copied over first: a tokenizer saved beside the model stays); on an error it is
-    deleted and `out_dir` left as it was. An existing `out_dir` must be empty or a model folder
-    (holding config.json or .safetensors files): anything else is refused, not replaced."""
+def check_folder_target(out_dir: str | os.PathLike[str]) -> Path:
+    """The absolute path of `out_dir` if a model folder may be written there: new, empty, or a
+    model folder (config.json or .safetensors files) that a save replaces; ValueError otherwise
+    (checked before a run that will save there, and again by the save)."""
     out = Path(out_dir).absolute()
     if out.exists() and not out.is_dir():
         raise ValueError(f"{str(out)!r} is a file; give a folder path (or a .safetensors file name to "
@@ -251,19 +249,43 @@ def staged_folder(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
     if out.is_dir() and any(out.iterdir()) and not ((out / CONFIG_FILE).is_file() or any(out.glob("*.safetensors"))):
         raise ValueError(f"{str(out)!r} exists and is not a model folder (no {CONFIG_FILE}, no .safetensors "
                          "files); it would be replaced: give a new or empty folder")
+    return out
+
+
+STAGING_MARK = ".tierzero-staging"
+"""A file in a folder a save is writing (`.tmp-<name>-<pid>`) or has just replaced
+(`.old-<name>-<pid>`): what a later save may remove when that process is gone."""
+
+
+@contextlib.contextmanager
+def staged_folder(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
+    """A temporary folder next to `out_dir` to write into; on a clean exit it is fsynced and
+    renamed to `out_dir` (an existing one renamed away first, then deleted, the other files it
+    held carried over first: a tokenizer saved beside the model stays, symlinks stay symlinks,
+    hard links stay links of the same file); on an error it is deleted and `out_dir` left as it
+    was. An existing `out_dir` must be empty or a model folder (holding config.json or
+    .safetensors files): anything else is refused, not replaced. `out_dir` a symlink: the folder
+    it names is replaced, the link stays. What saves killed in the same parent folder left is
+    removed first (`remove_dead_staging`)."""
+    out = check_folder_target(out_dir)
+    if out.is_symlink():
+        out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
+    remove_dead_staging(out.parent)
+    tmp = out.with_name(temp_name(".tmp-", out.name))
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    (tmp / STAGING_MARK).write_text(f"{os.getpid()}\n")
     try:
         yield tmp
         if out.is_dir():  # what the folder holds besides the model (tokenizer, README, ...) stays
             for f in out.iterdir():
-                if not (tmp / f.name).exists() and not _is_weights_file(f.name):
-                    (shutil.copytree if f.is_dir() else shutil.copy2)(f, tmp / f.name)
+                if not (tmp / f.name).exists() and not _is_weights_file(f.name) and f.name != STAGING_MARK:
+                    _carry_over(f, tmp / f.name)
+        (tmp / STAGING_MARK).unlink()
         fsync_dir(tmp)
         if out.exists():
-            old = out.with_name(f".old-{out.name}-{os.getpid()}")
+            old = out.with_name(temp_name(".old-", out.name))
             os.rename(out, old)
             try:
                 os.rename(tmp, out)
@@ -271,6 +293,7 @@ def staged_folder(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
                 os.rename(old, out)
                 raise
             fsync_dir(out.parent)
+            (old / STAGING_MARK).write_text(f"{os.getpid()}\n")
             shutil.rmtree(old)
         else:
             os.rename(tmp, out)
@@ -278,3 +301,37 @@ def staged_folder(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def remove_dead_staging(parent: Path) -> None:
+    """Remove the folders killed saves left in `parent`: a `.tmp-<name>-<pid>` still marked as
+    being written, and an `.old-<name>-<pid>` marked as replaced once `<name>` is in place, each
+    only when process <pid> is gone (a live save's are its own)."""
+    for entry in os.scandir(parent):
+        name = entry.name
+        if not name.startswith((".tmp-", ".old-")) or not entry.is_dir(follow_symlinks=False):
+            continue
+        if not (Path(entry.path) / STAGING_MARK).is_file() or not owner_gone(name):
+            continue
+        if name.startswith(".old-") and not (parent / name[len(".old-"):].rpartition("-")[0]).is_dir():
+            continue  # killed between its renames: the replaced folder is the only whole copy
+        shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _carry_over(src: Path, dst: Path) -> None:
+    """`src` into the new folder as it was: a symlink as a symlink, a file as a hard link to the
+    same file (its other links stay links; a copy where the file system refuses), a folder
+    likewise, file by file."""
+    if src.is_symlink():
+        os.symlink(os.readlink(src), dst)
+    elif src.is_dir():
+        shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+    else:
+        _link_or_copy(src, dst)
+
+
+def _link_or_copy(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(src, dst, follow_symlinks=False)

@@ -87,11 +87,16 @@ class WeightSource:
         self.path = Path(path)
         self._open: dict[Path, Any] = {}
         self._info: dict[str, TensorInfo] = {}
+        self._weight_map: dict[str, str] = {}
+        """The index's key -> shard file: a key stored in several shards is read from the one
+        the index names, as transformers does."""
         try:
             for file in self._files():
                 handle = self._handle(file)
                 start, header = read_header(file)
                 for key in handle.keys():
+                    if self._weight_map.get(key, file.name) != file.name:
+                        continue  # a stale copy: the index names another shard for it
                     s = handle.get_slice(key)
                     self._info.setdefault(key, TensorInfo(file, tuple(s.get_shape()), s.get_dtype(),
                                                           start + header[key]["data_offsets"][0]))
@@ -112,6 +117,11 @@ class WeightSource:
                 raise ValueError(f"weights {str(index)!r}: not a safetensors index (a JSON object with a "
                                  f"'weight_map' of key -> shard file): {e!r}") from None
             shards = list(dict.fromkeys(weight_map.values()))
+            outside = [s for s in shards if not isinstance(s, str) or Path(s).name != s or s in (".", "..")]
+            if outside:
+                raise ValueError(f"weights {str(index)!r}: the weight_map names files outside the folder: "
+                                 f"{few(map(str, outside))}; an index names shard files in its own folder")
+            self._weight_map = dict(weight_map)
             absent = [s for s in shards if not (self.path / s).is_file()]
             if absent:
                 keys = [k for k, s in weight_map.items() if s in absent]

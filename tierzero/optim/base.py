@@ -110,6 +110,8 @@ class TieredOptimizer(torch.optim.Optimizer):
                 self._steps[flat] = [0] * len(flat.layout.slots)
             ctx.pm.settle()  # the zero moments' NVMe writes landed (a disk error fails here)
             ctx.pm.check_staging()  # host-homed states may leave no room to stage the NVMe ones
+            for flat in self._flats:
+                self._check_update_room(flat)
         except BaseException:  # nothing half-registered stays behind: a retry starts clean
             self._give_back_states()
             raise
@@ -139,6 +141,19 @@ class TieredOptimizer(torch.optim.Optimizer):
             if ctx.world_size == 1 and not ctx.pm.streams.cuda:
                 self._updater = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierzero-update")
                 weakref.finalize(self, self._updater.shutdown, wait=False)
+
+    def _check_update_room(self, flat: FlatParam) -> None:
+        """A block's update holds its gradient, master weights and moments at once on the tier
+        the CPU works on them in (and a staging buffer for the new parameters when they are
+        stored to an NVMe home apart from the master weights): refused now if that can never
+        fit, not at the first step."""
+        states = self._states[flat]
+        extra = []
+        if states[Kind.MASTER] is not flat.param and flat.param.home is Tier.NVME:
+            extra.append((Tier.HOST, flat.param.nbytes))
+        self._model_state.pm.check_working_set(
+            f"{type(self).__name__}'s update of block {flat.name!r} (its gradient, master weights and moments)",
+            [flat_grad(flat).handle, *states.values()], extra)
 
     @property
     def flat_params(self) -> list[FlatParam]:

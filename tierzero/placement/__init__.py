@@ -6,6 +6,7 @@ One module per level, from the bytes up (see the manager's module docstring for 
     tiers.py      Budget (a tier's byte account) and HostPool (page-aligned, pinned with CUDA)
     streams.py    the device's copy streams and events (synchronous stand-ins on the CPU)
     cow_home.py   a checkpoint's files serving as NVMe homes until first written
+    swap_dirs.py  this run's locked folder; reclaiming what killed runs left, safely
     nvme.py       this run's swap files: extents, checksummed IO through io_engine
     tier_store.py one store per tier: buffers within the tier's budget
     telemetry.py  moves, stalls, bytes per tier and the Chrome trace
@@ -22,8 +23,8 @@ from tierzero.placement.handles import TRAFFIC_GROUPS, Kind, TensorHandle
 from tierzero.placement.manager import PlacementManager
 from tierzero.placement.nvme import ChecksumError, SwapSpace
 from tierzero.placement.residency import Residency, TensorRecord
-from tierzero.placement.telemetry import StepStats, Telemetry
+from tierzero.placement.telemetry import MAX_EVENTS, StepStats, Telemetry
 
 __all__ = ["PlacementManager", "Tier", "Kind", "TensorHandle", "TRAFFIC_GROUPS", "Residency", "TensorRecord",
            "EvictionPolicy", "LeastRecentlyUsed", "CheckpointHome", "Segment", "SwapSpace", "ChecksumError",
-           "StepStats", "Telemetry"]
+           "StepStats", "Telemetry", "MAX_EVENTS"]

@@ -86,6 +86,10 @@ class Room:
     def add_home(self, handle: TensorHandle) -> None:
         self._homes[handle.home] += self.stores[handle.home].reserved(handle.nbytes)
 
+    def homed(self, tier: Tier) -> int:
+        """Bytes of the tensors homed on `tier` (reserved there for their whole life)."""
+        return self._homes[tier]
+
     def remove_home(self, handle: TensorHandle) -> None:
         self._homes[handle.home] -= self.stores[handle.home].reserved(handle.nbytes)
 

@@ -43,10 +43,12 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures as cf
+import signal
 import sys
+import threading
 import time
 import weakref
-from typing import Callable, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -72,6 +74,19 @@ _OPEN: "weakref.WeakSet[PlacementManager]" = weakref.WeakSet()
 without closing its model leaves no swap files behind."""
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM (what schedulers and torchrun send to stop a process) ends it the way SIGINT
+    does: an exception unwinds the program, so `finally` blocks and the close at exit run and no
+    swap file stays behind. Installed once, from the main thread, and only over the default
+    handler: a program's own SIGTERM handler is left alone."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _raise_exit)
+
+
+def _raise_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 @atexit.register
 def _close_at_exit() -> None:
     for pm in list(_OPEN):
@@ -86,15 +101,18 @@ class PlacementManager:
 
     See the module docstring for the data flow. Thread-safe. `wait_timeout_s` bounds how long a
     call waits for room that only a release by another thread could make (everything on the tier
-    pinned): past it the call raises instead of hanging.
+    pinned): past it the call raises instead of hanging. A wait that nothing but the waiting
+    thread itself could end (its own pins, nothing moving) raises after `stuck_after_s` without a
+    change (a release may still come from another thread that was handed the pin).
     """
 
     def __init__(self, config: Config, rank: int = 0, device: torch.device | str | None = None, *,
-                 wait_timeout_s: float = 60.0) -> None:
+                 wait_timeout_s: float = 60.0, stuck_after_s: float = 2.0) -> None:
         self.config = config
         self.rank = rank
         self.device = resolve_device(device)
         self.wait_timeout_s = wait_timeout_s
+        self.stuck_after_s = stuck_after_s
         self.telemetry = Telemetry()
         self.streams = CopyStreams(self.device)
         self.budgets = {t: Budget(t, config.budget(t.value)) for t in Tier}
@@ -116,8 +134,11 @@ class PlacementManager:
             raise
         self._room = self._table.room
         self._cond = self._table.cond
+        self._scratch: dict[int, tuple[Tier, int]] = {}
+        """Scratch buffers handed out: data_ptr -> (tier, the thread holding it)."""
         self._closed = False
         _OPEN.add(self)
+        _exit_on_sigterm()
 
     # ----------------------------------------------------------------------------- public API
 
@@ -342,11 +363,13 @@ class PlacementManager:
             self._room.check_fits(what, nbytes, tier)
             (buf,) = self._wait_until(lambda: self._room.take([(tier, nbytes)], None), what,
                                       f"reserve_scratch({what!r}, {tier.value!r})")
+            self._scratch[flat(buf).data_ptr()] = (tier, threading.get_ident())
         return flat(buf)
 
     def free_scratch(self, buf: torch.Tensor, tier: Tier | str = Tier.DEVICE) -> None:
         """Give back a buffer from reserve_scratch()."""
         with self._cond:
+            self._scratch.pop(buf.data_ptr(), None)
             self._tiers[Tier.parse(tier)].free(buf)
             self._cond.notify_all()
 
@@ -481,11 +504,15 @@ class PlacementManager:
     def _wait_until(self, attempt: Callable[[], _T | Shortfall | None], subject: TensorRecord | str,
                     what: str) -> _T:
         """Call `attempt` (under the lock) until it returns a result, sleeping until the next
-        change while it returns None (waiting for a move) or a Shortfall (no room); past
-        wait_timeout_s raise, naming what was missing. `subject` is the tensor waited for (a
-        KeyError if another thread unregisters it meanwhile), or the name of a new one."""
+        change while it returns None (waiting for a move) or a Shortfall (no room). A shortfall
+        that nothing can end (no move in flight, every copy pinned on that tier pinned by this
+        thread itself) raises once nothing has changed for stuck_after_s; any wait raises past
+        wait_timeout_s. Both name what was
+        missing and the budget that would hold it. `subject` is the tensor waited for (a KeyError
+        if another thread unregisters it meanwhile), or the name of a new one."""
         deadline = time.monotonic() + self.wait_timeout_s
         name = subject if isinstance(subject, str) else subject.name
+        stuck_since: float | None = None
         while True:
             self._check_open()
             if not isinstance(subject, str):
@@ -493,22 +520,66 @@ class PlacementManager:
             result = attempt()
             if result is not None and not isinstance(result, Shortfall):
                 return result
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            remaining = deadline - now
+            if isinstance(result, Shortfall) and self._stuck(result.tier):
+                stuck_since = now if stuck_since is None else stuck_since
+                if now - stuck_since >= self.stuck_after_s:
+                    raise RuntimeError(f"{what}: {self._no_room_message(name, result, waited=False)}")
+                remaining = min(remaining, self.stuck_after_s - (now - stuck_since))
+            else:
+                stuck_since = None
+            if deadline - now <= 0:
                 if result is None:
                     raise RuntimeError(f"{what}: nothing changed for {self.wait_timeout_s} s")
-                raise RuntimeError(f"{what}: {self._no_room_message(name, result)}")
-            self._cond.wait(remaining)
+                raise RuntimeError(f"{what}: {self._no_room_message(name, result, waited=True)}")
+            if self._cond.wait(remaining):
+                stuck_since = None  # something changed (a release may come from another thread)
 
-    def _no_room_message(self, name: str, short: Shortfall) -> str:
+    def _stuck(self, tier: Tier) -> bool:
+        """Under the lock: no room on `tier` can ever come while this thread waits. Nothing is
+        moving (no write-back will make a copy evictable, no fetch will end), and whatever is
+        pinned there (copies, scratch buffers) this very thread holds."""
+        if len(self._table.moves):
+            return False
+        me = threading.get_ident()
+        return (not self._table.pinned_by_others(tier, me)
+                and all(owner == me for t, owner in self._scratch.values() if t is tier))
+
+    def _no_room_message(self, name: str, short: Shortfall, *, waited: bool) -> str:
         tier = short.tier
         pinned = [(r.name, r.pins(tier)) for r in self._table.records() if r.pins(tier)]
         b = self.budgets[tier]
-        return (f"tensor {name!r}: no room for {format_size(self._tiers[tier].reserved(short.nbytes))} on the "
-                f"{tier.value} tier after waiting {self.wait_timeout_s} s: {format_size(b.used)} of "
-                f"{format_size(b.limit)} reserved, {len(self._table.moves)} moves in flight, pinned copies "
-                f"(name, pins): {pinned[:8]}{' ...' if len(pinned) > 8 else ''}; release tensors "
-                f"before acquiring more, or raise {tier.value}_budget")
+        need = self._tiers[tier].reserved(short.nbytes)
+        why = (f"after waiting {self.wait_timeout_s} s" if waited else
+               "and none can come: nothing is moving and this thread itself holds what is pinned there")
+        return (f"tensor {name!r}: no room for {format_size(need)} on the {tier.value} tier {why}: "
+                f"{format_size(b.used)} of {format_size(b.limit)} reserved, {len(self._table.moves)} moves in flight, "
+                f"pinned copies (name, pins): {pinned[:8]}{' ...' if len(pinned) > 8 else ''}; raise "
+                f"{tier.value}_budget to at least {b.used + need} bytes, or release tensors before acquiring more")
+
+    def check_working_set(self, what: str, handles: Sequence[TensorHandle],
+                          extra: Sequence[tuple[Tier, int]] = ()) -> None:
+        """ValueError when `handles` acquired on their staging tiers at once (plus `extra`
+        buffers) can never fit there beside the tensors homed on those tiers: a caller that
+        holds them together (an optimizer's update of one block) checks at its construction,
+        not at its first step."""
+        need: dict[Tier, int] = {}
+        for h in handles:
+            if h.staging is not h.home:
+                need[h.staging] = need.get(h.staging, 0) + self._tiers[h.staging].reserved(h.nbytes)
+        for tier, nbytes in extra:
+            need[tier] = need.get(tier, 0) + self._tiers[tier].reserved(nbytes)
+        with self._cond:
+            for tier, nbytes in need.items():
+                limit, homed = self.budgets[tier].limit, self._room.homed(tier)
+                if nbytes > limit - homed:
+                    names = ", ".join(h.name for h in handles if h.staging is tier and h.home is not tier)
+                    raise ValueError(
+                        f"{what} holds {format_size(nbytes)} on the {tier.value} tier at once ({names}), beside the "
+                        f"{format_size(homed)} homed there, but the {tier.value} budget is {format_size(limit)}; "
+                        f"raise {tier.value}_budget to at least {homed + nbytes} bytes, or split the model into "
+                        "smaller blocks (Config.block_classes)")
 
     def _record_of(self, h: TensorHandle, what: str) -> TensorRecord:
         self._check_open()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Union
 
 import torch
@@ -44,6 +44,9 @@ class Copy:
     """The bytes viewed with the registered shape and dtype (None for an NVMe region)."""
     pins: int = 0
     """Acquires not yet released, plus moves in flight reading from this copy."""
+    holders: list[int] = field(default_factory=list)
+    """The threads (idents) of the acquires not yet released: a wait for room that only this
+    thread's own copies block can never end (PlacementManager tells it at once)."""
     stale: bool = False
     """Another copy was written back while this one was pinned or in flight: drop it when free."""
     used: bool = False

@@ -1,8 +1,8 @@
 """The NVMe tier: swap files of one rank, an extent allocator, checksummed IO through io_engine.
 
-Layout: nvme_dir/rank{r}/run-<time>-<pid>-<random>/ holds this run's chunk files and a `.lock`
-file flock'ed for the run's lifetime, so two runs (or two ranks) never share a file and a
-cleanup tool can tell a live run's folder from a crashed one's. Space grows in preallocated
+Layout: this run's locked folder nvme_dir/rank{r}/run-<time>-<pid>-<random>/ holds its chunk
+files (tierzero/placement/swap_dirs.py: two runs or two ranks never share a file, and what a
+killed run left is reclaimed safely by the next). Space grows in preallocated
 chunk files (at least CHUNK_BYTES, or one tensor's size if larger) up to the NVMe budget;
 extents are 4 KiB aligned, allocated first-fit and coalesced on free. A tensor takes one extent
 when a hole fits it, else pieces of the largest holes (a `SwapRegion`), so free space left in
@@ -16,21 +16,15 @@ checkpoint's files as its bytes until its first write (`borrow`/`adopt`: see the
 from __future__ import annotations
 
 import bisect
-import contextlib
-import fcntl
 import os
-import shutil
-import sys
-import time
-import uuid
-from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
 from io_engine import IOEngine, IOFuture, PreallocatedFile
-from tierzero.config import IOConfig, format_size
+from tierzero.config import IOConfig
 from tierzero.placement.cow_home import CheckpointFiles, CheckpointHome, Segment
+from tierzero.placement.swap_dirs import FILE_MODE, RunFolder
 from tierzero.placement.telemetry import Telemetry
 from tierzero.placement.tiers import ALIGNMENT, Budget, round_up
 
@@ -154,32 +148,6 @@ class ExtentAllocator:
         return f"ExtentAllocator(chunks={len(self._sizes)}, used={self.used_bytes}, capacity={self.capacity})"
 
 
-LOCK = ".lock"
-"""A run folder's lock file: flocked by the process that owns the folder, holding its PID."""
-
-
-def reclaim_dead_runs(rank_dir: Path) -> None:
-    """Remove run folders whose process is gone (it was killed before it could remove its swap
-    files): nothing holds their lock any more. One line on stderr for each."""
-    for run in sorted(rank_dir.glob("run-*")):
-        lock = run / LOCK
-        try:
-            with open(lock, "r+") as f:
-                try:
-                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue  # a live process owns it
-                if os.fstat(f.fileno()).st_nlink == 0:
-                    continue  # its owner is removing the folder right now
-                pid = f.read().strip() or "?"
-                size = sum(p.stat().st_size for p in run.iterdir() if p.is_file())
-                shutil.rmtree(run)
-        except FileNotFoundError:
-            continue  # no lock (being created or removed by its owner right now)
-        print(f"tierzero: removed {format_size(size)} of swap files left in {run} by process {pid}, "
-              "which is gone", file=sys.stderr)
-
-
 class SwapSpace:
     """This run's swap files on one rank: extents reserved from the NVMe budget, checksummed IO.
 
@@ -195,27 +163,9 @@ class SwapSpace:
         """Counts every read and write (bytes by kind, busy time)."""
         self.checksums = checksums
         self.chunk_bytes = round_up(chunk_bytes)
-        base = Path(nvme_dir)
-        if not base.is_dir():
-            if not base.parent.is_dir():
-                raise FileNotFoundError(
-                    f"nvme_dir {str(base)!r}: its parent folder {str(base.parent)!r} does not exist; "
-                    "give nvme_dir inside an existing folder on the NVMe drive")
-            base.mkdir(exist_ok=True)
-        rank_dir = base / f"rank{rank}"
-        rank_dir.mkdir(exist_ok=True)
-        reclaim_dead_runs(rank_dir)
-        name = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        # Made under a hidden name and renamed once locked, so reclaim_dead_runs in another
-        # process never sees a run folder whose owner has not locked it yet.
-        making = rank_dir / f".{name}"
-        making.mkdir(parents=True)  # the rank folder again, if another run's close just removed it
-        self._lock_file = open(making / LOCK, "w")
-        fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        self._lock_file.write(f"{os.getpid()}\n")
-        self._lock_file.flush()
-        self.run_dir = rank_dir / name
-        making.rename(self.run_dir)
+        self.folder = RunFolder(nvme_dir, rank)
+        """This run's locked folder (tierzero/placement/swap_dirs.py)."""
+        self.run_dir = self.folder.path
         self.engine = IOEngine(threads=io.threads, block_size=io.block_size, direct=io.direct)
         self.allocator = ExtentAllocator()
         self._files: dict[int, PreallocatedFile] = {}
@@ -355,16 +305,8 @@ class SwapSpace:
         self.checkpoint_files.close()
         for f in self._files.values():
             f.close()
-            os.unlink(f.path)
         self._files.clear()
-        # The lock is held until the folder is gone: a reclaim_dead_runs in another process
-        # never takes a live run's lock (it skips a lock file already unlinked, too).
-        (self.run_dir / LOCK).unlink(missing_ok=True)
-        self.run_dir.rmdir()
-        fcntl.flock(self._lock_file, fcntl.LOCK_UN)
-        self._lock_file.close()
-        with contextlib.suppress(OSError):  # other runs (other processes) may still use it
-            self.run_dir.parent.rmdir()
+        self.folder.remove()  # what is already gone (the user removed nvme_dir) is no error
 
     def _grow(self, size: int) -> None:
         size -= size % ALIGNMENT
@@ -372,7 +314,7 @@ class SwapSpace:
             return
         chunk = self.allocator.add_chunk(size)
         try:
-            self._files[chunk] = PreallocatedFile(str(self.run_dir / f"swap{chunk:04d}.bin"), size)
+            self._files[chunk] = PreallocatedFile(str(self.folder.file(chunk)), size, mode=FILE_MODE)
         except BaseException:
             self.allocator.remove_chunk(chunk)
             raise

@@ -189,9 +189,19 @@ class ResidencyTable:
     def pin(self, rec: TensorRecord, tier: Tier) -> Copy:
         copy = rec._copies[tier]
         copy.pins += 1
+        copy.holders.append(threading.get_ident())
         copy.used = True
         self.room.touch(rec.handle, tier)
         return copy
+
+    def pinned_by_others(self, tier: Tier, thread: int) -> bool:
+        """Whether a cached copy on `tier` is pinned by a thread other than `thread`, or by a
+        move (which will unpin it when it ends)."""
+        for rec in self._records.values():
+            copy = rec._copies.get(tier) if tier is not rec.home else None
+            if copy is not None and copy.pins and (copy.pins != len(copy.holders) or set(copy.holders) != {thread}):
+                return True
+        return False
 
     def home_buffer(self, rec: TensorRecord) -> Buffer:
         """What holds the tensor's home bytes (a SwapRegion for an NVMe home)."""
@@ -201,8 +211,10 @@ class ResidencyTable:
         """A release begins: the copy on `tier`, pinned by an acquire() (RuntimeError otherwise),
         now the most recently used."""
         copy = rec._copies.get(tier)
-        if copy is None or copy.pins == 0:
+        if copy is None or copy.pins == 0 or not copy.holders:
             raise RuntimeError(f"release({rec.name!r}, {tier.value!r}) without a matching acquire()")
+        me = threading.get_ident()
+        copy.holders.remove(me if me in copy.holders else copy.holders[0])  # released by another thread
         self.room.touch(rec.handle, tier)
         return copy
 

@@ -5,6 +5,8 @@ by the model, and the queries on a wrapped model: `state_of`, `placement_manager
 
 from __future__ import annotations
 
+import sys
+import threading
 import weakref
 from typing import Any
 
@@ -64,6 +66,7 @@ class TieredState:
     # ------------------------------------------------------------------------ step lifecycle
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        self.ctx.check_thread(type(module).__name__)
         if self.ctx.backward_died():
             self.ctx.end_iteration(died=True)  # its final callback never ran; blocks reset below
         if self.ctx.phase is Phase.BACKWARD:
@@ -79,13 +82,15 @@ class TieredState:
             self._saved_views.enter()
 
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        """Runs even when the forward raised (always_call)."""
-        if self.ctx.phase is Phase.BACKWARD:
+        """Runs even when the forward raised (always_call: then with no output, while torch
+        handles the exception); a forward that raised is no trace to learn from, and one that
+        `check_thread` refused changed nothing to undo."""
+        if self.ctx.phase is Phase.BACKWARD or self.ctx.owner is not threading.current_thread():
             return
         self._saved_views.exit()
         outputs = [t for t in output_tensors(output) if t.requires_grad]
         if not torch.is_grad_enabled() or not outputs:
-            self.ctx.end_iteration()
+            self.ctx.end_iteration(died=output is None and sys.exc_info()[0] is not None)
         else:
             self._grad_capture.install(outputs)
 

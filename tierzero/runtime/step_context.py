@@ -4,8 +4,9 @@ The root state (state.py), the blocks (blocks.py, fetch_group.py, flat_param.py)
 tiered optimizer (tierzero.optim) all read the context; every field is written only by the
 methods below, so the life of a step can be read in one place:
 
-    begin_iteration   the root's forward starts: phase FORWARD (IDLE without grad); all-gathers
-                      started ahead for the previous iteration are dropped by the caller
+    begin_iteration   the root's forward starts: phase FORWARD (IDLE without grad), the calling
+                      thread its owner (`check_thread` refuses another's until the step ends);
+                      all-gathers started ahead for the previous iteration are dropped by the caller
     hold / release    a block is fetched / released (the held set, and device room beside it;
                       a forward's first fetches give `forward_order` when its backward ends)
     track / untrack   a held flat tensor's device storage (saved-tensor hooks find it by pointer)
@@ -23,6 +24,7 @@ Protocols `FlatRef` and `HeldBlock`, never by their classes.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
@@ -131,6 +133,8 @@ class StepContext:
     updates: StepQueue | None = field(default=None, init=False)
     """The overlapped step's queue of block updates (see [Note: overlapped step] in
     step_queue.py), once a tiered optimizer runs its step under the next forward."""
+    owner: threading.Thread | None = field(default=None, init=False)
+    """The thread whose step is under way (from the root's forward to the end of its backward)."""
     clip_norm_type: float | None = field(default=None, init=False)
     """The norm tz.clip_grad_norm_ last computed: each FlatGrad computes it as its gradient is
     written in backward, so clipping needs no second read of the gradients."""
@@ -212,6 +216,20 @@ class StepContext:
     def begin_iteration(self, *, grad: bool) -> None:
         self.phase = Phase.FORWARD if grad else Phase.IDLE
         self._forward_seen = {}
+        self.owner = threading.current_thread()
+
+    def check_thread(self, model_name: str) -> None:
+        """RuntimeError when a step another thread started is not over (its forward, or a
+        backward still to come): the model is left as it is, for that thread to finish. A
+        forward run inside a backward (a recompute, on autograd's thread) is part of that step."""
+        owner = self.owner
+        if owner is None or owner is threading.current_thread() or torch._C._current_graph_task_id() != -1:
+            return
+        raise RuntimeError(
+            f"tierzero: this {model_name} is in the middle of a step that thread {owner.name!r} started (its forward, "
+            f"or the backward that must follow it); a wrapped model runs one step at a time, so this call from "
+            f"thread {threading.current_thread().name!r} was refused and the model left as it was. Use the model from "
+            "one thread, or hold a lock around each step (forward, backward, optimizer step)")
 
     def begin_backward(self) -> None:
         """First pre-backward hook of a backward pass: queue the final callback once."""
@@ -231,6 +249,7 @@ class StepContext:
         """The backward (or an inference forward) is over; `died`: it raised, so the prefetcher
         learns nothing from it (its fetches stopped short of a trace)."""
         self._callback_queued = False
+        self.owner = None
         if self._forward_seen and not died:
             self.forward_order = tuple(self._forward_seen)
         self._forward_seen = {}

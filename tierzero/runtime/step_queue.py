@@ -88,7 +88,8 @@ class StepQueue:
             failed = StepFailed(
                 f"tierzero: opt.step() failed while updating block {name!r} on its update thread "
                 f"({type(e).__name__}: {e}); the blocks after it were not updated, so the model "
-                "holds a partial step. Restore it from a checkpoint (tz.load_checkpoint)")
+                "holds a partial step: load a checkpoint (tz.load_checkpoint) if you saved one, or wrap "
+                "the model again")
             failed.__cause__ = e
             if self._failed is None:
                 self._failed = failed
