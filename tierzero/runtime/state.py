@@ -53,6 +53,11 @@ class TieredState:
     def pm(self) -> PlacementManager:
         return self.ctx.pm
 
+    def locate(self, p: torch.Tensor) -> tuple[FlatParam, int] | None:
+        """(its FlatParam, its index there) of a parameter of this model; None for any other tensor."""
+        found = self._flat_of.get(id(p))
+        return found if found is not None and found[0].params[found[1]] is p else None
+
     def flat_params(self, *, trainable: bool | None = None) -> list[FlatParam]:
         return [f for b in self.blocks for f in b.flats if trainable is None or f.trainable == trainable]
 
@@ -160,11 +165,27 @@ def is_wrapped(model: nn.Module) -> bool:
 
 
 def state_of(model: nn.Module) -> TieredState:
-    """The tierzero state of a wrapped model; ValueError if it is not wrapped."""
+    """The tierzero state of a wrapped model, or of the one wrapped model inside `model` (a
+    peft model around a wrapped transformers model); ValueError if there is none."""
     state = _STATES.get(model)
     if state is None:
-        raise ValueError(f"{type(model).__name__} is not wrapped by tierzero; call tz.wrap(model, config) first")
+        inner = [m for m in model.modules() if m in _STATES]
+        if len(inner) == 1:
+            return _STATES[inner[0]]
+        raise ValueError(f"{type(model).__name__} is not wrapped by tierzero"
+                         + (f" (it holds {len(inner)} wrapped models; pass one)" if inner else "")
+                         + "; call tz.wrap(model, config) first")
     return state
+
+
+def state_of_param(p: torch.Tensor, *, who: str) -> TieredState:
+    """The state of the wrapped model `p` is a parameter of; ValueError naming `who` otherwise."""
+    for state in list(_STATES.values()):
+        if state.locate(p) is not None:
+            return state
+    raise ValueError(f"{who}: a tensor of shape {tuple(p.shape)} is not a parameter of a tierzero-wrapped model; "
+                     "tiered optimizers step a wrapped model's parameters (tz.wrap(model, config) first, then "
+                     "give the model or parameters from its named_parameters())")
 
 
 def placement_manager(model: nn.Module) -> PlacementManager:
