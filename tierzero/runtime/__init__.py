@@ -21,12 +21,12 @@ from tierzero.runtime.collectives import RankRuntimeError, all_reduce_, rank_err
 from tierzero.runtime.flat_param import FlatParam
 from tierzero.runtime.grads import FlatGrad
 from tierzero.runtime.optimizer_guard import TIERED_OPTIMIZER
-from tierzero.runtime.state import (TieredState, close, full_state_dict, model_dtype, placement_manager,
+from tierzero.runtime.state import (TieredState, close, full_state_dict, gathered_params, model_dtype, placement_manager,
                                     settle, state_of, state_of_param, step_comm_bytes, step_stats)
 from tierzero.runtime.step_context import StepContext
 from tierzero.runtime.step_queue import StepFailed, StepQueue
 from tierzero.runtime.wrapping import wrap
 
-__all__ = ["wrap", "state_of", "state_of_param", "placement_manager", "step_stats", "step_comm_bytes", "full_state_dict", "settle",
+__all__ = ["wrap", "gathered_params", "state_of", "state_of_param", "placement_manager", "step_stats", "step_comm_bytes", "full_state_dict", "settle",
            "close", "model_dtype", "TieredState", "FlatParam", "FlatGrad", "StepContext", "StepQueue", "StepFailed",
            "RankRuntimeError", "rank_errors", "world", "all_reduce_", "TIERED_OPTIMIZER"]

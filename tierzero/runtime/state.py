@@ -5,15 +5,16 @@ by the model, and the queries on a wrapped model: `state_of`, `placement_manager
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
-from tierzero.config import Config
+from tierzero.config import Config, Tier, format_size
 from tierzero.layout import CommBytes, unique_params
 from tierzero.placement import PlacementManager, StepStats
 from tierzero.runtime.blocks import Block, SavedParamViews, output_tensors
@@ -71,6 +72,9 @@ class TieredState:
     # ------------------------------------------------------------------------ step lifecycle
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self in _GATHERED:
+            raise RuntimeError(f"{type(module).__name__}: a forward inside tz.gathered_params(); run it after the "
+                               "with block (the gathered parameters are fetched outside any step)")
         self.ctx.check_thread(type(module).__name__)
         if self.ctx.backward_died():
             self.ctx.end_iteration(died=True)  # its final callback never ran; blocks reset below
@@ -212,6 +216,84 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     state = state_of(model)
     sd = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
     return sd if state.ctx.rank == 0 else {}
+
+
+_GATHERED: "weakref.WeakSet[TieredState]" = weakref.WeakSet()
+"""Wrapped models inside tz.gathered_params() now."""
+
+
+@contextlib.contextmanager
+def gathered_params(model: nn.Module, modules: nn.Module | list[nn.Module] | None = None, *,
+                    writable: bool = False) -> Iterator[None]:
+    """Within the block, the wrapped model's parameters (those of `modules`, which may be any
+    submodules; None: all) hold their full values, readable as plain tensors (FSDP's
+    summon_full_params, DeepSpeed's GatheredParameters). Their blocks are fetched to the device
+    tier like a forward fetches them, so they must fit its budget together (ValueError naming
+    the bytes otherwise: gather fewer modules at a time). The values are in the compute dtype
+    (fp32 compute: exactly the state dict's). writable=True: what the block changed in them is
+    written back to their homes and master weights on exit (where fp32 master weights are kept
+    apart from narrower parameters, only the elements whose value changed take it); False: changes
+    are discarded (but on parameters homed on the device tier, which are the values themselves).
+    Between steps only; with several ranks every rank enters it with the same modules."""
+    state = state_of(model)
+    ctx = state.ctx
+    if ctx.phase is not Phase.IDLE or ctx.held or state in _GATHERED:
+        raise RuntimeError("tz.gathered_params: the model is in a step or already gathered; use it between "
+                           "training steps (after opt.step()), not inside a forward, a backward or another "
+                           "gathered_params")
+    ctx.drain_updates()
+    blocks = _blocks_of(state, modules)
+    need, room = sum(b.nbytes for b in blocks), ctx.device_room()
+    if need > room:
+        raise ValueError(f"tz.gathered_params: the {len(blocks)} block(s) asked for need {format_size(need)} "
+                         f"({need} bytes) on the device tier at once, and its budget leaves {format_size(room)} "
+                         f"({room} bytes) beside the device-homed tensors; pass fewer modules at a time "
+                         "(e.g. one layer), or raise device_budget")
+    _GATHERED.add(state)
+    fetched: list[Block] = []
+    try:
+        for block in blocks:
+            ctx.hold(block)
+            try:
+                block.group.fetch()
+            except BaseException:
+                ctx.release(block)
+                raise
+            fetched.append(block)
+        yield
+        while writable and fetched:  # block by block: one block's values in CPU memory at a time
+            block = fetched.pop(0)
+            values = [flat.held_values() for flat in block.flats]
+            _release(block, discard=False)
+            for flat, shard in zip(block.flats, values):
+                flat.write_values(shard)
+    finally:
+        for block in fetched:
+            _release(block, discard=True)
+        _GATHERED.discard(state)
+
+
+def _blocks_of(state: TieredState, modules: nn.Module | list[nn.Module] | None) -> list[Block]:
+    blocks = [b for b in state.blocks if b.flats]
+    if modules is None:
+        return blocks
+    wanted = set()
+    for module in [modules] if isinstance(modules, nn.Module) else modules:
+        located = [state.locate(p) for p in module.parameters()]
+        wanted |= {found[0] for found in located if found is not None}
+    return [b for b in blocks if any(f in wanted for f in b.flats)]
+
+
+def _release(block: Block, *, discard: bool) -> None:
+    """A gathered block back to FREE; `discard`: its device copies are dropped, so what was
+    changed in them is not seen again."""
+    ctx = block.ctx
+    block.group.free()
+    ctx.release(block)
+    if discard:
+        for flat in block.flats:
+            if flat.param.home is not Tier.DEVICE:
+                ctx.pm.drop(flat.param, Tier.DEVICE)
 
 
 def settle(model: nn.Module) -> None:
