@@ -60,7 +60,20 @@ def meta_model(args: argparse.Namespace) -> tuple[torch.nn.Module, tzdata.Tokeni
     if not pretrained(args):
         shape = {k: v for k in ("n_layer", "n_embd") if (v := getattr(args, k, None))}
         return build(args.model, device="meta", vocab_size=tzdata.VOCAB_SIZE, seq_len=max(args.seq, 1), **shape), None
+    tzdata.require_causal_lm(args.model)
     return hf.meta_model(args.model), tzdata.folder_tokenizer(args.model)
+
+
+def heads(model: torch.nn.Module) -> str:
+    """What a run trains, in words: the model's class, its parameters and the head its loss goes through."""
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if isinstance(model, GPT):
+        return f"the built-in GPT, all {n / 1e6:.1f}M parameters, next-token loss through its lm_head"
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    name = next((fqn for fqn, m in model.named_modules() if m is out), "?")
+    tied = " (tied to the input embeddings)" if out is not None and out.weight is inp.weight else ""
+    return (f"{type(model).__name__}, all {n / 1e6:.1f}M parameters, next-token loss through its causal LM "
+            f"head {name}{tied}")
 
 
 def corpus(args: argparse.Namespace, tokenizer: tzdata.Tokenizer | None, model: torch.nn.Module) -> np.ndarray:

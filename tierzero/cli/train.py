@@ -51,7 +51,7 @@ from io_engine.progress import Progress
 from tierzero.checkpoint import latest_checkpoint
 from tierzero.cli.flags import (add_placement_flags, add_rate_flags, add_zero_flags, placement_from_flags,
                                 rates_from_flags, zero_from_flags)
-from tierzero.cli.harness import batch_loss, check_room, corpus, meta_model, pretrained
+from tierzero.cli.harness import batch_loss, check_room, corpus, heads, meta_model, pretrained
 from tierzero.cli.plots import plot_run
 from tierzero.cli.run_dir import RunDir
 from tierzero.cli.stop import Stopped, StopSignals
@@ -305,6 +305,8 @@ def _run(args: argparse.Namespace, cfg: tz.Config, rank: int, world_size: int, r
          folders: _Folders, outcome: _Outcome) -> dict:
     torch.manual_seed(args.seed)
     model, tokenizer = meta_model(args)
+    if rank == 0:
+        print(f"tierzero train: training {heads(model)}", file=sys.stderr)
     sampler = tzdata.BatchSampler(corpus(args, tokenizer, model), batch=args.batch, seq=args.seq, seed=args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     est = check_room(model, cfg, world_size)

@@ -36,10 +36,14 @@ from tierzero.runtime import FlatParam, model_dtype
 
 
 def from_pretrained(path: str | os.PathLike[str], config: Config, *, dtype: torch.dtype | None = None,
-                    model_cls: Any = None, **model_kwargs: Any) -> nn.Module:
-    """A transformers causal LM from the local folder `path`, wrapped by tierzero with its
-    weights streamed in: the folder's config.json is read, the model is built on the meta
-    device (no memory), then `tz.wrap(model, config, weights=path)` loads it block by block.
+                    model_cls: Any = None, strict: bool = False, **model_kwargs: Any) -> nn.Module:
+    """A transformers model from the local folder `path` (a causal LM, or `model_cls`: an
+    encoder, a classifier, ...), wrapped by tierzero with its weights streamed in: the folder's
+    config.json is read, the model is built on the meta device (no memory), then
+    `tz.wrap(model, config, weights=path, strict=strict)` loads it block by block, by
+    transformers' loading rules: a head the checkpoint lacks (a classifier on a base model's
+    checkpoint) is initialised by the model's own `_init_weights` and named in one warning,
+    checkpoint keys the model does not use are ignored (strict=True: both are errors).
 
     dtype: the dtype of the parameters' values (None: the folder's config `dtype` /
     `torch_dtype`, else float32); tierzero computes in `config.compute_dtype`. model_cls: a
@@ -47,7 +51,8 @@ def from_pretrained(path: str | os.PathLike[str], config: Config, *, dtype: torc
     `model_cls(hf_config)`); model_kwargs go to that construction (e.g. attn_implementation).
     The folder's generation_config.json, when there is one, becomes `model.generation_config`.
     """
-    model = runtime.wrap(meta_model(path, dtype=dtype, model_cls=model_cls, **model_kwargs), config, weights=path)
+    model = runtime.wrap(meta_model(path, dtype=dtype, model_cls=model_cls, **model_kwargs), config, weights=path,
+                         strict=strict)
     return model.eval()  # as transformers' from_pretrained returns it; training sets train()
 
 

@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from tierzero.config import Config, Tier, format_size
-from tierzero.formats import LoadedShard, check_buffers, init_buffers, load_buffers, open_weights
+from tierzero.formats import LoadedShard, check_buffers, init_buffers, init_params, load_buffers, open_weights
 from tierzero.layout import (ROOT, BlockSpec, FlatLayout, ZeroStage, assign_params, block_fetch_bytes,
                              block_specs, flat_groups, group_modules)
 from tierzero.placement import PlacementManager
@@ -71,18 +71,23 @@ from tierzero.runtime.step_context import StepContext
 
 
 def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
-         weights: str | os.PathLike[str] | None = None) -> nn.Module:
+         weights: str | os.PathLike[str] | None = None, strict: bool = False) -> nn.Module:
     """Make `model` train with its state on tiers (see the module docstring); returns `model`.
 
     `weights`: a transformers model folder (sharded safetensors) or a .safetensors file to fill
     the tiers from, block by block, instead of the model's own values; the model may then be
     built on the meta device whatever its modules (see tierzero/formats/weights.py: host memory holds
     about one block at a time, every rank reads only its shard's rows, nothing is broadcast).
+    Keys are matched by transformers' rules (tierzero/formats/load_rules.py; a peft model loads
+    its base model's checkpoint): keys the model does not use are ignored, parameters the
+    checkpoint lacks are initialised as transformers initialises new modules (real ones keep their
+    values), both reported in one warning; `strict=True` refuses them instead.
 
     Raises ValueError for a model already wrapped, an unknown `config.block_classes` name, a
     device budget too small for the largest block plus the prefetch reserve, meta-device
     parameters in a module without `reset_parameters()` (without `weights`), or `weights` that do
-    not match the model (missing, unexpected, mis-shaped keys; before the model is changed).
+    not match the model (mis-shaped keys; with strict, missing and unexpected ones; before the
+    model is changed).
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"wrap: expected an nn.Module, got {type(model).__name__}")
@@ -95,7 +100,7 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
         if weights is None:
             _check_meta(model)
         else:  # every mismatch is found here, before the model changes
-            plan = open_weights(model, weights)
+            plan = open_weights(model, weights, strict=strict)
             files.callback(plan.source.close)
             check_buffers(model, plan)
         groups = group_modules(model, config)
@@ -114,6 +119,7 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
             shards = None
             if plan is not None:
                 init_buffers(model, plan)  # while the parameters are still as built
+                init_params(model, plan)
                 borrow = borrows_checkpoint(Tier(config.params), ctx.zero)
                 wanted = [shard_request(layout, [p.dtype for _, p in ps], compute_dtype, borrow=borrow)
                           for _, _, flats in layouts for ps, layout in flats]
