@@ -16,7 +16,7 @@ from tierzero.formats.hf_folder import (CONFIG_FILE, CONFIG_FILES, INDEX_FILE, S
                                         write_weights_folder)
 from tierzero.formats.safetensors_file import TensorSpec, fsync_dir, save_safetensors, write_safetensors
 from tierzero.formats.load_rules import (PEFT_PREFIX, adapter_params, base_model, checkpoint_name, is_peft,
-                                         open_weights)
+                                         open_weights, peft_base_name)
 from tierzero.formats.weights import LoadedShard, ShardRequest, WeightSource, load_safetensors
 
 __all__ = ["VOCAB_SIZE", "BatchSampler", "Tokenizer", "file_corpus", "stdlib_corpus", "CONFIG_FILE", "CONFIG_FILES", "check_folder_target",
@@ -25,4 +25,4 @@ __all__ = ["VOCAB_SIZE", "BatchSampler", "Tokenizer", "file_corpus", "stdlib_cor
            "saved_dtype", "write_config_files", "write_synced", "write_weights_folder", "TensorSpec", "fsync_dir",
            "save_safetensors", "write_safetensors", "LoadedShard", "ShardRequest", "WeightSource", "check_buffers",
            "init_buffers", "init_params", "load_buffers", "load_safetensors", "open_weights", "persistent_buffers",
-           "PEFT_PREFIX", "adapter_params", "base_model", "checkpoint_name", "is_peft"]
+           "PEFT_PREFIX", "adapter_params", "base_model", "checkpoint_name", "is_peft", "peft_base_name"]

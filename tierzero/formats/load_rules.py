@@ -53,9 +53,12 @@ def checkpoint_name(model: nn.Module) -> Callable[[str], str]:
     model's names, so a peft model built on a meta base streams the base from its pretrained
     folder (both copies of a module to save from the one key); the adapters are in no such
     checkpoint: peft initialises them (buffers.init_params)."""
-    if not is_peft(model):
-        return lambda name: name
-    return lambda name: _PEFT_WRAPPERS.sub("", name.removeprefix(PEFT_PREFIX))
+    return peft_base_name if is_peft(model) else lambda name: name
+
+
+def peft_base_name(name: str) -> str:
+    """A name in a peft model (or in a model peft adapted in place) as its base model has it."""
+    return _PEFT_WRAPPERS.sub("", name.removeprefix(PEFT_PREFIX))
 
 
 def adapter_params(model: nn.Module) -> set[int]:

@@ -122,12 +122,12 @@ class TieredOptimizer(torch.optim.Optimizer):
         """Per flat tensor, its update batches for the last (skipped, group classes) asked for."""
         self._ready = False
         super().__init__(groups, defaults)  # add_param_group checks each group
-        previous = _OPTIMIZER_OF.get(self._model_state)
+        previous = _OPTIMIZER_OF.get(self._model_state.model)
         if previous is not None:
             previous._give_back_states()
         self._cover()
         self._ready = True
-        _OPTIMIZER_OF[self._model_state] = self
+        _OPTIMIZER_OF[self._model_state.model] = self
         self._stepped: set[FlatParam] = set()
         """Flats updated during this step's backward (Config.step_in_backward)."""
         self._driver: str | None = None
@@ -466,8 +466,8 @@ class TieredOptimizer(torch.optim.Optimizer):
             flat.master_updated(entry[Kind.MASTER.value])
 
 
-_OPTIMIZER_OF: "weakref.WeakKeyDictionary[runtime.TieredState, TieredOptimizer]" = weakref.WeakKeyDictionary()
-"""Side table: a wrapped model's state -> its tiered optimizer (the newest one)."""
+_OPTIMIZER_OF: "weakref.WeakKeyDictionary[nn.Module, TieredOptimizer]" = weakref.WeakKeyDictionary()
+"""Side table: a wrapped model -> its tiered optimizer (the newest one)."""
 
 
 ParamsT = Union[nn.Module, Iterable[torch.Tensor], Iterable[tuple[str, torch.Tensor]], Iterable[dict[str, Any]]]
@@ -476,9 +476,11 @@ parameters as torch's optimizers take them (tensors, (name, tensor) pairs, or gr
 
 
 def _owner_and_groups(params: ParamsT, who: str) -> tuple[runtime.TieredState, list[Any]]:
-    """The wrapped model `params` belong to, and the groups to give torch's Optimizer."""
+    """The wrapped model `params` belong to, and the groups to give torch's Optimizer. What
+    changed in the model since wrap is taken in first (runtime.refresh: peft's adapters added
+    and its base frozen after tz.from_pretrained)."""
     if isinstance(params, nn.Module):
-        state = runtime.state_of(params)
+        state = runtime.refresh(params)
         trainable = [p for p in state.model.parameters() if p.requires_grad]
         if not trainable:
             raise ValueError(f"{who}: the model has no trainable parameters (requires_grad=True); nothing to optimize")
@@ -492,7 +494,7 @@ def _owner_and_groups(params: ParamsT, who: str) -> tuple[runtime.TieredState, l
     if not tensors:
         raise ValueError(f"{who} got an empty parameter list; give the wrapped model, or parameters from its "
                          "named_parameters()")
-    return runtime.state_of_param(tensors[0], who=who), items
+    return runtime.refresh(runtime.state_of_param(tensors[0], who=who).model), items
 
 
 def _listed(params: Any) -> Any:

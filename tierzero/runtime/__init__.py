@@ -25,8 +25,8 @@ from tierzero.runtime.state import (TieredState, close, full_state_dict, gathere
                                     settle, state_of, state_of_param, step_comm_bytes, step_stats)
 from tierzero.runtime.step_context import StepContext
 from tierzero.runtime.step_queue import StepFailed, StepQueue
-from tierzero.runtime.wrapping import wrap
+from tierzero.runtime.wrapping import refresh, wrap
 
-__all__ = ["wrap", "gathered_params", "state_of", "state_of_param", "placement_manager", "step_stats", "step_comm_bytes", "full_state_dict", "settle",
+__all__ = ["wrap", "refresh", "gathered_params", "state_of", "state_of_param", "placement_manager", "step_stats", "step_comm_bytes", "full_state_dict", "settle",
            "close", "model_dtype", "TieredState", "FlatParam", "FlatGrad", "StepContext", "StepQueue", "StepFailed",
            "RankRuntimeError", "rank_errors", "world", "all_reduce_", "TIERED_OPTIMIZER"]

@@ -202,6 +202,36 @@ class FlatParam:
                 self.master = ctx.register(self.name, values.float(), ctx.master_tier, kind=Kind.MASTER)
         return self.master
 
+    def freeze(self, home: Tier) -> None:
+        """Its parameters were all frozen after wrap (peft froze a base): it becomes a frozen
+        flat tensor, labelled so (Kind.FROZEN), homed on `home` (moved there when that is another
+        tier), its gradient and separate master weights given back (a frozen flat tensor holds
+        its values in the compute dtype, as one frozen at wrap does)."""
+        ctx = self.ctx
+        assert self.is_free and self.trainable, (self.name, self._state)
+        if self.grad is not None:
+            self.grad.drop_capture()
+            ctx.unregister(self.grad.handle)
+        if self.master is not None and self.master is not self.param:
+            ctx.unregister(self.master)
+        if home is self.home:
+            self._param = ctx.pm.relabel(self.param, Kind.FROZEN)
+        else:
+            values = ctx.pm.read(self.param)
+            ctx.unregister(self.param)
+            self._param = ctx.register(self.name, values, home, kind=Kind.FROZEN, dtype=ctx.compute_dtype)
+        self.trainable, self.grad, self.master, self.home = False, None, None, home
+
+    def close(self) -> None:
+        """Give every handle back (its parameters are taken over by another flat tensor)."""
+        assert self.is_free, (self.name, self._state)
+        ctx = self.ctx
+        if self.grad is not None:
+            ctx.unregister(self.grad.handle)
+        if self.master is not None and self.master is not self.param:
+            ctx.unregister(self.master)
+        ctx.unregister(self.param)
+
     # ------------------------------------------------------------------------- transitions
 
     def install(self, flat: torch.Tensor) -> None:

@@ -69,6 +69,14 @@ class TieredState:
         self._handles.append(self.model.register_forward_pre_hook(self._root_pre_forward, prepend=True))
         self._handles.append(self.model.register_forward_hook(self._root_post_forward, always_call=True))
 
+    def remove_hooks(self) -> None:
+        """Every hook this state and its blocks registered, removed (a new root state takes over)."""
+        for block in self.blocks:
+            block.remove_hooks()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
     # ------------------------------------------------------------------------ step lifecycle
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
@@ -125,7 +133,7 @@ class TieredState:
                 module.register_state_dict_post_hook(
                     lambda m, sd, prefix, meta, ids=ids: self._save_hook(m, sd, prefix, ids)),
                 module.register_load_state_dict_pre_hook(
-                    lambda m, sd, prefix, meta, *rest, flats=flats: self._load_pre_hook(meta, flats)),
+                    lambda m, sd, prefix, meta, *rest, flats=flats: self._load_pre_hook(m, sd, prefix, meta, flats)),
                 module.register_load_state_dict_post_hook(
                     lambda m, incompatible, flats=flats: self._load_post_hook(flats)),
             ]
@@ -139,17 +147,25 @@ class TieredState:
                     cache[flat] = flat.read_full()
                 state_dict[name] = cache[flat][i]
 
-    def _load_pre_hook(self, local_metadata: dict[str, Any], flats: list[FlatParam]) -> None:
+    def _load_pre_hook(self, module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                       local_metadata: dict[str, Any], flats: list[FlatParam]) -> None:
+        """The flat tensors the state dict gives values for hold full CPU tensors to load into
+        (the others are not read, nor written back: a partial load, such as peft's adapters,
+        leaves a frozen base's home untouched)."""
         if local_metadata.get("assign_to_params_buffers", False):
             raise ValueError("load_state_dict(assign=True) would replace the parameters of a "
                              "tierzero-wrapped model; load with assign=False (the default)")
+        given = {id(p) for n, p in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False)
+                 if n in state_dict}
         for flat in flats:
-            flat.install_scratch(flat.read_full())
+            if any(id(p) in given for p in flat.params):
+                flat.install_scratch(flat.read_full())
 
     def _load_post_hook(self, flats: list[FlatParam]) -> None:
         for flat in flats:
-            flat.write_full([p.data for p in flat.params])
-            flat.uninstall()
+            if not flat.is_free:
+                flat.write_full([p.data for p in flat.params])
+                flat.uninstall()
 
     def __repr__(self) -> str:
         return (f"TieredState({type(self.model).__name__}, {len(self.blocks)} blocks, "
@@ -186,6 +202,9 @@ def state_of_param(p: torch.Tensor, *, who: str) -> TieredState:
     """The state of the wrapped model `p` is a parameter of; ValueError naming `who` otherwise."""
     for state in list(_STATES.values()):
         if state.locate(p) is not None:
+            return state
+    for state in list(_STATES.values()):  # added since wrap (peft's adapters): wrapping.refresh takes it in
+        if any(q is p for q in state.model.parameters()):
             return state
     raise ValueError(f"{who}: a tensor of shape {tuple(p.shape)} is not a parameter of a tierzero-wrapped model; "
                      "tiered optimizers step a wrapped model's parameters (tz.wrap(model, config) first, then "

@@ -64,8 +64,8 @@ from tierzero.runtime.collectives import broadcast_from_first_, rank_errors, wor
 from tierzero.runtime.fetch_group import gather_ahead
 from tierzero.runtime.flat_param import FlatParam, borrows_checkpoint, shard_request
 from tierzero.runtime.optimizer_guard import refuse_other_optimizers
-from tierzero.runtime.state import TieredState, adopt, is_wrapped
-from tierzero.runtime.step_context import StepContext
+from tierzero.runtime.state import TieredState, adopt, is_wrapped, state_of
+from tierzero.runtime.step_context import Phase, StepContext
 
 # ------------------------------------------------------------------------------- public API
 
@@ -120,13 +120,12 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
             if plan is not None:
                 init_buffers(model, plan)  # while the parameters are still as built
                 init_params(model, plan)
-                borrow = borrows_checkpoint(Tier(config.params), ctx.zero)
-                wanted = [shard_request(layout, [p.dtype for _, p in ps], compute_dtype, borrow=borrow)
+                wanted = [shard_request(layout, [p.dtype for _, p in ps], compute_dtype,
+                                        borrow=borrows_checkpoint(home_of(config, ps[0][1].requires_grad), ctx.zero))
                           for _, _, flats in layouts for ps, layout in flats]
                 # closed before the files (the exit stack unwinds in reverse): no read left in flight
                 shards = files.enter_context(contextlib.closing(plan.read_shards(wanted, rank, swap=pm.swap)))
-            blocks = [_build_block(name, modules, flats, ctx, Tier(config.params), shards)
-                      for name, modules, flats in layouts]
+            blocks = [_build_block(name, modules, flats, ctx, config, shards) for name, modules, flats in layouts]
             if plan is not None:
                 load_buffers(model, plan, pm.device)
             # the registers' NVMe writes landed: a disk error fails wrap, here (a load's blocks
@@ -171,6 +170,76 @@ def _start(model: nn.Module, config: Config, ctx: StepContext, blocks: list[Bloc
     return state
 
 
+def refresh(model: nn.Module) -> TieredState:
+    """Take in what changed in a wrapped model since wrap, between steps: parameters added inside
+    its modules (peft's adapters over a wrapped base: get_peft_model after tz.from_pretrained)
+    are tiered as wrap tiers its own, in the block of their module, from their values; a flat
+    tensor whose parameters were all frozen meanwhile (peft froze the base) becomes a frozen one
+    (FlatParam.freeze: on Config.frozen's tier, without gradient or master weights; a
+    copy-on-write home stays unwritten). The flat tensors that did not change are kept; the
+    blocks, hooks and prefetcher are built again (a new root state; returned). Nothing changed:
+    the state as it is. The tiered optimizers and tierzero.hf.Trainer call it, so that the
+    natural orders of LoRA over a tiered base all train the same way."""
+    state = state_of(model)
+    new = [(fqn, p) for fqn, p in state.model.named_parameters() if state.locate(p) is None]
+    frozen = [f for f in state.flat_params(trainable=True) if not any(p.requires_grad for p in f.params)]
+    if not new and not frozen:
+        return state
+    ctx, config = state.ctx, state.config
+    if ctx.phase is not Phase.IDLE or ctx.held:
+        raise RuntimeError(f"{type(state.model).__name__}: parameters were added or frozen since tz.wrap, which a "
+                           "tiered optimizer takes in between steps, not inside a forward or a backward")
+    ctx.drain_updates()
+    blocks = state.blocks
+    owner = assign_params(state.model, [[(b.name, m) for m in b.modules] for b in blocks if b.name != ROOT])
+    added: dict[str, list[tuple[str, nn.Parameter]]] = {}
+    for fqn, p in new:
+        added.setdefault(blocks[owner.get(id(p), -1)].name, []).append((fqn, p))
+    specs = [(b.name, b.modules, [(s.fqn, p) for f in b.flats for s, p in zip(f.layout.slots, f.params)]
+              + added.get(b.name, [])) for b in blocks]
+    _check_device_budget(config, specs, ctx.compute_dtype, ctx.zero)
+    rebuilt = [b if b.name not in added and not any(f in frozen for f in b.flats)
+               else Block(b.name, b.modules, _refreshed_flats(b, added.get(b.name, []), config), ctx) for b in blocks]
+    state.remove_hooks()
+    fresh = _start(state.model, config, ctx, rebuilt)
+    adopt(state.model, fresh)
+    refuse_other_optimizers(state.model)
+    return fresh
+
+
+def _refreshed_flats(block: Block, added: list[tuple[str, nn.Parameter]], config: Config) -> list[FlatParam]:
+    """A block's flat tensors once `added` parameters join it, by what requires a gradient now:
+    its trainable parameters in one flat tensor, then its frozen ones in another, as wrap builds
+    them. A flat tensor that holds exactly one side's parameters is kept (frozen by `freeze`
+    when its parameters were); any other side is registered anew from the values."""
+    ctx = block.ctx
+    params = [(s.fqn, p, d) for f in block.flats for s, p, d in zip(f.layout.slots, f.params, f.orig_dtypes)]
+    params += [(fqn, p, p.dtype) for fqn, p in added]
+    sides = [[x for x in params if x[1].requires_grad == trainable] for trainable in (True, False)]
+    keep = [next((f for f in block.flats if {id(p) for p in f.params} == {id(p) for _, p, _ in side}), None)
+            for side in sides]
+    values: dict[int, torch.Tensor] = {id(p): p.detach() for _, p in added}
+    for flat in block.flats:
+        if flat not in keep:  # its parameters go to a new flat tensor: their values first
+            values.update({id(p): v for p, v in zip(flat.params, flat.read_full())})
+            flat.close()
+    if keep[1] is not None and keep[1].trainable:  # before a new flat tensor takes its name
+        keep[1].freeze(home_of(config, False))
+    out = []
+    for trainable, side, flat in zip((True, False), sides, keep):
+        if flat is None and side:
+            layout = FlatLayout.build([f for f, _, _ in side], [p.shape for _, p, _ in side], ctx.world_size,
+                                      itemsize=ctx.compute_dtype.itemsize)
+            flat = FlatParam(block.name, [p for _, p, _ in side], layout, [d for _, _, d in side], ctx,
+                             home_of(config, trainable))
+            flat.register([values[id(p)] for _, p, _ in side])
+            if flat.grad is not None and any(p.grad is not None for p in flat.params):
+                flat.grad.accumulate(flat.params)  # a backward before the optimizer: its gradient is kept
+        if flat is not None:
+            out.append(flat)
+    return out
+
+
 def _check_device_budget(config: Config, specs: list[BlockSpec], dtype: torch.dtype, zero: ZeroStage) -> None:
     if config.params == "device" and not zero.gathers:
         return  # every block lives on the device whole; the placement manager checks the total
@@ -189,8 +258,13 @@ def _check_device_budget(config: Config, specs: list[BlockSpec], dtype: torch.dt
             "smaller blocks with config.block_classes")
 
 
+def home_of(config: Config, trainable: bool) -> Tier:
+    """The home tier of a flat tensor of trainable or of frozen parameters."""
+    return Tier(config.params if trainable else config.frozen_tier)
+
+
 def _build_block(name: str, modules: list[nn.Module],
-                 layouts: list[tuple[list[tuple[str, nn.Parameter]], FlatLayout]], ctx: StepContext, home: Tier,
+                 layouts: list[tuple[list[tuple[str, nn.Parameter]], FlatLayout]], ctx: StepContext, config: Config,
                  shards: Iterator[LoadedShard] | None) -> Block:
     """The block's flat tensors (`layouts`: flat_groups), registered from the parameters'
     values, or from the next of `shards` (this rank's shards read from a checkpoint, in flat
@@ -199,7 +273,8 @@ def _build_block(name: str, modules: list[nn.Module],
     for ps, layout in layouts:
         if shards is None:
             _materialize([p for _, p in ps], modules, ctx.device)
-        flat = FlatParam(name, [p for _, p in ps], layout, [p.dtype for _, p in ps], ctx, home)
+        flat = FlatParam(name, [p for _, p in ps], layout, [p.dtype for _, p in ps], ctx,
+                         home_of(config, ps[0][1].requires_grad))
         if shards is None:
             flat.register([p.detach() for _, p in ps])
         else:
