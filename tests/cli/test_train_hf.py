@@ -100,3 +100,25 @@ def test_an_encoder_folder_is_refused_saying_what_the_cli_trains(tmp_path: Path,
     err = capsys.readouterr().err
     assert "BertForSequenceClassification, which is not a causal language model" in err
     assert "tierzero train trains causal LMs" in err and "model_cls=transformers.BertForSequenceClassification" in err
+
+
+def test_lora_over_a_base_read_from_its_own_files(tmp_path: Path, capsys) -> None:
+    """--lora 4 --frozen nvme: the base is read from the folder's files (counted as "frozen" in
+    metrics.jsonl; this tiny base then stays cached in the host budget) and nothing is written
+    to NVMe; --export merges the adapters."""
+    from tierzero.cli import train
+
+    folder, run, out = tmp_path / "llama", tmp_path / "run", tmp_path / "out"
+    make_folder(folder)
+    args = ["--model", str(folder), "--lora", "4", "--steps", "3", "--batch", "2", "--seq", "16", "--lr", "1e-2",
+            "--params", "host", "--frozen", "nvme", "--nvme-dir", str(tmp_path / "nvme"), "--device-budget", "1MiB",
+            "--host-budget", "4MiB", "--run-dir", str(run), "--export", str(out), "--no-progress"]
+    assert train.main(args) == 0
+    assert "LoRA adapter parameters over its" in capsys.readouterr().err
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["nvme_bytes"]["frozen"]["read"] > 0 and all(r["nvme_write_bytes"] == 0 for r in rows), rows
+    summary = json.loads((run / "summary.json").read_text())
+    assert 0 < summary["trainable_params"] < summary["params"] / 10
+    merged, start = (transformers.AutoModelForCausalLM.from_pretrained(f) for f in (out, folder))
+    assert sorted(merged.state_dict()) == sorted(start.state_dict())
+    assert any(not torch.equal(merged.state_dict()[k], v) for k, v in start.state_dict().items())
