@@ -17,8 +17,8 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 import tierzero as tz  # noqa: E402
-import tierzero.hf  # noqa: E402,F401
 from tierzero import runtime  # noqa: E402
+from tierzero.hf import meta_model  # noqa: E402
 from tierzero.config import Tier  # noqa: E402
 from builders import llama_config, tier_config  # noqa: E402
 from hf_models import token_batches  # noqa: E402
@@ -58,7 +58,7 @@ def order_a(folder: Path, cfg: tz.Config, dtype: torch.dtype | None = torch.floa
 
 
 def order_b(folder: Path, cfg: tz.Config, ref: Any, dtype: torch.dtype | None = torch.float32) -> Any:
-    base = tz.hf.meta_model(folder, dtype=dtype)  # built from the folder's config.json, on meta
+    base = meta_model(folder, dtype=dtype)  # built from the folder's config.json, on meta
     model = tz.wrap(peft.get_peft_model(base, lora_config()), cfg, weights=folder)
     # peft initialised the adapters at wrap from another point of the random stream: the same
     # model as plain peft's is theirs

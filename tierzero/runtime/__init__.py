@@ -7,12 +7,13 @@ Each module imports only those above it in this list (the way FSDP2 splits its l
     step_context.py     StepContext: what one wrapped model's blocks share in a step
     gathers.py          one flat tensor's fetch: the device copy of its shard and its all-gather
     grads.py            FlatGrad: one flat tensor's gradient shard, early capture
+    placeholders.py     parameters that refuse to be read while they hold no data
     flat_param.py       FlatParam: one flat tensor and the nn.Parameters that view it
     fetch_group.py      FetchGroup: a block's flat tensors fetched and reduced together
     blocks.py           Block: the hooks of forward, backward, recomputation
     optimizer_guard.py  refusing torch optimizers that would not train a wrapped model
-    state.py            TieredState: the root of a wrapped model, and the queries on it
-    wrapping.py         tz.wrap: blocks built, hooks registered, the prefetcher attached
+    state.py            TieredState: the root of a wrapped model, the queries on it, tz.gathered_params
+    wrapping.py         tz.wrap: blocks built, hooks registered, the prefetcher attached; refresh
 
 See wrapping.py's module docstring for the phases of a step.
 """

@@ -23,8 +23,10 @@ Phases of one training step, once wrapped:
 The parameters' `.grad` stay None: gradients live in the flat gradients, which the
 clip function and the optimizers read and `optimizer.zero_grad()` clears. Outside a block's
 forward and backward its parameters hold no data (a zero-stride placeholder of the right shape
-and dtype): read values with `model.state_dict()` or `tz.full_state_dict(model)`, write them
-with `model.load_state_dict()`. During the root's forward, tensors autograd saves that view a
+and dtype that refuses to be read: placeholders.py): read values with `model.state_dict()`,
+`tz.full_state_dict(model)` or inside `tz.gathered_params(model)`, write them with
+`model.load_state_dict()` or inside `tz.gathered_params(model, writable=True)`. Parameters
+added or frozen after wrap (peft over a wrapped base) are taken in by `refresh`. During the root's forward, tensors autograd saves that view a
 block's device copy are saved as references into the block (blocks.SavedParamViews), so the
 copy is really freed after the forward and rebuilt for backward.
 
@@ -40,8 +42,7 @@ run the same blocks in the same order (no rank-dependent control flow), and call
 load_state_dict() and tz.full_state_dict() together: they gather.
 
 Limits: blocks run outside the root module's forward are fetched but their saved views are not
-managed; a second backward through one graph (retain_graph=True) is not supported; the
-optimizers take one param group.
+managed; a second backward through one graph (retain_graph=True) is not supported.
 """
 
 from __future__ import annotations
