@@ -72,23 +72,20 @@ def _ancestors(model: nn.Module, fqn: str) -> list[nn.Module]:
 def check_buffers(model: nn.Module, plan: WeightPlan) -> None:
     """ValueError, before anything changes, for meta buffers and missing meta parameters that
     nothing can compute."""
-    params = [f"{fqn + '.' if fqn else ''}{k} ({type(m).__name__})"
-              for fqn, m, names in _missing_params(model, plan) if _initializer(model, fqn, m) is None for k in names]
-    if params:
-        raise ValueError(
-            f"weights {str(plan.source.path)!r}: {type(model).__name__} has parameters on the meta device that are "
-            f"not in the checkpoint: {few(params)}, and nothing initialises them (no transformers model above "
-            "them, no reset_parameters()); give the checkpoint that holds them, or build those modules on a "
-            "real device (their values are then kept)")
-    bad = [f"{fqn + '.' if fqn else ''}{k} ({type(m).__name__})"
-           for fqn, m, names in _meta_buffers(model, plan) if _initializer(model, fqn, m) is None for k in names]
-    if bad:
-        raise ValueError(
-            f"weights {str(plan.source.path)!r}: {type(model).__name__} has buffers on the meta device that are "
-            f"not in the checkpoint (non-persistent buffers computed in __init__): {few(bad)}; give their "
-            "modules a reset_parameters() that computes them (parameters stay untouched: they are loaded "
-            "afterwards), or build those modules on a real device (e.g. move them with to_empty() and "
-            "compute the buffers) before tz.wrap")
+    for found, what, fix in (
+            (_missing_params(model, plan), "parameters on the meta device that are not in the checkpoint, and "
+             "nothing initialises them (no transformers model above them, no reset_parameters())",
+             "give the checkpoint that holds them, or build those modules on a real device (their values are "
+             "then kept)"),
+            (_meta_buffers(model, plan), "buffers on the meta device that are not in the checkpoint (non-persistent "
+             "buffers computed in __init__)", "give their modules a reset_parameters() that computes them "
+             "(parameters stay untouched: they are loaded afterwards), or build those modules on a real device "
+             "(e.g. move them with to_empty() and compute the buffers) before tz.wrap")):
+        bad = [f"{fqn + '.' if fqn else ''}{k} ({type(m).__name__})"
+               for fqn, m, names in found if _initializer(model, fqn, m) is None for k in names]
+        if bad:
+            raise ValueError(f"weights {str(plan.source.path)!r}: {type(model).__name__} has {what}: {few(bad)}; "
+                             f"{fix}")
 
 
 def init_buffers(model: nn.Module, plan: WeightPlan) -> None:
