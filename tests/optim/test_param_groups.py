@@ -192,3 +192,57 @@ def test_groups_at_zero_stage_3_on_two_ranks(tmp_path: Path) -> None:
     one, two = (torch.load(tmp_path / f"sd{n}.pt") for n in (1, 2))
     for k, v in one.items():  # a shard that cuts a parameter rounds its tail apart: a few ulps
         torch.testing.assert_close(two[k], v, rtol=1e-6, atol=1e-7, msg=k)
+
+
+def test_one_kernel_call_per_chunk_and_set_of_hyper_parameters(wrapped: Callable[..., nn.Module],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights and biases alternate in every block: one fused call per block for each set of
+    hyper-parameters, not one per parameter; groups with equal hyper-parameters share a call."""
+    model = wrapped(gpt(layers=2))
+    decay, plain, root = split(model)
+    calls: list[int] = []
+    fused = torch._fused_adamw_
+    monkeypatch.setattr(torch, "_fused_adamw_", lambda params, *a, **kw: calls.append(len(params)) or fused(
+        params, *a, **kw))
+    flats = len(runtime.state_of(model).flat_params(trainable=True))
+    for plain_decay, want in ((0.0, 2 * 2 + 1), (0.1, 2 + 1)):  # 2 blocks with both sets, the root with one
+        opt = tz.AdamW([{"params": decay + root, "weight_decay": 0.1},
+                        {"params": plain, "weight_decay": plain_decay}], lr=1e-3)
+        x = batches(1)[0]
+        model(x, x).loss.backward()
+        calls.clear()
+        opt.step()
+        runtime.settle(model)
+        assert len(calls) == want and flats == 3 and sum(calls) == len(decay + root + plain), (calls, want)
+        opt.zero_grad()
+
+
+def test_a_checkpoint_from_before_parameter_groups_loads(wrapped: Callable[..., nn.Module], tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its rank file holds one param group without the parameters' names: it loads into a
+    one-group optimizer (and is refused, saying why, by one of two groups)."""
+    import io
+
+    from tierzero.checkpoint import save_load
+
+    def old_blob(state: Any, optimizer: Any, extra: Any, buffers: dict[str, torch.Tensor]) -> bytes:
+        blob = io.BytesIO()
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        torch.save({"param_groups": groups, "extra": extra, "buffers": buffers}, blob)
+        return blob.getvalue()
+
+    model = wrapped(gpt(layers=2))
+    opt = tz.AdamW(model, lr=2e-3)
+    x = batches(1)[0]
+    model(x, x).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    with monkeypatch.context() as m:
+        m.setattr(save_load, "_training_blob", old_blob)
+        tz.save_checkpoint(tmp_path / "old", model, opt)
+    opt.param_groups[0]["lr"] = 1.0
+    tz.load_checkpoint(tmp_path / "old", model, opt)
+    assert opt.param_groups[0]["lr"] == 2e-3
+    decay, plain, root = split(model)
+    with pytest.raises(CheckpointError, match="1 optimizer param group"):
+        tz.load_checkpoint(tmp_path / "old", model, tz.AdamW([{"params": decay}, {"params": plain + root}]))
