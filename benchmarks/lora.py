@@ -17,7 +17,8 @@ apart), NVMe bytes read and written per step by kind (tierzero's telemetry; "fro
 base), the tiers' peaks against their budgets, the process's peak RSS, and the losses (equal in
 both runs: the same values are computed). Activations are the caller's (outside the budgets).
 
-    flock /tmp/tierzero-bench.lock python benchmarks/lora.py --dir /mnt/nvme/tz-lora [--steps 3] [--json]
+    flock /tmp/tierzero-bench.lock python benchmarks/lora.py --dir /mnt/nvme/tz-lora [--steps 3]
+        [--prefetch adaptive] [--runs nvme,memory] [--json]
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
     folder = Path(args.dir) / f"llama-{args.layers}"
     cfg = tz.Config(device_budget=args.device_budget, host_budget=args.host_budget if name == "nvme"
                     else args.host_budget_memory, nvme_dir=str(Path(args.dir) / f"swap-{name}"), nvme_budget="64GiB",
-                    params="host", grads="host", optimizer_states="host", frozen=RUNS[name], compute_dtype="bfloat16")
+                    params="host", grads="host", optimizer_states="host", frozen=RUNS[name], compute_dtype="bfloat16",
+                    prefetch=tz.PrefetchConfig(policy=args.prefetch))
     start = time.perf_counter()
     base = meta_model(folder)  # bfloat16, from config.json, on the meta device
     torch.manual_seed(1)
@@ -123,6 +125,8 @@ def main() -> int:
     p.add_argument("--device-budget", default="1GiB")
     p.add_argument("--host-budget", default="1536MiB", help="of the nvme run (the base stays on NVMe)")
     p.add_argument("--host-budget-memory", default="4GiB", help="of the memory run (the base is in it)")
+    p.add_argument("--prefetch", default="adaptive", help="the prefetch policy (tz.PrefetchConfig.policy)")
+    p.add_argument("--runs", default=",".join(RUNS), help=f"which runs, of {', '.join(RUNS)}")
     p.add_argument("--run", choices=list(RUNS), help=argparse.SUPPRESS)  # one run, in a subprocess
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
@@ -133,7 +137,7 @@ def main() -> int:
     built = make_folder(Path(args.dir) / f"llama-{args.layers}", args.layers)
     forwarded = [a for a in sys.argv[1:] if a != "--json"]
     results = []
-    for name in RUNS:
+    for name in args.runs.split(","):
         proc = subprocess.run([sys.executable, __file__, *forwarded, "--run", name], capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"benchmarks/lora.py: the {name} run failed:\n{proc.stderr}")
@@ -155,8 +159,9 @@ def main() -> int:
         print("        peaks / budgets: " + ", ".join(f"{t} {r['peaks'][t] / gib:.2f} / {r['budgets'][t] / gib:.2f} GiB"
                                                for t in ("device", "host", "nvme"))
               + f"; peak RSS {r['peak_rss'] / gib:.2f} GiB; losses {[round(s['loss'], 4) for s in r['steps']]}")
-    same = [s["loss"] for s in results[0]["steps"]] == [s["loss"] for s in results[1]["steps"]]
-    print(f"the same losses in both runs: {same}")
+    if len(results) > 1:
+        same = len({tuple(s["loss"] for s in r["steps"]) for r in results}) == 1
+        print(f"the same losses in every run: {same}")
     return 0
 
 
