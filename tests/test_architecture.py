@@ -20,7 +20,7 @@ import pytest
 
 from builders import REPO
 
-OPTIONAL = {"transformers", "accelerate", "tomllib"}
+OPTIONAL = {"transformers", "accelerate", "peft", "tomllib"}
 """Optional dependencies, imported where first needed."""
 FUNCTION_LEVEL_ALLOWED = {
     ("tierzero/config/machine.py", "torch"), ("tierzero/config/machine.py", "psutil"),  # config stays torch-free

@@ -23,6 +23,7 @@ _LAZY = {
     "TensorHandle": "tierzero.placement",
     "wrap": "tierzero.runtime",
     "full_state_dict": "tierzero.runtime",
+    "gathered_params": "tierzero.runtime",
     "AdamW": "tierzero.optim",
     "SGD": "tierzero.optim",
     "clip_grad_norm_": "tierzero.optim",

@@ -458,7 +458,7 @@ def _synthetic_checkpoint(folder: Path, model: nn.Module, opt: Any, world: int, 
                                    dtypes=tuple(str(d).removeprefix("torch.") for d in flat.orig_dtypes),
                                    kinds={k: "float32" for k in names},
                                    steps=opt.block_steps(flat) if flat.trainable else None))
-    blob = ck._training_blob(opt, {"world": world}, persistent_buffers(model))
+    blob = ck._training_blob(state, opt, {"world": world}, persistent_buffers(model))
     ranks = [ckpt_io.write_rank_files(folder, r, per_rank[r], blob, IOConfig(), chunk_bytes=chunk)
              for r in range(world)]
     fmt.write_manifest(folder / fmt.MANIFEST, fmt.Manifest(world_size=world, optimizer="AdamW", chunk_bytes=chunk,

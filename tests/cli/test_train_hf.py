@@ -52,6 +52,7 @@ def test_fine_tune_a_transformers_folder_and_export_it(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "tierzero.cli", "train", *args], env=ENV,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+    assert "training LlamaForCausalLM, all " in proc.stderr and "causal LM head lm_head" in proc.stderr
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and all(math.isfinite(r["loss"]) for r in rows)
     # the loss starts near ln(vocab): the model reads token ids of its own tokenizer
@@ -86,3 +87,38 @@ def test_a_folder_without_a_tokenizer_is_refused(tmp_path: Path, capsys) -> None
             "--run-dir", str(tmp_path / "run")]
     assert train.main(args) == 2
     assert "no tokenizer" in capsys.readouterr().err
+
+
+def test_an_encoder_folder_is_refused_saying_what_the_cli_trains(tmp_path: Path, capsys) -> None:
+    from tierzero.cli import train
+
+    folder = tmp_path / "bert"
+    config = transformers.BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                     intermediate_size=40, max_position_embeddings=24)
+    transformers.BertForSequenceClassification(config).save_pretrained(folder)
+    assert train.main(["--model", str(folder), "--steps", "1", "--no-progress", "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "BertForSequenceClassification, which is not a causal language model" in err
+    assert "tierzero train trains causal LMs" in err and "model_cls=transformers.BertForSequenceClassification" in err
+
+
+def test_lora_over_a_base_read_from_its_own_files(tmp_path: Path, capsys) -> None:
+    """--lora 4 --frozen nvme: the base is read from the folder's files (counted as "frozen" in
+    metrics.jsonl; this tiny base then stays cached in the host budget) and nothing is written
+    to NVMe; --export merges the adapters."""
+    from tierzero.cli import train
+
+    folder, run, out = tmp_path / "llama", tmp_path / "run", tmp_path / "out"
+    make_folder(folder)
+    args = ["--model", str(folder), "--lora", "4", "--steps", "3", "--batch", "2", "--seq", "16", "--lr", "1e-2",
+            "--params", "host", "--frozen", "nvme", "--nvme-dir", str(tmp_path / "nvme"), "--device-budget", "1MiB",
+            "--host-budget", "4MiB", "--run-dir", str(run), "--export", str(out), "--no-progress"]
+    assert train.main(args) == 0
+    assert "LoRA adapter parameters over its" in capsys.readouterr().err
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["nvme_bytes"]["frozen"]["read"] > 0 and all(r["nvme_write_bytes"] == 0 for r in rows), rows
+    summary = json.loads((run / "summary.json").read_text())
+    assert 0 < summary["trainable_params"] < summary["params"] / 10
+    merged, start = (transformers.AutoModelForCausalLM.from_pretrained(f) for f in (out, folder))
+    assert sorted(merged.state_dict()) == sorted(start.state_dict())
+    assert any(not torch.equal(merged.state_dict()[k], v) for k, v in start.state_dict().items())

@@ -72,16 +72,25 @@ def assert_same(got: list[tuple[int, float, float]], want: list[tuple[int, float
         assert abs(norm - ref_norm) <= TOL, f"step {step}: grad_norm {norm} vs {ref_norm}"
 
 
-def test_matches_plain_trainer(wrapped, tmp_path):
-    plain = transformers.Trainer(model=llama(), args=training_args(tmp_path / "plain"), train_dataset=data())
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_matches_plain_trainer(wrapped, tmp_path, weight_decay):
+    """With weight decay, the plain Trainer's two param groups (biases and norm weights exempt)."""
+    over = dict(weight_decay=weight_decay)
+    plain = transformers.Trainer(model=llama(), args=training_args(tmp_path / "plain", **over), train_dataset=data())
     plain.train()
     want = logged(plain)
-    tiered = Trainer(model=wrapped(), args=training_args(tmp_path / "tiered"), train_dataset=data())
+    tiered = Trainer(model=wrapped(), args=training_args(tmp_path / "tiered", **over), train_dataset=data())
     tiered.train()
     got = logged(tiered)
     assert len(got) == STEPS
     assert max(n for _, _, n in want) > 0.5, "the test should exercise clipping"
     assert_same(got, want)
+    names = {id(p): n for n, p in tiered.model.named_parameters()}
+    plain_names = {id(p): n for n, p in plain.model.named_parameters()}
+    groups = [([names[id(p)] for p in g["params"]], g["weight_decay"]) for g in tiered.optimizer.param_groups]
+    assert groups == [([plain_names[id(p)] for p in g["params"]], g["weight_decay"])
+                      for g in plain.optimizer.param_groups]
+    assert groups[1][0] and all("norm" in n for n in groups[1][0]), groups[1]
     lrs = [h["learning_rate"] for h in tiered.state.log_history if "loss" in h]
     assert lrs == [h["learning_rate"] for h in plain.state.log_history if "loss" in h]
     assert isinstance(tiered.optimizer.optimizer, tz.AdamW)
@@ -140,8 +149,6 @@ def test_plain_trainer_without_an_optimizer_refused_at_first_step(wrapped, tmp_p
 
 def test_refusals(wrapped, tmp_path):
     model = wrapped()
-    with pytest.raises(ValueError, match="weight_decay=0.1.*exempts biases and norm weights"):
-        Trainer(model=model, args=training_args(tmp_path, weight_decay=0.1), train_dataset=data()).train()
     with pytest.raises(ValueError, match="must be a tz.AdamW / tz.SGD built on this model, got AdamW"):
         Trainer(model=model, args=training_args(tmp_path), train_dataset=data(),
                 optimizers=(torch.optim.AdamW(model.parameters()), None))

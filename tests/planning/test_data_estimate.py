@@ -86,3 +86,24 @@ def test_estimate_fp32_params_double_as_master_on_the_same_tier(tmp_path):
                                    compute_dtype="float32"))
     assert same.state_bytes == same.home["nvme"] == n * (4 + 4 + 8)
     assert apart.state_bytes == n * (4 + 4 + 12) and apart.home["nvme"] == n * (4 + 12)
+
+
+def test_estimate_cli_takes_a_transformers_folder_reading_only_its_config(tmp_path, capsys):
+    """A folder holding config.json alone (no weights at all): the model is sized on the meta device."""
+    transformers = pytest.importorskip("transformers")
+    from builders import llama_config
+    from tierzero.cli import main
+
+    config = llama_config(tied=False, hidden=64, intermediate=96, layers=4)
+    config.save_pretrained(tmp_path / "llama")
+    assert sorted(p.name for p in (tmp_path / "llama").iterdir()) == ["config.json"]
+    assert main(["estimate", "--model", str(tmp_path / "llama"), "--json", "--nvme-dir", str(tmp_path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    with torch.device("meta"):
+        want = sum(p.numel() for p in transformers.LlamaForCausalLM(config).parameters())
+    assert out["params"] == want and out["model"] == str(tmp_path / "llama")
+    assert main(["estimate", "--model", str(tmp_path / "llama"), "--nvme-dir", str(tmp_path)]) == 0
+    assert f"(LlamaForCausalLM): {want / 1e6:.1f}M parameters" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["estimate", "--model", str(tmp_path / "nope")])
+    assert "neither a built-in model" in capsys.readouterr().err

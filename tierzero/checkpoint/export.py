@@ -165,7 +165,7 @@ def _load_folder(state: runtime.TieredState, path: Path) -> None:
     blocked = [f.name for f in state.flat_params() if not f.is_free]
     if blocked:
         raise RuntimeError(f"load_weights: blocks {blocked} are in use; load between training steps")
-    plan = open_weights(state.model, path)
+    plan = open_weights(state.model, path, strict=True)
     flats = state.flat_params()
     wanted = [f.shard_request for f in flats]
     with plan.source, contextlib.closing(plan.read_shards(wanted, state.ctx.rank)) as shards:

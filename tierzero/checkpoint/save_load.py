@@ -90,8 +90,13 @@ class _Job(NamedTuple):
 def _stored(flat: FlatParam, optimizer: TieredOptimizer | None) -> dict[str, TensorHandle]:
     """What a checkpoint stores of `flat`, by kind: its values (the fp32 master weights when
     there are any, else the parameters), and the optimizer's moments."""
-    moments = optimizer.state_handles(flat) if optimizer is not None and flat.trainable else {}
+    moments = optimizer.state_handles(flat) if _steps(flat, optimizer) else {}
     return {VALUES: flat.values, **{kind.value: h for kind, h in moments.items()}}
+
+
+def _steps(flat: FlatParam, optimizer: TieredOptimizer | None) -> bool:
+    """Whether `optimizer` updates `flat` (a group covers some of its parameters)."""
+    return optimizer is not None and flat in optimizer.flat_params
 
 
 def _jobs(state: runtime.TieredState, optimizer: TieredOptimizer | None) -> list[_Job]:
@@ -217,7 +222,7 @@ def _manifest(state: runtime.TieredState, optimizer: TieredOptimizer | None, wor
     flats = []
     for flat in state.flat_params():
         kinds = {kind: str(h.dtype).removeprefix("torch.") for kind, h in _stored(flat, optimizer).items()}
-        steps = optimizer.block_steps(flat) if optimizer is not None and flat.trainable else None
+        steps = optimizer.block_steps(flat) if _steps(flat, optimizer) else None
         flats.append(FlatEntry(name=flat.param.name, trainable=flat.trainable, layout=flat.layout,
                                dtypes=tuple(str(d).removeprefix("torch.") for d in flat.orig_dtypes),
                                kinds=kinds, steps=steps))
@@ -228,9 +233,19 @@ def _manifest(state: runtime.TieredState, optimizer: TieredOptimizer | None, wor
                     chunk_bytes=CHUNK_BYTES, flats=tuple(flats), ranks=tuple(ranks), aliases=aliases, files=files)
 
 
-def _training_blob(optimizer: TieredOptimizer | None, extra: Any, buffers: dict[str, torch.Tensor]) -> bytes:
+GROUP_PARAMS = "param_fqns"
+"""A saved param group's parameters, by the model's names for them (the rank's .pt file; a
+checkpoint from before parameter groups has one group without them)."""
+
+
+def _training_blob(state: runtime.TieredState, optimizer: TieredOptimizer | None, extra: Any,
+                   buffers: dict[str, torch.Tensor]) -> bytes:
     blob = io.BytesIO()
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
+    groups = []
+    if optimizer is not None:
+        names = {id(p): n for n, p in state.model.named_parameters()}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, GROUP_PARAMS: [names[id(p)] for p in g["params"]]}
+                  for g in optimizer.param_groups]
     torch.save({"param_groups": groups, "extra": extra,
                 "buffers": {k: v.detach().to("cpu", copy=True) for k, v in buffers.items()}}, blob)
     return blob.getvalue()
@@ -240,7 +255,7 @@ def _write_rank(tmp: Path, rank: int, state: runtime.TieredState, optimizer: Tie
                 extra: Any) -> RankFiles:
     pm = state.pm
     sources = [Source(j.key, j.nbytes, lambda buf, j=j: j.read_into(pm, buf)) for j in _jobs(state, optimizer)]
-    blob = _training_blob(optimizer, extra, persistent_buffers(state.model))
+    blob = _training_blob(state, optimizer, extra, persistent_buffers(state.model))
     return write_rank_files(tmp, rank, sources, blob, state.config.io)
 
 
@@ -269,6 +284,8 @@ def load_checkpoint(dir: str | os.PathLike[str], model: nn.Module,
             raise CheckpointError(
                 f"{str(folder / manifest.ranks[state_rank].state)!r} holds buffers {sorted(saved['buffers'])[:6]}, "
                 f"this model has {sorted(buffers)[:6]}; load it into the model it was saved from")
+        if optimizer is not None:
+            _check_groups(folder / manifest.ranks[state_rank].state, saved["param_groups"], state, optimizer)
         pm = state.pm
         plans = []
         for job in jobs:
@@ -291,11 +308,28 @@ def load_checkpoint(dir: str | os.PathLike[str], model: nn.Module,
         for name, buf in buffers.items():
             buf.copy_(saved["buffers"][name])
     if optimizer is not None:
-        for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
-            group.update(saved_group)
+        optimizer.load_groups([{k: v for k, v in g.items() if k != GROUP_PARAMS} for g in saved["param_groups"]], None)
         for flat in optimizer.flat_params:
             optimizer.set_block_steps(flat, manifest.flat(flat.param.name).steps)
     return saved["extra"]
+
+
+def _check_groups(path: Path, saved: list[dict[str, Any]], state: runtime.TieredState,
+                  optimizer: TieredOptimizer) -> None:
+    """The saved param groups are the optimizer's: as many, each of the same parameters (by name,
+    when the checkpoint names them); else CheckpointError, before anything is loaded."""
+    names = {id(p): n for n, p in state.model.named_parameters()}
+    mine = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    if len(saved) != len(mine):
+        raise CheckpointError(f"{str(path)!r} holds {len(saved)} optimizer param group(s), this "
+                              f"{type(optimizer).__name__} has {len(mine)}; build it with the groups it was saved with")
+    for i, (group, ours) in enumerate(zip(saved, mine)):
+        theirs = group.get(GROUP_PARAMS)
+        if theirs is not None and theirs != ours:
+            diff = sorted(set(theirs) ^ set(ours))[:4] or ["(the same parameters in another order)"]
+            raise CheckpointError(f"{str(path)!r}: param group {i} was saved with {len(theirs)} parameters, this "
+                                  f"optimizer's has {len(ours)} (differing: {diff}); build the optimizer with the "
+                                  "groups it was saved with")
 
 
 def _store(pm: PlacementManager, job: _Job, values: torch.Tensor) -> None:

@@ -1,25 +1,40 @@
-"""`tierzero estimate`: bytes per tier for a built-in model and a config, the ZeRO model across
-ranks, the NVMe traffic of a step and its floor, and the largest built-in model this machine
-can train (tierzero.planning does the arithmetic)."""
+"""`tierzero estimate`: bytes per tier for a model (a built-in one, or a transformers folder, of
+which only config.json is read) and a config, the ZeRO model across ranks, the NVMe traffic of a
+step and its floor, and the largest built-in model this machine can train (tierzero.planning
+does the arithmetic)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
 from tierzero.cli.flags import (add_placement_flags, add_rate_flags, add_zero_flags, placement_from_flags,
                                 rates_from_flags, zero_from_flags)
 from tierzero.config import TIER_NAMES, Config, format_size, machine_budgets, parse_size
+from tierzero.formats import meta_model
 from tierzero.models import CONFIGS, build
 from tierzero.planning import estimate, largest_trainable, step_traffic
 
 
+def _meta_model(name: str) -> torch.nn.Module:
+    """A built-in model, or the model of a transformers folder (its config.json), on the meta device."""
+    if name in CONFIGS:
+        return build(name, device="meta")
+    if not (Path(name) / "config.json").is_file():
+        raise ValueError(f"--model: {name!r} is neither a built-in model ({', '.join(CONFIGS)}) nor a transformers "
+                         "model folder (a folder holding config.json)")
+    return meta_model(name)
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="tierzero estimate",
-                                description="bytes per tier for a built-in model and a config")
-    p.add_argument("--model", default="125m", choices=list(CONFIGS))
+                                description="bytes per tier for a model and a config")
+    p.add_argument("--model", default="125m", metavar="NAME|FOLDER",
+                   help=f"a built-in model ({', '.join(CONFIGS)}) or a transformers model folder (only its "
+                        "config.json is read: the model is built on the meta device)")
     p.add_argument("--device-budget", default=None)
     p.add_argument("--host-budget", default=None)
     p.add_argument("--nvme-dir", default=None)
@@ -49,7 +64,10 @@ def main(argv: list[str]) -> int:
     cfg = Config(nvme_dir=args.nvme_dir, device_budget=budgets["device"], host_budget=budgets["host"],
                  compute_dtype=args.compute_dtype, step_in_backward=args.step_in_backward,
                  **placement_from_flags(args), **zero_from_flags(args))
-    model = build(args.model, device="meta")
+    try:
+        model = _meta_model(args.model)
+    except (ValueError, ImportError) as e:
+        p.error(str(e))
     est = estimate(model, cfg, args.world_size)
     assert est.per_rank is not None and est.layout_per_rank is not None and est.comm is not None
     traffic = step_traffic(est.params, cfg, world_size=args.world_size)
@@ -72,7 +90,8 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"{args.model}: {est.params / 1e6:.1f}M parameters, training state "
+    name = args.model if args.model in CONFIGS else f"{args.model} ({type(model).__name__})"
+    print(f"{name}: {est.params / 1e6:.1f}M parameters, training state "
           f"{format_size(est.state_bytes)}")
     if args.world_size > 1:
         per = est.per_rank

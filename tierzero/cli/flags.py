@@ -30,20 +30,22 @@ def rates_from_flags(args: argparse.Namespace) -> DriveRates | None:
 
 
 def add_placement_flags(p: argparse.ArgumentParser) -> None:
-    """--params, --grads and --optimizer-states; read them back with `placement_from_flags`."""
+    """--params, --grads, --optimizer-states and --frozen; read them back with `placement_from_flags`."""
     p.add_argument("--params", default=None, choices=TIER_NAMES,
                    help="home tier of parameters (default: nvme when --nvme-dir is given, else host)")
     p.add_argument("--optimizer-states", default=None, choices=TIER_NAMES,
                    help="tier of fp32 master weights and moments (default: as --params)")
     p.add_argument("--grads", default=None, choices=TIER_NAMES,
                    help="tier of gradients (default: as --params)")
+    p.add_argument("--frozen", default=None, choices=TIER_NAMES,
+                   help="home tier of frozen parameters, such as a LoRA base (default: as --params)")
 
 
-def placement_from_flags(args: argparse.Namespace) -> dict[str, str]:
+def placement_from_flags(args: argparse.Namespace) -> dict[str, str | None]:
     """The Config placement fields from the flags of `add_placement_flags` (and --nvme-dir)."""
     params = args.params or ("nvme" if args.nvme_dir else "host")
     return {"params": params, "grads": args.grads or params,
-            "optimizer_states": args.optimizer_states or params}
+            "optimizer_states": args.optimizer_states or params, "frozen": args.frozen}
 
 
 def add_zero_flags(p: argparse.ArgumentParser) -> None:

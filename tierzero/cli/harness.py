@@ -63,7 +63,34 @@ def meta_model(args: argparse.Namespace) -> tuple[torch.nn.Module, tzdata.Tokeni
     if not pretrained(args):
         shape = {k: v for k in ("n_layer", "n_embd") if (v := getattr(args, k, None))}
         return build(args.model, device="meta", vocab_size=tzdata.VOCAB_SIZE, seq_len=max(args.seq, 1), **shape), None
+    tzdata.require_causal_lm(args.model)
     return hf.meta_model(args.model), tzdata.folder_tokenizer(args.model)
+
+
+def with_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
+    """`model` (on the meta device) with LoRA adapters of `rank` on every linear layer but the
+    head (peft's "all-linear"), the rest frozen: wrap streams the base and peft initialises them."""
+    try:
+        import peft  # optional dependency: the lora extra
+    except ImportError as e:
+        raise ValueError(f"--lora needs the peft package ({e}); install it with: pip install 'tierzero[lora]'") from None
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0)
+    return peft.get_peft_model(model, config)
+
+
+def heads(model: torch.nn.Module) -> str:
+    """What a run trains, in words: the model's class, its parameters and the head its loss goes through."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if isinstance(model, GPT):
+        return f"the built-in GPT, all {trainable / 1e6:.1f}M parameters, next-token loss through its lm_head"
+    base = tzdata.base_model(model)
+    out, inp = base.get_output_embeddings(), base.get_input_embeddings()
+    name = next((fqn for fqn, m in base.named_modules() if m is out), "?")
+    tied = " (tied to the input embeddings)" if out is not None and out.weight is inp.weight else ""
+    total = sum(p.numel() for p in model.parameters())
+    what = (f"{trainable / 1e6:.2f}M LoRA adapter parameters over its {total / 1e6:.1f}M (the base frozen)"
+            if tzdata.is_peft(model) else f"all {total / 1e6:.1f}M parameters")
+    return f"{type(base).__name__}, {what}, next-token loss through its causal LM head {name}{tied}"
 
 
 def corpus(args: argparse.Namespace, tokenizer: tzdata.Tokenizer | None, model: torch.nn.Module) -> np.ndarray:

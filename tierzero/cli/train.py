@@ -2,17 +2,21 @@
 
 `--model` is a built-in GPT (tiny ... 7b, on bytes of text) or a transformers model folder
 (config.json + safetensors; built on the meta device and streamed in block by block, its own
-tokenizer for `--data`); `--export DIR` writes the trained model as a transformers folder.
+tokenizer for `--data`); `--lora R` trains LoRA adapters over it, the base frozen (on `--frozen`'s
+tier, read from its own files when that is nvme); `--export DIR` writes the trained model as a
+transformers folder (with --lora, the adapters merged in).
 
 The run folder holds:
 - metrics.jsonl: one JSON object per step ("step", "loss", "lr", "step_s", "tokens_per_s",
   "stall_s", "prefetch_hits", "prefetch_misses", "bytes" {"device", "host", "nvme"} in use at
   the step's end, "moved_bytes" per destination tier, "nvme_read_bytes", "nvme_write_bytes"
   and "nvme_busy_s" (time with a swap file read or write in flight), "nvme_bytes" by kind
-  {"params", "grads", "master", "moments", "other"}: {"read", "write"}, "comm_bytes"
+  {"params", "frozen", "grads", "master", "moments", "other"}: {"read", "write"} (frozen: the
+  reads of a frozen base, such as LoRA's), "comm_bytes"
   {"all_gather", "reduce_scatter", "all_reduce"}: the bytes rank 0's collectives covered);
 - trace.json: the Chrome trace of every move (open in https://ui.perfetto.dev);
-- tiers.png: per-tier bytes over time and stall per step;
+- tiers.png: per-tier bytes over time against the budgets, the loss, step time and stall, NVMe
+  traffic per step;
 - summary.json: "state_bytes" (params + grads + optimizer states), "nvme" (the mean step's NVMe
   bytes and busy time, the least traffic the placement needs, and with --bench-io FILE or
   --read-gbps/--write-gbps the floor: those bytes / the drive's rates, and step / floor), "budgets" and
@@ -50,7 +54,8 @@ from io_engine.progress import Progress
 from tierzero.checkpoint import latest_checkpoint
 from tierzero.cli.flags import (add_placement_flags, add_rate_flags, add_zero_flags, placement_from_flags,
                                 rates_from_flags, zero_from_flags)
-from tierzero.cli.harness import batch_loss, check_room, corpus, meta_model, peak_rss, pretrained
+from tierzero.cli.harness import (batch_loss, check_room, corpus, heads, meta_model, peak_rss, pretrained,
+                                  with_lora)
 from tierzero.cli.plots import plot_run
 from tierzero.cli.run_dir import RunDir
 from tierzero.cli.stop import Stopped, StopSignals
@@ -89,7 +94,10 @@ def parser() -> argparse.ArgumentParser:
                    "to train on (default: the Python standard library's source, read as bytes); "
                    "tokenized by the model folder's tokenizer when it has one")
     p.add_argument("--export", default=None, metavar="DIR", help="at the end, write the trained model "
-                   "as a transformers folder (config.json, safetensors shards, tokenizer) to DIR")
+                   "as a transformers folder (config.json, safetensors shards, tokenizer) to DIR (with --lora: "
+                   "the adapters merged in)")
+    p.add_argument("--lora", type=int, default=0, metavar="R", help="train LoRA adapters of rank R on every "
+                   "linear layer of a transformers folder's model, the base frozen (needs peft: the lora extra)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--collective-timeout", type=float, default=tz.Config.collective_timeout_s,
                    help="seconds a collective waits for the other ranks before the run fails "
@@ -117,6 +125,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--export writes a transformers model folder, and the built-in {args.model!r} GPT has no "
                          "transformers config; export its checkpoint instead: tierzero export CKPT --to "
                          "model.safetensors")
+    if args.lora < 0 or (args.lora and not pretrained(args)):
+        raise ValueError(f"--lora: expected a rank >= 1 with a transformers model folder, got --lora {args.lora} "
+                         f"with --model {args.model!r}")
     if args.checkpoint_every < 0 or args.keep_last < 1:
         raise ValueError(f"--checkpoint-every: expected an int >= 0 and --keep-last an int >= 1, got "
                          f"{args.checkpoint_every} and {args.keep_last}")
@@ -300,6 +311,10 @@ def _run(args: argparse.Namespace, cfg: tz.Config, rank: int, world_size: int, r
          folders: _Folders, outcome: _Outcome) -> dict:
     torch.manual_seed(args.seed)
     model, tokenizer = meta_model(args)
+    if args.lora:
+        model = with_lora(model, args.lora)
+    if rank == 0:
+        print(f"tierzero train: training {heads(model)}", file=sys.stderr)
     sampler = tzdata.BatchSampler(corpus(args, tokenizer, model), batch=args.batch, seq=args.seq, seed=args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     est = check_room(model, cfg, world_size)
@@ -341,7 +356,7 @@ def _write_failure(folder: RunDir, args: argparse.Namespace, outcome: _Outcome, 
 
 def _export(r: _Run, tokenizer: tzdata.Tokenizer | None) -> None:
     """--export: the trained model as a transformers folder (every rank gathers, rank 0 writes)."""
-    out = tz.save_pretrained(r.model, r.args.export)
+    out = tz.save_pretrained(r.model, r.args.export, merge_adapters=bool(r.args.lora))
     if r.rank == 0:
         if tokenizer is not None:
             tokenizer.save_pretrained(out)
@@ -431,7 +446,9 @@ def _finish(r: _Run, est: Estimate, n_params: int, last_loss: float, started: fl
     settle(r.model)  # the last step's overlapped updates, and every write
     peaks = _per_rank({t: pm.peak_bytes(t) for t in TIER_NAMES}, world_size)
     summary = {
-        "model": args.model, "params": n_params, "steps": args.steps, "batch": args.batch,
+        "model": args.model, "params": n_params, "steps": args.steps,
+        "trainable_params": sum(p.numel() for p in r.model.parameters() if p.requires_grad),
+        "batch": args.batch,
         "seq": args.seq, "final_loss": last_loss, "wall_s": time.perf_counter() - started,
         "world_size": world_size, "state_bytes": est.state_bytes,
         "budgets": {t: pm.budget(t) for t in TIER_NAMES},

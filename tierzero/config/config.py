@@ -136,6 +136,10 @@ class Config:
     """Bytes of swap space per rank, preallocated as needed."""
     params: TierName = "host"
     """Home tier of the parameter shards (compute dtype)."""
+    frozen: TierName | None = None
+    """Home tier of frozen parameters (requires_grad=False when the model is wrapped, or when a
+    tiered optimizer is built after peft froze a wrapped base); None: as `params`. A frozen
+    pretrained base on "nvme" in the checkpoint's dtype is read from its files and never written."""
     grads: TierName = "host"
     """Tier of the gradients (in `grad_dtype`: shards at zero_stage 2 and 3, whole at 1)."""
     optimizer_states: TierName = "host"
@@ -184,6 +188,8 @@ class Config:
             object.__setattr__(self, name, parse_size(getattr(self, name), what=name))
         for name in ("params", "grads", "optimizer_states"):
             _check_choice(name, getattr(self, name), TIER_NAMES)
+        if self.frozen is not None:
+            _check_choice("frozen", self.frozen, TIER_NAMES)
         _check_choice("compute_dtype", self.compute_dtype, ("auto", "float32", "bfloat16", "float16"))
         if self.grad_dtype == "float16":
             raise ValueError("grad_dtype: expected one of 'float32', 'bfloat16', got 'float16' (float16 "
@@ -217,7 +223,7 @@ class Config:
         if self.uses_nvme and self.nvme_dir is None:
             raise ValueError(
                 "nvme_dir: some state is placed on 'nvme' "
-                f"(params={self.params!r}, grads={self.grads!r}, "
+                f"(params={self.params!r}, frozen={self.frozen!r}, grads={self.grads!r}, "
                 f"optimizer_states={self.optimizer_states!r}) but nvme_dir is not set; "
                 "give nvme_dir='/path/on/nvme' or place that state on 'host'")
         if self.nvme_dir is not None:
@@ -225,7 +231,12 @@ class Config:
 
     @property
     def uses_nvme(self) -> bool:
-        return "nvme" in (self.params, self.grads, self.optimizer_states)
+        return "nvme" in (self.params, self.frozen_tier, self.grads, self.optimizer_states)
+
+    @property
+    def frozen_tier(self) -> TierName:
+        """Where frozen parameters live: `frozen`, else `params`."""
+        return self.frozen if self.frozen is not None else self.params
 
     def compute_dtype_name(self, *, cuda: bool) -> str:
         """The torch dtype name parameters are computed in: `compute_dtype`, with "auto" resolved

@@ -33,7 +33,7 @@ from io_engine.owners import owner_gone, temp_name
 from tierzero.formats.corpus import Tokenizer
 from tierzero.formats.safetensors_file import TensorSpec, fsync_dir, write_safetensors
 
-__all__ = ["from_pretrained", "save_pretrained", "meta_model", "folder_tokenizer", "Trainer",
+__all__ = ["from_pretrained", "save_pretrained", "meta_model", "folder_tokenizer", "Trainer", "require_causal_lm",
            "require_transformers", "write_weights_folder",
            "write_config_files", "CONFIG_FILES", "SINGLE_FILE", "INDEX_FILE"]
 
@@ -83,6 +83,25 @@ def meta_model(path: str | os.PathLike[str], *, dtype: torch.dtype | None = None
     if (folder / GENERATION_CONFIG_FILE).is_file() and hasattr(model, "generation_config"):
         model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
     return model
+
+
+def require_causal_lm(path: str | os.PathLike[str]) -> None:
+    """ValueError unless the folder's config.json names a causal language model (or no class):
+    what `tierzero train` trains (next-token loss through AutoModelForCausalLM)."""
+    transformers = require_transformers()
+    try:
+        arch = json.loads((Path(path) / CONFIG_FILE).read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        return  # meta_model reports an unreadable folder
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if arch and arch[0] not in causal:
+        raise ValueError(
+            f"--model {str(path)!r}: its config.json names {arch[0]}, which is not a causal language model; "
+            f"tierzero train trains causal LMs (next-token loss, with their LM head). Fine-tune {arch[0]} with "
+            f"tz.from_pretrained(folder, config, model_cls=transformers.{arch[0]}) in your own loop or with "
+            f"tierzero.hf.Trainer (transformers {transformers.__version__})")
 
 
 def folder_tokenizer(path: str | os.PathLike[str]) -> Tokenizer | None:

@@ -6,17 +6,16 @@ Phases of `tz.wrap(model, config, weights=PATH)` (and of `tz.load_weights(model,
    shards listed in `model.safetensors.index.json`) or one `.safetensors` file. Only the headers
    are read: every key's file, shape and dtype. A shard the index names that is not there, or a
    file that is not a safetensors file, is a ValueError naming it.
-2. resolve (`plan_weights`): each checkpoint key is mapped to the model's state-dict names the
-   way transformers maps them for the model's class: the class's renamings (transformers' weight
-   conversion registry, or a `_checkpoint_conversion_mapping` dict), then `base_model_prefix`
-   added or stripped (a `LlamaModel` checkpoint into `LlamaForCausalLM` and the reverse, whose
-   head weights are then left unused); tied parameters take any one of their names. Missing,
-   unexpected and mis-shaped keys are reported together, before the model is changed.
-3. buffers (`init_buffers`, `load_buffers`): non-persistent buffers still on the meta device
+2. resolve (load_rules.py, `plan_weights`): each checkpoint key is mapped to the model's
+   state-dict names by transformers' rules for the model's class (renamings, base-model prefix,
+   ignored keys; peft's names mapped to its base model's); keys the model lacks are reported,
+   parameters the checkpoint lacks are initialised as transformers initialises new modules.
+3. buffers and missing parameters (buffers.py): non-persistent buffers still on the meta device
    (rotary `inv_freq`, computed in `__init__` and in no checkpoint) are made real and computed
-   as transformers computes them on load: the top model's `_init_weights(module)`, called while
-   the parameters are still meta so none is touched (`reset_parameters()` for other modules);
-   persistent buffers are read from the checkpoint.
+   as transformers computes them on load: the nearest transformers model's `_init_weights(module)`,
+   called while the parameters are still meta so none is touched (`reset_parameters()` for
+   other modules); persistent buffers are read from the checkpoint. Parameters the checkpoint
+   lacks are initialised the same way (peft's adapters by peft) and read from memory.
 4. blocks (`WeightPlan.read_shard`): for each flat tensor of each block, the rows of each
    tensor that this rank's shard needs are read (`get_slice(key)[lo:hi]`), cast to the
    parameter's dtype (what `model.to(dtype)` holds), then into one shard buffer that the block
@@ -39,16 +38,12 @@ import concurrent.futures as cf
 import json
 import math
 import os
-import re
-import sys
-import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, NamedTuple
+from typing import Any, Iterable, Iterator, NamedTuple
 
 import torch
 from safetensors import safe_open
-from torch import nn
 
 from tierzero.formats.safetensors_file import DTYPES, read_header
 from tierzero.layout import FlatLayout
@@ -56,6 +51,9 @@ from tierzero.placement import CheckpointHome, Segment, SwapSpace
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+
+PICKLED = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+"""transformers' older weight files (torch.save pickles): converted, not read."""
 
 _DTYPES = {name: dtype for dtype, name in DTYPES.items()}
 """safetensors' dtype names -> torch dtypes (the writer's table, inverted)."""
@@ -132,6 +130,11 @@ class WeightSource:
             return [self.path / s for s in shards]
         if (self.path / SINGLE).is_file():
             return [self.path / SINGLE]
+        pickled = [name for name in PICKLED if (self.path / name).is_file()]
+        if pickled:
+            raise FileNotFoundError(f"weights {str(self.path)!r}: the folder holds {pickled[0]} (torch's pickle "
+                                    "format, which cannot be read a tensor at a time) and no safetensors; convert it "
+                                    f"once with: {convert_recipe(self.path)}")
         raise FileNotFoundError(f"weights {str(self.path)!r}: the folder has neither {SINGLE} nor {INDEX}; "
                                 "give a folder written by save_pretrained (safetensors) or a .safetensors file")
 
@@ -198,6 +201,17 @@ class WeightSource:
         return f"WeightSource({str(self.path)!r}, {len(self._info)} tensors in {len(self.files)} file(s))"
 
 
+def convert_recipe(folder: Path) -> str:
+    """One shell line that rewrites a transformers folder's pickled weights as safetensors (its
+    config's class loads them and saves them back; the .bin files may then be deleted)."""
+    try:
+        cls = json.loads((folder / "config.json").read_text())["architectures"][0]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        cls = "AutoModel"
+    return (f"python -c \"from transformers import {cls} as M; "
+            f"M.from_pretrained('{folder}').save_pretrained('{folder}')\"")
+
+
 def load_safetensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """Every tensor of one safetensors file as CPU tensors (the `safetensors` library); ValueError
     naming the file when it is not one."""
@@ -241,8 +255,13 @@ class WeightPlan:
     keys: dict[str, str]
     """Model state-dict name (every name of a tied parameter, persistent buffers) -> checkpoint key."""
     init_buffers: frozenset[str]
-    """Persistent buffers absent from the checkpoint that the class allows to be missing
-    (`_keys_to_ignore_on_load_missing`): computed like non-persistent ones."""
+    """Persistent buffers absent from the checkpoint: computed like non-persistent ones."""
+    init_params: frozenset[str] = frozenset()
+    """Parameters absent from the checkpoint and on the meta device: initialised as transformers
+    initialises newly added modules (buffers.init_params)."""
+    own: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Values of the parameters the checkpoint does not give (initialised, or the model's own
+    when they were real), by name: filled by buffers.init_params, read instead of the files."""
 
     def read_shard(self, request: ShardRequest, *, rank: int, swap: SwapSpace | None = None) -> LoadedShard:
         """This rank's shard of a flat tensor of `request.layout` (the parameters' values cast to
@@ -260,7 +279,9 @@ class WeightPlan:
         out = torch.zeros(hi - lo, dtype=out_dtype)
         for slot, dtype in zip(layout.slots, request.dtypes, strict=True):
             a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-            if a < b:
+            if a < b and slot.fqn in self.own:
+                out[a - lo:b - lo].copy_(self.own[slot.fqn].reshape(-1)[a - slot.offset:b - slot.offset].to(dtype))
+            elif a < b:
                 values = self.source.read(self.keys[slot.fqn], a - slot.offset, b - slot.offset)
                 out[a - lo:b - lo].copy_(values.to(dtype))
                 del values
@@ -273,7 +294,7 @@ class WeightPlan:
         parameter and every tensor the shard covers in the file have the shard's dtype. None
         otherwise (a conversion)."""
         dtype, layout = request.out_dtype, request.layout
-        if any(d != dtype for d in request.dtypes):
+        if any(d != dtype for d in request.dtypes) or any(s.fqn in self.own for s in layout.slots):
             return None
         lo, hi = layout.shard_range(rank)
         out = []
@@ -311,152 +332,3 @@ class WeightPlan:
         """The checkpoint's value of persistent buffer `name`, in `like`'s dtype, on the CPU (may
         view the file's map: copy it to keep it)."""
         return self.source.read_full(self.keys[name]).to(like.dtype)
-
-
-class _Renamer:
-    """Checkpoint key -> the key transformers looks up in the model: the class's renamings (a
-    legacy `_checkpoint_conversion_mapping` dict, else transformers' conversion registry), then
-    `base_model_prefix` stripped or added when that names a key of the model."""
-
-    def __init__(self, model: nn.Module, expected: set[str]) -> None:
-        self.expected = expected
-        prefix = getattr(model, "base_model_prefix", "")
-        self.prefix = prefix if isinstance(prefix, str) else ""
-        mapping = getattr(type(model), "_checkpoint_conversion_mapping", None)
-        self.legacy = dict(mapping) if isinstance(mapping, dict) else {}
-        self.renamings: list[Any] = []
-        self.converters: list[Any] = []
-        self._rename: Callable[..., Any] | None = None
-        transformers = sys.modules.get("transformers")
-        if not self.legacy and transformers is not None and isinstance(model, transformers.PreTrainedModel):
-            try:
-                from transformers.conversion_mapping import get_model_conversion_mapping
-                from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-            except ImportError:  # a transformers without the registry: prefixes only
-                return
-            conversions = get_model_conversion_mapping(model)
-            self.renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
-            self.converters = [c for c in conversions if isinstance(c, WeightConverter)]
-            self._rename = rename_source_key
-
-    def __call__(self, key: str) -> tuple[str, bool]:
-        """(the model's name for `key`, whether the key needs a tensor conversion, not a rename)."""
-        converted = False
-        for pattern, replacement in self.legacy.items():
-            key, n = re.subn(pattern, replacement, key)
-            if n:
-                break
-        if self._rename is not None:
-            key, pattern = self._rename(key, self.renamings, self.converters)
-            converted = pattern is not None
-        p = self.prefix
-        if p and key.startswith(p + ".") and key[len(p) + 1:] in self.expected:
-            key = key[len(p) + 1:]
-        elif p and f"{p}.{key}" in self.expected:
-            key = f"{p}.{key}"
-        return key, converted
-
-
-def plan_weights(model: nn.Module, source: WeightSource) -> WeightPlan:
-    """Map `source`'s keys to `model`'s state-dict names (phase 2 of the module docstring);
-    ValueError naming the files and the keys when they do not match. Works on a model on the
-    meta device (only shapes are looked at) and on a wrapped one."""
-    expected = _expected(model)
-    rename = _Renamer(model, set(expected))
-    keys: dict[str, str] = {}
-    unexpected, converted, head = [], [], []
-    stripped = False
-    ignore_unexpected = _patterns(model, "_keys_to_ignore_on_load_unexpected")
-    for key in source.keys():
-        name, needs_conversion = rename(key)
-        p = rename.prefix
-        stripped |= bool(p) and key.startswith(p + ".") and not name.startswith(p + ".")
-        if needs_conversion:
-            converted.append(key)
-        elif name in expected and name not in keys:
-            keys[name] = key
-        elif not any(re.search(p, name) for p in ignore_unexpected):
-            unexpected.append(key)
-    if stripped:  # a checkpoint of a model with a head, loaded into its base model: the head is not used
-        head = [k for k in unexpected if not k.startswith(rename.prefix + ".")]
-        unexpected = [k for k in unexpected if k not in head]
-    for names in _tied_names(model, expected).values():  # any one name of a tied parameter gives it
-        given = next((n for n in names if n in keys), None)
-        if given is not None:
-            for n in names:
-                keys.setdefault(n, keys[given])
-    ignore_missing = _patterns(model, "_keys_to_ignore_on_load_missing")
-    absent = [n for n in expected if n not in keys]
-    init = frozenset(n for n in absent if not isinstance(expected[n], nn.Parameter)
-                     and any(re.search(p, n) for p in ignore_missing))
-    missing = [n for n in absent if n not in init]
-    misshaped = [f"{keys[n]!r}: {source.info(keys[n]).shape} in {source.info(keys[n]).file.name}, model "
-                 f"{tuple(t.shape)}" for n, t in expected.items()
-                 if n in keys and tuple(source.info(keys[n]).shape) != tuple(t.shape)]
-    if missing or unexpected or misshaped or converted:
-        _mismatch(model, source, missing, unexpected, misshaped, converted)
-    if head:
-        warnings.warn(f"weights {str(source.path)!r}: {len(head)} weights of the checkpoint's head are not "
-                      f"used by {type(model).__name__} (its base model): {few(head, 3)}", stacklevel=3)
-    return WeightPlan(source, keys, init)
-
-
-def _mismatch(model: nn.Module, source: WeightSource, missing: list[str], unexpected: list[str],
-              misshaped: list[str], converted: list[str]) -> None:
-    def where(ks: list[str]) -> str:
-        return few(sorted({source.info(k).file.name for k in ks}), 3)
-
-    parts = []
-    if missing:
-        parts.append(f"{len(missing)} missing key(s), in none of the files: {few(missing)}")
-    if unexpected:
-        parts.append(f"{len(unexpected)} unexpected key(s): {few(unexpected)} (in {where(unexpected)})")
-    if misshaped:
-        parts.append(f"{len(misshaped)} key(s) with the wrong shape: {few(misshaped, 3)}")
-    if converted:
-        parts.append(f"{len(converted)} key(s) that transformers converts (merges or splits) on load, which a "
-                     f"streaming load does not do: {few(converted, 3)} (in {where(converted)}); load it "
-                     "once with transformers' from_pretrained and save it in the converted layout "
-                     "(save_pretrained(folder, save_original_format=False))")
-    raise ValueError(f"weights {str(source.path)!r} ({len(source.files)} safetensors file(s)) do not match "
-                     f"{type(model).__name__}: {'; '.join(parts)}. Give the checkpoint of this model class and "
-                     "config, or build the model from the checkpoint's config")
-
-
-def _expected(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state-dict names: every name of every parameter, and persistent buffers."""
-    out: dict[str, torch.Tensor] = {}
-    for fqn, module in model.named_modules(remove_duplicate=False):
-        prefix = f"{fqn}." if fqn else ""
-        for k, p in module._parameters.items():
-            if p is not None:
-                out[prefix + k] = p
-        for k, b in module._buffers.items():
-            if b is not None and k not in module._non_persistent_buffers_set:
-                out[prefix + k] = b
-    return out
-
-
-def _tied_names(model: nn.Module, expected: dict[str, torch.Tensor]) -> dict[int, list[str]]:
-    """id(parameter) -> its names, the one model.named_parameters() gives first."""
-    groups: dict[int, list[str]] = {id(p): [n] for n, p in model.named_parameters()}
-    for n, t in expected.items():
-        if id(t) in groups and n not in groups[id(t)]:
-            groups[id(t)].append(n)
-    return groups
-
-
-def _patterns(model: nn.Module, attr: str) -> list[str]:
-    value = getattr(model, attr, None)
-    return [str(p) for p in value] if value else []
-
-
-
-def open_weights(model: nn.Module, path: str | os.PathLike[str]) -> WeightPlan:
-    """Open `path` and resolve it against `model` (phases 1-2); closes the files on failure."""
-    source = WeightSource(path)
-    try:
-        return plan_weights(model, source)
-    except BaseException:
-        source.close()
-        raise

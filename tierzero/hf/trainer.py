@@ -44,14 +44,11 @@ class Trainer(transformers.Trainer):
 
     Overridden, each the narrowest method that does the job:
 
-    - `create_optimizer`: builds `tz.AdamW(model, lr, (adam_beta1, adam_beta2), adam_epsilon,
-      weight_decay)` from TrainingArguments, instead of torch.optim.AdamW over the placeholder
-      parameters (which never see a gradient). An optimizer given with `optimizers=` must be a
-      tz optimizer built on this model (ValueError otherwise). Weight decay: the plain Trainer
-      exempts biases and norm weights; tz.AdamW has one param group, so with weight_decay > 0 and
-      any parameter the Trainer would exempt, it refuses (ValueError) rather than decay them
-      silently; pass `optimizers=(tz.AdamW(model, weight_decay=...), None)` to decay every
-      parameter. With weight_decay == 0 (the default) the two are the same.
+    - `create_optimizer`: builds `tz.AdamW` from TrainingArguments over the plain Trainer's
+      two param groups (`get_decay_parameter_names`: weight_decay for the others, 0 for biases
+      and norm weights), instead of torch.optim.AdamW over the placeholder parameters (which
+      never see a gradient). An optimizer given with `optimizers=` must be a tz optimizer built
+      on this model (ValueError otherwise).
     - `_clip_grad_norm` / `_get_grad_norm`: `tz.clip_grad_norm_(model, max_grad_norm)` (or an
       infinite max_norm when max_grad_norm is 0, as the plain Trainer does), so the true global
       norm is what gets clipped and logged as `grad_norm`.
@@ -149,17 +146,12 @@ class Trainer(transformers.Trainer):
                 raise ValueError(f"{DRIVER}: TrainingArguments.optim={args.optim!r} has no tiered counterpart; "
                                  f"use one of {sorted(_ADAMW)} (built as tz.AdamW), or pass "
                                  "optimizers=(tz.AdamW(model, ...) or tz.SGD(model, ...), None)")
-            if args.weight_decay > 0:
-                decayed = set(self.get_decay_parameter_names(opt_model))
-                exempt = [n for n, p in opt_model.named_parameters() if p.requires_grad and n not in decayed]
-                if exempt:
-                    raise ValueError(
-                        f"{DRIVER}: weight_decay={args.weight_decay}: transformers' Trainer exempts biases and "
-                        f"norm weights from decay ({len(exempt)} parameters, e.g. {exempt[:3]}), but tz.AdamW has "
-                        "one param group and would decay them too; set weight_decay=0, or pass "
-                        f"optimizers=(tz.AdamW(model, weight_decay={args.weight_decay}), None) to decay every "
-                        "parameter")
-            self.optimizer = AdamW(opt_model, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+            # the plain Trainer's groups: biases and norm weights exempt from weight decay
+            decayed = set(self.get_decay_parameter_names(opt_model))
+            named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+            groups = [{"params": [p for n, p in named if n in decayed], "weight_decay": args.weight_decay},
+                      {"params": [p for n, p in named if n not in decayed], "weight_decay": 0.0}]
+            self.optimizer = AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
                                    eps=args.adam_epsilon, weight_decay=args.weight_decay)
         self._claim(self.optimizer)
         return self.optimizer

@@ -1,30 +1,34 @@
 """AdamW and SGD: the update math of a tiered optimizer, torch's fused CPU kernels on each
-chunk of a block's fp32 state (the same bits as torch.optim.AdamW / SGD with fused=True)."""
+chunk of a block's fp32 state (the same bits as torch.optim.AdamW / SGD with fused=True over the
+same param groups)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-from torch import nn
 
-from tierzero.optim.base import TieredOptimizer
+from tierzero.optim.base import ParamsT, TieredOptimizer
 from tierzero.placement import Kind
 
 
 class AdamW(TieredOptimizer):
     """torch.optim.AdamW (decoupled weight decay, bias correction) on tiered fp32 state, by torch's
     fused CPU kernel: one pass over memory where the elementwise ops take about eight, and the
-    same bits as torch.optim.AdamW(fused=True)."""
+    same bits as torch.optim.AdamW(fused=True). `params`: a wrapped model, or its parameters or
+    param groups as torch takes them (each group may set lr, betas, eps, weight_decay)."""
 
     state_kinds = (Kind.EXP_AVG, Kind.EXP_AVG_SQ)
 
-    def __init__(self, model: nn.Module, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+    def __init__(self, params: ParamsT, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01) -> None:
-        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        if lr < 0 or eps < 0 or wd < 0 or len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"AdamW: expected lr, eps, weight_decay >= 0 and betas in [0, 1), got "
-                             f"lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
-        super().__init__(model, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+                             f"lr={lr}, betas={betas}, eps={eps}, weight_decay={wd}")
 
     def _update(self, group: dict[str, Any], steps: list[int], grads: list[torch.Tensor],
                 params: list[torch.Tensor], *states: list[torch.Tensor]) -> None:
@@ -38,22 +42,28 @@ class AdamW(TieredOptimizer):
 
 class SGD(TieredOptimizer):
     """torch.optim.SGD (momentum, weight decay; no dampening or Nesterov) by torch's fused CPU
-    kernel: the same bits as torch.optim.SGD(fused=True)."""
+    kernel: the same bits as torch.optim.SGD(fused=True). `params` as AdamW's (each group may
+    set lr, momentum, weight_decay)."""
 
-    state_kinds = (Kind.MOMENTUM,)
+    def __init__(self, params: ParamsT, lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
 
-    def __init__(self, model: nn.Module, lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
-        if lr < 0 or momentum < 0 or weight_decay < 0:
+    @property
+    def state_kinds(self) -> tuple[Kind, ...]:  # type: ignore[override]
+        """Momentum buffers once a group has momentum (registered then, zeros)."""
+        return (Kind.MOMENTUM,) if any(g["momentum"] for g in self.param_groups) else ()
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        lr, momentum, wd = group["lr"], group["momentum"], group["weight_decay"]
+        if lr < 0 or momentum < 0 or wd < 0:
             raise ValueError(f"SGD: expected lr, momentum, weight_decay >= 0, got lr={lr}, "
-                             f"momentum={momentum}, weight_decay={weight_decay}")
-        if momentum == 0:
-            self.state_kinds = ()
-        super().__init__(model, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
+                             f"momentum={momentum}, weight_decay={wd}")
 
     def _update(self, group: dict[str, Any], steps: list[int], grads: list[torch.Tensor],
                 params: list[torch.Tensor], *states: list[torch.Tensor]) -> None:
         # On a parameter's first update its momentum buffer becomes the gradient (plus weight
         # decay); from zeros the later-step formula gives the same bits, so one call may mix.
-        torch._fused_sgd_(params, grads, states[0] if states else [], weight_decay=group["weight_decay"],
+        buffers = states[0] if states and group["momentum"] else []
+        torch._fused_sgd_(params, grads, buffers, weight_decay=group["weight_decay"],
                           momentum=group["momentum"], lr=group["lr"], dampening=0.0, nesterov=False,
                           maximize=False, is_first_step=all(s == 1 for s in steps))

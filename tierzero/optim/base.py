@@ -13,7 +13,12 @@ With Config.step_in_backward each block is updated as soon as backward has made 
 final, and step() updates what is left. Otherwise (Config.overlap_step, one rank, CPU as
 device) step() queues the blocks' updates and returns: they run under the next forward (note
 [Note: overlapped step] in tierzero/runtime/step_queue.py). The parameters' `.grad` are not used; `zero_grad()`
-clears the flat gradients. One param group, holding every trainable parameter of the model.
+clears the flat gradients.
+
+Parameter groups follow torch's contract: the optimizer takes a wrapped model (one group of its
+trainable parameters) or groups of its parameters (`model.named_parameters()` picked as users
+pick them; `add_param_group` later), each with its own hyper-parameters. A group may take some
+parameters of a block's flat tensor and another group the rest: see [Note: parameter groups].
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import functools
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Sequence, Union
 
 import torch
 from torch import nn
@@ -40,21 +45,33 @@ UPDATE_CHUNK = 1 << 22
 """Elements updated at a time (16 MiB of fp32): bounds the scaled gradient's temporary."""
 
 
-def _update_batches(layout: FlatLayout, rank: int,
-                    skip: frozenset[int] = frozenset()) -> list[list[tuple[int, int, int]]]:
+Piece = tuple[int, int, int]
+"""(lo, hi, parameter index): a part of one parameter in shard coordinates."""
+
+
+def _update_batches(layout: FlatLayout, rank: int, skip: frozenset[int] = frozenset(),
+                    classes: Sequence[int] | None = None) -> list[tuple[int, list[Piece]]]:
     """This rank's shard of `layout` as (lo, hi, parameter index) pieces, lo and hi in shard
     coordinates, in batches of at most UPDATE_CHUNK elements, leaving out the parameters in
     `skip` (by index: those without a gradient, which torch's optimizers skip). Each piece lies
     inside one parameter (padding is never updated), and a parameter longer than UPDATE_CHUNK is
-    cut at multiples of UPDATE_CHUNK from its own start.
+    cut at multiples of UPDATE_CHUNK from its own start. `classes` (by parameter index) sorts
+    the pieces of each chunk of UPDATE_CHUNK elements into one batch per class: (class, pieces),
+    in the order each class first appears (None: one class, 0).
 
     [Note: fused chunks] torch's fused CPU kernels run a vector loop and then a scalar loop for
     the last `numel % vector width` elements, whose roundings differ; cutting where a separate
     tensor per parameter would end puts every element in the same loop as
     torch.optim.AdamW(fused=True) over the model's parameters, so the bits are the same (at
-    world size 1; a shard that cuts a parameter moves its tail)."""
+    world size 1; a shard that cuts a parameter moves its tail).
+
+    [Note: parameter groups] Each element's update depends only on its own hyper-parameters and
+    step count, and the fused kernel treats every tensor of its lists on its own: so the pieces
+    of one chunk that share hyper-parameters go to one kernel call, whichever groups they come
+    from and wherever they lie in the block (a group splits a flat tensor at parameter
+    boundaries only), and the bits are those of torch's optimizer over the same groups."""
     start, stop = layout.shard_range(rank)
-    batches: list[list[tuple[int, int, int]]] = [[]]
+    chunks: list[list[Piece]] = [[]]
     room = UPDATE_CHUNK
     for i, slot in enumerate(layout.slots):
         if i in skip:
@@ -63,12 +80,18 @@ def _update_batches(layout: FlatLayout, rank: int,
         while lo < end:
             hi = min(end, slot.offset + ((lo - slot.offset) // UPDATE_CHUNK + 1) * UPDATE_CHUNK)
             if hi - lo > room:
-                batches.append([])
+                chunks.append([])
                 room = UPDATE_CHUNK
-            batches[-1].append((lo - start, hi - start, i))
+            chunks[-1].append((lo - start, hi - start, i))
             room -= hi - lo
             lo = hi
-    return [b for b in batches if b]
+    batches = []
+    for chunk in chunks:
+        by_class: dict[int, list[Piece]] = {}
+        for piece in chunk:
+            by_class.setdefault(0 if classes is None else classes[piece[2]], []).append(piece)
+        batches += by_class.items()
+    return batches
 
 
 class TieredOptimizer(torch.optim.Optimizer):
@@ -82,40 +105,30 @@ class TieredOptimizer(torch.optim.Optimizer):
     state_kinds: tuple[Kind, ...] = ()
     """Flat fp32 state tensors per block besides the master weights (zeros at the start)."""
 
-    def __init__(self, model: nn.Module, defaults: dict[str, Any]) -> None:
-        self._model_state = runtime.state_of(model)
+    def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
+        self._model_state, groups = _owner_and_groups(params, type(self).__name__)
         if self._model_state.ctx.updates is not None:  # the last optimizer's step lands first
             self._model_state.ctx.updates.close()
-        self._flats = self._model_state.flat_params(trainable=True)
-        params = [p for flat in self._flats for p in flat.params]
-        if not params:
-            raise ValueError(f"{type(self).__name__}: the model has no trainable parameters "
-                             "(requires_grad=True); nothing to optimize")
-        super().__init__(params, defaults)
-        previous = _OPTIMIZER_OF[self._model_state]() if self._model_state in _OPTIMIZER_OF else None
-        if previous is not None:
-            previous._give_back_states()
-        ctx = self._model_state.ctx
         self._states: dict[FlatParam, dict[Kind, TensorHandle]] = {}
-        """Per flat tensor: the master weights, then the moments, by kind."""
+        """Per flat tensor a group covers: the master weights, then the moments, by kind."""
         self._steps: dict[FlatParam, list[int]] = {}
         """Per flat tensor, updates applied to each parameter (by index): torch counts AdamW's
         steps per parameter, and skips a parameter without a gradient."""
-        try:
-            for flat in self._flats:
-                self._states[flat] = {Kind.MASTER: flat.ensure_master()}
-                for kind in self.state_kinds:
-                    self._states[flat][kind] = ctx.register(flat.name, torch.zeros(flat.layout.shard_numel),
-                                                            ctx.master_tier, kind=kind)
-                self._steps[flat] = [0] * len(flat.layout.slots)
-            ctx.pm.settle()  # the zero moments' NVMe writes landed (a disk error fails here)
-            ctx.pm.check_staging()  # host-homed states may leave no room to stage the NVMe ones
-            for flat in self._flats:
-                self._check_update_room(flat)
-        except BaseException:  # nothing half-registered stays behind: a retry starts clean
-            self._give_back_states()
-            raise
-        _OPTIMIZER_OF[self._model_state] = weakref.ref(self)
+        self._flats: list[FlatParam] = []
+        """The flat tensors some group covers, in the model's order."""
+        self._group_of: dict[FlatParam, list[int | None]] = {}
+        """Per flat tensor, the group of each parameter (by index; None: in no group)."""
+        self._batches: dict[FlatParam, tuple[Any, list[tuple[int, list[Piece]]]]] = {}
+        """Per flat tensor, its update batches for the last (skipped, group classes) asked for."""
+        self._ready = False
+        super().__init__(groups, defaults)  # add_param_group checks each group
+        ref = _OPTIMIZER_OF.get(self._model_state.model)
+        previous = ref() if ref is not None else None
+        if previous is not None:
+            previous._give_back_states()
+        self._cover()
+        self._ready = True
+        _OPTIMIZER_OF[self._model_state.model] = weakref.ref(self)
         self._stepped: set[FlatParam] = set()
         """Flats updated during this step's backward (Config.step_in_backward)."""
         self._driver: str | None = None
@@ -125,6 +138,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._updater: cf.ThreadPoolExecutor | None = None
         self._queue: StepQueue | None = None
         """The overlapped step's updates (None: step() updates inline)."""
+        ctx = self._model_state.ctx
         config = self._model_state.config
         if config.overlap_step and not config.step_in_backward and ctx.world_size == 1 and not ctx.pm.streams.cuda:
             self._queue = StepQueue(on_wait=lambda s: ctx.pm.telemetry.record_stall(Tier.HOST, s, {"update": s}))
@@ -154,6 +168,71 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._model_state.pm.check_working_set(
             f"{type(self).__name__}'s update of block {flat.name!r} (its gradient, master weights and moments)",
             [flat_grad(flat).handle, *states.values()], extra)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's add_param_group, for parameters of this optimizer's wrapped model: the
+        state of the blocks the group reaches is registered now (zero moments)."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            self._check_group(group)
+            strangers = [tuple(p.shape) for p in group["params"] if self._model_state.locate(p) is None]
+            if strangers:
+                raise ValueError(
+                    f"{type(self).__name__}: param group {len(self.param_groups) - 1} holds {len(strangers)} "
+                    f"tensor(s) that are not parameters of the tierzero-wrapped {type(self._model_state.model).__name__} "
+                    f"(shapes {strangers[:3]}); a tiered optimizer steps one wrapped model: give parameters from its "
+                    "named_parameters(), and train other tensors with a torch optimizer")
+            if self._ready:
+                self._cover()
+        except BaseException:
+            self.param_groups.pop()
+            raise
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """ValueError for hyper-parameters the update cannot take (subclasses)."""
+
+    def _cover(self) -> None:
+        """Map every parameter of the groups to its flat tensor, and register the state of the
+        flat tensors covered for the first time (a failure unregisters what it registered)."""
+        state = self._model_state
+        where: dict[FlatParam, list[int | None]] = {}
+        for g, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                located = state.locate(p)
+                assert located is not None, "add_param_group checked it"
+                flat, i = located
+                if flat.grad is not None:  # a frozen flat tensor never has a gradient to step
+                    where.setdefault(flat, [None] * len(flat.layout.slots))[i] = g
+        flats = [f for f in state.flat_params(trainable=True) if f in where]
+        ctx = state.ctx
+        registered: list[tuple[FlatParam, Kind, TensorHandle]] = []
+        try:
+            for flat in flats:
+                if flat not in self._steps:
+                    self._states[flat] = {Kind.MASTER: flat.ensure_master()}
+                    self._steps[flat] = [0] * len(flat.layout.slots)
+                for kind in self.state_kinds:
+                    if kind not in self._states[flat]:
+                        handle = ctx.register(flat.name, torch.zeros(flat.layout.shard_numel), ctx.master_tier,
+                                              kind=kind)
+                        self._states[flat][kind] = handle
+                        registered.append((flat, kind, handle))
+            ctx.pm.settle()  # the zero moments' NVMe writes landed (a disk error fails here)
+            ctx.pm.check_staging()  # host-homed states may leave no room to stage the NVMe ones
+            for flat in flats:
+                self._check_update_room(flat)
+        except BaseException:  # nothing half-registered stays behind: a retry starts clean
+            for flat, kind, handle in registered:
+                ctx.pm.unregister(handle)
+                del self._states[flat][kind]
+            for flat in flats:
+                if flat not in self._flats:
+                    self._states.pop(flat, None)
+                    self._steps.pop(flat, None)
+            raise
+        self._flats, self._group_of = flats, where
+        self._batches.clear()
 
     @property
     def flat_params(self) -> list[FlatParam]:
@@ -188,18 +267,16 @@ class TieredOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if len(self.param_groups) != 1:
-            raise ValueError(f"{type(self).__name__} supports one param group, got {len(self.param_groups)}")
         self._check_live()
         self._model_state.ctx.drain_updates()
-        group = dict(self.param_groups[0])  # as now: an LR scheduler changes it before queued updates run
+        groups = [dict(g) for g in self.param_groups]  # as now: an LR scheduler changes them before queued updates run
         todo = [f for f in self._flats if not flat_grad(f).empty and f not in self._stepped]
         # in the last forward's order: the next forward's first block is updated first
         order = {name: i for i, name in enumerate(self._model_state.ctx.forward_order)}
         todo.sort(key=lambda f: order.get(f.name, len(order)))
         self._stepped.clear()
         for i, flat in enumerate(todo):
-            update = functools.partial(self._step_flat, flat, group,
+            update = functools.partial(self._step_flat, flat, groups,
                                        then=lambda i=i: self._read_ahead(todo[i + 1:i + 1 + READ_AHEAD]))
             if self._queue is None:
                 update()
@@ -227,16 +304,18 @@ class TieredOptimizer(torch.optim.Optimizer):
                 "blocks it finishes, so call opt.step() after every backward (for gradient "
                 "accumulation, set step_in_backward=False)")
         self._stepped.add(flat)
+        if flat not in self._group_of:
+            return  # a flat tensor no group covers: its gradient waits, as torch leaves p.grad
         i = self._flats.index(flat)
         # backward finishes blocks in reverse order: read the previous one's state meanwhile
         # (one only: backward's own reads compete for the host room, and a second block's
         # state read this early was measured to be pushed out before its update)
         ahead = self._flats[max(0, i - 1):i]
-        group = self.param_groups[0]
+        groups = self.param_groups
 
         def update() -> None:
             with torch.no_grad():
-                self._step_flat(flat, group, then=lambda: self._read_ahead(ahead, grad=False))
+                self._step_flat(flat, groups, then=lambda: self._read_ahead(ahead, grad=False))
                 flat_grad(flat).clear()  # used up: its host room goes back now, and it never reaches NVMe
 
         if self._updater is None:
@@ -284,9 +363,10 @@ class TieredOptimizer(torch.optim.Optimizer):
             for handle in self._live_states(flat).values():
                 pm.prefetch(handle, handle.staging, speculative=k > 0)
 
-    def _step_flat(self, flat: FlatParam, group: dict[str, Any], *, then: Callable[[], None]) -> None:
-        """Update `flat`; `then` (the next block's prefetch) runs once this block's state is
-        pinned, so the read-ahead can never evict what this update is about to use."""
+    def _step_flat(self, flat: FlatParam, groups: list[dict[str, Any]], *, then: Callable[[], None]) -> None:
+        """Update `flat` with its groups' hyper-parameters; `then` (the next block's prefetch)
+        runs once this block's state is pinned, so the read-ahead can never evict what this
+        update is about to use."""
         pm = self._model_state.pm
         handles = list(self._live_states(flat).values())
         gradient = flat_grad(flat)
@@ -296,17 +376,35 @@ class TieredOptimizer(torch.optim.Optimizer):
                 then()
                 skip = gradient.unreached()
                 steps = self._steps[flat]
-                for j in range(len(steps)):
-                    if j not in skip:
+                for j, g in enumerate(self._group_of[flat]):
+                    if g is not None and j not in skip:
                         steps[j] += 1
-                for pieces in _update_batches(flat.layout, self._model_state.ctx.rank, skip):
+                for c, pieces in self._batches_of(flat, skip, groups):
                     grads = [gradient.scaled(grad[lo:hi]) for lo, hi, _ in pieces]
-                    self._update(group, [steps[j] for _, _, j in pieces], grads,
+                    self._update(groups[c], [steps[j] for _, _, j in pieces], grads,
                                  *([t[lo:hi] for lo, hi, _ in pieces] for t in tensors))
                 flat.master_updated(tensors[0])
             finally:
                 for h in handles:
                     pm.release(h, h.staging, dirty=True)
+
+    def _batches_of(self, flat: FlatParam, skip: frozenset[int],
+                    groups: list[dict[str, Any]]) -> list[tuple[int, list[Piece]]]:
+        """`flat`'s update batches (see the function `_update_batches`): the parameters in no group and those
+        in `skip` left out, one batch per chunk and set of equal hyper-parameters, named by the
+        first group that has them. Kept while the skipped parameters and the way the groups'
+        hyper-parameters fall into sets stay the same (most steps)."""
+        first: dict[Any, int] = {}
+        same = tuple(first.setdefault(_hyper_key(g), i) for i, g in enumerate(groups))
+        slots = self._group_of[flat]
+        key = (skip, same)
+        cached = self._batches.get(flat)
+        if cached is None or cached[0] != key:
+            unused = skip | {j for j, g in enumerate(slots) if g is None}
+            classes = [-1 if g is None else same[g] for g in slots]
+            cached = self._batches[flat] = (key, _update_batches(flat.layout, self._model_state.ctx.rank,
+                                                                  frozenset(unused), classes))
+        return cached[1]
 
     def _update(self, group: dict[str, Any], steps: list[int], grads: list[torch.Tensor],
                 params: list[torch.Tensor], *states: list[torch.Tensor]) -> None:
@@ -340,6 +438,17 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------- state dicts
 
+    def load_groups(self, saved: list[dict[str, Any]], sizes: list[int] | None) -> None:
+        """Take the hyper-parameters of `saved` param groups (state dicts, checkpoints), group
+        by group; ValueError unless they are as many, of the same sizes (`sizes`, when known)."""
+        mine = [len(g["params"]) for g in self.param_groups]
+        if len(saved) != len(mine) or (sizes is not None and sizes != mine):
+            raise ValueError(f"{type(self).__name__}: the saved optimizer state has {len(saved)} param group(s) "
+                             f"of {sizes if sizes is not None else '?'} parameters, this optimizer {len(mine)} of "
+                             f"{mine}; build the optimizer with the groups it was saved with")
+        for group, values in zip(self.param_groups, saved):
+            group.update({k: v for k, v in values.items() if k not in ("params", "param_names")})
+
     def state_dict(self) -> dict[str, Any]:
         """param_groups as torch packs them; "state" maps each block to its step count and its
         fp32 master weights and moments (full CPU tensors)."""
@@ -353,12 +462,7 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._model_state.ctx.drain_updates()
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"optimizer state has {len(saved_groups)} param groups, expected "
-                             f"{len(self.param_groups)}")
-        for group, saved in zip(self.param_groups, saved_groups):
-            group.update({k: v for k, v in saved.items() if k != "params"})
+        self.load_groups(state_dict["param_groups"], [len(g["params"]) for g in state_dict["param_groups"]])
         pm = self._model_state.pm
         by_name = {flat.name: flat for flat in self._flats}
         unknown = sorted(set(state_dict["state"]) - set(by_name))
@@ -373,10 +477,50 @@ class TieredOptimizer(torch.optim.Optimizer):
             flat.master_updated(entry[Kind.MASTER.value])
 
 
-_OPTIMIZER_OF: "weakref.WeakKeyDictionary[runtime.TieredState, weakref.ref[TieredOptimizer]]" = \
-    weakref.WeakKeyDictionary()
-"""Side table: a wrapped model's state -> its tiered optimizer (the newest one), both weakly held
-(the optimizer holds the state: a strong value would keep both alive forever)."""
+_OPTIMIZER_OF: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[TieredOptimizer]]" = weakref.WeakKeyDictionary()
+"""Side table: a wrapped model -> its tiered optimizer (the newest one), both weakly held (the
+optimizer holds the model: a strong value would keep both alive forever)."""
+
+
+ParamsT = Union[nn.Module, Iterable[torch.Tensor], Iterable[tuple[str, torch.Tensor]], Iterable[dict[str, Any]]]
+"""What a tiered optimizer takes: a wrapped model (its trainable parameters, one group), or its
+parameters as torch's optimizers take them (tensors, (name, tensor) pairs, or group dicts)."""
+
+
+def _owner_and_groups(params: ParamsT, who: str) -> tuple[runtime.TieredState, list[Any]]:
+    """The wrapped model `params` belong to, and the groups to give torch's Optimizer. What
+    changed in the model since wrap is taken in first (runtime.refresh: peft's adapters added
+    and its base frozen after tz.from_pretrained)."""
+    if isinstance(params, nn.Module):
+        state = runtime.refresh(params)
+        trainable = [p for p in state.model.parameters() if p.requires_grad]
+        if not trainable:
+            raise ValueError(f"{who}: the model has no trainable parameters (requires_grad=True); nothing to optimize")
+        return state, trainable
+    if isinstance(params, torch.Tensor):
+        raise TypeError(f"{who}: params must be a wrapped model or an iterable of its parameters (or of param "
+                        f"group dicts), got a {type(params).__name__}")
+    items = [dict(item, params=_listed(item["params"])) if isinstance(item, dict) else item for item in params]
+    tensors = [t for item in items for t in (item["params"] if isinstance(item, dict) else [item])]
+    tensors = [t[1] if isinstance(t, tuple) else t for t in tensors]
+    if not tensors:
+        raise ValueError(f"{who} got an empty parameter list; give the wrapped model, or parameters from its "
+                         "named_parameters()")
+    return runtime.refresh(runtime.state_of_param(tensors[0], who=who).model), items
+
+
+def _listed(params: Any) -> Any:
+    """A group's parameters as a list (a set is left for torch to refuse: it has no order)."""
+    return [params] if isinstance(params, torch.Tensor) else params if isinstance(params, set) else list(params)
+
+
+def _hyper_key(group: dict[str, Any]) -> tuple[Any, ...]:
+    """A group's hyper-parameters as a hashable key (a tensor stands for itself)."""
+    def hashable(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return ("tensor", id(v))
+        return tuple(hashable(x) for x in v) if isinstance(v, (list, tuple)) else v
+    return tuple((k, hashable(v)) for k, v in sorted(group.items()) if k not in ("params", "param_names"))
 
 
 def flat_grad(flat: FlatParam) -> FlatGrad:

@@ -41,16 +41,16 @@ class Kind(Enum):
 
     @property
     def traffic(self) -> str:
-        """The group NVMe traffic is counted under: params (trainable or frozen), grads, master,
+        """The group NVMe traffic is counted under: params (trainable), frozen, grads, master,
         moments or other. With fp32 parameters that double as the master weights, the
         optimizer's reads and writes of them count as params."""
         return _TRAFFIC[self]
 
 
-_TRAFFIC = {Kind.PARAM: "params", Kind.FROZEN: "params", Kind.GRAD: "grads", Kind.MASTER: "master",
+_TRAFFIC = {Kind.PARAM: "params", Kind.FROZEN: "frozen", Kind.GRAD: "grads", Kind.MASTER: "master",
             Kind.EXP_AVG: "moments", Kind.EXP_AVG_SQ: "moments", Kind.MOMENTUM: "moments",
             Kind.TENSOR: "other"}
-TRAFFIC_GROUPS = ("params", "grads", "master", "moments", "other")
+TRAFFIC_GROUPS = ("params", "frozen", "grads", "master", "moments", "other")
 
 
 @dataclass(frozen=True, eq=False)

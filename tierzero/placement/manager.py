@@ -209,6 +209,22 @@ class PlacementManager:
             self._table.forget(rec)
             self._cond.notify_all()
 
+    def relabel(self, h: TensorHandle, kind: Kind) -> TensorHandle:
+        """The same tensor as another kind (parameters frozen after they were registered), under
+        the handle returned, which replaces `h`; its cached copies are dropped (dirty ones
+        written home first). RuntimeError while it is pinned or moving; ValueError on a name clash."""
+        for tier in (Tier.DEVICE, Tier.HOST):
+            if tier is not h.home:
+                self.drop(h, tier)
+        rec = self._record_of(h, "relabel")
+        with self._cond:
+            name = f"{h.owner}.{kind.value}"
+            if self._table.named(name):
+                raise ValueError(f"relabel({h.name!r}): a tensor named {name!r} is already registered")
+            if rec.in_flight or any(rec.pins(t) for t in Tier):
+                raise RuntimeError(f"relabel({h.name!r}): the tensor is pinned or moving; relabel it between steps")
+            return self._table.relabel(rec, kind)
+
     def prefetch(self, h: TensorHandle, tier: Tier | str = Tier.DEVICE, *, speculative: bool = False) -> bool:
         """Start a copy toward `tier` without waiting. True if it is there, on its way, or was
         started; False if there is no room without evicting a pinned copy (or, speculative,

@@ -32,7 +32,7 @@ from io_engine import aligned_empty
 from tierzero.config import Tier
 from tierzero.placement.cow_home import CheckpointHome
 from tierzero.placement.eviction import Room, Shortfall
-from tierzero.placement.handles import TensorHandle
+from tierzero.placement.handles import Kind, TensorHandle
 from tierzero.placement.moves import (Copy, Done, Failed, FetchPlan, Leg, Move, MoveIO, MoveTable, Outcome,
                                       StorePlan, WritebackPlan, run_fetch, run_store, run_writeback,
                                       staging_needs)
@@ -349,6 +349,16 @@ class ResidencyTable:
                          key=Tier.NVME)
         rec._residency[h.home] = Residency.HOME
         return rec
+
+    def relabel(self, rec: TensorRecord, kind: Kind) -> TensorHandle:
+        """The record under a new handle of another kind (only its home: no copy elsewhere)."""
+        h = rec.handle
+        assert set(rec._copies) == {h.home} and not rec.in_flight, h.name
+        new = TensorHandle(h.owner, kind, h.shape, h.dtype, h.home)
+        del self._records[h], self._names[h.name]
+        rec.handle = self._names[new.name] = new
+        self._records[new] = rec
+        return new
 
     def forget(self, rec: TensorRecord) -> None:
         """Every tier -> ABSENT: drop the cached copies, free the home, forget the handle."""

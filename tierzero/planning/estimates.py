@@ -65,13 +65,17 @@ def estimate(model: nn.Module, cfg: Config, world_size: int = 1) -> Estimate:
     zm = ZeroModel.of(cfg, world_size)
     per_rank = zm.per_rank(n, trainable)
     need = per_rank.by_tier(cfg)
+    if cfg.frozen_tier != cfg.params:  # frozen parameters (a LoRA base) live on their own tier
+        frozen = zm.per_rank(n - trainable, 0).params
+        need[cfg.params] -= frozen
+        need[cfg.frozen_tier] += frozen
     home = dict(need)
     # adaptive keeps at least two blocks coming (more only where the room allows)
     policy = cfg.prefetch.policy if isinstance(cfg.prefetch.policy, str) else "object"
     ahead = {"lookahead": cfg.prefetch.depth, "adaptive": 2}.get(policy, 1)
     if cfg.params != "device" or zm.zero.gathers:
         need["device"] += (counts.root + block * (1 + ahead)) * cb
-    if cfg.params == "nvme":
+    if "nvme" in (cfg.params, cfg.frozen_tier):
         need["host"] += block * cb * cfg.prefetch.nvme_depth
     if cfg.optimizer_states == "nvme":
         # read k+1, update k, write k-1: three blocks' master + moments in flight

@@ -7,12 +7,13 @@ Each module imports only those above it in this list (the way FSDP2 splits its l
     step_context.py     StepContext: what one wrapped model's blocks share in a step
     gathers.py          one flat tensor's fetch: the device copy of its shard and its all-gather
     grads.py            FlatGrad: one flat tensor's gradient shard, early capture
+    placeholders.py     parameters that refuse to be read while they hold no data
     flat_param.py       FlatParam: one flat tensor and the nn.Parameters that view it
     fetch_group.py      FetchGroup: a block's flat tensors fetched and reduced together
     blocks.py           Block: the hooks of forward, backward, recomputation
     optimizer_guard.py  refusing torch optimizers that would not train a wrapped model
-    state.py            TieredState: the root of a wrapped model, and the queries on it
-    wrapping.py         tz.wrap: blocks built, hooks registered, the prefetcher attached
+    state.py            TieredState: the root of a wrapped model, the queries on it, tz.gathered_params
+    wrapping.py         tz.wrap: blocks built, hooks registered, the prefetcher attached; refresh
 
 See wrapping.py's module docstring for the phases of a step.
 """
@@ -21,12 +22,12 @@ from tierzero.runtime.collectives import RankRuntimeError, all_reduce_, rank_err
 from tierzero.runtime.flat_param import FlatParam
 from tierzero.runtime.grads import FlatGrad
 from tierzero.runtime.optimizer_guard import TIERED_OPTIMIZER
-from tierzero.runtime.state import (TieredState, close, full_state_dict, model_dtype, placement_manager,
-                                    settle, state_of, step_comm_bytes, step_stats)
+from tierzero.runtime.state import (TieredState, close, full_state_dict, gathered_params, model_dtype, placement_manager,
+                                    settle, state_of, state_of_param, step_comm_bytes, step_stats)
 from tierzero.runtime.step_context import StepContext
 from tierzero.runtime.step_queue import StepFailed, StepQueue
-from tierzero.runtime.wrapping import wrap
+from tierzero.runtime.wrapping import refresh, wrap
 
-__all__ = ["wrap", "state_of", "placement_manager", "step_stats", "step_comm_bytes", "full_state_dict", "settle",
+__all__ = ["wrap", "refresh", "gathered_params", "state_of", "state_of_param", "placement_manager", "step_stats", "step_comm_bytes", "full_state_dict", "settle",
            "close", "model_dtype", "TieredState", "FlatParam", "FlatGrad", "StepContext", "StepQueue", "StepFailed",
            "RankRuntimeError", "rank_errors", "world", "all_reduce_", "TIERED_OPTIMIZER"]

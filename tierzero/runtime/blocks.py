@@ -144,6 +144,11 @@ class Block:
             self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post_forward))
 
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
     # ------------------------------------------------------------------------------ holds
 
     def hold(self, phase: FetchPhase) -> None:

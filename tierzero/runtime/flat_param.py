@@ -27,7 +27,7 @@ load writes nothing to the swap files (see [Note: copy-on-write home] in tierzer
 
 Parameters are never replaced: each stays the same nn.Parameter object, and its `.data` is set
 to a view into the device copy while HELD, and to a one-element zero-stride placeholder of the
-same shape, dtype and device otherwise. Autograd saves parameters (leaves) by reference, so a
+same shape, dtype and device otherwise, which refuses to be read (placeholders.py). Autograd saves parameters (leaves) by reference, so a
 backward sees whatever `.data` holds then: the copy the pre-backward hook fetched. Only
 `install`, `install_scratch` and `uninstall` change the state, as their last line.
 """
@@ -47,6 +47,7 @@ from tierzero.placement import CheckpointHome, Kind, TensorHandle
 from tierzero.runtime.collectives import all_gather_flat, broadcast_from_first_, rank_errors
 from tierzero.runtime.gathers import discard_gather
 from tierzero.runtime.grads import FlatGrad
+from tierzero.runtime.placeholders import guard, unguard
 from tierzero.runtime.step_context import StepContext
 
 
@@ -201,12 +202,43 @@ class FlatParam:
                 self.master = ctx.register(self.name, values.float(), ctx.master_tier, kind=Kind.MASTER)
         return self.master
 
+    def freeze(self, home: Tier) -> None:
+        """Its parameters were all frozen after wrap (peft froze a base): it becomes a frozen
+        flat tensor, labelled so (Kind.FROZEN), homed on `home` (moved there when that is another
+        tier), its gradient and separate master weights given back (a frozen flat tensor holds
+        its values in the compute dtype, as one frozen at wrap does)."""
+        ctx = self.ctx
+        assert self.is_free and self.trainable, (self.name, self._state)
+        if self.grad is not None:
+            self.grad.drop_capture()
+            ctx.unregister(self.grad.handle)
+        if self.master is not None and self.master is not self.param:
+            ctx.unregister(self.master)
+        if home is self.home:
+            self._param = ctx.pm.relabel(self.param, Kind.FROZEN)
+        else:
+            values = ctx.pm.read(self.param)
+            ctx.unregister(self.param)
+            self._param = ctx.register(self.name, values, home, kind=Kind.FROZEN, dtype=ctx.compute_dtype)
+        self.trainable, self.grad, self.master, self.home = False, None, None, home
+
+    def close(self) -> None:
+        """Give every handle back (its parameters are taken over by another flat tensor)."""
+        assert self.is_free, (self.name, self._state)
+        ctx = self.ctx
+        if self.grad is not None:
+            ctx.unregister(self.grad.handle)
+        if self.master is not None and self.master is not self.param:
+            ctx.unregister(self.master)
+        ctx.unregister(self.param)
+
     # ------------------------------------------------------------------------- transitions
 
     def install(self, flat: torch.Tensor) -> None:
         """FREE -> HELD: the parameters view the device copy `flat`."""
         assert self._state is ParamState.FREE, (self.name, self._state)
         for p, view in zip(self.params, self.layout.views(flat)):
+            unguard(p)
             p.data = view
         self._device = flat
         self.ctx.track(self, flat)
@@ -218,13 +250,16 @@ class FlatParam:
             raise RuntimeError(f"{self.name}: load_state_dict while the block is in use "
                                f"({self._state.value}); load between training steps")
         for p, v in zip(self.params, values):
+            unguard(p)
             p.data = v
         self._state = ParamState.SCRATCH
 
     def uninstall(self) -> None:
-        """HELD / SCRATCH -> FREE: the parameters become placeholders again."""
-        for p, ph in zip(self.params, self._placeholders):
+        """HELD / SCRATCH -> FREE: the parameters become placeholders again, refusing reads
+        ([Note: unfetched parameters] in placeholders.py)."""
+        for p, ph, slot in zip(self.params, self._placeholders, self.layout.slots):
             p.data = ph
+            guard(p, slot.fqn)
         if self._device is not None:
             self.ctx.untrack(self._device)
             self._device = None
@@ -259,6 +294,22 @@ class FlatParam:
             with rank_errors(ctx.rank, ctx.world_size, f"all-gather of {self.param.name} for a state dict"):
                 flat = all_gather_flat(flat.to(ctx.device), self.layout, ctx.group, ctx.comm).cpu()
         return [v.to(dt, copy=True) for v, dt in zip(self.layout.views(flat), self.orig_dtypes)]
+
+    def held_values(self) -> torch.Tensor:
+        """HELD: this rank's shard of the device copy, as the caller may have changed it, on the CPU."""
+        assert self._state is ParamState.HELD and self._device is not None, (self.name, self._state)
+        return self._device[self.shard].to("cpu", copy=True)
+
+    def write_values(self, shard: torch.Tensor) -> None:
+        """New values of this rank's shard in the compute dtype: with fp32 master weights apart,
+        the elements whose compute-dtype value changed take the new value and the others keep
+        their full precision."""
+        if self.master is not None and self.master is not self.param:
+            master = self.ctx.pm.read(self.master)
+            changed = shard != master.to(shard.dtype)
+            master[changed] = shard[changed].float()
+            shard = master
+        self.store_values(shard)
 
     def write_full(self, values: list[torch.Tensor]) -> None:
         """Overwrite the values with this rank's part of `values` (full tensors)."""

@@ -5,15 +5,16 @@ by the model, and the queries on a wrapped model: `state_of`, `placement_manager
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
-from tierzero.config import Config
+from tierzero.config import Config, Tier, format_size
 from tierzero.layout import CommBytes, unique_params
 from tierzero.placement import PlacementManager, StepStats
 from tierzero.runtime.blocks import Block, SavedParamViews, output_tensors
@@ -55,6 +56,11 @@ class TieredState:
     def pm(self) -> PlacementManager:
         return self.ctx.pm
 
+    def locate(self, p: torch.Tensor) -> tuple[FlatParam, int] | None:
+        """(its FlatParam, its index there) of a parameter of this model; None for any other tensor."""
+        found = self._flat_of.get(id(p))
+        return found if found is not None and found[0].params[found[1]] is p else None
+
     def flat_params(self, *, trainable: bool | None = None) -> list[FlatParam]:
         return [f for b in self.blocks for f in b.flats if trainable is None or f.trainable == trainable]
 
@@ -65,9 +71,20 @@ class TieredState:
         self._handles.append(self.model.register_forward_pre_hook(self._root_pre_forward, prepend=True))
         self._handles.append(self.model.register_forward_hook(self._root_post_forward, always_call=True))
 
+    def remove_hooks(self) -> None:
+        """Every hook this state and its blocks registered, removed (a new root state takes over)."""
+        for block in self.blocks:
+            block.remove_hooks()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
     # ------------------------------------------------------------------------ step lifecycle
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self in _GATHERED:
+            raise RuntimeError(f"{type(module).__name__}: a forward inside tz.gathered_params(); run it after the "
+                               "with block (the gathered parameters are fetched outside any step)")
         self.ctx.check_thread(type(module).__name__)
         if self.ctx.backward_died():
             self.ctx.end_iteration(died=True)  # its final callback never ran; blocks reset below
@@ -118,7 +135,7 @@ class TieredState:
                 module.register_state_dict_post_hook(
                     lambda m, sd, prefix, meta, ids=ids: self._save_hook(m, sd, prefix, ids)),
                 module.register_load_state_dict_pre_hook(
-                    lambda m, sd, prefix, meta, *rest, flats=flats: self._load_pre_hook(meta, flats)),
+                    lambda m, sd, prefix, meta, *rest, flats=flats: self._load_pre_hook(m, sd, prefix, meta, flats)),
                 module.register_load_state_dict_post_hook(
                     lambda m, incompatible, flats=flats: self._load_post_hook(flats)),
             ]
@@ -132,17 +149,25 @@ class TieredState:
                     cache[flat] = flat.read_full()
                 state_dict[name] = cache[flat][i]
 
-    def _load_pre_hook(self, local_metadata: dict[str, Any], flats: list[FlatParam]) -> None:
+    def _load_pre_hook(self, module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                       local_metadata: dict[str, Any], flats: list[FlatParam]) -> None:
+        """The flat tensors the state dict gives values for hold full CPU tensors to load into
+        (the others are not read, nor written back: a partial load, such as peft's adapters,
+        leaves a frozen base's home untouched)."""
         if local_metadata.get("assign_to_params_buffers", False):
             raise ValueError("load_state_dict(assign=True) would replace the parameters of a "
                              "tierzero-wrapped model; load with assign=False (the default)")
+        given = {id(p) for n, p in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False)
+                 if n in state_dict}
         for flat in flats:
-            flat.install_scratch(flat.read_full())
+            if any(id(p) in given for p in flat.params):
+                flat.install_scratch(flat.read_full())
 
     def _load_post_hook(self, flats: list[FlatParam]) -> None:
         for flat in flats:
-            flat.write_full([p.data for p in flat.params])
-            flat.uninstall()
+            if not flat.is_free:
+                flat.write_full([p.data for p in flat.params])
+                flat.uninstall()
 
     def __repr__(self) -> str:
         return (f"TieredState({type(self.model).__name__}, {len(self.blocks)} blocks, "
@@ -160,13 +185,41 @@ def is_wrapped(model: nn.Module) -> bool:
     return any(m in _OWNED for m in model.modules())
 
 
-def state_of(model: nn.Module) -> TieredState:
-    """The tierzero state of a wrapped model; ValueError if it is not wrapped."""
+def _state(model: nn.Module) -> TieredState | None:
     ref = _STATES.get(model)
-    state = ref() if ref is not None else None
+    return ref() if ref is not None else None
+
+
+def _states() -> list[TieredState]:
+    return [s for s in (ref() for ref in list(_STATES.values())) if s is not None]
+
+
+def state_of(model: nn.Module) -> TieredState:
+    """The tierzero state of a wrapped model, or of the one wrapped model inside `model` (a
+    peft model around a wrapped transformers model); ValueError if there is none."""
+    state = _state(model)
     if state is None:
-        raise ValueError(f"{type(model).__name__} is not wrapped by tierzero; call tz.wrap(model, config) first")
+        inner = [s for s in map(_state, model.modules()) if s is not None]
+        if len(inner) == 1:
+            return inner[0]
+        raise ValueError(f"{type(model).__name__} is not wrapped by tierzero"
+                         + (f" (it holds {len(inner)} wrapped models; pass one)" if inner else "")
+                         + "; call tz.wrap(model, config) first")
     return state
+
+
+def state_of_param(p: torch.Tensor, *, who: str) -> TieredState:
+    """The state of the wrapped model `p` is a parameter of; ValueError naming `who` otherwise."""
+    states = _states()
+    for state in states:
+        if state.locate(p) is not None:
+            return state
+    for state in states:  # added since wrap (peft's adapters): wrapping.refresh takes it in
+        if any(q is p for q in state.model.parameters()):
+            return state
+    raise ValueError(f"{who}: a tensor of shape {tuple(p.shape)} is not a parameter of a tierzero-wrapped model; "
+                     "tiered optimizers step a wrapped model's parameters (tz.wrap(model, config) first, then "
+                     "give the model or parameters from its named_parameters())")
 
 
 def placement_manager(model: nn.Module) -> PlacementManager:
@@ -193,6 +246,84 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     state = state_of(model)
     sd = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
     return sd if state.ctx.rank == 0 else {}
+
+
+_GATHERED: "weakref.WeakSet[TieredState]" = weakref.WeakSet()
+"""Wrapped models inside tz.gathered_params() now."""
+
+
+@contextlib.contextmanager
+def gathered_params(model: nn.Module, modules: nn.Module | list[nn.Module] | None = None, *,
+                    writable: bool = False) -> Iterator[None]:
+    """Within the block, the wrapped model's parameters (those of `modules`, which may be any
+    submodules; None: all) hold their full values, readable as plain tensors (FSDP's
+    summon_full_params, DeepSpeed's GatheredParameters). Their blocks are fetched to the device
+    tier like a forward fetches them, so they must fit its budget together (ValueError naming
+    the bytes otherwise: gather fewer modules at a time). The values are in the compute dtype
+    (fp32 compute: exactly the state dict's). writable=True: what the block changed in them is
+    written back to their homes and master weights on exit (where fp32 master weights are kept
+    apart from narrower parameters, only the elements whose value changed take it); False: changes
+    are discarded (but on parameters homed on the device tier, which are the values themselves).
+    Between steps only; with several ranks every rank enters it with the same modules."""
+    state = state_of(model)
+    ctx = state.ctx
+    if ctx.phase is not Phase.IDLE or ctx.held or state in _GATHERED:
+        raise RuntimeError("tz.gathered_params: the model is in a step or already gathered; use it between "
+                           "training steps (after opt.step()), not inside a forward, a backward or another "
+                           "gathered_params")
+    ctx.drain_updates()
+    blocks = _blocks_of(state, modules)
+    need, room = sum(b.nbytes for b in blocks), ctx.device_room()
+    if need > room:
+        raise ValueError(f"tz.gathered_params: the {len(blocks)} block(s) asked for need {format_size(need)} "
+                         f"({need} bytes) on the device tier at once, and its budget leaves {format_size(room)} "
+                         f"({room} bytes) beside the device-homed tensors; pass fewer modules at a time "
+                         "(e.g. one layer), or raise device_budget")
+    _GATHERED.add(state)
+    fetched: list[Block] = []
+    try:
+        for block in blocks:
+            ctx.hold(block)
+            try:
+                block.group.fetch()
+            except BaseException:
+                ctx.release(block)
+                raise
+            fetched.append(block)
+        yield
+        while writable and fetched:  # block by block: one block's values in CPU memory at a time
+            block = fetched.pop(0)
+            values = [flat.held_values() for flat in block.flats]
+            _release(block, discard=False)
+            for flat, shard in zip(block.flats, values):
+                flat.write_values(shard)
+    finally:
+        for block in fetched:
+            _release(block, discard=True)
+        _GATHERED.discard(state)
+
+
+def _blocks_of(state: TieredState, modules: nn.Module | list[nn.Module] | None) -> list[Block]:
+    blocks = [b for b in state.blocks if b.flats]
+    if modules is None:
+        return blocks
+    wanted = set()
+    for module in [modules] if isinstance(modules, nn.Module) else modules:
+        located = [state.locate(p) for p in module.parameters()]
+        wanted |= {found[0] for found in located if found is not None}
+    return [b for b in blocks if any(f in wanted for f in b.flats)]
+
+
+def _release(block: Block, *, discard: bool) -> None:
+    """A gathered block back to FREE; `discard`: its device copies are dropped, so what was
+    changed in them is not seen again."""
+    ctx = block.ctx
+    block.group.free()
+    ctx.release(block)
+    if discard:
+        for flat in block.flats:
+            if flat.param.home is not Tier.DEVICE:
+                ctx.pm.drop(flat.param, Tier.DEVICE)
 
 
 def settle(model: nn.Module) -> None:

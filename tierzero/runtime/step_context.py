@@ -162,8 +162,15 @@ class StepContext:
             self._device_home_bytes += handle.nbytes
         return handle
 
+    def unregister(self, handle: TensorHandle) -> None:
+        """Give a tensor registered with `register` back to the placement manager."""
+        self.pm.unregister(handle)
+        if handle.home is Tier.DEVICE:
+            self._device_home_bytes -= handle.nbytes
+
     def attach(self, prefetcher: Prefetcher, end_backward: Callable[[], None]) -> None:
-        """The root state's prefetcher and final callback of a backward pass (once, at wrap)."""
+        """The root state's prefetcher and final callback of a backward pass (at wrap, and again
+        when the root state is rebuilt: wrapping.refresh)."""
         self.prefetcher = prefetcher
         self._end_backward = end_backward
 

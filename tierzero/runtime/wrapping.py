@@ -23,8 +23,10 @@ Phases of one training step, once wrapped:
 The parameters' `.grad` stay None: gradients live in the flat gradients, which the
 clip function and the optimizers read and `optimizer.zero_grad()` clears. Outside a block's
 forward and backward its parameters hold no data (a zero-stride placeholder of the right shape
-and dtype): read values with `model.state_dict()` or `tz.full_state_dict(model)`, write them
-with `model.load_state_dict()`. During the root's forward, tensors autograd saves that view a
+and dtype that refuses to be read: placeholders.py): read values with `model.state_dict()`,
+`tz.full_state_dict(model)` or inside `tz.gathered_params(model)`, write them with
+`model.load_state_dict()` or inside `tz.gathered_params(model, writable=True)`. Parameters
+added or frozen after wrap (peft over a wrapped base) are taken in by `refresh`. During the root's forward, tensors autograd saves that view a
 block's device copy are saved as references into the block (blocks.SavedParamViews), so the
 copy is really freed after the forward and rebuilt for backward.
 
@@ -40,8 +42,7 @@ run the same blocks in the same order (no rank-dependent control flow), and call
 load_state_dict() and tz.full_state_dict() together: they gather.
 
 Limits: blocks run outside the root module's forward are fetched but their saved views are not
-managed; a second backward through one graph (retain_graph=True) is not supported; the
-optimizers take one param group.
+managed; a second backward through one graph (retain_graph=True) is not supported.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ import torch
 from torch import nn
 
 from tierzero.config import Config, Tier, format_size
-from tierzero.formats import LoadedShard, check_buffers, init_buffers, load_buffers, open_weights
+from tierzero.formats import LoadedShard, check_buffers, init_buffers, init_params, load_buffers, open_weights
 from tierzero.layout import (ROOT, BlockSpec, FlatLayout, ZeroStage, assign_params, block_fetch_bytes,
                              block_specs, flat_groups, group_modules)
 from tierzero.placement import PlacementManager
@@ -64,25 +65,30 @@ from tierzero.runtime.collectives import broadcast_from_first_, rank_errors, wor
 from tierzero.runtime.fetch_group import gather_ahead
 from tierzero.runtime.flat_param import FlatParam, borrows_checkpoint, shard_request
 from tierzero.runtime.optimizer_guard import refuse_other_optimizers
-from tierzero.runtime.state import TieredState, adopt, is_wrapped
-from tierzero.runtime.step_context import StepContext
+from tierzero.runtime.state import TieredState, adopt, is_wrapped, state_of
+from tierzero.runtime.step_context import Phase, StepContext
 
 # ------------------------------------------------------------------------------- public API
 
 
 def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
-         weights: str | os.PathLike[str] | None = None) -> nn.Module:
+         weights: str | os.PathLike[str] | None = None, strict: bool = False) -> nn.Module:
     """Make `model` train with its state on tiers (see the module docstring); returns `model`.
 
     `weights`: a transformers model folder (sharded safetensors) or a .safetensors file to fill
     the tiers from, block by block, instead of the model's own values; the model may then be
     built on the meta device whatever its modules (see tierzero/formats/weights.py: host memory holds
     about one block at a time, every rank reads only its shard's rows, nothing is broadcast).
+    Keys are matched by transformers' rules (tierzero/formats/load_rules.py; a peft model loads
+    its base model's checkpoint): keys the model does not use are ignored, parameters the
+    checkpoint lacks are initialised as transformers initialises new modules (real ones keep their
+    values), both reported in one warning; `strict=True` refuses them instead.
 
     Raises ValueError for a model already wrapped, an unknown `config.block_classes` name, a
     device budget too small for the largest block plus the prefetch reserve, meta-device
     parameters in a module without `reset_parameters()` (without `weights`), or `weights` that do
-    not match the model (missing, unexpected, mis-shaped keys; before the model is changed).
+    not match the model (mis-shaped keys; with strict, missing and unexpected ones; before the
+    model is changed).
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"wrap: expected an nn.Module, got {type(model).__name__}")
@@ -95,7 +101,7 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
         if weights is None:
             _check_meta(model)
         else:  # every mismatch is found here, before the model changes
-            plan = open_weights(model, weights)
+            plan = open_weights(model, weights, strict=strict)
             files.callback(plan.source.close)
             check_buffers(model, plan)
         groups = group_modules(model, config)
@@ -114,13 +120,13 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
             shards = None
             if plan is not None:
                 init_buffers(model, plan)  # while the parameters are still as built
-                borrow = borrows_checkpoint(Tier(config.params), ctx.zero)
-                wanted = [shard_request(layout, [p.dtype for _, p in ps], compute_dtype, borrow=borrow)
+                init_params(model, plan)
+                wanted = [shard_request(layout, [p.dtype for _, p in ps], compute_dtype,
+                                        borrow=borrows_checkpoint(home_of(config, ps[0][1].requires_grad), ctx.zero))
                           for _, _, flats in layouts for ps, layout in flats]
                 # closed before the files (the exit stack unwinds in reverse): no read left in flight
                 shards = files.enter_context(contextlib.closing(plan.read_shards(wanted, rank, swap=pm.swap)))
-            blocks = [_build_block(name, modules, flats, ctx, Tier(config.params), shards)
-                      for name, modules, flats in layouts]
+            blocks = [_build_block(name, modules, flats, ctx, config, shards) for name, modules, flats in layouts]
             if plan is not None:
                 load_buffers(model, plan, pm.device)
             # the registers' NVMe writes landed: a disk error fails wrap, here (a load's blocks
@@ -165,6 +171,76 @@ def _start(model: nn.Module, config: Config, ctx: StepContext, blocks: list[Bloc
     return state
 
 
+def refresh(model: nn.Module) -> TieredState:
+    """Take in what changed in a wrapped model since wrap, between steps: parameters added inside
+    its modules (peft's adapters over a wrapped base: get_peft_model after tz.from_pretrained)
+    are tiered as wrap tiers its own, in the block of their module, from their values; a flat
+    tensor whose parameters were all frozen meanwhile (peft froze the base) becomes a frozen one
+    (FlatParam.freeze: on Config.frozen's tier, without gradient or master weights; a
+    copy-on-write home stays unwritten). The flat tensors that did not change are kept; the
+    blocks, hooks and prefetcher are built again (a new root state; returned). Nothing changed:
+    the state as it is. The tiered optimizers and tierzero.hf.Trainer call it, so that the
+    natural orders of LoRA over a tiered base all train the same way."""
+    state = state_of(model)
+    new = [(fqn, p) for fqn, p in state.model.named_parameters() if state.locate(p) is None]
+    frozen = [f for f in state.flat_params(trainable=True) if not any(p.requires_grad for p in f.params)]
+    if not new and not frozen:
+        return state
+    ctx, config = state.ctx, state.config
+    if ctx.phase is not Phase.IDLE or ctx.held:
+        raise RuntimeError(f"{type(state.model).__name__}: parameters were added or frozen since tz.wrap, which a "
+                           "tiered optimizer takes in between steps, not inside a forward or a backward")
+    ctx.drain_updates()
+    blocks = state.blocks
+    owner = assign_params(state.model, [[(b.name, m) for m in b.modules] for b in blocks if b.name != ROOT])
+    added: dict[str, list[tuple[str, nn.Parameter]]] = {}
+    for fqn, p in new:
+        added.setdefault(blocks[owner.get(id(p), -1)].name, []).append((fqn, p))
+    specs = [(b.name, b.modules, [(s.fqn, p) for f in b.flats for s, p in zip(f.layout.slots, f.params)]
+              + added.get(b.name, [])) for b in blocks]
+    _check_device_budget(config, specs, ctx.compute_dtype, ctx.zero)
+    rebuilt = [b if b.name not in added and not any(f in frozen for f in b.flats)
+               else Block(b.name, b.modules, _refreshed_flats(b, added.get(b.name, []), config), ctx) for b in blocks]
+    state.remove_hooks()
+    fresh = _start(state.model, config, ctx, rebuilt)
+    adopt(state.model, fresh)
+    refuse_other_optimizers(state.model)
+    return fresh
+
+
+def _refreshed_flats(block: Block, added: list[tuple[str, nn.Parameter]], config: Config) -> list[FlatParam]:
+    """A block's flat tensors once `added` parameters join it, by what requires a gradient now:
+    its trainable parameters in one flat tensor, then its frozen ones in another, as wrap builds
+    them. A flat tensor that holds exactly one side's parameters is kept (frozen by `freeze`
+    when its parameters were); any other side is registered anew from the values."""
+    ctx = block.ctx
+    params = [(s.fqn, p, d) for f in block.flats for s, p, d in zip(f.layout.slots, f.params, f.orig_dtypes)]
+    params += [(fqn, p, p.dtype) for fqn, p in added]
+    sides = [[x for x in params if x[1].requires_grad == trainable] for trainable in (True, False)]
+    keep = [next((f for f in block.flats if {id(p) for p in f.params} == {id(p) for _, p, _ in side}), None)
+            for side in sides]
+    values: dict[int, torch.Tensor] = {id(p): p.detach() for _, p in added}
+    for flat in block.flats:
+        if flat not in keep:  # its parameters go to a new flat tensor: their values first
+            values.update({id(p): v for p, v in zip(flat.params, flat.read_full())})
+            flat.close()
+    if keep[1] is not None and keep[1].trainable:  # before a new flat tensor takes its name
+        keep[1].freeze(home_of(config, False))
+    out = []
+    for trainable, side, flat in zip((True, False), sides, keep):
+        if flat is None and side:
+            layout = FlatLayout.build([f for f, _, _ in side], [p.shape for _, p, _ in side], ctx.world_size,
+                                      itemsize=ctx.compute_dtype.itemsize)
+            flat = FlatParam(block.name, [p for _, p, _ in side], layout, [d for _, _, d in side], ctx,
+                             home_of(config, trainable))
+            flat.register([values[id(p)] for _, p, _ in side])
+            if flat.grad is not None and any(p.grad is not None for p in flat.params):
+                flat.grad.accumulate(flat.params)  # a backward before the optimizer: its gradient is kept
+        if flat is not None:
+            out.append(flat)
+    return out
+
+
 def _check_device_budget(config: Config, specs: list[BlockSpec], dtype: torch.dtype, zero: ZeroStage) -> None:
     if config.params == "device" and not zero.gathers:
         return  # every block lives on the device whole; the placement manager checks the total
@@ -183,8 +259,13 @@ def _check_device_budget(config: Config, specs: list[BlockSpec], dtype: torch.dt
             "smaller blocks with config.block_classes")
 
 
+def home_of(config: Config, trainable: bool) -> Tier:
+    """The home tier of a flat tensor of trainable or of frozen parameters."""
+    return Tier(config.params if trainable else config.frozen_tier)
+
+
 def _build_block(name: str, modules: list[nn.Module],
-                 layouts: list[tuple[list[tuple[str, nn.Parameter]], FlatLayout]], ctx: StepContext, home: Tier,
+                 layouts: list[tuple[list[tuple[str, nn.Parameter]], FlatLayout]], ctx: StepContext, config: Config,
                  shards: Iterator[LoadedShard] | None) -> Block:
     """The block's flat tensors (`layouts`: flat_groups), registered from the parameters'
     values, or from the next of `shards` (this rank's shards read from a checkpoint, in flat
@@ -193,7 +274,8 @@ def _build_block(name: str, modules: list[nn.Module],
     for ps, layout in layouts:
         if shards is None:
             _materialize([p for _, p in ps], modules, ctx.device)
-        flat = FlatParam(name, [p for _, p in ps], layout, [p.dtype for _, p in ps], ctx, home)
+        flat = FlatParam(name, [p for _, p in ps], layout, [p.dtype for _, p in ps], ctx,
+                         home_of(config, ps[0][1].requires_grad))
         if shards is None:
             flat.register([p.detach() for _, p in ps])
         else:

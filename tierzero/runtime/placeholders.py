@@ -1,0 +1,150 @@
+"""Parameters that refuse to be read while they hold no data.
+
+Outside its block's forward and backward a wrapped parameter is a placeholder: a one-element
+zero-stride tensor of the right shape and dtype (flat_param.py). Read as it is, it would give
+zeros, silently. [Note: unfetched parameters] So while FREE a parameter's class is a subclass of
+its own (`Unfetched<Class>`, made once per class, as torch's parametrizations make a module's)
+whose `__torch_function__` lets through what needs no data (shape, dtype, device,
+requires_grad, grad, hooks, ...) and refuses everything else with an error naming the parameter
+and the ways to read it (`tz.gathered_params`, `model.state_dict()`). `p.data` and `p.detach()`
+give an `UnfetchedTensor` that refuses the same way (a state dict's values are replaced by the
+real ones before the caller sees them). A conversion (`model.to(dtype)`, `.half()`,
+`.to(device)`) is refused naming Config.compute_dtype, unless it changes nothing. When the block
+is fetched the parameter gets its own class back: a forward runs on plain parameters, at no
+cost. The class is the only state on the parameter; its name is kept in a side table.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+_NAMES: dict[int, str] = {}
+"""id(parameter) -> its name in the wrapped model (for messages), while the parameter lives."""
+_CLASSES: dict[type, type] = {}
+"""A parameter class -> its Unfetched subclass."""
+
+
+def _descriptors(names: tuple[str, ...], part: str) -> set[Any]:
+    return {getattr(getattr(torch.Tensor, n), part) for n in names if hasattr(torch.Tensor, n)}
+
+
+_METADATA: set[Any] = (
+    _descriptors(("shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "grad_fn", "layout", "ndim",
+                  "names", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested",
+                  "itemsize", "nbytes", "output_nr", "_version", "_backward_hooks",
+                  "_post_accumulate_grad_hooks", "retains_grad", "_base"), "__get__")
+    | _descriptors(("requires_grad", "grad", "data", "_backward_hooks", "_post_accumulate_grad_hooks"), "__set__")
+    | {getattr(torch.Tensor, n) for n in (
+        "size", "dim", "numel", "nelement", "element_size", "stride", "storage_offset", "is_contiguous",
+        "is_floating_point", "is_complex", "is_signed", "data_ptr", "requires_grad_", "register_hook",
+        "register_post_accumulate_grad_hook", "retain_grad", "__len__", "get_device", "is_pinned", "is_shared",
+        "is_inference", "__hash__", "__dir__", "__setstate__", "_is_view", "dim_order") if hasattr(torch.Tensor, n)}
+    | {torch.is_floating_point, torch.is_complex, torch.numel, torch._has_compatible_shallow_copy_type,
+       torch.autograd.grad, torch.autograd.backward})
+"""What a placeholder answers: its metadata, never its values (autograd's calls that name
+parameters as the inputs to differentiate for)."""
+_VIEWS = {torch.Tensor.detach, torch.Tensor.data.__get__}
+"""What gives an UnfetchedTensor (a state dict's values until its hook replaces them)."""
+_CONVERSIONS = {torch.Tensor.to, torch.Tensor.half, torch.Tensor.float, torch.Tensor.double,
+                torch.Tensor.bfloat16, torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.type}
+"""What nn.Module.to / .half() / .cuda() / .type() call on each parameter."""
+_TARGET_DTYPE = {torch.Tensor.half: torch.float16, torch.Tensor.float: torch.float32,
+                 torch.Tensor.double: torch.float64, torch.Tensor.bfloat16: torch.bfloat16}
+
+
+class _Unfetched:
+    """The behaviour of an unfetched parameter (see the module docstring)."""
+
+    _plain: type
+    """The class the parameter has while fetched."""
+
+    @classmethod
+    def __torch_function__(cls, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _METADATA or (func is torch.Tensor.type and len(args) == 1 and not kwargs):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        this = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, _Unfetched))
+        if func in _VIEWS:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs).as_subclass(UnfetchedTensor)
+        if func in _CONVERSIONS and _changes_nothing(func, this, args[1:], kwargs):
+            return this
+        raise _refusal(func, this, args[1:], kwargs)
+
+
+class UnfetchedTensor(_Unfetched, torch.Tensor):
+    """`p.data` or `p.detach()` of an unfetched parameter: refuses to be read like it."""
+
+    _plain = torch.Tensor
+
+
+def guard(p: nn.Parameter, name: str) -> None:
+    """The parameter now holds a placeholder: reads are refused from here on."""
+    if id(p) not in _NAMES:
+        weakref.finalize(p, _NAMES.pop, id(p), None)
+    _NAMES[id(p)] = name
+    if not isinstance(p, _Unfetched):
+        p.__class__ = _unfetched_class(type(p))
+
+
+def unguard(p: nn.Parameter) -> None:
+    """The parameter holds real data (fetched, or values being loaded): its own class again."""
+    if isinstance(p, _Unfetched):
+        p.__class__ = type(p)._plain
+
+
+def _unfetched_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Unfetched{cls.__name__}", (_Unfetched, cls), {"_plain": cls, "__module__": __name__})
+    return _CLASSES[cls]
+
+
+def _target(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """(device, dtype) a conversion asks for (None: unchanged)."""
+    if func in _TARGET_DTYPE:
+        return None, _TARGET_DTYPE[func]
+    if func is torch.Tensor.cpu:
+        return torch.device("cpu"), None
+    if func is torch.Tensor.cuda:
+        return torch.device("cuda"), None
+    if func is torch.Tensor.type:
+        return None, args[0] if args else kwargs.get("dtype")
+    with torch._C.DisableTorchFunctionSubclass():
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+    return device, dtype
+
+
+def _changes_nothing(func: Callable[..., Any], t: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the conversion `func(t, *args, **kwargs)` would return `t` itself."""
+    device, dtype = _target(func, args, kwargs)
+    with torch._C.DisableTorchFunctionSubclass():
+        same_device = device is None or (device.type == t.device.type and device.index in (None, t.device.index))
+        return same_device and (dtype is None or dtype == t.dtype)
+
+
+def _refusal(func: Callable[..., Any], t: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Exception:
+    what = getattr(func, "__name__", str(func))
+    name = _NAMES.get(id(t))
+    about = (f"parameter {name!r}" if name is not None else
+             f"a tensor of shape {tuple(t.shape)} taken from a tierzero-wrapped parameter (p.data / p.detach())")
+    if func in _CONVERSIONS:
+        device, dtype = _target(func, args, kwargs)
+        to = " and ".join(str(x) for x in (dtype, device) if x is not None)
+        return ValueError(
+            f"converting {about} to {to} ({what}(), as model.to() / .half() / .cuda() do) after tz.wrap: a wrapped "
+            "model's parameters live on tierzero's tiers and compute in Config.compute_dtype, which a conversion "
+            "would not change. Choose the dtype with tz.Config(compute_dtype=...) (the values' dtype with "
+            "from_pretrained(..., dtype=...)) when wrapping, and let tierzero place the model on its device")
+    return RuntimeError(
+        f"{about} is not fetched: outside its block's forward and backward a tierzero-wrapped parameter holds "
+        f"no values (it lives on its tier), so {what}() on it was refused instead of reading zeros. Read or "
+        "change it inside `with tz.gathered_params(model, modules, writable=...):`, read values with "
+        "model.state_dict(), write them with model.load_state_dict(); a peft merge: "
+        "tz.save_pretrained(model, DIR, merge_adapters=True)")
