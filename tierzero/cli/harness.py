@@ -90,7 +90,7 @@ DEFAULT_TEXT_BYTES = 4 << 20
 
 def batch_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy (targets y = x shifted by one), for either kind of model."""
-    out = model(x, y) if isinstance(model, GPT) else model(input_ids=x)
+    out = model(x, y) if isinstance(model, GPT) else model(input_ids=x, use_cache=False)  # no cache in training
     if isinstance(model, GPT):
         return out.loss
     logits = out.logits

@@ -56,9 +56,10 @@ from torch import nn
 from tierzero.config import Config, Tier, format_size
 from tierzero.formats import LoadedShard, check_buffers, init_buffers, load_buffers, open_weights
 from tierzero.layout import (ROOT, BlockSpec, FlatLayout, ZeroStage, assign_params, block_fetch_bytes,
-                             block_specs, flat_groups, group_modules)
+                             block_specs, fetched_bytes, flat_groups, group_modules)
 from tierzero.placement import PlacementManager
-from tierzero.prefetch import Prefetcher, Unit, policy_from_config
+from tierzero.prefetch import Prefetcher, Unit, policy_from_config, prefetch_unit
+from tierzero.runtime.activations import Activations
 from tierzero.runtime.blocks import Block
 from tierzero.runtime.collectives import broadcast_from_first_, rank_errors, world
 from tierzero.runtime.fetch_group import gather_ahead
@@ -119,7 +120,10 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
                           for _, _, flats in layouts for ps, layout in flats]
                 # closed before the files (the exit stack unwinds in reverse): no read left in flight
                 shards = files.enter_context(contextlib.closing(plan.read_shards(wanted, rank, swap=pm.swap)))
-            blocks = [_build_block(name, modules, flats, ctx, Tier(config.params), shards)
+            sizes = [sum(fetched_bytes(layout, compute_dtype, gathered=ctx.zero.gathers) for _, layout in flats)
+                     for _, _, flats in layouts]
+            activations = Activations(ctx, config, root_bytes=sizes[-1], largest_block=max(sizes[:-1], default=0))
+            blocks = [_build_block(name, modules, flats, ctx, activations, Tier(config.params), shards)
                       for name, modules, flats in layouts]
             if plan is not None:
                 load_buffers(model, plan, pm.device)
@@ -131,7 +135,7 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
             pm.close()
             raise
     try:
-        state = _start(model, config, ctx, blocks)
+        state = _start(model, config, ctx, blocks, activations)
     except BaseException:  # e.g. the buffers' broadcast failed: no swap file stays behind
         pm.close()
         raise
@@ -140,7 +144,8 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
     return model
 
 
-def _start(model: nn.Module, config: Config, ctx: StepContext, blocks: list[Block]) -> TieredState:
+def _start(model: nn.Module, config: Config, ctx: StepContext, blocks: list[Block],
+           activations: Activations) -> TieredState:
     """The wrapped model's root state, once its blocks are built: buffers on the device (the
     same on every rank), the prefetcher, the hooks."""
     pm = ctx.pm
@@ -149,14 +154,24 @@ def _start(model: nn.Module, config: Config, ctx: StepContext, blocks: list[Bloc
             if buf is not None and buf.device != pm.device:
                 module._buffers[key] = buf.to(pm.device)
     _broadcast_buffers(model, ctx)
-    state = TieredState(model, config, ctx, blocks)
+    state = TieredState(model, config, ctx, blocks, activations)
     groups = {b.name: b.group for b in blocks}
 
     def gather_units(units: list[Unit]) -> None:
         gather_ahead(ctx, [groups[u.name] for u in units])
 
+    def fetch_units(units: list[Unit]) -> None:
+        """Blocks fetched ahead bring their placed activations with them (before a backward)."""
+        if ctx.zero.gathers:
+            gather_units(units)
+        else:
+            for unit in units:
+                prefetch_unit(pm, unit, Tier.DEVICE)
+        activations.prefetch(units)
+
+    fetch_ahead = fetch_units if activations.placed else gather_units if ctx.zero.gathers else None
     prefetcher = Prefetcher(pm, [b.unit for b in blocks if b.flats], policy_from_config(config),
-                            device_room=ctx.device_room, fetch_ahead=gather_units if ctx.zero.gathers else None,
+                            device_room=ctx.device_room, fetch_ahead=fetch_ahead,
                             device_wraps=not ctx.zero.gathers, busy=lambda unit: ctx.updating(unit.tensors))
     ctx.attach(prefetcher, state.end_backward)
     pm.set_eviction_policy(prefetcher)
@@ -184,8 +199,8 @@ def _check_device_budget(config: Config, specs: list[BlockSpec], dtype: torch.dt
 
 
 def _build_block(name: str, modules: list[nn.Module],
-                 layouts: list[tuple[list[tuple[str, nn.Parameter]], FlatLayout]], ctx: StepContext, home: Tier,
-                 shards: Iterator[LoadedShard] | None) -> Block:
+                 layouts: list[tuple[list[tuple[str, nn.Parameter]], FlatLayout]], ctx: StepContext,
+                 activations: Activations, home: Tier, shards: Iterator[LoadedShard] | None) -> Block:
     """The block's flat tensors (`layouts`: flat_groups), registered from the parameters'
     values, or from the next of `shards` (this rank's shards read from a checkpoint, in flat
     order: registered and dropped, so about one block is in memory)."""
@@ -203,7 +218,7 @@ def _build_block(name: str, modules: list[nn.Module],
             flat.register_shard(shard)
             del shard  # before the next is asked for: two shards in memory, not three
         flats.append(flat)
-    return Block(name, modules, flats, ctx)
+    return Block(name, modules, flats, ctx, activations)
 
 
 def _broadcast_buffers(model: nn.Module, ctx: StepContext) -> None:
