@@ -242,8 +242,8 @@ class Activations:
         """Placed packs not yet freed, in the order they were sealed."""
         self._unwritten: collections.deque[cf.Future[None]] = collections.deque()
         self._writer: cf.ThreadPoolExecutor | None = None
-        self._root = PackLayout()
-        self._root_storages: list[torch.UntypedStorage] = []
+        self._outside = ActivationPack(self, ROOT, placed=False)
+        """What the forward saves outside every block call: counted only."""
         self._count = 0
         self._sizes: list[int] = []
         """This iteration's placed packs' bytes, in seal order (auto plans the next from them)."""
@@ -284,15 +284,7 @@ class Activations:
     def save(self, t: torch.Tensor, param_view: bool) -> Any:
         """The saved-tensor hook's question: what the innermost scope keeps for `t` (None:
         the caller saves it as before). Outside every block, `t` is counted on the device."""
-        if self._scopes:
-            return self._scopes[-1].save(t, param_view)
-        if not param_view and placeable(t, self.device):
-            storage = t.untyped_storage()
-            known = len(self._root.segments)
-            self._root.add(id(storage), storage.data_ptr(), saved_span(t))
-            if len(self._root.segments) > known:
-                self._root_storages.append(storage)  # keeps id(storage) from being reused this forward
-        return None
+        return (self._scopes[-1] if self._scopes else self._outside).save(t, param_view)
 
     def begin_iteration(self) -> None:
         """A root forward with grad starts: plan auto's placement from the last iteration."""
@@ -308,9 +300,8 @@ class Activations:
         for scope in reversed(self._scopes):
             scope.free()
         self._scopes.clear()
-        self.pm.telemetry.record_activations(Tier.DEVICE, self._root.finish())
-        self._root = PackLayout()
-        self._root_storages = []
+        self.pm.telemetry.record_activations(Tier.DEVICE, self._outside.layout.finish())
+        self._outside = ActivationPack(self, ROOT, placed=False)
 
     # ------------------------------------------------------------------------ placement
 

@@ -26,7 +26,9 @@ forward and backward its parameters hold no data (a zero-stride placeholder of t
 and dtype): read values with `model.state_dict()` or `tz.full_state_dict(model)`, write them
 with `model.load_state_dict()`. During the root's forward, tensors autograd saves that view a
 block's device copy are saved as references into the block (blocks.SavedParamViews), so the
-copy is really freed after the forward and rebuilt for backward.
+copy is really freed after the forward and rebuilt for backward; the other tensors a block call
+saves are placed per Config.activations, or recomputed (Config.activation_checkpointing): see
+activations.py and recompute.py.
 
 Data parallelism (ZeRO, Config.zero_stage): with torch.distributed initialised, wrap uses the
 default process group (or `process_group=`). At stage 3 each rank tiers only its shard of every
@@ -39,9 +41,9 @@ blocks.py and state.py). Every rank must
 run the same blocks in the same order (no rank-dependent control flow), and call state_dict(),
 load_state_dict() and tz.full_state_dict() together: they gather.
 
-Limits: blocks run outside the root module's forward are fetched but their saved views are not
-managed; a second backward through one graph (retain_graph=True) is not supported; the
-optimizers take one param group.
+Limits: blocks run outside the root module's forward are fetched but their saved views and
+activations are not managed; a second backward through one graph (retain_graph=True) is not
+supported; the optimizers take one param group.
 """
 
 from __future__ import annotations
