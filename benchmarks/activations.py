@@ -37,8 +37,10 @@ sys.path.insert(0, str(ROOT))
 
 import tierzero as tz  # noqa: E402
 from tierzero import runtime  # noqa: E402
+from tierzero.cli.estimate import measured_loss  # noqa: E402
 from tierzero.cli.harness import batch_loss  # noqa: E402
 from tierzero.config import format_size, parse_size  # noqa: E402
+from tierzero.layout import ROOT, blocks_of  # noqa: E402
 from tierzero.planning import estimate, measure_activations  # noqa: E402
 
 TIERS = ("device", "host", "nvme")
@@ -52,29 +54,37 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2, help="measured steps per configuration (after one warm-up)")
     p.add_argument("--ab-rounds", type=int, default=2, help="device / nvme pairs at the longest sequence")
     p.add_argument("--device-budget", default="1GiB")
+    p.add_argument("--layers", type=int, default=12, help="GPT-2 124M: 12 (fewer, narrower: a quick dry run)")
+    p.add_argument("--width", type=int, default=768)
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
-def gpt2(seq: int) -> Any:
+def gpt2(args: argparse.Namespace, seq: int) -> Any:
     import transformers
 
-    return transformers.GPT2Config(n_positions=seq, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    return transformers.GPT2Config(n_positions=seq, n_layer=args.layers, n_embd=args.width, attn_pdrop=0.0,
+                                   resid_pdrop=0.0, embd_pdrop=0.0)
 
 
 def budgets(args: argparse.Namespace, max_seq: int) -> dict[str, Any]:
-    """The budgets of every run: the state's host needs (tierzero.planning) plus two of the
-    longest sequence's packs (NVMe writes staged in host memory); "host" mode's host budget also
-    holds all of that sequence's activations."""
+    """The budgets of every run. Host: the gradients homed there, the optimizer's update of
+    the root block (the embedding) beside two others (gradient, master weights, moments: 16
+    bytes a parameter), NVMe read-ahead of parameters, and two of the longest sequence's packs
+    (NVMe writes staged in host memory); "host" mode's also holds all of that sequence's
+    activations."""
     import transformers
 
     with torch.device("meta"):
-        model = transformers.GPT2LMHeadModel(gpt2(max_seq))
+        model = transformers.GPT2LMHeadModel(gpt2(args, max_seq))
     cfg = config(args, "nvme", False, host_budget="1TiB")
     est = estimate(model, cfg)
-    acts = measure_activations(model, cfg, batch_loss, batch=1, seq=max_seq)
-    host = est.per_tier["host"] + 2 * acts.largest + (64 << 20)
+    sizes = {name: sum(p.numel() for _, p in ps) for name, _, ps in blocks_of(model, cfg)}
+    root, block = sizes.pop(ROOT), max(sizes.values())
+    acts = measure_activations(model, cfg, measured_loss, batch=1, seq=max_seq)
+    host = (est.home["host"] + 16 * (root + 2 * block) + 4 * block * cfg.prefetch.nvme_depth + 2 * acts.largest
+            + (128 << 20))
     return {"state_bytes": est.state_bytes, "host": host, "host_mode_host": host + acts.blocks}
 
 
@@ -92,7 +102,7 @@ def child(args: argparse.Namespace) -> None:
 
     spec = json.loads(args.child)
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(gpt2(spec["seq"])).train()
+    model = transformers.GPT2LMHeadModel(gpt2(args, spec["seq"])).train()
     tz.wrap(model, config(args, spec["activations"], spec["ckpt"], host_budget=spec["host_budget"]))
     opt = tz.AdamW(model, lr=1e-4)
     pm = runtime.placement_manager(model)
@@ -132,7 +142,7 @@ def _status(key: str, pid: int | str = "self") -> int:
 def run_child(args: argparse.Namespace, seq: int, activations: str, ckpt: bool, host_budget: int) -> dict:
     spec = json.dumps({"seq": seq, "activations": activations, "ckpt": ckpt, "host_budget": host_budget})
     cmd = [sys.executable, __file__, "--child", spec, "--nvme-dir", args.nvme_dir, "--steps", str(args.steps),
-           "--device-budget", args.device_budget]
+           "--device-budget", args.device_budget, "--layers", str(args.layers), "--width", str(args.width)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "131072"}
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
@@ -182,10 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     estimates = {}
     for seq in seqs:
         with torch.device("meta"):
-            model = transformers.GPT2LMHeadModel(gpt2(seq))
-        acts = measure_activations(model, config(args, "nvme", False, host_budget=b["host"]), batch_loss,
-                                   batch=1, seq=seq)
-        estimates[seq] = {"blocks": acts.blocks, "outside": acts.outside, "inputs": acts.kept(True),
+            model = transformers.GPT2LMHeadModel(gpt2(args, seq))
+        acts = measure_activations(model, config(args, "nvme", False, host_budget=b["host"]), measured_loss,
+                                   batch=1, seq=seq)  # as `tierzero estimate --batch 1 --seq S` measures them
+        estimates[seq] = {"blocks": acts.blocks, "outside": acts.outside, "after": acts.after,
+                          "inputs": acts.kept(True),
                           "per_block": acts.largest,
                           "need": {m: {"plain": acts.need(m, False), "checkpointed": acts.need(m, True)}
                                    for m in MODES}}
@@ -214,6 +225,7 @@ def summarize(runs: list[dict], ab: list[dict], estimates: dict, seqs: list[int]
     est_vs = []
     for r in runs:
         e = estimates[r["seq"]]
+        # what the runtime sees: the model's forward (the loss batch_loss computes after it is not)
         want = e["outside"] + (e["inputs"] if r["checkpointing"] else e["blocks"])
         got = sum(r["activation_bytes"].values())
         est_vs.append({"seq": r["seq"], "activations": r["activations"], "checkpointing": r["checkpointing"],

@@ -152,17 +152,6 @@ class _Drifting(nn.Module):
         return self.lin(x).sin() if self.calls % 2 else self.lin(x).sin().flatten(0)[:-1].sin().sum() + x
 
 
-def test_a_recompute_that_differs_from_its_forward_is_a_clear_error(tmp_path: Path) -> None:
-    model = tz.wrap(nn.Sequential(nn.Sequential(_Drifting(), _Drifting())),
-                    config(tmp_path, "drift", activations="nvme", activation_checkpointing=True))
-    try:
-        loss = model(torch.randn(3, 8)).sum()
-        with pytest.raises(RuntimeError, match="recomputed '0.1' and it saved .* where its forward saved"):
-            loss.backward()
-    finally:
-        runtime.close(model)
-
-
 def _ranks_main(rank: int, world_size: int, folder: str) -> None:
     cls, hf_config = hf_models.MODELS["llama-untied"]()
     xs = [x[rank::world_size] for x in hf_models.token_batches(hf_config.vocab_size, n=STEPS, rows=4)]
@@ -264,11 +253,18 @@ class _Exp(nn.Module):
         return y
 
 
-def test_a_saved_tensor_changed_in_place_is_autograd_s_error(tmp_path: Path) -> None:
-    model = tz.wrap(nn.Sequential(nn.Sequential(_Exp(), _Exp())), config(tmp_path, "inplace", activations="host"))
+@pytest.mark.parametrize("layer,kw,match", [
+    (_Drifting, dict(activations="nvme", activation_checkpointing=True),
+     "recomputed '0.1' and it saved .* where its forward saved"),
+    (_Exp, dict(activations="host"), "modified by an inplace operation"),
+], ids=["recompute-differs", "changed-in-place"])
+def test_what_autograd_would_refuse_is_refused(tmp_path: Path, layer: type, kw: dict, match: str) -> None:
+    """A recompute that saves other shapes than its forward, and a saved tensor changed in place
+    before backward: errors in backward, as torch's determinism check and autograd make them."""
+    model = tz.wrap(nn.Sequential(nn.Sequential(layer(), layer())), config(tmp_path, "bad", **kw))
     try:
         loss = model(torch.randn(3, 8)).sum()
-        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        with pytest.raises(RuntimeError, match=match):
             loss.backward()
     finally:
         runtime.close(model)

@@ -8,7 +8,9 @@ saved-tensor hooks the runtime uses, each block call's saves packed by the same 
 (tierzero.layout.PackLayout). Fake tensors on the device, not on the meta device, because which
 kernel runs, and so what it saves, depends on the device: on a CPU, scaled_dot_product_attention
 picks its flash kernel (a few bytes per token) where a meta tensor would take the math path and
-save the whole attention matrix. Measured at `seq` and `2 seq`, each figure is fitted as
+save the whole attention matrix. What the caller's loss saves after the model's forward returns
+is counted apart (`after`): on the device, out of the runtime's sight, whose hooks cover the
+model's forward. Measured at `seq` and `2 seq`, each figure is fitted as
 a*seq + b*seq^2 (b is zero where attention memory is linear); bytes are linear in the batch.
 """
 
@@ -43,7 +45,10 @@ class ActivationBytes:
     inputs: list[tuple[str, int]]
     """(block, bytes of its inputs) per call: what activation checkpointing keeps."""
     outside: int
-    """Saved outside every block (the loss head's): stays on the device."""
+    """Saved in the model's forward outside every block (the head's): stays on the device."""
+    after: int = 0
+    """Saved by the caller after the model's forward returned (its loss, when the model does not
+    compute it): on the device, out of the runtime's sight."""
 
     @property
     def blocks(self) -> int:
@@ -66,7 +71,7 @@ class ActivationBytes:
         packs = self.inputs if checkpointing else self.per_call
         one = max((n for _, n in packs), default=0)
         need = dict.fromkeys(TIER_NAMES, 0)
-        need["device"] = self.outside + (self.largest if checkpointing else 0)
+        need["device"] = self.outside + self.after + (self.largest if checkpointing else 0)
         if placement == "device":
             need["device"] += self.kept(checkpointing)
         else:
@@ -96,7 +101,7 @@ class ActivationModel:
         return ActivationBytes(
             batch, seq, [(b, fit(n1, n2)) for (b, n1), (_, n2) in zip(self.at.per_call, self.twice.per_call)],
             [(b, fit(n1, n2)) for (b, n1), (_, n2) in zip(self.at.inputs, self.twice.inputs)],
-            fit(self.at.outside, self.twice.outside))
+            fit(self.at.outside, self.twice.outside), fit(self.at.after, self.twice.after))
 
     def largest(self, fits: Callable[[ActivationBytes], bool], *, vary: str) -> int:
         """The largest batch (vary="batch", at this seq) or seq (vary="seq", at this batch) whose
@@ -129,7 +134,7 @@ def measure_activations(model: nn.Module, config: Config, loss: Loss, *, batch: 
         with torch.autograd.graph.saved_tensors_hooks(scopes.save, lambda x: x):
             loss(fake, ids, ids)
         scopes.remove()
-    return ActivationBytes(batch, seq, scopes.per_call, scopes.inputs, scopes.outside.finish())
+    return ActivationBytes(batch, seq, scopes.per_call, scopes.inputs, scopes.outside.finish(), scopes.after.finish())
 
 
 def activation_model(model: nn.Module, config: Config, loss: Loss, *, batch: int, seq: int,
@@ -167,9 +172,12 @@ class _Scopes:
         self.per_call: list[tuple[str, int]] = []
         self.inputs: list[tuple[str, int]] = []
         self.outside = PackLayout()
+        self.after = PackLayout()
+        self._in_forward = False
         self._open: list[tuple[str, PackLayout]] = []
         self._keep: list[Any] = []  # storages counted: their ids stay theirs
-        self._handles = []
+        self._handles = [model.register_forward_pre_hook(lambda m, args: self._root(True)),
+                         model.register_forward_hook(lambda m, args, out: self._root(False), always_call=True)]
         for name, modules, _ in blocks_of(model, config):
             if name == ROOT:
                 continue
@@ -177,6 +185,9 @@ class _Scopes:
                 self._handles.append(module.register_forward_pre_hook(
                     lambda m, args, kwargs, name=name: self._enter(name, args, kwargs), with_kwargs=True))
                 self._handles.append(module.register_forward_hook(lambda m, args, out: self._exit()))
+
+    def _root(self, inside: bool) -> None:
+        self._in_forward = inside
 
     def _add(self, layout: PackLayout, t: torch.Tensor) -> None:
         if t.layout is torch.strided and t.device == self.device and t.numel() > 0:
@@ -198,7 +209,7 @@ class _Scopes:
 
     def save(self, t: torch.Tensor) -> torch.Tensor:
         if id(t.untyped_storage()) not in self.params:
-            self._add(self._open[-1][1] if self._open else self.outside, t)
+            self._add(self._open[-1][1] if self._open else self.outside if self._in_forward else self.after, t)
         return t
 
     def remove(self) -> None:
