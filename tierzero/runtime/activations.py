@@ -267,7 +267,7 @@ class Activations:
             f"tierzero: the model checkpoints its own layers ({block!r} has gradient_checkpointing=True), so "
             "torch.utils.checkpoint keeps each layer's input on the device and recomputes the rest: Config."
             f"activations={self.mode!r} / activation_checkpointing={self.checkpointing} place nothing inside them. "
-            "Turn the model's off (model.gradient_checkpointing_disable()) and use "
+            "Turn the model's off (transformers: model.activation_checkpointing_disable()) and use "
             "Config(activation_checkpointing=True) to keep only each block's input, placed per Config.activations",
             stacklevel=3)
 
