@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 import tierzero as tz  # noqa: E402
 from tierzero import runtime  # noqa: E402
@@ -143,7 +143,7 @@ def run_child(args: argparse.Namespace, seq: int, activations: str, ckpt: bool, 
     spec = json.dumps({"seq": seq, "activations": activations, "ckpt": ckpt, "host_budget": host_budget})
     cmd = [sys.executable, __file__, "--child", spec, "--nvme-dir", args.nvme_dir, "--steps", str(args.steps),
            "--device-budget", args.device_budget, "--layers", str(args.layers), "--width", str(args.width)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "131072"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MALLOC_MMAP_THRESHOLD_": "131072"}
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
     line = proc.stdout.readline()
