@@ -115,10 +115,13 @@ def test_tune_runs_candidates_and_picks_the_least_stall(tmp_path: Any, capsys: A
         assert r["stall_s"] >= 0 and r["step_s"] > 0 and r["predicted_stall_s"] >= 0
         assert len(r["stall_s_each"]) == 2
     assert report["best"] in rows
-    assert report["best"]["stall_s"] == min(r["stall_s"] for r in rows)
-    ties = [r for r in rows if r["stall_s"] == report["best"]["stall_s"]]
-    assert report["best"]["step_s"] == min(r["step_s"] for r in ties)
+    least = min(rows, key=lambda r: r["stall_s"])
+    noise = max(0.005, *((r["stall_range_s"][1] - r["stall_range_s"][0]) / 2 for r in (least, report["best"])))
+    assert report["best"]["stall_s"] - least["stall_s"] <= noise  # within noise of the least stall
+    equivalent = [r for r in rows if r.get("equivalent_to_best")]
+    assert report["best"] == equivalent[0]  # the simplest of them (none first)
     assert 'policy = "' + report["best"]["policy"] + '"' in report["snippets"]["toml"]
+    assert report["wall_s"] > 0 and report["peak_rss_bytes"] > 0
 
 
 def test_simulate_replays_a_run_folders_trace(tmp_path: Any, capsys: Any) -> None:
@@ -129,10 +132,12 @@ def test_simulate_replays_a_run_folders_trace(tmp_path: Any, capsys: Any) -> Non
     capsys.readouterr()
     rec = Recording.load(run)
     assert [s.event.unit for s in rec.slots][:2] == ["root", "blocks.0"] and rec.compute_s > 0
+    # The parameters live on NVMe; the step rewrote them in host memory, where the forward found them.
+    assert rec.step_invalidates and rec.step_on_host == set(rec.units)
     assert tune.main(["--simulate", "--trace", str(run), "--compute-speedup", "50", "--policies",
                       "none,adaptive", "--nvme-depths", "4", "--io-threads", "4", "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "predictions for compute 50x faster" in out and "<- best" in out and "[prefetch]" in out
+    assert "predictions for compute 50x faster" in out and "<- chosen" in out and "[prefetch]" in out
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -153,3 +158,47 @@ def test_bad_list_flags_are_usage_errors(capsys: Any) -> None:
     with pytest.raises(SystemExit):
         tune.main(["--model", "tiny", "--io-threads", "0"])
     assert "expected ints >= 1" in capsys.readouterr().err
+
+
+def test_measure_top_measures_only_the_best_predicted_and_tears_each_down(tmp_path: Any, capsys: Any,
+                                                                          monkeypatch: Any) -> None:
+    """--measure-top 1: every candidate predicted, one measured; each candidate's run leaves no
+    placement manager open and its model collected before the next one starts."""
+    import gc
+    import weakref
+
+    from tierzero.placement import manager
+
+    models: list[weakref.ref] = []
+    real_run = tune.Trainer.run
+
+    def run(self: Any, cfg: Any, steps: int, step_done: Any) -> Any:
+        assert not [m for m in models if m() is not None], "a model of an earlier run is still alive"
+        assert not list(manager._OPEN), "a placement manager of an earlier run is still open"
+        real_wrap = tune.tz.wrap
+        monkeypatch.setattr(tune.tz, "wrap", lambda m, *a, **k: models.append(weakref.ref(m)) or real_wrap(m, *a, **k))
+        try:
+            return real_run(self, cfg, steps, step_done)
+        finally:
+            monkeypatch.setattr(tune.tz, "wrap", real_wrap)
+
+    monkeypatch.setattr(tune.Trainer, "run", run)
+    rc = tune.main(tiny_args(tmp_path, "--steps", "2", "--policies", "none,lookahead:1,lookahead:2",
+                             "--nvme-depths", "0", "--io-threads", "2", "--measure-top", "1", "--json"))
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    measured = [r for r in report["candidates"] if r["stall_s"] is not None]
+    assert len(measured) == 1 and all(r["predicted_stall_s"] is not None for r in report["candidates"])
+    gc.collect()
+    assert len(models) == 3 and not [m for m in models if m() is not None]  # 2 recordings + 1 candidate
+    assert not list(manager._OPEN)
+
+
+def test_blocks_the_step_left_on_the_host_are_copied_without_a_read() -> None:
+    rec = recording()
+    rec.step_invalidates = True
+    cold = simulate(rec, NoPrefetch(), MODEL)
+    rec.step_on_host = frozenset(rec.units)
+    warm = simulate(rec, NoPrefetch(), MODEL)
+    assert warm.disk_s == 0 < cold.disk_s
+    assert warm.copies == cold.copies and warm.stall_s == pytest.approx(warm.copies * 0.1 * MS)

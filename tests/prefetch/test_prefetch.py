@@ -283,7 +283,7 @@ def test_times_are_learned_from_fetch_spans_and_moves(monkeypatch: pytest.Monkey
         p.begin("train")
         for name in order:
             p.on_fetch(TraceEvent(FetchPhase.FORWARD, name), held=[])
-            pm.telemetry.record_stall("device", 0.25)  # the fetch waited
+            pm.telemetry.record_stall("device", 0.25, {"read": 0.25})  # the fetch waited
             p.fetched()
             t = p._it.marks[-1].start
         pm.telemetry.record_move("b1.param", "nvme", "host", 101, t, t + read_s)

@@ -5,6 +5,9 @@ that the budgets and the disk can hold its state, and compute the loss of a batc
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
+import resource
 
 import numpy as np
 import torch
@@ -96,3 +99,20 @@ def batch_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, use_
         return out.loss
     logits = out.logits
     return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory, in bytes."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+
+
+def release_memory() -> None:
+    """Give what a torn-down run freed back to the system: the garbage collected, then glibc's
+    free lists trimmed (freed blocks otherwise stay in this process's resident memory, and a run
+    of several models in turn, as `tierzero tune` makes, would add them up)."""
+    gc.collect()
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to trim
+        return
+    libc.malloc_trim(0)

@@ -36,7 +36,6 @@ import datetime
 import json
 import math
 import os
-import resource
 import signal
 import sys
 import time
@@ -53,7 +52,7 @@ from io_engine.progress import Progress
 from tierzero.checkpoint import latest_checkpoint
 from tierzero.cli.flags import (activations_from_flags, add_activation_flags, add_placement_flags, add_rate_flags,
                                 add_zero_flags, placement_from_flags, rates_from_flags, zero_from_flags)
-from tierzero.cli.harness import batch_loss, check_room, corpus, meta_model, pretrained
+from tierzero.cli.harness import batch_loss, check_room, corpus, meta_model, peak_rss, pretrained
 from tierzero.cli.plots import plot_run
 from tierzero.cli.run_dir import RunDir
 from tierzero.cli.stop import Stopped, StopSignals
@@ -265,10 +264,6 @@ def _resume(r: _Run) -> int:
     return state["step"]
 
 
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
-
-
 @dataclass
 class _Outcome:
     """How far a run got, for the summary.json written when it fails or is stopped."""
@@ -413,7 +408,9 @@ def _step(r: _Run, step: int) -> dict:
     return {
         "step": step, "loss": last_loss, "lr": r.sched.get_last_lr()[0], "step_s": step_s,
         "tokens_per_s": args.batch * args.seq / step_s, "stall_s": sum(stats.stall_s.values()),
-        "stall_s_by_tier": stats.stall_s, "prefetch_hits": stats.prefetch_hits,
+        "stall_s_by_tier": stats.stall_s, "stall_s_by_source": stats.stall_s_by_source,
+        "background_wait_s": stats.background_wait_s,
+        "prefetch_hits": stats.prefetch_hits,
         "prefetch_misses": stats.prefetch_misses,
         "bytes": {t: pm.bytes_used(t) for t in TIER_NAMES},
         "moved_bytes": stats.bytes_moved, "nvme_read_bytes": stats.nvme_read_bytes,
@@ -444,7 +441,7 @@ def _finish(r: _Run, est: Estimate, n_params: int, last_loss: float, started: fl
         "budgets": {t: pm.budget(t) for t in TIER_NAMES},
         "peak_bytes": {t: max(p[t] for p in peaks) for t in TIER_NAMES},
         "peak_bytes_per_rank": peaks,
-        "peak_rss": max(_per_rank(_peak_rss(), world_size)),
+        "peak_rss": max(_per_rank(peak_rss(), world_size)),
         "nvme": _nvme_summary(r, n_params),
         "config": r.cfg.to_dict(),
     }

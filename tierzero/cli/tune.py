@@ -1,20 +1,23 @@
 """`tierzero tune`: measure prefetch settings on a model and say which to use.
 
     tierzero tune --model NAME_OR_FOLDER --device-budget X --host-budget Y --nvme-dir D
-                  [--steps K] [--simulate] [--compute-speedup F] [--json]
+                  [--measure-top K] [--steps N] [--simulate] [--compute-speedup F] [--json]
 
 Candidates are policy x its knobs x NVMe read-ahead depth x io threads (`--policies`,
 `--nvme-depths`, `--io-threads`). A few steps are recorded (policy none, no read-ahead: every
 copy on demand, so its copy times are clean), or a run's trace is read (`--trace`); the tier
 model (tier_model.py) replays the recording under every candidate and predicts its stall.
-Unless `--simulate`, each candidate trains the model for real: a fresh wrap, the same batches,
-`--warmup` steps (the first records the block order) and `--steps` measured ones; its stall and
-step time are the medians. Then steps are recorded again and merged with the first recording,
-so that drift of a shared machine over the run evens out in the predictions (the report keeps
-the recorded stall of each, a measure of that drift). The best is the least measured stall, equal stalls going
-to the shorter step; with `--simulate` the least predicted stall. It is printed with
-the table and as config snippets (TOML and Python); `--json` prints one object instead:
-{"candidates": [{"policy", "settings", "stall_s", "step_s", "predicted_stall_s", ...}], "best"}.
+Unless `--simulate`, the `--measure-top` best predicted candidates train the model for real,
+each torn down completely before the next (placement manager, pools, threads, memory): a fresh
+wrap, the same batches, `--warmup` steps (the first records the block order) and `--steps`
+measured ones, whose stall and step time give a median and a spread. Then steps are recorded
+again and merged with the first recording, so that drift of a shared machine evens out in the
+predictions. The choice follows [Note: equivalent candidates] (tierzero/planning/tuning.py):
+of the candidates within noise of the least median stall, the simplest and least
+memory-hungry. The report says which candidates are equivalent, what the chosen one's stall is
+made of and what would reduce it, the wall time and the peak memory; it prints the table and
+config snippets (TOML and Python), or with `--json` one object: {"candidates": [{"policy",
+"settings", "stall_s", "stall_range_s", "step_s", "predicted_stall_s", ...}], "best", ...}.
 
 `--compute-speedup F` divides the recorded compute times by F in the predictions, so on a slow
 machine the tuner answers what a GPU F times faster would need from the same disk;
@@ -40,11 +43,11 @@ import tierzero as tz
 from io_engine.progress import Progress
 from io_engine.sizes import parse_size
 from tierzero.cli.flags import add_placement_flags, placement_from_flags
-from tierzero.cli.harness import batch_loss, check_room, corpus, meta_model
+from tierzero.cli.harness import batch_loss, check_room, corpus, meta_model, peak_rss, release_memory
 from tierzero.config import format_size
 from tierzero.formats import corpus as tzdata
 from tierzero.models import CONFIGS
-from tierzero.planning import Recording, TierModel, simulate
+from tierzero.planning import SIMPLICITY, Measured, Option, Recording, TierModel, choose, explain, simulate
 from tierzero.prefetch import policy_from_config
 from tierzero.runtime import close, placement_manager, step_stats
 
@@ -140,7 +143,9 @@ def parser() -> argparse.ArgumentParser:
     add_placement_flags(p)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--steps", type=int, default=3, help="measured steps per candidate")
+    p.add_argument("--steps", type=int, default=5, help="measured steps per candidate (a median and a spread)")
+    p.add_argument("--measure-top", type=int, default=4, metavar="K",
+                   help="measure the K best predicted candidates (0: all)")
     p.add_argument("--warmup", type=int, default=2, help="steps before measuring (the first records the trace)")
     p.add_argument("--policies", default=POLICIES, help=f"comma list (default {POLICIES}); bytes:RESERVE "
                    "sets its reserve (default half the device budget)")
@@ -197,7 +202,14 @@ class Trainer:
         return meta_model(self.args)
 
     def run(self, cfg: tz.Config, steps: int, step_done: Callable[[int, float, float], None]) -> tuple[list, dict]:
-        """Train `steps` steps with `cfg`; (stall_s, step_s) per step and the Chrome trace."""
+        """Train `steps` steps with `cfg`; per step (stall_s, step_s, stall by source), and the
+        Chrome trace. Everything the run made is gone when it returns (`release_memory`)."""
+        try:
+            return self._steps(cfg, steps, step_done)
+        finally:  # the model, its state and optimizer (a reference cycle) are unreachable now
+            release_memory()
+
+    def _steps(self, cfg: tz.Config, steps: int, step_done: Callable[[int, float, float], None]) -> tuple[list, dict]:
         model, _ = self._meta_model()
         check_room(model, cfg)
         model = tz.wrap(model, cfg, weights=None if self.args.model in CONFIGS else self.args.model)
@@ -215,52 +227,82 @@ class Trainer:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 step_s = time.perf_counter() - t0
-                stall_s = sum(step_stats(model).stall_s.values())
-                out.append((stall_s, step_s))
+                stats = step_stats(model)
+                stall_s = sum(stats.stall_s.values())
+                out.append((stall_s, step_s, dict(stats.stall_s_by_source)))
                 step_done(i, stall_s, step_s)
-            trace = placement_manager(model).telemetry.chrome_trace()
+            return out, placement_manager(model).telemetry.chrome_trace()
         finally:
             close(model)
-        return out, trace
 
 
 # ----------------------------------------------------------------------------- the command
 
 
 def tune(args: argparse.Namespace) -> dict[str, Any]:
-    """Record (or read) steps, run the candidates unless --simulate, record again after them,
-    predict every candidate from the recordings; the report."""
+    """Record (or read) steps, predict every candidate, measure the best predicted unless
+    --simulate, record again after them, choose; the report."""
     _check(args)
+    started = time.perf_counter()
     cands = candidates(args.policies, args.nvme_depths, args.io_threads)
     bench = _read_json(args.bench_io, "--bench-io") if args.bench_io else None
     trainer = Trainer(args) if args.model is not None else None
-    recordings = 0 if args.trace else 1 if args.simulate else 2
-    total = (0 if args.simulate else len(cands) * (args.warmup + args.steps)) + recordings * RECORD_STEPS
     rows = [{"policy": c.policy, "settings": c.settings(), "stall_s": None, "step_s": None,
              "predicted_stall_s": None} for c in cands]
     traces = []
-    with Progress(total, enabled=not args.no_progress) as bar:
-        if recordings:
+    with Progress(_total_steps(args, len(cands)), enabled=not args.no_progress) as bar:
+        if not args.trace:
             traces.append(_record(trainer, args, bar, "before"))
+        recording = Recording.load(args.trace) if args.trace else Recording.from_traces(traces, where="the recording")
+        for c, row in zip(cands, rows):
+            row.update(_predict(c, recording, bench, args, trainer))
         if not args.simulate:
-            _measure(trainer, args, cands, rows, bar)
-        if recordings == 2:  # before and after the candidates: drift of the machine evens out
-            traces.append(_record(trainer, args, bar, "after"))
-    recording = Recording.load(args.trace) if args.trace else Recording.from_traces(traces, where="the recordings")
-    for c, row in zip(cands, rows):
-        row.update(_predict(c, recording, bench, args, trainer))
+            ranked = sorted(range(len(cands)), key=lambda i: (rows[i]["predicted_stall_s"], _simplicity(cands[i])))
+            top = ranked[:args.measure_top] if args.measure_top else ranked
+            _measure(trainer, args, [(cands[i], rows[i]) for i in sorted(top)], bar)
+            if not args.trace:  # before and after the candidates: drift of the machine evens out
+                traces.append(_record(trainer, args, bar, "after"))
+                recording = Recording.from_traces(traces, where="the recordings")
+                for c, row in zip(cands, rows):
+                    row.update(_predict(c, recording, bench, args, trainer))
     key = "predicted_stall_s" if args.simulate else "stall_s"
-    step_key = "predicted_step_s" if args.simulate else "step_s"
-    ran = [i for i, r in enumerate(rows) if r[key] is not None]
-    if not ran:
+    options = [(i, _option(c, row, args.simulate)) for i, (c, row) in enumerate(zip(cands, rows))
+               if row[key] is not None]
+    if not options:
         raise ValueError(f"every candidate was refused; the first: {rows[0].get('error')}")
-    best = min(ran, key=lambda i: (rows[i][key], rows[i][step_key]))
+    chosen, tied = choose([o for _, o in options])
+    best = options[chosen][0]
+    for j in tied:
+        rows[options[j][0]]["equivalent_to_best"] = True
     summary = recording.summary()
     if len(traces) > 1:  # the same setting's stall at each recording: how much the machine drifted
         summary["stall_s_each_recording"] = [round(Recording.from_trace(t).summary()["stall_s"], 4) for t in traces]
+    left = rows[best].get("stall_by_source") or {}
+    step = rows[best]["step_s"] or rows[best]["predicted_step_s"]
     return {"candidates": rows, "best": rows[best], "best_index": best, "chosen_by": key,
-            "recording": summary, "compute_speedup": args.compute_speedup,
-            "snippets": cands[best].snippets(), "setup": _setup(args, trainer)}
+            "equivalent": [options[j][0] for j in tied], "stall_left": explain(left, step) if left else [],
+            "recording": summary, "compute_speedup": args.compute_speedup, "snippets": cands[best].snippets(),
+            "setup": _setup(args, trainer), "wall_s": round(time.perf_counter() - started, 1),
+            "peak_rss_bytes": peak_rss()}
+
+
+def _total_steps(args: argparse.Namespace, n: int) -> int:
+    measured = 0 if args.simulate else min(n, args.measure_top or n) * (args.warmup + args.steps)
+    recordings = 0 if args.trace else 1 if args.simulate else 2
+    return measured + recordings * RECORD_STEPS
+
+
+def _simplicity(c: Candidate) -> tuple:
+    return (SIMPLICITY.get(c.policy, len(SIMPLICITY)), c.knob or 0, c.nvme_depth, c.io_threads)
+
+
+def _option(c: Candidate, row: dict[str, Any], predicted: bool) -> Option:
+    """The candidate as the choice sees it: measured steps, or the prediction (no spread)."""
+    if predicted:
+        measured = Measured([row["predicted_stall_s"]], [row["predicted_step_s"]])
+    else:
+        measured = Measured(row["stall_s_each"], row["step_s_each"])
+    return Option(c.policy, c.knob or 0, c.nvme_depth, c.io_threads, measured)
 
 
 def _record(trainer: Trainer | None, args: argparse.Namespace, bar: Progress, when: str) -> dict:
@@ -272,12 +314,12 @@ def _record(trainer: Trainer | None, args: argparse.Namespace, bar: Progress, wh
     return trace
 
 
-def _measure(trainer: Trainer | None, args: argparse.Namespace, cands: list[Candidate], rows: list[dict],
+def _measure(trainer: Trainer | None, args: argparse.Namespace, todo: list[tuple[Candidate, dict]],
              bar: Progress) -> None:
-    """Each candidate's real steps: medians of the measured ones into its row."""
+    """Each candidate's real steps into its row: medians, ranges, stall by source."""
     assert trainer is not None
-    for i, (c, row) in enumerate(zip(cands, rows)):
-        label = f"{i + 1}/{len(cands)} {c.policy} {c.label()}"
+    for i, (c, row) in enumerate(todo):
+        label = f"{i + 1}/{len(todo)} {c.policy} {c.label()}"
         try:
             measured, _ = trainer.run(c.config(trainer.base), args.warmup + args.steps, lambda k, stall, step:
                                       bar.advance(f"{label} step {k + 1}: stall {stall:.4f} s step {step:.3f} s"))
@@ -287,10 +329,13 @@ def _measure(trainer: Trainer | None, args: argparse.Namespace, cands: list[Cand
                 bar.advance(f"{label}: refused")
             continue
         kept = measured[args.warmup:]
-        row["stall_s"] = statistics.median(s for s, _ in kept)
-        row["step_s"] = statistics.median(t for _, t in kept)
-        row["stall_s_each"] = [round(s, 5) for s, _ in kept]
-        row["step_s_each"] = [round(t, 4) for _, t in kept]
+        stalls, steps = [s for s, _, _ in kept], [t for _, t, _ in kept]
+        row["stall_s"] = statistics.median(stalls)
+        row["stall_range_s"] = [round(min(stalls), 5), round(max(stalls), 5)]
+        row["step_s"] = statistics.median(steps)
+        row["stall_s_each"] = [round(s, 5) for s in stalls]
+        row["step_s_each"] = [round(t, 4) for t in steps]
+        row["stall_by_source"] = {k: round(statistics.median(src[k] for _, _, src in kept), 5) for k in kept[0][2]}
 
 
 def _predict(c: Candidate, recording: Recording, bench: dict | None, args: argparse.Namespace,
@@ -339,24 +384,36 @@ def format_table(report: dict[str, Any]) -> str:
              + (f"; recorded on-demand stall before / after the candidates: "
                 + " / ".join(f"{x:.4f}" for x in rec["stall_s_each_recording"]) + " s"
                 if "stall_s_each_recording" in rec else ""),
-             f"{'policy':<10} {'settings':<34} {'stall s':>9} {'step s':>8} {'pred stall s':>12} "
+             f"{'policy':<10} {'settings':<34} {'stall s [min-max]':>22} {'step s':>8} {'pred stall s':>12} "
              f"{'pred step s':>11} {'disk busy s':>11}"]
     for i, r in enumerate(report["candidates"]):
         settings = " ".join(f"{k}={format_size(v) if k == 'reserve' else v}" for k, v in r["settings"].items())
-        stall = "refused" if r.get("error") else "-" if r["stall_s"] is None else f"{r['stall_s']:.4f}"
+        if r.get("error"):
+            stall = "refused"
+        elif r["stall_s"] is None:
+            stall = "(not measured)"
+        else:
+            lo, hi = r["stall_range_s"]
+            stall = f"{r['stall_s']:.4f} [{lo:.4f}-{hi:.4f}]"
         step = "-" if r["step_s"] is None else f"{r['step_s']:.3f}"
-        mark = "  <- best" if i == report["best_index"] else ""
-        lines.append(f"{r['policy']:<10} {settings:<34} {stall:>9} {step:>8} {r['predicted_stall_s']:>12.4f} "
+        mark = "  <- chosen" if i == report["best_index"] else "  = (within noise)" if r.get("equivalent_to_best") else ""
+        lines.append(f"{r['policy']:<10} {settings:<34} {stall:>22} {step:>8} {r['predicted_stall_s']:>12.4f} "
                      f"{r['predicted_step_s']:>11.3f} {r['predicted_disk_busy_s']:>11.3f}{mark}")
-    how = ("least measured stall; equal stalls: the shorter step" if report["chosen_by"] == "stall_s"
-           else "least predicted stall; equal stalls: the shorter predicted step")
+    how = ("of the candidates within noise of the least measured stall, the simplest and least memory-hungry"
+           if report["chosen_by"] == "stall_s" else "the least predicted stall (the simplest of equal ones)")
     lines += [f"refused: {r['policy']} {' '.join(f'{k}={v}' for k, v in r['settings'].items())}: {r['error']}"
               for r in report["candidates"] if r.get("error")]
     best = report["best"]
-    lines += ["", f"best: {best['policy']} " + " ".join(f"{k}={v}" for k, v in best["settings"].items()) + f" ({how})",
-              "TOML (a config file for tz.Config.from_file):"]
+    lines += ["", f"chosen: {best['policy']} " + " ".join(f"{k}={v}" for k, v in best["settings"].items())
+              + f" ({how}; {len(report['equivalent'])} within noise)"]
+    if report["stall_left"]:
+        lines.append("its stall left, by source:")
+        lines += [f"  {x['source']}: {x['stall_s']:.4f} s ({100 * x['share_of_step']:.1f} % of the step): "
+                  f"{x['what_reduces_it']}" for x in report["stall_left"]]
+    lines += ["TOML (a config file for tz.Config.from_file):"]
     lines += ["  " + line for line in report["snippets"]["toml"].splitlines()]
-    lines += ["Python:", "  " + report["snippets"]["python"]]
+    lines += ["Python:", "  " + report["snippets"]["python"],
+              f"wall time {report['wall_s']:.1f} s; peak resident memory {format_size(report['peak_rss_bytes'])}"]
     return "\n".join(lines)
 
 

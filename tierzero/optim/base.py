@@ -92,7 +92,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__}: the model has no trainable parameters "
                              "(requires_grad=True); nothing to optimize")
         super().__init__(params, defaults)
-        previous = _OPTIMIZER_OF.get(self._model_state)
+        previous = _OPTIMIZER_OF[self._model_state]() if self._model_state in _OPTIMIZER_OF else None
         if previous is not None:
             previous._give_back_states()
         ctx = self._model_state.ctx
@@ -115,7 +115,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         except BaseException:  # nothing half-registered stays behind: a retry starts clean
             self._give_back_states()
             raise
-        _OPTIMIZER_OF[self._model_state] = self
+        _OPTIMIZER_OF[self._model_state] = weakref.ref(self)
         self._stepped: set[FlatParam] = set()
         """Flats updated during this step's backward (Config.step_in_backward)."""
         self._driver: str | None = None
@@ -127,7 +127,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         """The overlapped step's updates (None: step() updates inline)."""
         config = self._model_state.config
         if config.overlap_step and not config.step_in_backward and ctx.world_size == 1 and not ctx.pm.streams.cuda:
-            self._queue = StepQueue(on_wait=lambda s: ctx.pm.telemetry.record_stall(Tier.HOST, s))
+            self._queue = StepQueue(on_wait=lambda s: ctx.pm.telemetry.record_stall(Tier.HOST, s, {"update": s}))
             ctx.overlap_step(self._queue)
             weakref.finalize(self, self._queue.close)
         if config.step_in_backward:
@@ -204,8 +204,18 @@ class TieredOptimizer(torch.optim.Optimizer):
             if self._queue is None:
                 update()
             else:
-                self._queue.submit(flat.param, flat.name, update)
+                self._queue.submit(flat.param, flat.name, self._beside_compute(update))
         return loss
+
+    def _beside_compute(self, update: Callable[[], None]) -> Callable[[], None]:
+        """`update` run on a thread beside compute: its waits for data are not stalls of the
+        training loop (telemetry counts them apart; the loop's waits for the update are)."""
+        telemetry = self._model_state.pm.telemetry
+
+        def beside() -> None:
+            with telemetry.background():
+                update()
+        return beside
 
     @torch.no_grad()
     def _step_in_backward(self, flat: FlatParam) -> None:
@@ -232,7 +242,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         if self._updater is None:
             update()
         else:  # in order, one at a time, while backward goes on
-            self._pending.append(self._updater.submit(update))
+            self._pending.append(self._updater.submit(self._beside_compute(update)))
 
     def _drain(self) -> None:
         """Wait for the updates started during this backward; raise the first one's error."""
@@ -363,8 +373,10 @@ class TieredOptimizer(torch.optim.Optimizer):
             flat.master_updated(entry[Kind.MASTER.value])
 
 
-_OPTIMIZER_OF: "weakref.WeakKeyDictionary[runtime.TieredState, TieredOptimizer]" = weakref.WeakKeyDictionary()
-"""Side table: a wrapped model's state -> its tiered optimizer (the newest one)."""
+_OPTIMIZER_OF: "weakref.WeakKeyDictionary[runtime.TieredState, weakref.ref[TieredOptimizer]]" = \
+    weakref.WeakKeyDictionary()
+"""Side table: a wrapped model's state -> its tiered optimizer (the newest one), both weakly held
+(the optimizer holds the state: a strong value would keep both alive forever)."""
 
 
 def flat_grad(flat: FlatParam) -> FlatGrad:

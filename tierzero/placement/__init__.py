@@ -23,8 +23,8 @@ from tierzero.placement.handles import TRAFFIC_GROUPS, Kind, TensorHandle
 from tierzero.placement.manager import PlacementManager
 from tierzero.placement.nvme import ChecksumError, SwapSpace
 from tierzero.placement.residency import Residency, TensorRecord
-from tierzero.placement.telemetry import MAX_EVENTS, StepStats, Telemetry
+from tierzero.placement.telemetry import MAX_EVENTS, STALL_SOURCES, StepStats, Telemetry
 
 __all__ = ["PlacementManager", "Tier", "Kind", "TensorHandle", "TRAFFIC_GROUPS", "Residency", "TensorRecord",
            "EvictionPolicy", "LeastRecentlyUsed", "CheckpointHome", "Segment", "SwapSpace", "ChecksumError",
-           "StepStats", "Telemetry", "MAX_EVENTS"]
+           "StepStats", "Telemetry", "MAX_EVENTS", "STALL_SOURCES"]

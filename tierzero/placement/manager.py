@@ -57,7 +57,7 @@ from tierzero.config import Config, Tier, format_size
 from tierzero.placement.cow_home import CheckpointHome
 from tierzero.placement.eviction import EvictionPolicy, LeastRecentlyUsed, Shortfall
 from tierzero.placement.handles import Kind, TensorHandle
-from tierzero.placement.moves import Move, staging_needs
+from tierzero.placement.moves import Move, stall_sources, staging_needs
 from tierzero.placement.nvme import SwapRegion, SwapSpace
 from tierzero.placement.residency import Residency, ResidencyTable, TensorRecord, assert_in_states
 from tierzero.placement.streams import CopyStreams, resolve_device
@@ -234,6 +234,7 @@ class PlacementManager:
         with torch.profiler.record_function(f"tierzero::acquire {h.name}"):
             if tier is h.home:
                 return self._acquire_home(rec)
+            asked = time.perf_counter()
             with self._cond:
                 self._check_open()
                 self._check_live(rec)
@@ -249,11 +250,14 @@ class PlacementManager:
                                          f"acquire({h.name!r}, {tier.value!r})")
                 copy = self._table.pin(rec, tier)
                 move = self._table.moves.get(h, tier)
+            t0 = time.perf_counter()
             self.telemetry.record_prefetch(hit)
+            if t0 - asked > 1e-3:  # time spent waiting for room (or for another copy's move)
+                self.telemetry.record_stall(tier, t0 - asked, {"room": t0 - asked})
             if move is not None:
-                t0 = time.perf_counter()
                 cf.wait([move.future])
-                self.telemetry.record_stall(tier, time.perf_counter() - t0)
+                t1 = time.perf_counter()
+                self.telemetry.record_stall(tier, t1 - t0, stall_sources(move.legs, t0, t1))
                 error = move.future.exception() if move.dst is tier else None
                 if error is not None:
                     raise error  # the fetch failed; its copy is gone

@@ -58,8 +58,33 @@ class Copy:
     """The copy that filled it; compute waits on it before using the tensor."""
 
 
+class Leg(NamedTuple):
+    """A stretch of a move's time, by what it was doing: "queued" (waiting for a worker),
+    "write" (waiting for an earlier move of the tensor that writes what it reads), "read" (an
+    NVMe read), "copy" (a copy between memories), "write" again for an NVMe write."""
+
+    source: str
+    start: float
+    end: float
+
+
+def stall_sources(legs: list[Leg], start: float, end: float) -> dict[str, float]:
+    """A wait from `start` to `end` for a move with these legs, split by what the move was doing
+    meanwhile (the part no leg covers, such as its commit, counts as "copy")."""
+    out: dict[str, float] = {}
+    for leg in legs:
+        overlap = min(end, leg.end) - max(start, leg.start)
+        if overlap > 0:
+            out[leg.source] = out.get(leg.source, 0.0) + overlap
+    rest = (end - start) - sum(out.values())
+    if rest > 0:
+        out["copy"] = out.get("copy", 0.0) + rest
+    return out
+
+
 class Move(NamedTuple):
-    """One copy in flight; `future` completes when the copy is done and committed."""
+    """One copy in flight; `future` completes when the copy is done and committed, by which
+    time `legs` says where its time went (for the stall attribution of whoever waited on it)."""
 
     tensor: TensorHandle
     src: Tier
@@ -67,6 +92,7 @@ class Move(NamedTuple):
     nbytes: int
     future: cf.Future[None]
     start: float
+    legs: list[Leg]
 
 
 class MoveTable:
@@ -114,10 +140,24 @@ class Span(NamedTuple):
 
 
 class Done(NamedTuple):
-    """A body finished: the event of its last copy (complete once it returns) and its legs."""
+    """A body finished: the event of its last copy (complete once it returns), its legs, the
+    time it first waited for earlier moves of the tensor writing what it reads, and then for the
+    fetch still filling its source (each (start, end))."""
 
     event: CopyEvent
     spans: list[Span]
+    waited: tuple[float, float] | None = None
+    source_read: tuple[float, float] | None = None
+
+    def legs(self) -> list[Leg]:
+        """Where the body's time went, as stall sources."""
+        out = [Leg("write", *self.waited)] if self.waited is not None else []
+        if self.source_read is not None:
+            out.append(Leg("read", *self.source_read))
+        for s in self.spans:
+            source = "read" if s.src is Tier.NVME else "write" if s.dst is Tier.NVME else "copy"
+            out.append(Leg(source, s.start, s.end))
+        return out
 
 
 class Failed(NamedTuple):
@@ -156,7 +196,9 @@ class FetchPlan(NamedTuple):
     ready: CopyEvent | None
     """Compute's work queued on a device source when the move started: copied after it."""
     after: tuple[cf.Future[None], ...]
-    """Earlier moves of this tensor writing its home or its source."""
+    """Earlier moves of this tensor writing what it reads: the home, or the cached copy it
+    copies from (a cached host copy is current before its home's write lands: a fetch from it
+    does not wait for that write)."""
     source_fetch: cf.Future[None] | None
     """The fetch still filling `source`, when there is one: its failure fails this fetch."""
 
@@ -186,8 +228,11 @@ class StorePlan(NamedTuple):
 
 
 def run_fetch(plan: FetchPlan, io: MoveIO) -> Done:
+    waited = time.perf_counter()
     cf.wait(plan.after)
-    error = plan.source_fetch.exception() if plan.source_fetch is not None else None
+    waited_until = time.perf_counter()
+    error = plan.source_fetch.exception() if plan.source_fetch is not None else None  # waits for it
+    read_until = time.perf_counter()
     if error is not None:
         raise error  # the copy this fetch reads failed, and is gone
     h, spans = plan.handle, []
@@ -198,14 +243,14 @@ def run_fetch(plan: FetchPlan, io: MoveIO) -> Done:
             io.nvme().read(region(plan.source.buffer), landing.numpy(), h.name, h.kind.traffic)
             spans.append(Span(Tier.NVME, Tier.HOST, t0, time.perf_counter()))
             if plan.dst is Tier.HOST:
-                return Done(DONE, spans)
+                return Done(DONE, spans, (waited, waited_until), (waited_until, read_until))
             t0 = time.perf_counter()
         copy_src = plan.source.tensor if plan.staging is None else typed(plan.staging, h)
         event = io.streams.copy(plan.copy.tensor, copy_src, after=plan.ready)
         # The source and staging are freed at commit: they must outlive the copy.
         event.synchronize()
         spans.append(Span(plan.src if plan.staging is None else Tier.HOST, plan.dst, t0, time.perf_counter()))
-    return Done(event, spans)
+    return Done(event, spans, (waited, waited_until), (waited_until, read_until))
 
 
 def run_writeback(plan: WritebackPlan, io: MoveIO) -> Done:

@@ -33,7 +33,7 @@ from tierzero.config import Tier
 from tierzero.placement.cow_home import CheckpointHome
 from tierzero.placement.eviction import Room, Shortfall
 from tierzero.placement.handles import TensorHandle
-from tierzero.placement.moves import (Copy, Done, Failed, FetchPlan, Move, MoveIO, MoveTable, Outcome,
+from tierzero.placement.moves import (Copy, Done, Failed, FetchPlan, Leg, Move, MoveIO, MoveTable, Outcome,
                                       StorePlan, WritebackPlan, run_fetch, run_store, run_writeback,
                                       staging_needs)
 from tierzero.placement.nvme import SwapSpace
@@ -148,7 +148,11 @@ class ResidencyTable:
         self._io = MoveIO(streams, swap)
         # Workers run copies and IO so callers never block on them; sized to keep the NVMe
         # read-ahead depth in flight while earlier blocks copy to the device.
-        self._executor = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"tierzero-move-r{rank}")
+        # Moves that read or write the swap files run on `workers` threads (the NVMe reads in
+        # flight); copies between memories on threads of their own, so that a block's copy to the
+        # device never queues behind the optimizer's or the prefetcher's disk reads.
+        self._executor = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"tierzero-io-r{rank}")
+        self._copier = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"tierzero-copy-r{rank}")
 
     def get(self, handle: TensorHandle) -> TensorRecord | None:
         return self._records.get(handle)
@@ -276,10 +280,12 @@ class ResidencyTable:
         if isinstance(bufs, Shortfall):
             return bufs
         source_fetch = self.moves.get(h, src)
+        if source_fetch is not None and source_fetch.dst is not src:
+            source_fetch = None  # the source's own write-back: it reads what this fetch reads
         return FetchPlan(h, src, tier, rec._copies[src], Copy(bufs[0], self.stores[tier].view(bufs[0], h)),
                          flat(bufs[1]) if len(bufs) > 1 else None,
                          self._streams.compute_ready() if src is Tier.DEVICE else None,
-                         tuple(m.future for m in rec.in_flight if m.dst is h.home or m.dst is src),
+                         tuple(m.future for m in rec.in_flight if m.dst is src),  # not the home's write
                          source_fetch.future if source_fetch is not None else None)
 
     def try_fetch(self, rec: TensorRecord, tier: Tier, *, speculative: bool = False) -> Literal[True] | Shortfall:
@@ -296,6 +302,7 @@ class ResidencyTable:
     def close(self) -> None:
         """Join the workers, then take every tensor to ABSENT (pinned copies too)."""
         self._executor.shutdown(wait=True)
+        self._copier.shutdown(wait=True)
         with self.cond:
             for rec in tuple(self._records.values()):
                 self.forget(rec)
@@ -438,13 +445,19 @@ class ResidencyTable:
                 finish: Callable[[_P, Outcome], None], *, key: Tier) -> None:
         """Run `body(plan)` on a worker, then `finish(plan, outcome)` under the lock; the move is
         in the table, under (tensor, key), until then."""
-        future = self._executor.submit(self._run, plan, body, finish)
-        self.moves.add(key, Move(plan.handle, src, dst, plan.handle.nbytes, future, time.perf_counter()))
+        legs: list[Leg] = []
+        submitted = time.perf_counter()
+        pool = self._executor if Tier.NVME in (src, dst) else self._copier
+        future = pool.submit(self._run, plan, body, finish, legs, submitted)
+        self.moves.add(key, Move(plan.handle, src, dst, plan.handle.nbytes, future, submitted, legs))
 
-    def _run(self, plan: _P, body: Callable[[_P, MoveIO], Done], finish: Callable[[_P, Outcome], None]) -> None:
+    def _run(self, plan: _P, body: Callable[[_P, MoveIO], Done], finish: Callable[[_P, Outcome], None],
+             legs: list[Leg], submitted: float) -> None:
         outcome: Outcome
+        legs.append(Leg("queued", submitted, time.perf_counter()))
         try:
             outcome = body(plan, self._io)
+            legs.extend(outcome.legs())
         except BaseException as e:
             outcome = Failed(e)
         with self.cond:

@@ -12,17 +12,22 @@ the whole run for chrome://tracing or https://ui.perfetto.dev; `plot_run(run_dir
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 from tierzero.config import TIER_NAMES
 from tierzero.placement.handles import TRAFFIC_GROUPS
 
+STALL_SOURCES = ("update", "room", "queued", "write", "read", "copy")
+"""What a stall waited for: the overlapped step's update of a block ("update"), room on a tier
+("room"), a move waiting for a worker ("queued"), an earlier write of what it reads ("write"),
+an NVMe read ("read"), a copy between memories ("copy")."""
 MAX_EVENTS = 1_000_000
 """Moves and timeline points kept per run (the oldest are dropped past this)."""
 
@@ -54,6 +59,8 @@ class StepStats:
 
     stall_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIER_NAMES, 0.0))
     """Seconds callers of acquire() waited for data, by the tier they acquired on."""
+    stall_s_by_source: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STALL_SOURCES, 0.0))
+    """The same seconds by what they waited for (STALL_SOURCES)."""
     bytes_moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIER_NAMES, 0))
     """Bytes copied toward each tier."""
     nvme_read_bytes: int = 0
@@ -65,6 +72,9 @@ class StepStats:
     nvme_by_kind: dict[str, dict[str, int]] = field(
         default_factory=lambda: {g: {"read": 0, "write": 0} for g in TRAFFIC_GROUPS})
     """NVMe bytes read and written, by what the tensors hold (Kind.traffic)."""
+    background_wait_s: float = 0.0
+    """Seconds threads working beside compute (the overlapped step's updates) waited for data:
+    not stalls of the training loop, which count its own waits (for such an update too)."""
     prefetch_hits: int = 0
     """Acquires that found their copy resident or already in flight."""
     prefetch_misses: int = 0
@@ -86,6 +96,9 @@ class Telemetry:
         self.timeline: dict[str, deque[tuple[float, int]]] = {t: deque(maxlen=MAX_EVENTS) for t in TIER_NAMES}
         """Per tier, (time, reserved bytes) after every change."""
         self.stall_s: dict[str, float] = dict.fromkeys(TIER_NAMES, 0.0)
+        self.stall_s_by_source: dict[str, float] = dict.fromkeys(STALL_SOURCES, 0.0)
+        self.background_wait_s = 0.0
+        self._local = threading.local()
         """Seconds callers of acquire() waited, by destination tier, over the whole run."""
         self.bytes_moved: dict[str, int] = dict.fromkeys(TIER_NAMES, 0)
         self.current: dict[str, int] = dict.fromkeys(TIER_NAMES, 0)
@@ -134,11 +147,30 @@ class Telemetry:
             self.bytes_moved[dst] += nbytes
             self._step.bytes_moved[dst] += nbytes
 
-    def record_stall(self, tier: str, seconds: float) -> None:
+    @contextlib.contextmanager
+    def background(self) -> Iterator[None]:
+        """The calling thread works beside compute until the block ends: its waits are not stalls."""
+        self._local.background = True
+        try:
+            yield
+        finally:
+            self._local.background = False
+
+    def record_stall(self, tier: str, seconds: float, sources: dict[str, float]) -> None:
+        """A caller waited `seconds` for data on `tier`, split by `sources` (STALL_SOURCES); from
+        a thread working beside compute (`background`), a wait of that thread, not a stall."""
         tier = str(tier)
+        if getattr(self._local, "background", False):
+            with self._lock:
+                self.background_wait_s += seconds
+                self._step.background_wait_s += seconds
+            return
         with self._lock:
             self.stall_s[tier] += seconds
             self._step.stall_s[tier] += seconds
+            for source, s in sources.items():
+                self.stall_s_by_source[source] += s
+                self._step.stall_s_by_source[source] += s
 
     def record_prefetch(self, hit: bool) -> None:
         with self._lock:
@@ -161,6 +193,11 @@ class Telemetry:
     def record_span(self, track: str, name: str, start: float, end: float, args: dict) -> None:
         with self._lock:
             self.spans.append(Span(track, name, start, end, args))
+
+    def stall_by_source(self) -> dict[str, float]:
+        """Seconds callers waited over the whole run, by source (a snapshot)."""
+        with self._lock:
+            return dict(self.stall_s_by_source)
 
     def total_stall_s(self) -> float:
         """Seconds callers of acquire() waited, over the whole run."""

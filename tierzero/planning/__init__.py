@@ -7,6 +7,7 @@ stall, computed beside the runtime and never importing it.
     traffic.py     the least NVMe bytes a step moves for a placement, and the drive's floor
     recording.py   a run's Chrome trace read back as compute and copy times per block
     tier_model.py  a simulation of a recording under a prefetch policy: the predicted stall
+    tuning.py      choosing among noisy measurements (equivalent candidates), explaining the stall
 """
 
 from tierzero.planning.activations import (PLACEMENTS, ActivationBytes, ActivationModel, activation_model,
@@ -14,9 +15,11 @@ from tierzero.planning.activations import (PLACEMENTS, ActivationBytes, Activati
 from tierzero.planning.estimates import Estimate, estimate, largest_trainable, placements
 from tierzero.planning.recording import Recording
 from tierzero.planning.tier_model import TierModel, simulate
+from tierzero.planning.tuning import SIMPLICITY, Measured, Option, choose, equivalent, explain
 from tierzero.planning.traffic import DriveRates, Traffic, rates_from_bench, step_traffic
 from tierzero.planning.zero_model import StateSizes, ZeroModel, param_counts
 
 __all__ = ["Estimate", "estimate", "largest_trainable", "placements", "Recording", "TierModel", "simulate",
            "DriveRates", "Traffic", "rates_from_bench", "step_traffic", "StateSizes", "ZeroModel", "param_counts",
-           "ActivationBytes", "ActivationModel", "activation_model", "measure_activations", "PLACEMENTS"]
+           "ActivationBytes", "ActivationModel", "activation_model", "measure_activations", "PLACEMENTS",
+           "SIMPLICITY", "Measured", "Option", "choose", "equivalent", "explain"]

@@ -8,7 +8,8 @@ training iterations that can be replayed (each after one with the same block ord
 followed by another, which closes its last fetch's compute: the optimizer step) into:
 
     slots       per fetch: event, units held, compute seconds (its span less the stalls in
-                it), its own stall, the other stalls (the optimizer waiting for its states)
+                it), its own stall (and of it the wait for its block's update by the
+                overlapped step), the other stalls (the optimizer waiting for its states)
     background  move legs no policy decides (stores, write-backs, optimizer state reads),
                 each placed by the fetch it followed and the seconds after it
     busy        per leg kind, bytes moved and seconds such legs ran (overlaps counted once)
@@ -31,6 +32,9 @@ from tierzero.prefetch import FetchPhase, TraceEvent, Unit
 
 TRAINING_KEY = repr((True, True))
 """The prefetcher's key of a training iteration (grad enabled, module in training mode)."""
+STAGED_GAP_US = 1000.0
+"""A copy to the device that starts within this many microseconds of an NVMe read of the same
+tensor ending was staged through that read (one move's two legs)."""
 
 
 class Slot(NamedTuple):
@@ -40,8 +44,16 @@ class Slot(NamedTuple):
     held: tuple[str, ...]
     compute_s: float
     stall_s: float
+    """The fetch's own stall, its wait for the block's update (`update_s`) included."""
     other_stall_s: float
     """Stalls after the fetch that were not this block's (the optimizer's)."""
+    update_s: float = 0.0
+    """Of `stall_s`, the wait for the overlapped step's update of the block: what no prefetch
+    policy changes (the tier model adds it as recorded)."""
+    host_room: int | None = None
+    """Host bytes for unit copies when the fetch was asked for: the rest of the host budget
+    holds the step's gradients and optimizer states, which come and go over the iteration
+    (None: not recorded, the recording's `host_room` holds throughout)."""
 
 
 class Leg(NamedTuple):
@@ -79,6 +91,14 @@ class Recording:
     policy: str
     miss_overheads: list[float] = field(default_factory=list)
     """Per fetch that waited for its own copy: the wait less the copy's legs."""
+    step_invalidates: bool = False
+    """The optimizer step leaves no device copy valid: the recorded forward copied every block
+    it fetched to the device again (parameters updated in place in their host copies: the
+    device copies of the old values are dropped). The replay drops them at each step."""
+    step_on_host: frozenset[str] = frozenset()
+    """Units the optimizer step left on the host: it rewrote their host copies (and wrote them
+    home), and the forward copied them to the device from there, without an NVMe read. The
+    replay puts them on the host at each step, as no prefetch policy decides."""
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "Recording":
@@ -117,7 +137,8 @@ class Recording:
                for p in parts):
             raise ValueError("the recordings differ in their block order; record the same model and settings")
         slots = [Slot(ss[0].event, ss[0].held, *(statistics.median(getattr(s, f) for s in ss)
-                                                  for f in ("compute_s", "stall_s", "other_stall_s")))
+                                                  for f in ("compute_s", "stall_s", "other_stall_s", "update_s")),
+                      min(s.host_room for s in ss) if all(s.host_room is not None for s in ss) else None)
                  for ss in zip(*(p.slots for p in parts))]
         busy: dict[tuple[str, str], tuple[int, float]] = {}
         for p in parts:
@@ -127,7 +148,8 @@ class Recording:
         return cls(slots, units, parts[-1].background, [leg for p in parts for leg in p.legs], busy,
                    info["device_room"], min(p.host_room for p in parts), info["workers"], info["io_threads"],
                    info["io_block_size"], info.get("device_wraps", True), info.get("policy", "?"),
-                   [o for p in parts for o in p.miss_overheads])
+                   [o for p in parts for o in p.miss_overheads], all(p.step_invalidates for p in parts),
+                   frozenset.intersection(*(p.step_on_host for p in parts)))
 
     @staticmethod
     def _parts(trace: Mapping[str, Any], last: int | None, where: str) -> tuple[dict, dict[str, Unit], list["_Part"]]:
@@ -160,6 +182,7 @@ class Recording:
     def summary(self) -> dict[str, Any]:
         return {"fetches": len(self.slots), "units": len(self.units), "compute_s": round(self.compute_s, 4),
                 "stall_s": round(sum(s.stall_s for s in self.slots), 4),
+                "update_stall_s": round(sum(s.update_s for s in self.slots), 4),
                 "other_stall_s": round(sum(s.other_stall_s for s in self.slots), 4),
                 "background_moves": len(self.background), "policy": self.policy, "workers": self.workers,
                 "io_threads": self.io_threads, "device_room": self.device_room, "host_room": self.host_room}
@@ -176,12 +199,17 @@ class _Part(NamedTuple):
     busy: dict[tuple[str, str], tuple[int, float]]
     host_room: int
     miss_overheads: list[float]
+    step_invalidates: bool
+    step_on_host: frozenset[str]
 
 
 def _iteration(spans: list[dict], after: list[dict], moves: list[dict], tracks: dict[int, str],
                units: Mapping[str, Unit]) -> _Part:
     """One iteration's fetch spans (and the next's, which closes its last compute) as slots, its
-    move legs, the background ones placed by the fetch they followed, its channels' busy time."""
+    move legs, the background ones placed by the fetch they followed, its channels' busy time.
+    Background: every leg but the copies of units' tensors to the host or the device (what a
+    policy decides; the step's reads of parameters among them, see [Note: what the replay
+    leaves out])."""
     this = sorted(spans, key=lambda e: e["args"]["pos"])
     first_next = min(after, key=lambda e: e["args"]["pos"])
     slots = []
@@ -192,8 +220,9 @@ def _iteration(spans: list[dict], after: list[dict], moves: list[dict], tracks: 
         if i == len(this) - 1:  # to the next iteration's first fetch, the optimizer step included
             span += (first_next["ts"] - e["ts"] - e["dur"]) / 1e6
             other += first_next["args"].get("gap_stall_s", 0.0)
+        update = min(a["stall_s"], a.get("stall_by_source", {}).get("update", 0.0))
         slots.append(Slot(TraceEvent(FetchPhase(a["phase"]), a["unit"]), tuple(a["held"]),
-                          max(0.0, span - a["stall_s"] - other), a["stall_s"], other))
+                          max(0.0, span - a["stall_s"] - other), a["stall_s"], other, update, a.get("host_room")))
     start, end = this[0]["ts"], first_next["ts"]
     fetch_tensors = {t for u in units.values() for t in u.tensors}
     starts = [e["ts"] for e in this]
@@ -206,8 +235,37 @@ def _iteration(spans: list[dict], after: list[dict], moves: list[dict], tracks: 
         if not (m["name"] in fetch_tensors and dst in ("host", "device")):
             pos = max(i for i, s in enumerate(starts) if s <= m["ts"])
             background.append(Background(pos, (m["ts"] - starts[pos]) / 1e6, leg))
+    forward = {s.event.unit for s in slots if s.event.phase is FetchPhase.FORWARD}
+    copied = {m["name"] for m in inside if tracks[m["tid"]].endswith("-> device")}
+    invalidates = bool(forward) and all(t in copied for u in forward for t in units[u].tensors)
     return _Part(slots, legs, background, _busy(inside, tracks), this[0]["args"]["host_room"],
-                 _miss_overheads(this, moves, tracks, units))
+                 _miss_overheads(this, moves, tracks, units), invalidates,
+                 _step_on_host(forward, inside, tracks, units))
+
+
+def _step_on_host(forward: set[str], moves: list[dict], tracks: dict[int, str],
+                  units: Mapping[str, Unit]) -> frozenset[str]:
+    """The forward's units whose tensors the iteration wrote home from the host (the step's
+    update) and whose first copy to the device was not staged through an NVMe read of its own
+    (a read of the tensor ending as the copy began)."""
+    def track(m: dict) -> str:
+        return tracks[m["tid"]]
+    written = {m["name"] for m in moves if track(m) == "host -> nvme"}
+    reads = {}
+    for m in moves:
+        if track(m) == "nvme -> host":
+            reads.setdefault(m["name"], []).append(m["ts"] + m["dur"])
+    out = set()
+    for name in forward:
+        tensors = units[name].tensors
+        firsts = [min((m for m in moves if m["name"] == t and track(m) == "host -> device"), key=lambda m: m["ts"],
+                      default=None) for t in tensors]
+        if not tensors or not all(t in written for t in tensors) or None in firsts:
+            continue
+        if not any(abs(end - m["ts"]) < STAGED_GAP_US for m in firsts for end in reads.get(m["name"], ())):
+            out.add(name)
+    return frozenset(out)
+
 
 
 def _busy(moves: list[dict], tracks: dict[int, str]) -> dict[tuple[str, str], tuple[int, float]]:

@@ -51,13 +51,17 @@ def prefetch_unit(pm: PlacementManager, unit: Unit, tier: Tier) -> bool:
 
 class _Mark(NamedTuple):
     """One fetch of an iteration, as timed: when it was asked for, the run's stall seconds then
-    and once the block was fetched, the units held beside it."""
+    and once the block was fetched (in all, and by source), the units held beside it."""
 
     event: TraceEvent
     start: float
     stall0: float
     stall1: float | None
     held: tuple[str, ...]
+    sources0: dict[str, float]
+    sources1: dict[str, float] | None = None
+    host_room: int = 0
+    """Host bytes for unit copies when it was asked for (see Prefetcher._room)."""
 
 
 @dataclass
@@ -70,8 +74,6 @@ class _Iteration:
     pos: int = 0
     deviated: bool = False
     start: float = field(default_factory=lambda: _clock())
-    host_room: int = 0
-    """Host bytes for unit copies at the first fetch (see Prefetcher._room)."""
     gap_stall: float = 0.0
     """Stall seconds between the previous iteration's end and this one's first fetch."""
 
@@ -141,9 +143,9 @@ class Prefetcher:
         now, stall = _clock(), self.pm.telemetry.total_stall_s()
         if not it.marks:
             self._learn_last(it.key, now, stall)
-            it.host_room = self._room(Tier.HOST)
             it.gap_stall = stall - self._ended[1] if self._ended is not None else 0.0
-        it.marks.append(_Mark(event, now, stall, None, tuple(sorted(held - {event.unit}))))
+        it.marks.append(_Mark(event, now, stall, None, tuple(sorted(held - {event.unit})),
+                              self.pm.telemetry.stall_by_source(), host_room=self._room(Tier.HOST)))
         it.recording.append(event)
         if it.trace is None or it.deviated:
             return
@@ -158,7 +160,8 @@ class Prefetcher:
         """The block of the last on_fetch is on the device (its stall is over)."""
         it = self._it
         if it is not None and it.marks:
-            it.marks[-1] = it.marks[-1]._replace(stall1=self.pm.telemetry.total_stall_s())
+            it.marks[-1] = it.marks[-1]._replace(stall1=self.pm.telemetry.total_stall_s(),
+                                                 sources1=self.pm.telemetry.stall_by_source())
 
     def end(self, *, learn: bool = True) -> None:
         """The iteration is over; learn=False: it was cut short (a backward that raised), its
@@ -225,8 +228,10 @@ class Prefetcher:
             self.pm.telemetry.record_span(TRACK, f"{m.event.phase} {m.event.unit}", m.start, end, {
                 "iteration": self._iterations, "key": repr(it.key), "pos": i, "phase": str(m.event.phase),
                 "unit": m.event.unit, "held": list(m.held), "stall_s": own,
-                "other_stall_s": stall_end - m.stall0 - own,
-                **({"host_room": it.host_room, "gap_stall_s": it.gap_stall} if i == 0 else {})})
+                "stall_by_source": {k: round(v - m.sources0[k], 6) for k, v in (m.sources1 or m.sources0).items()
+                                    if v - m.sources0[k] > 0},
+                "other_stall_s": stall_end - m.stall0 - own, "host_room": m.host_room,
+                **({"gap_stall_s": it.gap_stall} if i == 0 else {})})
         self._pending = None
         if tuple(it.recording) != self._traces.get(it.key):
             return

@@ -23,12 +23,14 @@ from tierzero.runtime.flat_param import FlatParam
 from tierzero.runtime.grads import GradCapture
 from tierzero.runtime.step_context import Phase, StepContext
 
-_STATES: "weakref.WeakKeyDictionary[nn.Module, TieredState]" = weakref.WeakKeyDictionary()
-"""Side table: wrapped root module -> its state."""
+_STATES: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[TieredState]]" = weakref.WeakKeyDictionary()
+"""Side table: wrapped root module -> its state, both held weakly (the model holds its state
+through its hooks; a strong value, which reaches the model, would keep both alive forever)."""
 
 
-_OWNED: "weakref.WeakKeyDictionary[nn.Module, nn.Module]" = weakref.WeakKeyDictionary()
-"""Side table: every submodule of a wrapped model -> its root (to refuse wrapping twice)."""
+_OWNED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+"""Side table: every module of a wrapped model (to refuse wrapping twice). A set: a value naming
+the root would keep every wrapped model alive forever (a weak key held by its own value)."""
 
 
 class TieredState:
@@ -156,9 +158,8 @@ class TieredState:
 
 def adopt(model: nn.Module, state: TieredState) -> None:
     """Record `state` as the wrapped `model`'s (the end of tz.wrap)."""
-    _STATES[model] = state
-    for m in model.modules():
-        _OWNED[m] = model
+    _STATES[model] = weakref.ref(state)
+    _OWNED.update(model.modules())
 
 
 def is_wrapped(model: nn.Module) -> bool:
@@ -168,7 +169,8 @@ def is_wrapped(model: nn.Module) -> bool:
 
 def state_of(model: nn.Module) -> TieredState:
     """The tierzero state of a wrapped model; ValueError if it is not wrapped."""
-    state = _STATES.get(model)
+    ref = _STATES.get(model)
+    state = ref() if ref is not None else None
     if state is None:
         raise ValueError(f"{type(model).__name__} is not wrapped by tierzero; call tz.wrap(model, config) first")
     return state

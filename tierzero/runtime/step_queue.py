@@ -47,7 +47,8 @@ class StepQueue:
     """The FIFO of block updates of the current step, keyed by each flat's parameter handle."""
 
     def __init__(self, on_wait: Callable[[float], None] | None = None) -> None:
-        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierzero-step")
+        self._worker: int | None = None
+        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierzero-step", initializer=self._started)
         self._lock = threading.Lock()
         self._pending: dict[TensorHandle, cf.Future[None]] = {}
         """Queued or running updates, by parameter handle (removed once they end)."""
@@ -124,11 +125,19 @@ class StepQueue:
             self._clear[key] = clear
             return True
 
+    def _started(self) -> None:
+        self._worker = threading.get_ident()
+
     def close(self) -> None:
-        """Wait for what is queued (errors are dropped: the model is going away), then stop."""
+        """Wait for what is queued (errors are dropped: the model is going away), then stop.
+        Called on the update thread itself (the optimizer collected there), it only stops: the
+        thread ends once its update returns."""
         with self._lock:
             self._closed = True
             futures = list(self._pending.values())
+        if threading.get_ident() == self._worker:
+            self._pool.shutdown(wait=False)
+            return
         cf.wait(futures)
         self._pool.shutdown(wait=True)
 
