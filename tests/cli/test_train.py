@@ -95,3 +95,24 @@ def test_state_tiers_default_to_the_params_tier(flag: str) -> None:
     assert cfg.params == cfg.grads == cfg.optimizer_states == "nvme"
     args = train.parser().parse_args(["--nvme-dir", "/x", flag, "host"])
     assert getattr(train._config(args), flag[2:].replace("-", "_")) == "host"
+
+
+def test_activations_on_nvme_with_checkpointing(tmp_path: Path) -> None:
+    """--activations nvme --activation-checkpointing: the same losses as the default run, the
+    activations counted on NVMe each step, and their moves in the trace."""
+    def rows(name: str, *extra: str) -> list[dict]:
+        run_dir = tmp_path / name
+        assert train.main([*SMALL, "--run-dir", str(run_dir), "--nvme-dir", str(tmp_path / f"nvme-{name}"), *extra]) == 0
+        return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    plain = rows("plain")
+    placed = rows("placed", "--activations", "nvme", "--activation-checkpointing")
+    assert [r["loss"] for r in placed] == [r["loss"] for r in plain]
+    for r in placed:
+        assert r["activation_bytes"]["nvme"] > 0 and r["activation_stall_s"] >= 0
+        assert sum(r["activation_bytes"].values()) < sum(plain[0]["activation_bytes"].values())
+    assert plain[0]["activation_bytes"]["nvme"] == 0
+    trace = json.loads((tmp_path / "placed" / "trace.json").read_text())["traceEvents"]
+    tracks = {e["args"]["name"] for e in trace if e.get("name") == "thread_name"}
+    assert "activations" in tracks
+    assert any(e.get("ph") == "X" and e["name"].endswith(".activation") for e in trace)

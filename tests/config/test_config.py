@@ -49,6 +49,9 @@ def dataclasses_frozen_error():
     ({"io": {"threads": 0}}, "io.threads"),
     ({"prefetch": {"policy": "always"}}, "prefetch.policy"),
     ({"collective_timeout_s": 0}, "collective_timeout_s"),
+    ({"activations": "gpu"}, "activations: expected one of 'device', 'host', 'nvme', 'auto', got 'gpu'"),
+    ({"activations": "nvme"}, "nvme_dir: some state is placed on 'nvme'"),
+    ({"activation_checkpointing": "yes"}, "activation_checkpointing: expected True or False"),
 ])
 def test_config_rejects_bad_input(kw, match):
     with pytest.raises(ValueError, match=match.replace("(", r"\(")):

@@ -159,3 +159,24 @@ def test_refusals(wrapped, tmp_path):
     with pytest.raises(ValueError, match="holds no tierzero/ folder"):
         Trainer(model=model, args=training_args(tmp_path), train_dataset=data()).train(
             resume_from_checkpoint=str(tmp_path))
+
+
+def test_from_pretrained_with_placed_activations_trains_as_on_the_device(tmp_path):
+    """tz.from_pretrained + tierzero.hf.Trainer with activations on NVMe and tierzero's activation
+    checkpointing: the same logged losses and grad norms, bit for bit, as with them on the device."""
+    folder = tmp_path / "folder"
+    llama().save_pretrained(folder)
+    got = {}
+    for name, extra in (("device", {}), ("nvme", dict(activations="nvme", activation_checkpointing=True))):
+        cfg = tz.Config(device_budget="8MiB", host_budget="64MiB", nvme_dir=str(tmp_path / f"nvme-{name}"),
+                        nvme_budget="64MiB", params="nvme", optimizer_states="nvme", compute_dtype="float32", **extra)
+        model = tz.from_pretrained(folder, cfg)
+        try:
+            trainer = Trainer(model=model, args=training_args(tmp_path / name, max_steps=3), train_dataset=data())
+            trainer.train()
+            got[name] = logged(trainer)
+            if name == "nvme":
+                assert runtime.step_stats(model).activation_bytes["nvme"] > 0
+        finally:
+            runtime.close(model)
+    assert len(got["device"]) == 3 and got["nvme"] == got["device"]

@@ -1,7 +1,8 @@
 """`tierzero estimate`: bytes per tier for a model (a built-in one, or a transformers folder, of
 which only config.json is read) and a config, the ZeRO model across ranks, the NVMe traffic of a
-step and its floor, and the largest built-in model this machine can train (tierzero.planning
-does the arithmetic)."""
+step and its floor, the largest built-in model this machine can train, and with --batch and
+--seq the activations: bytes per block call, measured by one forward on fake tensors, and the
+largest batch x sequence each activation placement fits (tierzero.planning does the arithmetic)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ from pathlib import Path
 
 import torch
 
-from tierzero.cli.flags import (add_placement_flags, add_rate_flags, add_zero_flags, placement_from_flags,
-                                rates_from_flags, zero_from_flags)
+from tierzero import formats, hf
+from tierzero.cli.flags import (add_activation_flags, add_placement_flags, add_rate_flags, add_zero_flags,
+                                activations_from_flags, placement_from_flags, rates_from_flags, zero_from_flags)
+from tierzero.cli.harness import batch_loss
 from tierzero.config import TIER_NAMES, Config, format_size, machine_budgets, parse_size
 from tierzero.formats import meta_model
 from tierzero.models import CONFIGS, build
-from tierzero.planning import estimate, largest_trainable, step_traffic
+from tierzero.planning import (PLACEMENTS, ActivationBytes, ActivationModel, Estimate, activation_model, estimate,
+                               largest_trainable, step_traffic)
 
 
 def _meta_model(name: str) -> torch.nn.Module:
@@ -46,10 +50,18 @@ def main(argv: list[str]) -> int:
     p.add_argument("--step-in-backward", action="store_true",
                    help="update each block as backward finishes it (no gradient traffic)")
     add_rate_flags(p)
+    p.add_argument("--batch", type=int, default=None, help="with --seq: measure the activations of a step")
+    p.add_argument("--seq", type=int, default=None, help="with --batch: measure the activations of a step")
+    add_activation_flags(p)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.world_size < 1:
         p.error(f"--world-size: expected an int >= 1, got {args.world_size}")
+    if (args.batch is None) != (args.seq is None) or min(args.batch or 1, args.seq or 1) < 1:
+        p.error(f"--batch and --seq go together, each an int >= 1; got --batch {args.batch} --seq {args.seq}")
+    if args.model not in CONFIGS and not (Path(args.model) / "config.json").is_file():
+        p.error(f"--model {args.model!r}: expected a built-in model ({', '.join(CONFIGS)}) or a transformers model "
+                "folder holding a config.json")
     try:
         rates = rates_from_flags(args)
     except (ValueError, FileNotFoundError) as e:
@@ -63,7 +75,7 @@ def main(argv: list[str]) -> int:
         budgets["host"] = parse_size(args.host_budget, what="--host-budget")
     cfg = Config(nvme_dir=args.nvme_dir, device_budget=budgets["device"], host_budget=budgets["host"],
                  compute_dtype=args.compute_dtype, step_in_backward=args.step_in_backward,
-                 **placement_from_flags(args), **zero_from_flags(args))
+                 **placement_from_flags(args), **zero_from_flags(args), **activations_from_flags(args))
     try:
         model = _meta_model(args.model)
     except (ValueError, ImportError) as e:
@@ -87,6 +99,10 @@ def main(argv: list[str]) -> int:
         "nvme_step_bytes": traffic.to_json(), "nvme_bytes_per_param": traffic.per_param(est.params),
         "drive": None if rates is None else rates.to_json(), "nvme_floor_s": floor,
     }
+    acts = None
+    if args.batch is not None:
+        acts = _activations(args, cfg)
+        result["activations"] = _activations_json(acts, est, cfg, budgets)
     if args.json:
         print(json.dumps(result))
         return 0
@@ -109,8 +125,72 @@ def main(argv: list[str]) -> int:
         print(f"  NVMe floor: {floor:.2f} s per step at {rates.read_gbps:.2f} GB/s read, {rates.write_gbps:.2f} GB/s "
               f"write ({rates.source})" if floor is not None else
               "  NVMe floor: give --bench-io FILE (from `tierzero bench-io --json`) or --read-gbps/--write-gbps")
+    if acts is not None:
+        _print_activations(acts, est, cfg, budgets)
     print(f"this machine (free GPU/RAM/disk x0.8: "
           f"{', '.join(f'{t} {format_size(machine[t])}' for t in TIER_NAMES)}) can train up to: "
           f"{largest or 'none of the built-in models'}"
           + (f" with {placement}" if largest else ""))
     return 0
+
+
+def _activations(args: argparse.Namespace, cfg: Config) -> ActivationModel:
+    """The activations of a step of the model as `tierzero train` runs it (a built-in GPT on
+    bytes of text), measured at --seq and twice it."""
+    if args.model in CONFIGS:
+        model = build(args.model, device="meta", vocab_size=formats.VOCAB_SIZE, seq_len=2 * args.seq)
+    else:
+        model = hf.meta_model(args.model)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return activation_model(model, cfg, measured_loss, batch=args.batch, seq=args.seq, device=device)
+
+
+def measured_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """`batch_loss` as it is measured on fake tensors. transformers takes fake tensors for a
+    trace: without a cache it cannot tell that the batch holds no packed sequences, and builds
+    the causal mask a real batch does without (passed to every layer: what checkpointing keeps
+    would read far too high). An empty cache tells it; its first update copies each layer's keys
+    and values, which the attention then saves instead of views of the projection (a few
+    percent more than a real step: 7 % for GPT-2 124M)."""
+    return batch_loss(model, x, y, use_cache=True)
+
+
+def _fits(acts: ActivationModel, est: Estimate, cfg: Config, budgets: dict[str, int]) -> dict[str, dict[str, int]]:
+    """Per placement (and checkpointed), the largest batch at --seq and seq at --batch whose
+    activations fit the budgets beside the state (auto: the most frugal tier it can spill to)."""
+    out = {}
+    for placement in PLACEMENTS:
+        for ckpt in (False, True):
+            tiers = [placement] if placement != "auto" else ["device", "host"] + (["nvme"] if cfg.nvme_dir else [])
+
+            def fits(a: ActivationBytes) -> bool:
+                return any(all(est.per_tier[t] + a.need(p, ckpt)[t] <= budgets[t] for t in TIER_NAMES) for p in tiers)
+
+            out[placement + (" checkpointed" if ckpt else "")] = {
+                "max_batch": acts.largest(fits, vary="batch"), "max_seq": acts.largest(fits, vary="seq")}
+    return out
+
+
+def _activations_json(acts: ActivationModel, est: Estimate, cfg: Config, budgets: dict[str, int]) -> dict:
+    a = acts.at
+    return {"batch": a.batch, "seq": a.seq, "per_block": [{"block": b, "bytes": n} for b, n in a.per_call],
+            "inputs": [{"block": b, "bytes": n} for b, n in a.inputs], "outside": a.outside, "after": a.after,
+            "total": a.blocks + a.outside + a.after, "checkpointed_total": a.kept(True) + a.outside + a.after,
+            "need": {p: {"plain": a.need(p, False), "checkpointed": a.need(p, True)} for p in PLACEMENTS
+                     if p != "auto"},
+            "fits": _fits(acts, est, cfg, budgets)}
+
+
+def _print_activations(acts: ActivationModel, est: Estimate, cfg: Config, budgets: dict[str, int]) -> None:
+    a = acts.at
+    print(f"activations of a step at batch {a.batch} x seq {a.seq} (measured by one forward on fake tensors):")
+    for (block, n), (_, inp) in zip(a.per_call, a.inputs):
+        print(f"  {block:24s} {format_size(n):>12s}   its input {format_size(inp):>12s} (what checkpointing keeps)")
+    print(f"  outside the blocks (the head's, kept on the device): {format_size(a.outside)}"
+          + (f"; the loss computed after the model's forward: {format_size(a.after)}" if a.after else ""))
+    rest = a.outside + a.after
+    print(f"  in all {format_size(a.blocks + rest)}; with activation checkpointing "
+          f"{format_size(a.kept(True) + rest)} kept, plus one block's {format_size(a.largest)} recomputed at a time")
+    print(f"  largest that fits the budgets beside the state (batch at seq {a.seq} / seq at batch {a.batch}):")
+    for name, fit in _fits(acts, est, cfg, budgets).items():
+        print(f"    activations={name:22s} batch {fit['max_batch']:>6d} / seq {fit['max_seq']:>8d}")

@@ -60,3 +60,17 @@ def add_zero_flags(p: argparse.ArgumentParser) -> None:
 def zero_from_flags(args: argparse.Namespace) -> dict[str, object]:
     """The Config fields of `add_zero_flags`."""
     return {"zero_stage": args.zero_stage, "grad_dtype": args.grad_dtype}
+
+
+def add_activation_flags(p: argparse.ArgumentParser) -> None:
+    """--activations and --activation-checkpointing; read them back with `activations_from_flags`."""
+    p.add_argument("--activations", default="device", choices=("device", "host", "nvme", "auto"),
+                   help="where the activations saved for backward live (default device; auto: the device "
+                        "while they fit its room, then host, then nvme)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="keep only each block's input and recompute the block in backward")
+
+
+def activations_from_flags(args: argparse.Namespace) -> dict[str, object]:
+    """The Config fields of `add_activation_flags`."""
+    return {"activations": args.activations, "activation_checkpointing": args.activation_checkpointing}

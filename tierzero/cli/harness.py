@@ -118,9 +118,10 @@ DEFAULT_TEXT_BYTES = 4 << 20
 """Text of the default corpus tokenized for a pretrained model (tokenizing all of it is slow)."""
 
 
-def batch_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy (targets y = x shifted by one), for either kind of model."""
-    out = model(x, y) if isinstance(model, GPT) else model(input_ids=x)
+def batch_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, use_cache: bool = False) -> torch.Tensor:
+    """Mean next-token cross-entropy (targets y = x shifted by one), for either kind of model
+    (a transformers model fills no cache in training unless `use_cache`)."""
+    out = model(x, y) if isinstance(model, GPT) else model(input_ids=x, use_cache=use_cache)
     if isinstance(model, GPT):
         return out.loss
     logits = out.logits

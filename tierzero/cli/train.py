@@ -11,9 +11,11 @@ The run folder holds:
   "stall_s", "prefetch_hits", "prefetch_misses", "bytes" {"device", "host", "nvme"} in use at
   the step's end, "moved_bytes" per destination tier, "nvme_read_bytes", "nvme_write_bytes"
   and "nvme_busy_s" (time with a swap file read or write in flight), "nvme_bytes" by kind
-  {"params", "frozen", "grads", "master", "moments", "other"}: {"read", "write"} (frozen: the
-  reads of a frozen base, such as LoRA's), "comm_bytes"
-  {"all_gather", "reduce_scatter", "all_reduce"}: the bytes rank 0's collectives covered);
+  {"params", "frozen", "grads", "master", "moments", "activations", "other"}: {"read", "write"}
+  (frozen: the reads of a frozen base, such as LoRA's), "comm_bytes"
+  {"all_gather", "reduce_scatter", "all_reduce"}: the bytes rank 0's collectives covered,
+  "activation_bytes" {"device", "host", "nvme"}: what the step's forward saved for backward, by the
+  tier it was kept on (--activations), and "activation_stall_s": the time compute waited for them);
 - trace.json: the Chrome trace of every move (open in https://ui.perfetto.dev);
 - tiers.png: per-tier bytes over time against the budgets, the loss, step time and stall, NVMe
   traffic per step;
@@ -52,8 +54,8 @@ import torch.distributed as dist
 import tierzero as tz
 from io_engine.progress import Progress
 from tierzero.checkpoint import latest_checkpoint
-from tierzero.cli.flags import (add_placement_flags, add_rate_flags, add_zero_flags, placement_from_flags,
-                                rates_from_flags, zero_from_flags)
+from tierzero.cli.flags import (activations_from_flags, add_activation_flags, add_placement_flags, add_rate_flags,
+                                add_zero_flags, placement_from_flags, rates_from_flags, zero_from_flags)
 from tierzero.cli.harness import (batch_loss, check_room, corpus, heads, meta_model, peak_rss, pretrained,
                                   with_lora)
 from tierzero.cli.plots import plot_run
@@ -81,6 +83,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nvme-budget", default="256GiB")
     add_placement_flags(p)
     add_zero_flags(p)
+    add_activation_flags(p)
     p.add_argument("--run-dir", default="runs/train")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -137,7 +140,7 @@ def _config(args: argparse.Namespace) -> tz.Config:
     return tz.Config(device_budget=args.device_budget, host_budget=args.host_budget,
                      nvme_dir=args.nvme_dir, nvme_budget=args.nvme_budget,
                      collective_timeout_s=args.collective_timeout, step_in_backward=args.step_in_backward,
-                     **placement_from_flags(args), **zero_from_flags(args))
+                     **placement_from_flags(args), **zero_from_flags(args), **activations_from_flags(args))
 
 
 def _init_distributed(cfg: tz.Config) -> tuple[int, int]:
@@ -428,6 +431,7 @@ def _step(r: _Run, step: int) -> dict:
         "moved_bytes": stats.bytes_moved, "nvme_read_bytes": stats.nvme_read_bytes,
         "nvme_write_bytes": stats.nvme_write_bytes, "nvme_busy_s": stats.nvme_busy_s,
         "nvme_bytes": stats.nvme_by_kind, "comm_bytes": step_comm_bytes(r.model).as_dict(),
+        "activation_bytes": stats.activation_bytes, "activation_stall_s": stats.activation_stall_s,
     }
 
 

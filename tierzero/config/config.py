@@ -178,6 +178,17 @@ class Config:
     layers) found automatically."""
     min_block_bytes: int | str = 0
     """Blocks smaller than this are merged with their neighbour (0 = never merge)."""
+    activations: Literal["device", "host", "nvme", "auto"] = "device"
+    """Where tensors autograd saves inside a block for backward live between a block's forward
+    and its backward (tierzero/runtime/activations.py): "device" leaves them where autograd made
+    them (today's behaviour; counted in the metrics, not reserved in the device budget); "host"
+    and "nvme" place them there per block call within those budgets, written during forward and
+    fetched back ahead of backward; "auto" keeps on the device what fits the device room and
+    places the rest on host, then NVMe (with nvme_dir). Tensors saved outside every block (the
+    loss head's) stay on the device."""
+    activation_checkpointing: bool = False
+    """Recompute each block in backward from its input, as torch.utils.checkpoint does, without
+    wrapping modules: only each block call's input is kept (and placed per `activations`)."""
     collective_timeout_s: float = 300.0
     """Seconds a collective may wait for other ranks before the run fails instead of hanging.
     `tierzero train` gives it to torch.distributed.init_process_group; a script that creates the
@@ -212,7 +223,8 @@ class Config:
         if isinstance(self.block_classes, str) or not all(isinstance(c, str) for c in self.block_classes):
             raise ValueError(f"block_classes: expected a list of class names (strings), got {self.block_classes!r}")
         object.__setattr__(self, "block_classes", tuple(self.block_classes))
-        for name in ("step_in_backward", "overlap_step", "checksums"):
+        _check_choice("activations", self.activations, ("device", "host", "nvme", "auto"))
+        for name in ("step_in_backward", "overlap_step", "checksums", "activation_checkpointing"):
             _check_bool(name, getattr(self, name))
         _check_number("collective_timeout_s", self.collective_timeout_s)
         if self.collective_timeout_s <= 0:
@@ -224,14 +236,14 @@ class Config:
             raise ValueError(
                 "nvme_dir: some state is placed on 'nvme' "
                 f"(params={self.params!r}, frozen={self.frozen!r}, grads={self.grads!r}, "
-                f"optimizer_states={self.optimizer_states!r}) but nvme_dir is not set; "
-                "give nvme_dir='/path/on/nvme' or place that state on 'host'")
+                f"optimizer_states={self.optimizer_states!r}, activations={self.activations!r}) but nvme_dir "
+                "is not set; give nvme_dir='/path/on/nvme' or place that state on 'host'")
         if self.nvme_dir is not None:
             object.__setattr__(self, "nvme_dir", os.fspath(self.nvme_dir))
 
     @property
     def uses_nvme(self) -> bool:
-        return "nvme" in (self.params, self.frozen_tier, self.grads, self.optimizer_states)
+        return "nvme" in (self.params, self.frozen_tier, self.grads, self.optimizer_states, self.activations)
 
     @property
     def frozen_tier(self) -> TierName:

@@ -36,21 +36,23 @@ class Kind(Enum):
     """AdamW's second moment."""
     MOMENTUM = "momentum"
     """SGD's momentum buffer."""
+    ACTIVATION = "activation"
+    """The tensors autograd saved in one forward call of a block, packed as bytes (Config.activations)."""
     TENSOR = "tensor"
     """Anything else (tensors registered directly with a PlacementManager)."""
 
     @property
     def traffic(self) -> str:
         """The group NVMe traffic is counted under: params (trainable), frozen, grads, master,
-        moments or other. With fp32 parameters that double as the master weights, the
+        moments, activations or other. With fp32 parameters that double as the master weights, the
         optimizer's reads and writes of them count as params."""
         return _TRAFFIC[self]
 
 
 _TRAFFIC = {Kind.PARAM: "params", Kind.FROZEN: "frozen", Kind.GRAD: "grads", Kind.MASTER: "master",
             Kind.EXP_AVG: "moments", Kind.EXP_AVG_SQ: "moments", Kind.MOMENTUM: "moments",
-            Kind.TENSOR: "other"}
-TRAFFIC_GROUPS = ("params", "frozen", "grads", "master", "moments", "other")
+            Kind.ACTIVATION: "activations", Kind.TENSOR: "other"}
+TRAFFIC_GROUPS = ("params", "frozen", "grads", "master", "moments", "activations", "other")
 
 
 @dataclass(frozen=True, eq=False)

@@ -79,6 +79,11 @@ class StepStats:
     """Acquires that found their copy resident or already in flight."""
     prefetch_misses: int = 0
     """Acquires that had to start the copy themselves."""
+    activation_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIER_NAMES, 0))
+    """Bytes of the activations this step's forward saved, by the tier they were kept on."""
+    activation_stall_s: float = 0.0
+    """Seconds compute waited on saved activations: to place them (forward) or to have them back
+    on the device (backward); the backward's waits are also in `stall_s`."""
 
 
 class Telemetry:
@@ -175,6 +180,15 @@ class Telemetry:
             else:
                 self.prefetch_misses += 1
                 self._step.prefetch_misses += 1
+
+    def record_activations(self, tier: str, nbytes: int) -> None:
+        """A forward saved `nbytes` of activations that are kept on `tier`."""
+        with self._lock:
+            self._step.activation_bytes[str(tier)] += nbytes
+
+    def record_activation_stall(self, seconds: float) -> None:
+        with self._lock:
+            self._step.activation_stall_s += seconds
 
     def record_span(self, track: str, name: str, start: float, end: float, args: dict) -> None:
         with self._lock:

@@ -5,7 +5,8 @@ The figures are tierzero's own state: compute-dtype parameters on `params`, grad
 `optimizer_states`, plus the working sets the runtime keeps: on the device the root block (held
 through the forward and the backward), the block being computed and the blocks prefetched
 ahead of it; on the host the NVMe read-ahead staging and the
-optimizer's streaming buffers. Activations are the caller's and are not counted. Across N
+optimizer's streaming buffers. Activations depend on the batch and sequence: activations.py
+measures them and adds what each placement needs (`tierzero estimate --batch B --seq S`). Across N
 data-parallel ranks the state each rank holds, and the bytes its collectives move per step,
 follow the ZeRO stage (zero_model.py: the ZeRO paper's model).
 """

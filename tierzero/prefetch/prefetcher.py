@@ -196,6 +196,14 @@ class Prefetcher:
             return None
         return it.trace[it.pos].unit
 
+    def next_units(self, count: int) -> tuple[str, ...]:
+        """The units the followed trace fetches next, nearest first, at most `count` (none when
+        no trace is followed)."""
+        it = self._it
+        if it is None or it.trace is None or it.deviated:
+            return ()
+        return tuple(ev.unit for ev in it.trace[it.pos:it.pos + count])
+
     def _deviate(self, it: _Iteration, why: str) -> None:
         it.deviated = True
         self.deviations += 1

@@ -10,6 +10,8 @@ Each module imports only those above it in this list (the way FSDP2 splits its l
     placeholders.py     parameters that refuse to be read while they hold no data
     flat_param.py       FlatParam: one flat tensor and the nn.Parameters that view it
     fetch_group.py      FetchGroup: a block's flat tensors fetched and reduced together
+    activations.py      Activations: what autograd saves in a block call, placed on its tier
+    recompute.py        Frame: activation checkpointing's recompute of a block call
     blocks.py           Block: the hooks of forward, backward, recomputation
     optimizer_guard.py  refusing torch optimizers that would not train a wrapped model
     state.py            TieredState: the root of a wrapped model, the queries on it, tz.gathered_params

@@ -10,6 +10,8 @@ Levels, the way FSDP2 splits them:
 - `Block` (here) counts holds (forward calls, backward calls, recomputation) and runs the hooks:
   fetch before forward, release after it, fetch again before backward (a hook on the outputs'
   gradients), reduce gradients and release after backward (`RegisterPostBackward` on the inputs).
+  Each forward call with grad opens a scope for what autograd saves in it: an ActivationPack
+  (activations.py) or, with activation checkpointing, a recompute Frame (recompute.py).
 - `StepContext` (step_context.py) is what blocks share; the root state (state.py) owns it.
 """
 
@@ -23,9 +25,12 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from tierzero.config import Tier
+from tierzero.layout import ROOT
 from tierzero.prefetch import FetchPhase, TraceEvent, Unit
+from tierzero.runtime.activations import ActivationPack, Activations, SavedActivation
 from tierzero.runtime.fetch_group import FetchGroup
 from tierzero.runtime.flat_param import FlatParam, SavedView
+from tierzero.runtime.recompute import Frame
 from tierzero.runtime.step_context import Phase, StepContext
 
 
@@ -43,13 +48,16 @@ class SavedParamViews:
     but ops also save views of them (F.linear saves weight.t() for its backward). Those would
     keep the forward's device copy alive until backward, or read a reused buffer. Instead a
     saved tensor whose storage is a held block's device copy is packed as (flat, size, stride,
-    offset) and rebuilt from the copy the pre-backward hook fetched. Other tensors go to the
-    hooks that were active outside the forward (e.g. torch.autograd.graph.save_on_cpu), or are
-    saved as they are; activation checkpointing installs its own hooks inside, which win.
+    offset) and rebuilt from the copy the pre-backward hook fetched. The running block call's
+    scope answers first (tierzero's activation checkpointing recomputes views of parameters too;
+    placed activations are packed: [Note: placed activations] in activations.py). Other tensors
+    go to the hooks that were active outside the forward (e.g. torch.autograd.graph.save_on_cpu),
+    or are saved as they are; torch.utils.checkpoint installs its own hooks inside, which win.
     """
 
-    def __init__(self, ctx: StepContext) -> None:
+    def __init__(self, ctx: StepContext, activations: Activations) -> None:
         self.ctx = ctx
+        self.activations = activations
         self._context: torch.autograd.graph.saved_tensors_hooks | None = None
         self._outer: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
 
@@ -60,6 +68,10 @@ class SavedParamViews:
         self._context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._context.__enter__()
 
+    @property
+    def entered(self) -> bool:
+        return self._context is not None
+
     def exit(self) -> None:
         if self._context is not None:
             self._context.__exit__(None, None, None)
@@ -67,17 +79,26 @@ class SavedParamViews:
 
     def _pack(self, t: torch.Tensor) -> Any:
         flat = self.ctx.held_flat(t)
-        if flat is not None and t.dtype == self.ctx.compute_dtype:
+        param_view = flat is not None and t.dtype == self.ctx.compute_dtype
+        scoped = self.activations.save(t, param_view)
+        if scoped is not None:
+            return scoped
+        if param_view:
+            assert flat is not None
             return SavedView(flat, t.size(), t.stride(), t.storage_offset())
         if self._outer is not None:
             pack, unpack = self._outer
             return _Outer(unpack, pack(t))
-        return t
+        # Not `t` itself: a saved output would hold its own grad_fn, a cycle that keeps a graph
+        # dropped without backward alive (autograd restores the metadata when unpacking).
+        return t.detach()
 
     @staticmethod
     def _unpack(packed: Any) -> torch.Tensor:
         if isinstance(packed, SavedView):
             return packed.flat.saved_view(packed)
+        if isinstance(packed, SavedActivation):
+            return packed.unpack()
         if isinstance(packed, _Outer):
             return packed.unpack(packed.packed)
         return packed
@@ -108,6 +129,8 @@ class _Call:
     post_backward_done: bool = False
     recompute: bool = False
     """A forward run again in backward (activation checkpointing)."""
+    saved: ActivationPack | Frame | None = None
+    """What autograd saved in this call (a forward with grad), until its backward is over."""
 
     @property
     def holds_backward(self) -> bool:
@@ -118,11 +141,13 @@ class _Call:
 class Block:
     """The FlatParams of some modules, fetched and released together (see module docstring)."""
 
-    def __init__(self, name: str, modules: list[nn.Module], flats: list[FlatParam], ctx: StepContext) -> None:
+    def __init__(self, name: str, modules: list[nn.Module], flats: list[FlatParam], ctx: StepContext,
+                 activations: Activations) -> None:
         self.name = name
         self.modules = modules
         self.flats = flats
         self.ctx = ctx
+        self.activations = activations
         self.group = FetchGroup(name, flats, ctx)
         self.unit = Unit(name, tuple(f.param for f in flats), sum(f.nbytes for f in flats),
                          any(f.home is Tier.NVME for f in flats))
@@ -215,22 +240,40 @@ class Block:
             self._running.append(call)
         flat, spec = tree_flatten((args, kwargs))
         idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
-        if not idx:
-            return None
-        outs = RegisterPostBackward.apply(call, *(flat[i] for i in idx))
-        for i, t in zip(idx, outs):
-            flat[i] = t
-        return tree_unflatten(flat, spec)
+        if idx:
+            outs = RegisterPostBackward.apply(call, *(flat[i] for i in idx))
+            for i, t in zip(idx, outs):
+                flat[i] = t
+        if not recompute and self.name != ROOT:
+            call.saved = self._open_scope(module, *tree_unflatten(flat, spec))
+        return tree_unflatten(flat, spec) if idx else None
+
+    def _open_scope(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ActivationPack | Frame:
+        """The scope of what autograd saves in this call, from now to its post-forward."""
+        acts = self.activations
+        if getattr(module, "gradient_checkpointing", False) is True and module.training:
+            acts.note_own_checkpointing(self.name)
+        scope = Frame(acts, self.name, module, args, kwargs) if acts.checkpointing else acts.new_pack(self.name)
+        acts.push(scope)
+        return scope
 
     def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if self.ctx.phase is Phase.BACKWARD:
             if not torch.is_grad_enabled():
                 self.unhold()  # a recompute without autograd: nothing comes back for it
             return None
-        self.unhold()
-        if not torch.is_grad_enabled():
+        call = self._running.pop() if torch.is_grad_enabled() else None
+        try:
+            if call is not None and call.saved is not None:
+                self.activations.pop(call.saved)
+                if isinstance(call.saved, ActivationPack):
+                    self.activations.seal(call.saved)  # while the block is held: its room counts
+                elif not call.saved.saves:
+                    call.saved.free()  # autograd saved nothing: no backward will recompute the call
+        finally:
+            self.unhold()
+        if call is None:
             return None
-        call = self._running.pop()
         hook = self._make_pre_backward(call)
         for t in output_tensors(output):
             if t.requires_grad:
@@ -257,7 +300,10 @@ class Block:
         self.group.reduce_grads()
         for c in done:
             c.post_backward_done = True
+            if c.saved is not None:
+                c.saved.free()  # every node of the call has run (or never will)
             self.unhold()
+        self.activations.collect()
         if (self.ctx.wants_grads_final and not self._grads_final_sent
                 and all(c.post_backward_done for c in self._calls)):
             # No forward call of this block still waits for its backward: its gradients are final.

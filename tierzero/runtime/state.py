@@ -17,6 +17,7 @@ from torch import nn
 from tierzero.config import Config, Tier, format_size
 from tierzero.layout import CommBytes, unique_params
 from tierzero.placement import PlacementManager, StepStats
+from tierzero.runtime.activations import Activations
 from tierzero.runtime.blocks import Block, SavedParamViews, output_tensors
 from tierzero.runtime.fetch_group import discard_gathers
 from tierzero.runtime.flat_param import FlatParam
@@ -36,11 +37,13 @@ the root would keep every wrapped model alive forever (a weak key held by its ow
 class TieredState:
     """The root state of a wrapped model: placement manager, blocks, prefetcher, root hooks."""
 
-    def __init__(self, model: nn.Module, config: Config, ctx: StepContext, blocks: list[Block]) -> None:
+    def __init__(self, model: nn.Module, config: Config, ctx: StepContext, blocks: list[Block],
+                 activations: Activations) -> None:
         self.model = model
         self.config = config
         self.ctx = ctx
         self.blocks = blocks
+        self.activations = activations
         """Non-root blocks in model order, then the root block."""
         self._flat_of: dict[int, tuple[FlatParam, int]] = {
             id(p): (flat, i) for b in blocks for flat in b.flats for i, p in enumerate(flat.params)}
@@ -48,7 +51,7 @@ class TieredState:
         self.param_order = [self._flat_of[id(p)] for p in model.parameters()]
         """(FlatParam, index) of each parameter in model.parameters() order."""
         self._handles: list[Any] = []
-        self._saved_views = SavedParamViews(ctx)
+        self._saved_views = SavedParamViews(ctx, activations)
         self._grad_capture = GradCapture([(p, flat.grad, i) for b in blocks for flat in b.flats
                                           if flat.grad is not None for i, p in enumerate(flat.params)])
 
@@ -98,6 +101,7 @@ class TieredState:
         assert self.ctx.prefetcher is not None
         self.ctx.prefetcher.begin((grad, module.training))
         if grad:
+            self.activations.begin_iteration()
             self._saved_views.enter()
 
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -106,6 +110,8 @@ class TieredState:
         `check_thread` refused changed nothing to undo."""
         if self.ctx.phase is Phase.BACKWARD or self.ctx.owner is not threading.current_thread():
             return
+        if self._saved_views.entered:
+            self.activations.end_forward()
         self._saved_views.exit()
         outputs = [t for t in output_tensors(output) if t.requires_grad]
         if not torch.is_grad_enabled() or not outputs:
@@ -118,6 +124,7 @@ class TieredState:
         with torch.profiler.record_function("tierzero::end_backward"):
             for block in self.blocks:
                 block.post_backward(None)
+            self.activations.collect()
             self.ctx.end_iteration()
 
     # --------------------------------------------------------------------------- state dicts
@@ -343,7 +350,10 @@ def close(model: nn.Module) -> None:
     state = state_of(model)
     if state.ctx.updates is not None:
         state.ctx.updates.close()  # the step's last updates land before the files go
-    state.pm.close()
+    try:
+        state.activations.close()
+    finally:
+        state.pm.close()
 
 
 def model_dtype(state: TieredState) -> torch.dtype:

@@ -9,6 +9,7 @@ methods below, so the life of a step can be read in one place:
                       all-gathers started ahead for the previous iteration are dropped by the caller
     hold / release    a block is fetched / released (the held set, and device room beside it;
                       a forward's first fetches give `forward_order` when its backward ends)
+    add_activation_bytes  placed activations kept on the device (less device room)
     track / untrack   a held flat tensor's device storage (saved-tensor hooks find it by pointer)
     put / take gather an all-gather started ahead waits here for its block's fetch
     begin_backward    the first pre-backward hook: phase BACKWARD, the final callback queued once
@@ -122,6 +123,9 @@ class StepContext:
     are always among the blocks the prefetcher chose last, so they fit the device room."""
     _device_home_bytes: int = field(default=0, init=False)
     """Bytes of tensors homed on the device tier (not available for fetched copies)."""
+    _activation_bytes: int = field(default=0, init=False)
+    """Device bytes of placed activations kept for backward: packs homed on the device, and
+    device copies acquired for a block's backward (tierzero/runtime/activations.py)."""
     _end_backward: Callable[[], None] | None = field(default=None, init=False)
     _callback_queued: bool = field(default=False, init=False)
     _grads_final: Callable[[FlatRef], None] | None = field(default=None, init=False)
@@ -282,9 +286,19 @@ class StepContext:
         del self._held[block.name]
 
     def device_room(self) -> int:
-        """Bytes of the device budget not taken by device-homed tensors and held blocks."""
+        """Bytes of the device budget not taken by device-homed tensors, held blocks and the
+        placed activations kept on the device."""
         held = sum(b.nbytes for b in self._held.values())
-        return self.pm.budget(Tier.DEVICE) - self._device_home_bytes - held
+        return self.pm.budget(Tier.DEVICE) - self._device_home_bytes - held - self._activation_bytes
+
+    @property
+    def device_home_bytes(self) -> int:
+        """Bytes of the tensors registered with a device home (not activations)."""
+        return self._device_home_bytes
+
+    def add_activation_bytes(self, nbytes: int) -> None:
+        """Placed activations took (or, negative, gave back) device bytes."""
+        self._activation_bytes += nbytes
 
     def track(self, flat: FlatRef, device_copy: torch.Tensor) -> None:
         self._held_storage[device_copy.untyped_storage().data_ptr()] = flat

@@ -26,9 +26,12 @@ forward and backward its parameters hold no data (a zero-stride placeholder of t
 and dtype that refuses to be read: placeholders.py): read values with `model.state_dict()`,
 `tz.full_state_dict(model)` or inside `tz.gathered_params(model)`, write them with
 `model.load_state_dict()` or inside `tz.gathered_params(model, writable=True)`. Parameters
-added or frozen after wrap (peft over a wrapped base) are taken in by `refresh`. During the root's forward, tensors autograd saves that view a
-block's device copy are saved as references into the block (blocks.SavedParamViews), so the
-copy is really freed after the forward and rebuilt for backward.
+added or frozen after wrap (peft over a wrapped base) are taken in by `refresh`. During the
+root's forward, tensors autograd saves that view a block's device copy are saved as references
+into the block (blocks.SavedParamViews), so the copy is really freed after the forward and
+rebuilt for backward; the other tensors a block call
+saves are placed per Config.activations, or recomputed (Config.activation_checkpointing): see
+activations.py and recompute.py.
 
 Data parallelism (ZeRO, Config.zero_stage): with torch.distributed initialised, wrap uses the
 default process group (or `process_group=`). At stage 3 each rank tiers only its shard of every
@@ -41,8 +44,9 @@ blocks.py and state.py). Every rank must
 run the same blocks in the same order (no rank-dependent control flow), and call state_dict(),
 load_state_dict() and tz.full_state_dict() together: they gather.
 
-Limits: blocks run outside the root module's forward are fetched but their saved views are not
-managed; a second backward through one graph (retain_graph=True) is not supported.
+Limits: blocks run outside the root module's forward are fetched but their saved views and
+activations are not managed; a second backward through one graph (retain_graph=True) is not
+supported.
 """
 
 from __future__ import annotations
@@ -57,9 +61,10 @@ from torch import nn
 from tierzero.config import Config, Tier, format_size
 from tierzero.formats import LoadedShard, check_buffers, init_buffers, init_params, load_buffers, open_weights
 from tierzero.layout import (ROOT, BlockSpec, FlatLayout, ZeroStage, assign_params, block_fetch_bytes,
-                             block_specs, flat_groups, group_modules)
+                             block_specs, fetched_bytes, flat_groups, group_modules)
 from tierzero.placement import PlacementManager
-from tierzero.prefetch import Prefetcher, Unit, policy_from_config
+from tierzero.prefetch import Prefetcher, Unit, policy_from_config, prefetch_unit
+from tierzero.runtime.activations import Activations
 from tierzero.runtime.blocks import Block
 from tierzero.runtime.collectives import broadcast_from_first_, rank_errors, world
 from tierzero.runtime.fetch_group import gather_ahead
@@ -126,7 +131,11 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
                           for _, _, flats in layouts for ps, layout in flats]
                 # closed before the files (the exit stack unwinds in reverse): no read left in flight
                 shards = files.enter_context(contextlib.closing(plan.read_shards(wanted, rank, swap=pm.swap)))
-            blocks = [_build_block(name, modules, flats, ctx, config, shards) for name, modules, flats in layouts]
+            sizes = [sum(fetched_bytes(layout, compute_dtype, gathered=ctx.zero.gathers) for _, layout in flats)
+                     for _, _, flats in layouts]
+            activations = Activations(ctx, config, root_bytes=sizes[-1], largest_block=max(sizes[:-1], default=0))
+            blocks = [_build_block(name, modules, flats, ctx, config, activations, shards)
+                      for name, modules, flats in layouts]
             if plan is not None:
                 load_buffers(model, plan, pm.device)
             # the registers' NVMe writes landed: a disk error fails wrap, here (a load's blocks
@@ -137,7 +146,7 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
             pm.close()
             raise
     try:
-        state = _start(model, config, ctx, blocks)
+        state = _start(model, config, ctx, blocks, activations)
     except BaseException:  # e.g. the buffers' broadcast failed: no swap file stays behind
         pm.close()
         raise
@@ -146,7 +155,8 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
     return model
 
 
-def _start(model: nn.Module, config: Config, ctx: StepContext, blocks: list[Block]) -> TieredState:
+def _start(model: nn.Module, config: Config, ctx: StepContext, blocks: list[Block],
+           activations: Activations) -> TieredState:
     """The wrapped model's root state, once its blocks are built: buffers on the device (the
     same on every rank), the prefetcher, the hooks."""
     pm = ctx.pm
@@ -155,14 +165,24 @@ def _start(model: nn.Module, config: Config, ctx: StepContext, blocks: list[Bloc
             if buf is not None and buf.device != pm.device:
                 module._buffers[key] = buf.to(pm.device)
     _broadcast_buffers(model, ctx)
-    state = TieredState(model, config, ctx, blocks)
+    state = TieredState(model, config, ctx, blocks, activations)
     groups = {b.name: b.group for b in blocks}
 
     def gather_units(units: list[Unit]) -> None:
         gather_ahead(ctx, [groups[u.name] for u in units])
 
+    def fetch_units(units: list[Unit]) -> None:
+        """Blocks fetched ahead bring their placed activations with them (before a backward)."""
+        if ctx.zero.gathers:
+            gather_units(units)
+        else:
+            for unit in units:
+                prefetch_unit(pm, unit, Tier.DEVICE)
+        activations.prefetch(units)
+
+    fetch_ahead = fetch_units if activations.placed else gather_units if ctx.zero.gathers else None
     prefetcher = Prefetcher(pm, [b.unit for b in blocks if b.flats], policy_from_config(config),
-                            device_room=ctx.device_room, fetch_ahead=gather_units if ctx.zero.gathers else None,
+                            device_room=ctx.device_room, fetch_ahead=fetch_ahead,
                             device_wraps=not ctx.zero.gathers, busy=lambda unit: ctx.updating(unit.tensors))
     ctx.attach(prefetcher, state.end_backward)
     pm.set_eviction_policy(prefetcher)
@@ -200,9 +220,10 @@ def refresh(model: nn.Module) -> TieredState:
               + added.get(b.name, [])) for b in blocks]
     _check_device_budget(config, specs, ctx.compute_dtype, ctx.zero)
     rebuilt = [b if b.name not in added and not any(f in frozen for f in b.flats)
-               else Block(b.name, b.modules, _refreshed_flats(b, added.get(b.name, []), config), ctx) for b in blocks]
+               else Block(b.name, b.modules, _refreshed_flats(b, added.get(b.name, []), config), ctx, b.activations)
+               for b in blocks]
     state.remove_hooks()
-    fresh = _start(state.model, config, ctx, rebuilt)
+    fresh = _start(state.model, config, ctx, rebuilt, state.activations)
     adopt(state.model, fresh)
     refuse_other_optimizers(state.model)
     return fresh
@@ -266,7 +287,7 @@ def home_of(config: Config, trainable: bool) -> Tier:
 
 def _build_block(name: str, modules: list[nn.Module],
                  layouts: list[tuple[list[tuple[str, nn.Parameter]], FlatLayout]], ctx: StepContext, config: Config,
-                 shards: Iterator[LoadedShard] | None) -> Block:
+                 activations: Activations, shards: Iterator[LoadedShard] | None) -> Block:
     """The block's flat tensors (`layouts`: flat_groups), registered from the parameters'
     values, or from the next of `shards` (this rank's shards read from a checkpoint, in flat
     order: registered and dropped, so about one block is in memory)."""
@@ -285,7 +306,7 @@ def _build_block(name: str, modules: list[nn.Module],
             flat.register_shard(shard)
             del shard  # before the next is asked for: two shards in memory, not three
         flats.append(flat)
-    return Block(name, modules, flats, ctx)
+    return Block(name, modules, flats, ctx, activations)
 
 
 def _broadcast_buffers(model: nn.Module, ctx: StepContext) -> None:

@@ -1,0 +1,511 @@
+"""Saved activations on a tier (Config.activations): what autograd saves inside a block call,
+packed into one placed tensor per call, written during forward, fetched back before backward.
+
+[Note: placed activations]
+During the root module's forward the saved-tensor hooks (blocks.SavedParamViews) hand every
+tensor autograd saves to the innermost block call running, its *scope*. Views of parameters
+stay references into the block ([Note: saved parameter views]); the rest are the call's
+activations. An `ActivationPack` gathers them, one segment per storage they view
+(tierzero.layout.PackLayout), and gives autograd a small `SavedActivation` record instead of
+each tensor. At the block's post-forward the pack is sealed: one tensor of Kind.ACTIVATION (its
+bytes) is registered with the placement manager, homed on the tier Config.activations names
+("auto": the device while it fits the room the blocks leave, else host, else NVMe), and the
+writer thread copies the segments into it (device tensors on the copy stream; an NVMe home
+through a host copy, which stays cached while the host budget allows) and drops the
+originals, whose device memory is then free. Compute goes on meanwhile; a forward more than
+`MAX_UNWRITTEN` packs ahead of the writer waits for it.
+
+Backward: when the prefetcher starts a block's fetch ahead of its backward (the policy's choice,
+from the recorded trace), the block's pending pack is copied to the device too, within the
+device room, and NVMe-homed packs further back are read into host memory (`prefetch`). The first
+unpack acquires the device copy (waiting if it is not there yet) and each tensor comes back as a
+view into it with its own strides. A pack is freed (copy released, tensor unregistered) when
+autograd drops its last record, at the block call's post-backward, or at the end of backward,
+whichever comes first; the placement work is done at the next safe point (`collect`), never in
+a finalizer, which may run on any thread at any time.
+
+Tensors saved outside every block (the loss head's), tensors of another device or layout, and
+all of them under activations="device" stay as autograd made them; every one is counted
+(StepStats.activation_bytes), so "device" is today's behaviour, measured.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import time
+import warnings
+import weakref
+from enum import Enum
+from typing import Any, NamedTuple, Protocol, Sequence
+
+import torch
+
+from tierzero.config import Config, Tier, format_size
+from tierzero.layout import ROOT, PackLayout, SavedSpan, saved_span
+from tierzero.placement import Kind, Residency, TensorHandle
+from tierzero.prefetch import Unit
+from tierzero.runtime.step_context import StepContext
+
+MAX_UNWRITTEN = 2
+"""Sealed packs the writer may be behind by before a forward waits for it (their device
+tensors stay alive until written)."""
+
+TRACK = "activations"
+"""The Chrome trace track of activation writes and of waits for activations."""
+
+
+class SlotOwner(Protocol):
+    """A pack or a recompute frame (recompute.py): what its saved-tensor records call."""
+
+    def unpack(self, index: int) -> torch.Tensor: ...
+
+    def slot_died(self) -> None: ...
+
+
+class SavedActivation:
+    """What autograd keeps in the graph for one saved tensor of a pack or a recompute frame;
+    backward unpacks it, and its death (the graph let it go) tells its owner."""
+
+    __slots__ = ("owner", "index")
+
+    def __init__(self, owner: SlotOwner, index: int) -> None:
+        self.owner = owner
+        self.index = index
+
+    def unpack(self) -> torch.Tensor:
+        return self.owner.unpack(self.index)
+
+    def __del__(self) -> None:
+        self.owner.slot_died()
+
+
+class _Entry(NamedTuple):
+    """One saved tensor of a pack: where it is (segment, span) and what it looks like."""
+
+    segment: int
+    span: SavedSpan
+    dtype: torch.dtype
+    size: torch.Size
+    stride: tuple[int, ...]
+    version: int
+    """The tensor's version counter when saved: a later in-place change is autograd's error
+    (-1: changed before the pack was written)."""
+    ref: "weakref.ref[torch.Tensor]"
+
+    def changed(self) -> torch.Tensor | None:
+        """The tensor, if it was changed in place since it was saved."""
+        t = self.ref()
+        return t if self.version < 0 or t is not None and t._version != self.version else None
+
+
+def placeable(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether a saved tensor can be packed as bytes: a plain strided tensor with elements on
+    the device (subclasses, sparse or quantized tensors and other devices stay as they are)."""
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout is torch.strided and not t.is_quantized
+            and t.device == device and t.numel() > 0)
+
+
+class PackState(Enum):
+    """Where a pack is in its life (memory it holds in each state).
+
+    OPEN     collecting tensors during its block call's forward (the tensors themselves).
+    SEALED   registered and written (or being written) to its tier: its bytes there, plus a
+             device copy while acquired for backward.
+    FREED    given up: its placement is undone at the next `collect`.
+    """
+
+    OPEN = "open"
+    SEALED = "sealed"
+    FREED = "freed"
+
+
+class ActivationPack:
+    """The activations one block call saved (see [Note: placed activations]); `placed` False:
+    only counted (activations="device", or bytes autograd keeps anyway)."""
+
+    def __init__(self, store: "Activations", block: str, *, placed: bool) -> None:
+        self.store = store
+        self.block = block
+        self.placed = placed
+        self.layout = PackLayout()
+        self.entries: list[_Entry] = []
+        self._storages: list[torch.UntypedStorage] = []
+        """Per segment, the storage its bytes are copied from (held until written)."""
+        self.handle: TensorHandle | None = None
+        self.written: cf.Future[None] | None = None
+        self.acquired = False
+        """The device copy is pinned for backward (from the first unpack to the free)."""
+        self._device: torch.Tensor | None = None
+        self._live = 0
+        self.state = PackState.OPEN
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.nbytes
+
+    def save(self, t: torch.Tensor, param_view: bool) -> SavedActivation | None:
+        """The scope's answer for one saved tensor: None leaves it to the caller (views of
+        parameters, tensors that cannot be packed, a pack that only counts)."""
+        if param_view or not placeable(t, self.store.device):
+            return None
+        storage = t.untyped_storage()
+        span = saved_span(t)
+        known = len(self.layout.segments)
+        segment = self.layout.add(id(storage), storage.data_ptr(), span)
+        if len(self.layout.segments) > known:
+            self._storages.append(storage)  # also keeps id(storage) from being reused meanwhile
+        if not self.placed:
+            return None
+        self.entries.append(_Entry(segment, span, t.dtype, t.shape, t.stride(), t._version, weakref.ref(t)))
+        self._live += 1
+        return SavedActivation(self, len(self.entries) - 1)
+
+    # ------------------------------------------------------------------------------ life
+
+    def pieces(self) -> list[tuple[int, torch.Tensor]]:
+        """(byte offset in the pack, the bytes) of every segment, viewing the saved storages;
+        handed to the writer, which drops them once copied."""
+        out = []
+        for seg, storage in zip(self.layout.segments, self._storages):
+            src = torch.empty(0, dtype=torch.uint8, device=self.store.device).set_(storage, seg.start, (seg.nbytes,))
+            out.append((seg.offset, src))
+        self.drop_storages()
+        return out
+
+    def mark_changed(self) -> None:
+        """Entries whose tensor changed in place since saved (before the copy: backward raises)."""
+        self.entries = [e._replace(version=-1) if e.changed() is not None else e for e in self.entries]
+
+    def drop_storages(self) -> None:
+        self._storages.clear()
+
+    def unpack(self, index: int) -> torch.Tensor:
+        e = self.entries[index]
+        if self.state is PackState.FREED:
+            raise RuntimeError(
+                f"tierzero: backward needs an activation that {self.block!r} saved, but its pack was freed after "
+                "the block's backward; a second backward through the same graph (retain_graph=True), or a gradient "
+                "of the block reached after the block's own backward, is not supported with Config.activations "
+                f"{self.store.mode!r}")
+        if e.version < 0 or e.changed() is not None:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"a {e.dtype} tensor of size {tuple(e.size)} saved by {self.block!r} was changed after autograd "
+                "saved it (tierzero keeps saved tensors by value)")
+        buf = self._device_copy()
+        flat = buf[self.layout.byte_offset(e.segment, e.span):][: e.span.end - e.span.first].view(e.dtype)
+        return flat.as_strided(e.size, e.stride, flat.storage_offset())
+
+    def _device_copy(self) -> torch.Tensor:
+        if self._device is None:
+            self._device = self.store.acquire(self)
+        return self._device
+
+    def slot_died(self) -> None:
+        self._live -= 1
+        if self._live == 0:
+            self.free()
+
+    def free(self) -> None:
+        """Give the pack up (idempotent; safe from a finalizer): `collect` undoes its placement."""
+        if self.state is PackState.FREED:
+            return
+        self.state = PackState.FREED
+        self._device = None
+        self.entries = []
+        self.store.dead.append(self)
+
+    def __repr__(self) -> str:
+        where = self.handle.home.value if self.handle is not None else "unplaced"
+        return (f"ActivationPack({self.block!r}, {len(self.entries)} tensors, {self.nbytes} bytes, {where}, "
+                f"{self.state.value})")
+
+
+class Activations:
+    """The placed activations of one wrapped model: the scopes of the running block calls, the
+    packs waiting for backward, the writer thread (see [Note: placed activations])."""
+
+    def __init__(self, ctx: StepContext, config: Config, *, root_bytes: int, largest_block: int) -> None:
+        self.ctx = ctx
+        self.pm = ctx.pm
+        self.mode = config.activations
+        self.checkpointing = config.activation_checkpointing
+        self.nvme_depth = config.prefetch.nvme_depth
+        self.device = ctx.pm.device
+        self.root_bytes = root_bytes
+        self.largest_block = largest_block
+        self.dead: collections.deque[ActivationPack] = collections.deque()
+        """Packs given up whose placement is still to undo (appended from any thread)."""
+        self._scopes: list[Any] = []
+        self._pending: list[ActivationPack] = []
+        """Placed packs not yet freed, in the order they were sealed."""
+        self._unwritten: collections.deque[cf.Future[None]] = collections.deque()
+        self._writer: cf.ThreadPoolExecutor | None = None
+        self._outside = ActivationPack(self, ROOT, placed=False)
+        """What the forward saves outside every block call: counted only."""
+        self._count = 0
+        self._sizes: list[int] = []
+        """This iteration's placed packs' bytes, in seal order (auto plans the next from them)."""
+        self._keep_from: int | None = None
+        """auto: packs from this index on in seal order stay on the device (None: not planned)."""
+        self._warned = False
+
+    @property
+    def placed(self) -> bool:
+        return self.mode != "device"
+
+    # ---------------------------------------------------------------------------- scopes
+
+    def note_own_checkpointing(self, block: str) -> None:
+        """The model checkpoints `block` itself (transformers' gradient checkpointing): torch's
+        hooks then take what the block saves, and its input stays on the device."""
+        if self._warned or not (self.placed or self.checkpointing):
+            return
+        self._warned = True
+        warnings.warn(
+            f"tierzero: the model checkpoints its own layers ({block!r} has gradient_checkpointing=True), so "
+            "torch.utils.checkpoint keeps each layer's input on the device and recomputes the rest: Config."
+            f"activations={self.mode!r} / activation_checkpointing={self.checkpointing} place nothing inside them. "
+            "Turn the model's off (transformers: model.activation_checkpointing_disable()) and use "
+            "Config(activation_checkpointing=True) to keep only each block's input, placed per Config.activations",
+            stacklevel=3)
+
+    def new_pack(self, block: str) -> ActivationPack:
+        return ActivationPack(self, block, placed=self.placed)
+
+    def push(self, scope: Any) -> None:
+        self._scopes.append(scope)
+
+    def pop(self, scope: Any) -> None:
+        assert self._scopes and self._scopes[-1] is scope, (self._scopes, scope)
+        self._scopes.pop()
+
+    def save(self, t: torch.Tensor, param_view: bool) -> Any:
+        """The saved-tensor hook's question: what the innermost scope keeps for `t` (None:
+        the caller saves it as before). Outside every block, `t` is counted on the device."""
+        return (self._scopes[-1] if self._scopes else self._outside).save(t, param_view)
+
+    def begin_iteration(self) -> None:
+        """A root forward with grad starts: plan auto's placement from the last iteration."""
+        self.collect()
+        self._scopes.clear()
+        if self._sizes:
+            self._keep_from = None if self.mode != "auto" else self._plan(self._sizes)
+        self._sizes = []
+
+    def end_forward(self) -> None:
+        """The root forward is over (or raised): count what it saved outside the blocks; packs
+        of block calls a raise left open are dropped."""
+        for scope in reversed(self._scopes):
+            scope.free()
+        self._scopes.clear()
+        self.pm.telemetry.record_activations(Tier.DEVICE, self._outside.layout.finish())
+        self._outside = ActivationPack(self, ROOT, placed=False)
+
+    # ------------------------------------------------------------------------ placement
+
+    def seal(self, pack: ActivationPack) -> None:
+        """A block call's forward ended: OPEN -> SEALED, its pack placed on its tier and written
+        (only counted, on the device, when nothing of it is placed)."""
+        assert pack.state is PackState.OPEN, pack
+        self._raise_failed_writes()
+        pack.layout.finish()
+        pack.mark_changed()
+        if pack.placed and pack.entries:
+            self.place(pack, self._home(pack))
+        else:
+            pack.drop_storages()
+            self.pm.telemetry.record_activations(Tier.DEVICE, pack.nbytes)
+        pack.state = PackState.SEALED
+
+    def _home(self, pack: ActivationPack) -> Tier:
+        nbytes = pack.nbytes
+        self._check_device_room(pack)
+        # room for the blocks coming next and for one pack coming back in backward
+        fits = nbytes <= self.ctx.device_room() - 2 * self.largest_block - nbytes
+        prefetcher = self.ctx.prefetcher
+        upcoming = [u for u in prefetcher.next_units(2) if u != ROOT][:1] if prefetcher is not None else []
+        if fits and upcoming == [pack.block]:
+            return Tier.DEVICE  # the trace says the block's backward comes next: it would come right back
+        if self.mode != "auto":
+            return Tier(self.mode)
+        if fits and (self._keep_from is None or len(self._sizes) >= self._keep_from):
+            return Tier.DEVICE
+        free = self.pm.budget(Tier.HOST) - self.pm.bytes_used(Tier.HOST) + self.pm.pool.cached_bytes
+        if nbytes <= free:
+            return Tier.HOST
+        return Tier.NVME if self.pm.swap is not None else Tier.HOST
+
+    def _plan(self, sizes: list[int]) -> int:
+        """auto: the first pack (in seal order) of the longest run at the end that `_home` will
+        keep on the device when it comes (beside the root, the block held and two coming, and
+        one pack coming back), planned before a forward: the packs backward needs first stay."""
+        room = self.ctx.device_room() - self.root_bytes - 3 * self.largest_block - max(sizes)
+        keep = len(sizes)
+        while keep > 0 and sizes[keep - 1] <= room:
+            keep -= 1
+            room -= sizes[keep]
+        return keep
+
+    def _check_device_room(self, pack: ActivationPack) -> None:
+        """ValueError when the pack can never be on the device beside the root block and its
+        own block, as its backward needs."""
+        room = self.pm.budget(Tier.DEVICE) - self.ctx.device_home_bytes
+        need = pack.nbytes + self.root_bytes + self.largest_block
+        if need > room:
+            raise ValueError(
+                f"the activations that block {pack.block!r} saved take {format_size(pack.nbytes)} ({pack.nbytes} "
+                f"bytes); its backward needs them on the device beside the root block and the block itself: "
+                f"{format_size(need)} ({need} bytes), but the device budget leaves {format_size(room)} beside the "
+                f"tensors homed there; raise device_budget to at least {need + self.pm.budget(Tier.DEVICE) - room} "
+                "bytes, use Config(activation_checkpointing=True) (only the block's input is kept), or a smaller "
+                "batch x sequence")
+
+    def place(self, pack: ActivationPack, home: Tier) -> None:
+        """Register the sealed pack's bytes on `home` and have the writer fill them."""
+        self._count += 1
+        meta = torch.empty(pack.nbytes, dtype=torch.uint8, device="meta")
+        handle = None
+        try:
+            handle = self.pm.register(f"{pack.block}@{self._count}", meta, home, kind=Kind.ACTIVATION)
+            if home is Tier.NVME:
+                self.pm.check_working_set(f"writing the activations of {pack.block!r}", [handle])
+        except ValueError as e:
+            if handle is not None:
+                self.pm.unregister(handle)
+            raise ValueError(f"{e} (activations placed on {home.value}; Config.activations={self.mode!r}: "
+                             "activation_checkpointing=True keeps only each block's input, and a smaller "
+                             "batch x sequence less)") from e
+        pack.handle = handle
+        if home is Tier.DEVICE:
+            self.ctx.add_activation_bytes(pack.nbytes)
+        self._sizes.append(pack.nbytes)
+        self._pending.append(pack)
+        self.pm.telemetry.record_activations(home, pack.nbytes)
+        while len(self._unwritten) >= MAX_UNWRITTEN:
+            self._wait(self._unwritten.popleft(), f"write {pack.block}")
+        if self._writer is None:
+            self._writer = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tierzero-act-r{self.ctx.rank}")
+        ready = self.pm.streams.compute_ready()  # the forward's work that made the tensors
+        pack.written = self._writer.submit(self._write, handle, pack.pieces(), ready)
+        self._unwritten.append(pack.written)
+
+    def _write(self, handle: TensorHandle, pieces: list[tuple[int, torch.Tensor]], ready: Any) -> None:
+        """The writer thread: copy the segments into the home (an NVMe home through a fresh host
+        copy, written home by the release), then drop them."""
+        tier = Tier.HOST if handle.home is Tier.NVME else handle.home
+        dst = self.pm.acquire(handle, tier, overwrite=handle.home is Tier.NVME)
+        done = False
+        try:
+            t0 = time.perf_counter()
+            with torch.profiler.record_function(f"tierzero::save_activations {handle.name}"):
+                events = [self.pm.streams.copy(dst[o:o + src.numel()], src, after=ready) for o, src in pieces]
+                for event in events:
+                    event.synchronize()
+            t1 = time.perf_counter()
+            self.pm.telemetry.record_move(handle.name, str(Tier.DEVICE), str(tier), handle.nbytes, t0, t1)
+            self.pm.telemetry.record_span(TRACK, f"save {handle.owner}", t0, t1,
+                                          {"bytes": handle.nbytes, "tier": handle.home.value})
+            done = True
+        finally:
+            pieces.clear()
+            self.pm.release(handle, tier, dirty=done)
+
+    def acquire(self, pack: ActivationPack) -> torch.Tensor:
+        """The pack's device copy for backward, pinned until the pack is freed."""
+        self.collect()
+        assert pack.handle is not None and pack.written is not None, pack
+        t0 = time.perf_counter()
+        self._wait(pack.written, f"write {pack.block}", record=False)
+        ahead = self.pm.record(pack.handle).residency[Tier.DEVICE] is not Residency.ABSENT
+        copy = self.pm.acquire(pack.handle, Tier.DEVICE)
+        pack.acquired = True
+        if pack.handle.home is not Tier.DEVICE:
+            self.ctx.add_activation_bytes(pack.nbytes)
+        waited = time.perf_counter() - t0
+        self.pm.telemetry.record_activation_stall(waited)
+        self.pm.telemetry.record_span(TRACK, f"fetch {pack.block}", t0, t0 + waited,
+                                      {"bytes": pack.nbytes, "stall_s": waited, "tier": pack.handle.home.value,
+                                       "ahead": ahead})
+        return copy
+
+    def _wait(self, future: cf.Future[None], what: str, *, record: bool = True) -> None:
+        t0 = time.perf_counter()
+        future.result()
+        if record and (waited := time.perf_counter() - t0) > 0:
+            self.pm.telemetry.record_activation_stall(waited)
+            self.pm.telemetry.record_span(TRACK, f"wait {what}", t0, t0 + waited, {"stall_s": waited})
+
+    def _raise_failed_writes(self) -> None:
+        while self._unwritten and self._unwritten[0].done():
+            self._unwritten.popleft().result()
+
+    # ------------------------------------------------------------------------- backward
+
+    def prefetch(self, units: Sequence[Unit]) -> None:
+        """The prefetcher started fetching `units` ahead: copy their pending packs to the device
+        where the room left beside those blocks allows (newest first: backward's order), and
+        read the next `nvme_depth` NVMe-homed packs further back into host memory."""
+        names = {u.name for u in units}
+        room = self.ctx.device_room() - sum(u.nbytes for u in units if u.name not in self.ctx.held)
+        ahead = []
+        for pack in reversed(self._pending):
+            if pack.acquired or not _written(pack):
+                continue
+            assert pack.handle is not None
+            if pack.block in names and pack.handle.home is not Tier.DEVICE and pack.nbytes <= room:
+                self.pm.prefetch(pack.handle, Tier.DEVICE)
+                room -= pack.nbytes
+            elif pack.handle.home is Tier.NVME and len(ahead) < self.nvme_depth:
+                ahead.append(pack.handle)
+        for handle in ahead:
+            self.pm.prefetch(handle, Tier.HOST, speculative=True)
+
+    def collect(self, *, wait: bool = False) -> None:
+        """Undo the placement of freed packs: release device copies, unregister the tensors
+        whose moves are over (all of them with `wait`)."""
+        keep = []
+        while self.dead:
+            pack = self.dead.popleft()
+            if not self._undo(pack, wait):
+                keep.append(pack)
+        self.dead.extend(keep)
+
+    def _undo(self, pack: ActivationPack, wait: bool) -> bool:
+        h = pack.handle
+        if h is None:
+            return True
+        if pack.written is not None and not pack.written.done():
+            if not wait:
+                return False
+            cf.wait([pack.written])
+        if pack.acquired:
+            self.pm.release(h, Tier.DEVICE)
+            pack.acquired = False
+            if h.home is not Tier.DEVICE:
+                self.ctx.add_activation_bytes(-pack.nbytes)
+        if self.pm.record(h).in_flight and not wait:
+            return False
+        self.pm.unregister(h)
+        if h.home is Tier.DEVICE:
+            self.ctx.add_activation_bytes(-pack.nbytes)
+        pack.handle = None
+        self._pending.remove(pack)
+        return True
+
+    def close(self) -> None:
+        """Free every pack and stop the writer (runtime.close)."""
+        for pack in list(self._pending):
+            pack.free()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+        self.collect(wait=True)
+
+    def __repr__(self) -> str:
+        return (f"Activations({self.mode!r}, checkpointing={self.checkpointing}, pending={len(self._pending)}, "
+                f"dead={len(self.dead)})")
+
+
+def _written(pack: ActivationPack) -> bool:
+    return pack.written is not None and pack.written.done() and pack.written.exception() is None
