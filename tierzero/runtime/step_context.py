@@ -114,6 +114,8 @@ class StepContext:
     phase: Phase = field(default=Phase.IDLE, init=False)
     prefetcher: Prefetcher | None = field(default=None, init=False)
     gather_counts: GatherCounts = field(default_factory=GatherCounts, init=False)
+    captures: int = field(default=0, init=False)
+    """Flat gradients whose shares early capture summed on the device (grads.py), since wrap."""
     _held: dict[str, HeldBlock] = field(default_factory=dict, init=False)
     _held_storage: dict[int, FlatRef] = field(default_factory=dict, init=False)
     """data_ptr of a held flat tensor's device copy -> its FlatParam."""
