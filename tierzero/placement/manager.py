@@ -94,10 +94,10 @@ class PlacementManager:
         # Asynchronous copies need pinned host memory: one region, pinned once (tiers.py).
         self.pool: HostPool | PinnedArena = (
             PinnedArena(self.budgets[Tier.HOST], pin=self.streams.cuda, on_free=self.streams.host_freeing)
-            if self.streams.asynchronous else HostPool(self.budgets[Tier.HOST], pinned=False))
+            if self.streams.asynchronous else HostPool(self.budgets[Tier.HOST]))
         if isinstance(self.pool, PinnedArena):
             self.streams.register_pinned(self.pool.base, self.pool.size)
-        self.device_pool = None if self.streams.cuda else HostPool(self.budgets[Tier.DEVICE], pinned=False)
+        self.device_pool = None if self.streams.cuda else HostPool(self.budgets[Tier.DEVICE])
         self.swap = None
         if config.nvme_dir is not None:
             self.swap = SwapSpace(config.nvme_dir, rank, self.budgets[Tier.NVME], config.io,

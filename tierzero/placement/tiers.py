@@ -114,27 +114,24 @@ class Budget:
 
 
 class HostPool:
-    """Reusable host buffers, page-aligned and (with CUDA) pinned, all counted in the host budget.
+    """Reusable page-aligned host buffers, all counted in their budget.
 
-    Buffers are flat uint8 tensors whose size is a bucket: a multiple of 4096 bytes, or with
-    pinned memory the next power of two (torch's pinned allocator rounds to powers of two, so
-    that is what is really pinned). A freed buffer is cached for the next request of the same
-    bucket; cached buffers are dropped, largest first, when a request does not fit otherwise.
+    Buffers are flat uint8 tensors whose size is a bucket: a multiple of 4096 bytes. A freed
+    buffer is cached for the next request of the same bucket; cached buffers are dropped,
+    largest first, when a request does not fit otherwise.
     """
 
-    def __init__(self, budget: Budget, *, pinned: bool) -> None:
+    pinned = False
+
+    def __init__(self, budget: Budget) -> None:
         self.budget = budget
-        self.pinned = pinned
         self._lock = threading.Lock()
         self._free: dict[int, list[torch.Tensor]] = {}
         self._cached_bytes = 0
         self._in_use: dict[int, int] = {}  # data_ptr -> bucket size of buffers handed out
 
     def bucket(self, nbytes: int) -> int:
-        size = round_up(max(nbytes, 1))
-        if self.pinned:
-            size = 1 << (size - 1).bit_length()
-        return size
+        return round_up(max(nbytes, 1))
 
     @property
     def cached_bytes(self) -> int:
@@ -200,26 +197,17 @@ class HostPool:
                 self.budget.release(size)
                 freed += size
         self._free = {s: b for s, b in self._free.items() if b}
-        if freed and self.pinned:
-            # torch keeps freed pinned blocks in its own cache; hand them back for real.
-            empty_cache = getattr(torch._C, "_host_emptyCache", None)
-            if empty_cache is not None:
-                empty_cache()
         return freed
 
     def _new_buffer(self, size: int) -> torch.Tensor:
-        if self.pinned:
-            buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        else:
-            buf = torch.from_numpy(aligned_empty(size, ALIGNMENT))
+        buf = torch.from_numpy(aligned_empty(size, ALIGNMENT))
         if buf.data_ptr() % ALIGNMENT:
             raise RuntimeError(f"host buffer of {size} bytes at {buf.data_ptr():#x} is not "
                                f"{ALIGNMENT}-byte aligned; O_DIRECT IO needs page-aligned buffers")
         return buf
 
     def __repr__(self) -> str:
-        kind = "pinned" if self.pinned else "pageable"
-        return (f"HostPool({kind}, in_use={self.in_use_bytes}, cached={self._cached_bytes}, "
+        return (f"HostPool(in_use={self.in_use_bytes}, cached={self._cached_bytes}, "
                 f"budget={self.budget!r})")
 
 

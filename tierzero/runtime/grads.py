@@ -191,12 +191,15 @@ class FlatGrad:
                 self._held = ctx.pm.acquire(h, h.staging, overwrite=True)
                 return True
             nbytes = self.layout.padded_numel * ctx.compute_dtype.itemsize
-            scratch = ctx.pm.reserve_scratch(nbytes, Tier.DEVICE, what=f"{h.name} (captured)", wait=False)
+            scratch = None
+            if ctx.capture_room(nbytes):
+                scratch = ctx.pm.reserve_scratch(nbytes, Tier.DEVICE, what=f"{h.name} (captured)", wait=False)
+                if scratch is None:
+                    ctx.capture_done(nbytes)
             if scratch is None:
                 self._refused = True
                 return False
             self._scratch, self._held = scratch, scratch[:nbytes].view(ctx.compute_dtype)
-            ctx.captures += 1
             return True
 
     def drop_capture(self) -> None:
@@ -204,6 +207,7 @@ class FlatGrad:
         raised): the stored gradient is left as it was."""
         if self._scratch is not None:
             self.ctx.pm.free_scratch(self._scratch, Tier.DEVICE)
+            self.ctx.capture_done(self.layout.padded_numel * self.ctx.compute_dtype.itemsize)
         elif self._held is not None:
             self.ctx.pm.release(self.handle, self.handle.staging)
         self._held = self._scratch = None

@@ -116,6 +116,10 @@ class StepContext:
     gather_counts: GatherCounts = field(default_factory=GatherCounts, init=False)
     captures: int = field(default=0, init=False)
     """Flat gradients whose shares early capture summed on the device (grads.py), since wrap."""
+    _largest_block: int = field(default=0, init=False)
+    """Device bytes of the largest block: room early capture leaves for the next fetch."""
+    _capture_bytes: int = field(default=0, init=False)
+    """Device bytes early capture holds now (not available for fetched copies)."""
     _held: dict[str, HeldBlock] = field(default_factory=dict, init=False)
     _held_storage: dict[int, FlatRef] = field(default_factory=dict, init=False)
     """data_ptr of a held flat tensor's device copy -> its FlatParam."""
@@ -164,10 +168,12 @@ class StepContext:
             self._device_home_bytes += handle.nbytes
         return handle
 
-    def attach(self, prefetcher: Prefetcher, end_backward: Callable[[], None]) -> None:
-        """The root state's prefetcher and final callback of a backward pass (once, at wrap)."""
+    def attach(self, prefetcher: Prefetcher, end_backward: Callable[[], None], largest_block: int) -> None:
+        """The root state's prefetcher and final callback of a backward pass, and the device
+        bytes of its largest block (once, at wrap)."""
         self.prefetcher = prefetcher
         self._end_backward = end_backward
+        self._largest_block = largest_block
 
     def on_grads_final(self, callback: Callable[[FlatRef], None] | None) -> None:
         """Call `callback` once per backward with each trainable flat tensor whose gradient is
@@ -277,9 +283,23 @@ class StepContext:
         del self._held[block.name]
 
     def device_room(self) -> int:
-        """Bytes of the device budget not taken by device-homed tensors and held blocks."""
+        """Bytes of the device budget not taken by device-homed tensors, held blocks and early
+        capture's buffers."""
         held = sum(b.nbytes for b in self._held.values())
-        return self.pm.budget(Tier.DEVICE) - self._device_home_bytes - held
+        return self.pm.budget(Tier.DEVICE) - self._device_home_bytes - held - self._capture_bytes
+
+    def capture_room(self, nbytes: int) -> bool:
+        """Take `nbytes` of device room for early capture if the largest block still fits beside
+        them (a fetch must never lack room for capture's sake); give them back with
+        `capture_done`."""
+        if self.device_room() - nbytes < self._largest_block:
+            return False
+        self._capture_bytes += nbytes
+        self.captures += 1
+        return True
+
+    def capture_done(self, nbytes: int) -> None:
+        self._capture_bytes -= nbytes
 
     def track(self, flat: FlatRef, device_copy: torch.Tensor) -> None:
         self._held_storage[device_copy.untyped_storage().data_ptr()] = flat

@@ -159,7 +159,7 @@ def _start(model: nn.Module, config: Config, ctx: StepContext, blocks: list[Bloc
     prefetcher = Prefetcher(pm, [b.unit for b in blocks if b.flats], policy_from_config(config),
                             device_room=ctx.device_room, fetch_ahead=gather_units if ctx.zero.gathers else None,
                             device_wraps=not ctx.zero.gathers, busy=lambda unit: ctx.updating(unit.tensors))
-    ctx.attach(prefetcher, state.end_backward)
+    ctx.attach(prefetcher, state.end_backward, max((b.nbytes for b in blocks if b.flats), default=0))
     pm.set_eviction_policy(prefetcher)
     state.register_hooks()
     ctx.comm.take()  # wrap's gathers (stages 1-2, weights=) are no step's traffic
