@@ -386,8 +386,7 @@ class PlacementManager:
 
     def nvme_location(self, h: TensorHandle) -> tuple[str, int]:
         """(file, byte offset) where an NVMe-homed tensor's bytes start: a swap file, or the
-        checkpoint file of a copy-on-write home (see [Note: copy-on-write home] in tierzero/placement/cow_home.py); for tools that inspect
-        or repair swap files, and for tests that damage them on purpose."""
+        checkpoint file of a copy-on-write home ([Note: copy-on-write home]); for tools and tests."""
         rec = self._record_of(h, "nvme_location")
         if h.home is not Tier.NVME or self.swap is None:
             raise ValueError(f"nvme_location({h.name!r}): the tensor is homed on {h.home.value}, not nvme")
@@ -423,8 +422,9 @@ class PlacementManager:
         self.settle()
 
     def settle(self) -> None:
-        """Wait for every move in flight (dirty cached copies stay dirty); raise the first
-        write-back error since the last flush or settle."""
+        """Wait for every move in flight (dirty cached copies stay dirty) and for the streams to
+        pass the device buffers freed; raise the first write-back error since the last flush or
+        settle."""
         while True:
             with self._cond:
                 futures = [m.future for m in self._table.moves.all()]
@@ -432,6 +432,8 @@ class PlacementManager:
                 break
             cf.wait(futures)
         with self._cond:
+            for store in self._tiers.values():
+                store.settle()
             errors, self._table.errors = self._table.errors, []
         if errors:
             raise errors[0]
@@ -563,10 +565,9 @@ class PlacementManager:
 
     def check_working_set(self, what: str, handles: Sequence[TensorHandle],
                           extra: Sequence[tuple[Tier, int]] = ()) -> None:
-        """ValueError when `handles` acquired on their staging tiers at once (plus `extra`
-        buffers) can never fit there beside the tensors homed on those tiers: a caller that
-        holds them together (an optimizer's update of one block) checks at its construction,
-        not at its first step."""
+        """ValueError when `handles` acquired on their staging tiers at once (plus `extra`) can
+        never fit beside the tensors homed there: checked at construction by a caller that holds
+        them together (an optimizer's update of one block), not at its first step."""
         with self._cond:
             self._room.check_working_set(what, handles, extra)
 

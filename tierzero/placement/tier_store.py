@@ -57,6 +57,10 @@ class TierStore(Protocol):
         """The buffer as the handle's tensor (shape, dtype); None on a tier of bytes (NVMe)."""
         ...
 
+    def settle(self) -> None:
+        """Wait until what was freed is free for real (CUDA: the streams that used it are past it)."""
+        ...
+
     def close(self) -> None:
         """Give back what the store still caches; every buffer must have been freed."""
         ...
@@ -114,6 +118,9 @@ class PoolTier:
 
     def view(self, buffer: Buffer, handle: TensorHandle) -> torch.Tensor:
         return typed(flat(buffer), handle)
+
+    def settle(self) -> None:
+        return None
 
     def close(self) -> None:
         self.pool.close()
@@ -177,6 +184,9 @@ class CudaTier:
     def view(self, buffer: Buffer, handle: TensorHandle) -> torch.Tensor:
         return typed(flat(buffer), handle)
 
+    def settle(self) -> None:
+        self._reap(wait=True)
+
     def close(self) -> None:
         self._reap(wait=True)
 
@@ -202,6 +212,9 @@ class NvmeTier:
         return round_up(nbytes)
 
     def view(self, buffer: Buffer, handle: TensorHandle) -> None:
+        return None
+
+    def settle(self) -> None:
         return None
 
     def close(self) -> None:
