@@ -166,8 +166,9 @@ class Config:
     refuses to run under it, and a second backward before opt.step() is an error."""
     overlap_step: bool = True
     """Run opt.step()'s block updates on a thread of their own under the next forward, which
-    computes each block once its update is done (see [Note: overlapped step] in tierzero/runtime/step_queue.py; the same values as a
-    step run to the end first). One rank with the CPU as device; elsewhere the step runs inline."""
+    computes each block once its update is done (see [Note: overlapped step] in
+    tierzero/runtime/step_queue.py; the same values as a step run to the end first). At any
+    world size and on any device; False: the step runs inline."""
     checksums: bool = True
     """Record a checksum of every NVMe write and verify it on read."""
     block_classes: tuple[str, ...] = ()
