@@ -9,7 +9,8 @@ import torch
 
 from tierzero.config import Config, StandInConfig
 from tierzero.config.stand_in import stream_settings
-from tierzero.placement import Kind, PlacementManager
+from tierzero.config.tiernames import Tier
+from tierzero.placement import Kind, PlacementManager, Residency
 from tierzero.placement.streams import resolve_device
 from tierzero.layout import CommBytes, FlatLayout
 from tierzero.runtime import collectives
@@ -139,3 +140,25 @@ def test_device_choice_refuses_a_gpu_that_may_be_another_ranks(monkeypatch) -> N
     with pytest.raises(ValueError, match="device: expected None, 'cpu', 'cuda' or 'cuda:N', got 'tpu'"):
         Config(device="tpu")
 
+
+def test_store_writes_device_copies_on_the_copy_stream_or_drops_them(tmp_path, monkeypatch) -> None:
+    """store() no longer copies host data into device memory on the compute stream (a host wait on
+    CUDA): an unpinned cached device copy is dropped (the next fetch runs on the copy stream), a
+    device home is written from a pinned staging buffer by the h2d stream."""
+    copies = []
+    with manager(tmp_path) as pm:
+        copy = pm.streams.copy
+        monkeypatch.setattr(pm.streams, "copy", lambda dst, src, **kw: (copies.append(pm.streams.is_device(dst)),
+                                                                        copy(dst, src, **kw))[1])
+        cached = pm.register("cached", torch.zeros(3000), "host")
+        pm.acquire(cached, "device")
+        pm.release(cached, "device")
+        homed = pm.register("homed", torch.zeros(3000), "device")
+        copies.clear()
+        pm.store(cached, torch.ones(3000))
+        pm.store(homed, torch.full((3000,), 2.0))
+        assert pm.record(cached).residency[Tier.DEVICE] is Residency.ABSENT and copies == [True]
+        assert torch.equal(pm.acquire(cached, "device"), torch.ones(3000))
+        assert torch.equal(pm.acquire(homed, "device"), torch.full((3000,), 2.0))
+        pm.release(cached, "device")
+        pm.release(homed, "device")

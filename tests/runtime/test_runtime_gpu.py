@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -88,23 +89,31 @@ def test_bf16_auto_dtype_trains_like_fp32() -> None:
         runtime.close(model)
 
 
-def test_device_tier_states_step_on_the_gpu() -> None:
-    """Gradients, master weights and moments on the device tier: the fused update runs on the GPU
-    (its step counts made there), matching plain torch."""
+def beside_plain_torch(config: tz.Config, steps: int, *, autocast: bool = False, rtol: float = 1e-4) -> tuple[Any, int]:
+    """A wrapped copy of the GPU's GPT trained beside it by plain torch (fused AdamW), the losses
+    compared every step; the tiered optimizer and early capture's count, once closed."""
     ref = gpt("cuda")
     model = copy.deepcopy(ref).cpu()
-    tz.wrap(model, tz.Config(device_budget="64MiB", host_budget="64MiB", params="device", grads="device",
-                             optimizer_states="device", compute_dtype="float32"))
+    tz.wrap(model, config)
     opt, ropt = tz.AdamW(model, lr=3e-3), torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True)
     try:
-        for x, y in batches(5, "cuda"):
-            loss, rloss = model(x, y).loss, ref(x, y).loss
-            torch.testing.assert_close(loss, rloss, rtol=1e-4, atol=0)
+        for x, y in batches(steps, "cuda"):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                loss, rloss = model(x, y).loss, ref(x, y).loss
+            torch.testing.assert_close(loss.float(), rloss.float(), rtol=rtol, atol=0)
             loss.backward()
             rloss.backward()
             step_and_zero((opt, ropt))
+        return opt, runtime.state_of(model).ctx.captures
     finally:
         runtime.close(model)
+
+
+def test_device_tier_states_step_on_the_gpu() -> None:
+    """Gradients, master weights and moments on the device tier: the fused update runs on the GPU
+    (its step counts made there), matching plain torch."""
+    beside_plain_torch(tz.Config(device_budget="64MiB", host_budget="64MiB", params="device", grads="device",
+                                 optimizer_states="device", compute_dtype="float32"), 5)
 
 
 def test_an_update_that_would_mix_devices_is_refused_at_wrap_on_cuda() -> None:
@@ -118,39 +127,15 @@ def test_fast_paths_on_cuda_match_plain_torch(step_in_backward: bool) -> None:
     """The overlapped step (or step_in_backward's updater) and early capture on CUDA: updates on
     their own thread, shares summed on the device, the gradient's copy to the host on the d2h
     stream; the losses follow plain torch."""
-    ref = gpt("cuda")
-    model = copy.deepcopy(ref).cpu()
-    tz.wrap(model, tz.Config(device_budget=budget(4), host_budget="256MiB", compute_dtype="float32",
-                             step_in_backward=step_in_backward))
-    opt, ropt = tz.AdamW(model, lr=3e-3), torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True)
-    try:
-        assert (opt._updater is not None) if step_in_backward else (opt._queue is not None)
-        for x, y in batches(8, "cuda"):
-            loss, rloss = model(x, y).loss, ref(x, y).loss
-            torch.testing.assert_close(loss, rloss, rtol=1e-4, atol=0)
-            loss.backward()
-            rloss.backward()
-            step_and_zero((opt, ropt))
-        assert runtime.state_of(model).ctx.captures > 0
-    finally:
-        runtime.close(model)
+    opt, captures = beside_plain_torch(tz.Config(device_budget=budget(4), host_budget="256MiB", compute_dtype="float32",
+                                                 step_in_backward=step_in_backward), 8)
+    assert (opt._updater is not None) if step_in_backward else (opt._queue is not None)
+    assert captures > 0
 
 
 def test_bf16_autocast_over_fp32_parameters_follows_plain_torch() -> None:
-    ref = gpt("cuda")
-    model = copy.deepcopy(ref).cpu()
-    tz.wrap(model, tz.Config(device_budget=budget(4), host_budget="256MiB", compute_dtype="float32"))
-    opt, ropt = tz.AdamW(model, lr=3e-3), torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True)
-    try:
-        for x, y in batches(5, "cuda"):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss, rloss = model(x, y).loss, ref(x, y).loss
-            torch.testing.assert_close(loss.float(), rloss.float(), rtol=2e-2, atol=0)
-            loss.backward()
-            rloss.backward()
-            step_and_zero((opt, ropt))
-    finally:
-        runtime.close(model)
+    beside_plain_torch(tz.Config(device_budget=budget(4), host_budget="256MiB", compute_dtype="float32"), 5,
+                       autocast=True, rtol=2e-2)
 
 
 class _Slow(torch.nn.Module):

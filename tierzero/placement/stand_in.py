@@ -11,9 +11,10 @@ GPU produces. The stand-in makes them show:
     poison    a copy's destination is filled with 0xFF bytes (NaN in every float dtype) when
               the copy is queued, a device buffer when it is freed: a read before the event, or
               after the free, gives values the parity tests catch
-    compute   CPU compute runs on the calling thread, so `compute_wait` blocks until the event;
-              each thread has its own compute stream, as each thread has its own current CUDA
-              stream: what another thread queued is ordered only through events
+    compute   CPU compute runs on the calling thread at once, so each thread is its own compute
+              stream, as each thread has its own current CUDA stream: `compute_wait` blocks that
+              thread until the event, and what another thread (an update thread) queued on the
+              copy streams reaches it only through the events it waits for
     checks    (the `DeviceLedger`) what asynchrony alone does not show: a collective given a
               tensor that is not device memory (NCCL refuses host tensors); a device buffer
               handed to compute freed before compute recorded its use (CUDA's caching allocator
@@ -105,16 +106,6 @@ class StandInStream:
 
     def __repr__(self) -> str:
         return f"StandInStream({self.name})"
-
-
-class ComputeStream:
-    """A thread's compute stream in the stand-in (threads compute on the CPU at once)."""
-
-    def __init__(self, thread: str) -> None:
-        self.thread = thread
-
-    def __repr__(self) -> str:
-        return f"ComputeStream({self.thread})"
 
 
 def _ptr(t: torch.Tensor) -> int:

@@ -13,7 +13,6 @@ A test-only switch (`mutated`) removes one real wait, to prove the stand-in catc
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from contextlib import nullcontext
 from typing import Any, ContextManager, Iterator, Literal, Protocol
@@ -21,7 +20,7 @@ from typing import Any, ContextManager, Iterator, Literal, Protocol
 import torch
 
 from tierzero.config import StandInConfig, StreamSettings
-from tierzero.placement.stand_in import ComputeStream, DeviceLedger, StandInStream, poison
+from tierzero.placement.stand_in import DeviceLedger, StandInStream, poison
 
 Mode = Literal["cuda", "sync", "async"]
 
@@ -89,7 +88,6 @@ class CopyStreams:
         self.ledger = DeviceLedger() if self.mode == "async" else None
         self._uses: dict[int, set[Any]] = {}
         """CUDA: device buffers of the tier by storage pointer -> the streams other than h2d that used them."""
-        self._threads = threading.local()
         if self.cuda:
             # h2d: fetches toward the device run here so they overlap compute on the default
             # stream instead of queueing behind it.
@@ -112,13 +110,9 @@ class CopyStreams:
         return torch.cuda.stream(self.h2d) if self.cuda else nullcontext()
 
     def current(self) -> Any:
-        """The calling thread's compute stream (each thread has its own current stream)."""
-        if self.cuda:
-            return torch.cuda.current_stream(self.device)
-        stream = getattr(self._threads, "stream", None)
-        if stream is None:
-            stream = self._threads.stream = ComputeStream(threading.current_thread().name)
-        return stream
+        """CUDA: the calling thread's compute stream (each thread has its own current stream;
+        on the CPU each thread computes at once, its own stream in effect)."""
+        return torch.cuda.current_stream(self.device)
 
     def compute_ready(self) -> CopyEvent:
         """An event after the work queued so far on the calling thread's compute stream (the
