@@ -22,12 +22,14 @@ train. Then, per steady step (the first is left out):
     CPU s/core   the process's CPU time per step (every thread, user + sys) over the cores: a
                  second floor, the one a machine whose cores cannot keep up with its drive meets
 
+`--streams async` runs the children on the CPU's asynchronous stream stand-in (copies on their
+own workers, events; `--poison` adds its poisoning), `sync` (the default) copies at once.
 `--tree PATH` runs the children on another checkout (e.g. the code before a change) while the
 drive measurement and the report stay this one's. Peak RSS of each child is measured from
 outside (wait4's ru_maxrss).
 
     .venv/bin/python benchmarks/nvme_floor.py --nvme-dir runs/nvme-floor [--sizes 1b,3b]
-        [--modes clip,step_in_backward] [--steps 3] [--host-budget 4GiB] [--json]
+        [--modes clip,step_in_backward] [--steps 3] [--host-budget 4GiB] [--streams sync|async] [--json]
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    "measurement keeps tierzero's default)")
     p.add_argument("--no-overlap-step", action="store_true", help="Config(overlap_step=False): opt.step() "
                    "updates every block before it returns (the default runs the updates under the next forward)")
+    p.add_argument("--streams", default="sync", choices=("sync", "async"), help="the CPU's copy streams: at "
+                   "once, or the asynchronous stand-in for the GPU's")
+    p.add_argument("--poison", action="store_true", help="with --streams async: the stand-in's poisoning too")
     p.add_argument("--tree", default=None, help="run the children on the tierzero checkout at PATH")
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -154,7 +159,9 @@ def child(spec: dict) -> None:
                     nvme_dir=spec["nvme_dir"], nvme_budget="1TiB", params="nvme", grads="nvme",
                     optimizer_states="nvme", compute_dtype="float32", step_in_backward=sib,
                     io=tz.IOConfig(threads=spec["io_threads"]),
-                    **({"overlap_step": spec["overlap_step"]} if "overlap_step" in tz.Config.__dataclass_fields__ else {}))
+                    **({"overlap_step": spec["overlap_step"]} if "overlap_step" in tz.Config.__dataclass_fields__ else {}),
+                    **({"streams": spec["streams"], "stand_in": {"poison": spec["poison"]}}
+                       if "streams" in tz.Config.__dataclass_fields__ else {}))
     Path(spec["nvme_dir"]).mkdir(parents=True, exist_ok=True)
     disk = _disk_of(Path(spec["nvme_dir"]))
     t0 = time.perf_counter()
@@ -210,7 +217,8 @@ def run_child(args: argparse.Namespace, size: str, mode: str) -> dict:
     nvme = Path(args.nvme_dir).resolve() / f"{size}-{mode}"
     spec = {"size": size, "mode": mode, "steps": args.steps, "batch": args.batch, "seq": args.seq,
             "device_budget": args.device_budget, "host_budget": args.host_budget, "nvme_dir": str(nvme),
-            "io_threads": args.io_threads, "overlap_step": not args.no_overlap_step}
+            "io_threads": args.io_threads, "overlap_step": not args.no_overlap_step, "streams": args.streams,
+            "poison": args.poison}
     env = dict(os.environ)
     if args.tree:
         env["PYTHONPATH"] = str(Path(args.tree).resolve())
@@ -295,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(summarise(run_child(args, size, mode), drive, args))
     report = {"drive": drive, "df_free_bytes_at_start": free, "host_budget": args.host_budget,
               "device_budget": args.device_budget, "seq": args.seq, "batch": args.batch,
-              "tree": args.tree or "this checkout", "runs": results}
+              "tree": args.tree or "this checkout", "streams": args.streams, "poison": args.poison, "runs": results}
     if args.json:
         print(json.dumps(report))
         return 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from tierzero.config import Config, IOConfig, PrefetchConfig, format_size, parse_size
+from tierzero.config import Config, IOConfig, PrefetchConfig, StandInConfig, format_size, parse_size
 
 __version__ = "0.1.0"
 
@@ -45,7 +45,7 @@ _LAZY = {
     "Adaptive": "tierzero.prefetch",
 }
 
-__all__ = ["Config", "IOConfig", "PrefetchConfig", "parse_size", "format_size", *_LAZY]
+__all__ = ["Config", "IOConfig", "PrefetchConfig", "StandInConfig", "parse_size", "format_size", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -76,8 +76,10 @@ def make(tmp_path):
              optimizer: bool = True) -> tuple[nn.Module, Any]:
         torch.manual_seed(seed)
         model = Net(layers=layers)
+        # device-tier states with device-tier gradients: one update kernel over both, as CUDA needs
         cfg = tz.Config(device_budget="8MiB", host_budget="64MiB", nvme_dir=str(tmp_path / "nvme"),
-                        nvme_budget="64MiB", params=tier, optimizer_states=tier, compute_dtype=dtype)
+                        nvme_budget="64MiB", params=tier, optimizer_states=tier, compute_dtype=dtype,
+                        grads="device" if tier == "device" else "host")
         tz.wrap(model, cfg)
         made.append(model)
         return model, (tz.AdamW(model, lr=1e-2, weight_decay=0.1) if optimizer else None)

@@ -167,14 +167,14 @@ def test_measure_top_measures_only_the_best_predicted_and_tears_each_down(tmp_pa
     import gc
     import weakref
 
-    from tierzero.placement import manager
+    from tierzero.placement import swap_dirs
 
     models: list[weakref.ref] = []
     real_run = tune.Trainer.run
 
     def run(self: Any, cfg: Any, steps: int, step_done: Any) -> Any:
         assert not [m for m in models if m() is not None], "a model of an earlier run is still alive"
-        assert not list(manager._OPEN), "a placement manager of an earlier run is still open"
+        assert not list(swap_dirs._OPEN), "a placement manager of an earlier run is still open"
         real_wrap = tune.tz.wrap
         monkeypatch.setattr(tune.tz, "wrap", lambda m, *a, **k: models.append(weakref.ref(m)) or real_wrap(m, *a, **k))
         try:
@@ -191,7 +191,7 @@ def test_measure_top_measures_only_the_best_predicted_and_tears_each_down(tmp_pa
     assert len(measured) == 1 and all(r["predicted_stall_s"] is not None for r in report["candidates"])
     gc.collect()
     assert len(models) == 3 and not [m for m in models if m() is not None]  # 2 recordings + 1 candidate
-    assert not list(manager._OPEN)
+    assert not list(swap_dirs._OPEN)
 
 
 def test_blocks_the_step_left_on_the_host_are_copied_without_a_read() -> None:

@@ -1,5 +1,7 @@
 """CUDA-only checks of the copy streams and of placement on a real device (`make test-gpu`)."""
 
+import time
+
 import pytest
 import torch
 
@@ -8,6 +10,7 @@ from tierzero.placement.handles import Kind
 from tierzero.placement.manager import PlacementManager
 from tierzero.placement.residency import Residency
 from tierzero.placement.streams import CopyStreams
+from tierzero.placement.tiers import PinnedArena
 from tierzero.config.tiernames import Tier
 
 pytestmark = pytest.mark.gpu
@@ -109,6 +112,7 @@ def test_placement_roundtrip_on_cuda_is_bit_exact(tmp_path, home):
             assert torch.equal(t.cpu().view(torch.int16), expected.view(torch.int16))
             pm.release(p, "device")
         pm.unregister(p)
+        pm.settle()  # the streams that used its device copy are past it
         assert pm.bytes_used("device") == 0  # exact-size CUDA buffers: nothing cached
 
 
@@ -135,3 +139,87 @@ def test_placement_pipeline_with_prefetch_and_eviction_on_cuda(tmp_path):
         for p, b in zip(params, blocks):
             assert torch.equal(pm.read(p), b)
         assert pm.telemetry.prefetch_hits > 0
+
+
+def _spin(seconds: float) -> None:
+    """Keep the current stream busy for about `seconds` (torch.cuda._sleep spins in cycles)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(1_000_000)
+    end.record()
+    end.synchronize()
+    per_cycle_ms = start.elapsed_time(end) / 1_000_000
+    torch.cuda._sleep(int(seconds * 1e3 / per_cycle_ms))
+
+
+def test_copy_events_block_the_waiting_thread_instead_of_spinning():
+    dev = torch.device("cuda", torch.cuda.current_device())
+    streams = CopyStreams(dev)
+    src = torch.empty(MiB, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(MiB, dtype=torch.uint8, device=dev)
+    with torch.cuda.stream(streams.h2d):
+        _spin(0.5)  # the copy queues behind half a second of GPU work
+    event = streams.copy(dst, src)
+    cpu, wall = time.process_time(), time.perf_counter()
+    event.synchronize()
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    assert wall > 0.3 and cpu < 0.3 * wall, (cpu, wall)  # a blocking event: the thread slept
+
+
+def test_host_tier_is_one_region_pinned_once_within_its_budget(tmp_path):
+    stats = getattr(torch.cuda, "host_memory_stats", lambda: {})
+    before = stats().get("num_host_alloc")
+    cfg = Config(device_budget="64MiB", host_budget=48 * MiB + 123, nvme_dir=str(tmp_path / "nvme"))
+    with PlacementManager(cfg) as pm:
+        arena = pm.pool
+        assert isinstance(arena, PinnedArena) and arena.pinned and arena.size <= cfg.host_budget
+        assert arena.region.is_pinned()  # registered: exactly its pages are pinned
+        handles = [pm.register(f"layers.{i}", torch.randn(1000 * i + 17), "host") for i in range(1, 40)]
+        for h in handles:
+            t = pm.acquire(h, "host")
+            assert t.is_pinned() and arena.base <= t.data_ptr() < arena.base + arena.size
+            pm.release(h, "host")
+            pm.acquire(h, "device")  # a non-blocking copy from the region: accepted
+            pm.release(h, "device")
+        assert pm.peak_bytes("host") <= arena.size
+    if before is not None:
+        assert stats().get("num_host_alloc") == before  # torch's pinned allocator was never asked
+
+
+def test_a_device_budget_returns_once_the_streams_that_used_the_buffer_pass_it(tmp_path):
+    cfg = Config(device_budget="64MiB", host_budget="64MiB")
+    with PlacementManager(cfg) as pm:
+        buf = pm.reserve_scratch(8 * MiB, "device", what="scratch")  # its user: this stream
+        _spin(0.3)
+        total = buf.view(torch.float32).fill_(1.0).sum()  # queued behind the spin
+        used = pm.bytes_used("device")
+        pm.free_scratch(buf, "device")
+        assert pm.bytes_used("device") == used  # compute has not passed it: the bytes stay reserved
+        torch.cuda.synchronize()
+        again = pm.reserve_scratch(MiB, "device", what="next")
+        assert pm.bytes_used("device") == MiB and total.item() == 2 * MiB
+        pm.free_scratch(again, "device")
+
+
+def test_scratch_freed_under_queued_compute_is_not_overwritten_by_the_next_fetch(tmp_path):
+    """The finding of a scratch reused while the GPU still reads it: reserve_scratch records the
+    compute stream, so the caching allocator keeps the block until compute is past it."""
+    cfg = Config(device_budget="64MiB", host_budget="64MiB")
+    n = 4 * MiB
+    with PlacementManager(cfg) as pm:
+        h = pm.register("layers.0", torch.full((n,), 2.0), "host")
+        scratch = pm.reserve_scratch(4 * n, "device", what="layers.1 (gathered)")
+        full = scratch.view(torch.float32).fill_(1.0)
+        _spin(0.3)
+        total = full.sum()  # reads the scratch after the spin
+        pm.free_scratch(scratch, "device")
+        fetched = pm.acquire(h, "device")  # same size, on the h2d stream: must not land in the scratch
+        assert total.item() == n and torch.equal(fetched, torch.full((n,), 2.0, device=fetched.device))
+        pm.release(h, "device")
+
+
+def test_a_non_blocking_copy_from_unpinned_memory_is_refused():
+    dev = torch.device("cuda", torch.cuda.current_device())
+    streams = CopyStreams(dev)
+    with pytest.raises(RuntimeError, match="not pinned memory"):
+        streams.copy(torch.empty(64, device=dev), torch.zeros(64))

@@ -4,7 +4,7 @@ import time
 import pytest
 import torch
 
-from tierzero.placement.tiers import ALIGNMENT, Budget, HostPool, round_up
+from tierzero.placement.tiers import ALIGNMENT, Budget, HostPool, PinnedArena, round_up
 from tierzero.config.tiernames import Tier
 
 
@@ -70,7 +70,7 @@ def test_budget_never_exceeded_under_threads():
 
 def test_host_pool_aligned_reused_and_counted():
     b = Budget(Tier.HOST, 5 * ALIGNMENT)
-    pool = HostPool(b, pinned=False)
+    pool = HostPool(b)
     buf = pool.try_alloc(5000)
     assert buf.dtype == torch.uint8 and buf.numel() == 8192 and buf.data_ptr() % ALIGNMENT == 0
     assert b.used == 8192 and pool.in_use_count == 1
@@ -89,13 +89,37 @@ def test_host_pool_aligned_reused_and_counted():
     pool.close()
 
 
-def test_host_pool_pinned_buckets_are_powers_of_two():
-    pool = HostPool(Budget(Tier.HOST, 1 << 30), pinned=True)
-    assert pool.bucket(5000) == 8192 and pool.bucket(3 << 20) == 4 << 20 and pool.bucket(1) == 4096
-
-
 def test_host_pool_close_reports_leaks():
-    pool = HostPool(Budget(Tier.HOST, 1 << 20), pinned=False)
+    pool = HostPool(Budget(Tier.HOST, 1 << 20))
     pool.try_alloc(10)
     with pytest.raises(RuntimeError, match="1 buffers .* still in use"):
         pool.close()
+
+
+def test_pinned_arena_is_its_budget_sliced_best_fit_and_merged():
+    b = Budget(Tier.HOST, 10 * ALIGNMENT + 100)
+    arena = PinnedArena(b, pin=False)
+    assert arena.size == 10 * ALIGNMENT and arena.base % ALIGNMENT == 0  # never more than the budget
+    x = [arena.try_alloc(n * ALIGNMENT) for n in (1, 2, 3)]
+    assert [t.data_ptr() - arena.base for t in x] == [0, ALIGNMENT, 3 * ALIGNMENT] and b.used == 6 * ALIGNMENT
+    arena.free(x[1])
+    assert b.used == 4 * ALIGNMENT
+    small = arena.try_alloc(5000)  # best fit: the 2-page hole, not the 4-page tail
+    assert small.data_ptr() - arena.base == ALIGNMENT and small.numel() == 2 * ALIGNMENT
+    home = arena.try_alloc(1, home=True)  # homes from the top: they leave no holes below
+    assert home.data_ptr() - arena.base == 9 * ALIGNMENT
+    assert arena.try_alloc(4 * ALIGNMENT) is None  # 3 pages free in one extent: no room
+    for t in (x[0], small, x[2], home):
+        arena.free(t)
+    assert b.used == 0 and arena.try_alloc(10 * ALIGNMENT) is not None  # merged back into one extent
+
+
+def test_pinned_arena_fragmented_is_no_room_and_close_reports_leaks():
+    b = Budget(Tier.HOST, 4 * ALIGNMENT)
+    arena = PinnedArena(b, pin=False)
+    bufs = [arena.try_alloc(ALIGNMENT) for _ in range(4)]
+    arena.free(bufs[0])
+    arena.free(bufs[2])
+    assert b.free == 2 * ALIGNMENT and arena.try_alloc(2 * ALIGNMENT) is None and b.free == 2 * ALIGNMENT
+    with pytest.raises(RuntimeError, match="2 buffers .* still in use"):
+        arena.close()

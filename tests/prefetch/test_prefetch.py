@@ -16,6 +16,7 @@ from tierzero import runtime
 from tierzero.models import GPT, GPTConfig
 from tierzero.prefetch.policies import (Adaptive, BlockTimes, BytesAhead, Fetch, FetchPhase, Lookahead,
     NoPrefetch, PrefetchPolicy, PrefetchView, TraceEvent, Unit, policy_from_config)
+from tierzero.placement import CopyStreams
 from tierzero.placement.residency import Residency
 from tierzero.placement.telemetry import Telemetry
 from tierzero.config.tiernames import Tier
@@ -50,6 +51,7 @@ class FakePM:
         self.calls: list[tuple[str, Tier]] = []
         self.telemetry = Telemetry()
         self.config = tz.Config()
+        self.streams = CopyStreams(torch.device("cpu"))
         self.host_free = host_free
         self.records: dict[str, FakeRecord] = {}
 

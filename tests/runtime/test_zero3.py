@@ -43,9 +43,12 @@ def train_rank(rank: int, world_size: int, out_dir: str) -> None:
     out_dir/rank{rank}.pt with its losses, tier bytes and (rank 0) the full state dict."""
     model = make_model()
     model.register_buffer("tag", torch.full((3,), float(rank + 1)))  # broadcast from rank 0 at wrap
+    # The step inline: the counts of all-gathers started ahead below are exact only then (under the
+    # overlapped step a block still updating is gathered on demand, as timing has it; that step
+    # at world 2 is checked in tests/runtime/test_fast_paths.py).
     cfg = tz.Config(device_budget=device_budget(model, world_size), host_budget="64MiB",
                     nvme_dir=os.path.join(out_dir, "nvme"), nvme_budget="64MiB", params="nvme",
-                    optimizer_states="nvme", grads="host", compute_dtype="float32")
+                    optimizer_states="nvme", grads="host", compute_dtype="float32", overlap_step=False)
     tz.wrap(model, cfg)
     assert torch.equal(model.tag, torch.ones(3)), f"rank {rank}: buffer not broadcast: {model.tag}"
     pm = runtime.placement_manager(model)
@@ -205,7 +208,10 @@ def test_train_cli_two_ranks(tmp_path: Path) -> None:
         comm = row["comm_bytes"]
         assert comm["all_reduce"] == 4, comm  # the clip's fp32 norm
         for kind in ("all_gather", "reduce_scatter"):
-            assert getattr(model_comm, kind) <= comm[kind] <= 1.02 * getattr(model_comm, kind), comm
+            # The all-gather of a step's updated parameters runs under the next step's forward (the
+            # overlapped step): the first step's row has none, each later row the step before's.
+            expected = 0 if kind == "all_gather" and row["step"] == 0 else getattr(model_comm, kind)
+            assert expected <= comm[kind] <= 1.02 * expected, comm
     summary = json.loads((run / "summary.json").read_text())
     assert summary["config"]["zero_stage"] == 2 and summary["config"]["grad_dtype"] == "bfloat16"
     assert summary["world_size"] == 2 and len(summary["peak_bytes_per_rank"]) == 2

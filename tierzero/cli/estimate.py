@@ -59,9 +59,6 @@ def main(argv: list[str]) -> int:
         p.error(f"--world-size: expected an int >= 1, got {args.world_size}")
     if (args.batch is None) != (args.seq is None) or min(args.batch or 1, args.seq or 1) < 1:
         p.error(f"--batch and --seq go together, each an int >= 1; got --batch {args.batch} --seq {args.seq}")
-    if args.model not in CONFIGS and not (Path(args.model) / "config.json").is_file():
-        p.error(f"--model {args.model!r}: expected a built-in model ({', '.join(CONFIGS)}) or a transformers model "
-                "folder holding a config.json")
     try:
         rates = rates_from_flags(args)
     except (ValueError, FileNotFoundError) as e:

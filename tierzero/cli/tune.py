@@ -381,7 +381,7 @@ def format_table(report: dict[str, Any]) -> str:
              f"{rec['units']} blocks, compute {rec['compute_s']:.3f} s, device room "
              f"{format_size(rec['device_room'])}, host room {format_size(rec['host_room'])}"
              + (f"; predictions for compute {speed:g}x faster" if speed != 1 else "")
-             + (f"; recorded on-demand stall before / after the candidates: "
+             + ("; recorded on-demand stall before / after the candidates: "
                 + " / ".join(f"{x:.4f}" for x in rec["stall_s_each_recording"]) + " s"
                 if "stall_s_each_recording" in rec else ""),
              f"{'policy':<10} {'settings':<34} {'stall s [min-max]':>22} {'step s':>8} {'pred stall s':>12} "

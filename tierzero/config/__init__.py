@@ -7,15 +7,17 @@ No torch at import time (`import tierzero.config` stays light for tools and the 
     tiernames.py     the Tier enum and its names
     policy_names.py  prefetch policy names and dotted paths, checked without importing the prefetcher
     machine.py       the one rule for what this machine offers (Config.auto, `tierzero estimate`)
+    stand_in.py      how the CPU's copy streams run: at once, or the asynchronous stand-in
 """
 
 from io_engine.sizes import format_size, parse_size
 from tierzero.config.config import (DTYPE_BYTES, MASTER_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, Config,
                                     IOConfig, PrefetchConfig, StateBytes)
+from tierzero.config.stand_in import StandInConfig, StreamSettings
 from tierzero.config.machine import machine_budgets
 from tierzero.config.policy_names import BUILTIN_POLICIES, check_policy, load_policy_class
 from tierzero.config.tiernames import TIER_NAMES, Tier, TierName
 
 __all__ = ["Config", "IOConfig", "PrefetchConfig", "Tier", "TierName", "TIER_NAMES", "format_size", "parse_size",
            "machine_budgets", "BUILTIN_POLICIES", "check_policy", "load_policy_class", "StateBytes",
-           "DTYPE_BYTES", "OPTIMIZER_BYTES_PER_PARAM", "MASTER_BYTES_PER_PARAM"]
+           "DTYPE_BYTES", "OPTIMIZER_BYTES_PER_PARAM", "MASTER_BYTES_PER_PARAM", "StandInConfig", "StreamSettings"]

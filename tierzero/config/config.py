@@ -17,9 +17,10 @@ from typing import Any, Literal, Mapping, NamedTuple
 from io_engine.sizes import format_size, parse_size
 from tierzero.config.machine import has_cuda, machine_budgets
 from tierzero.config.policy_names import check_policy
+from tierzero.config.stand_in import STREAM_MODES, StandInConfig, StreamSettings, stream_settings
 from tierzero.config.tiernames import TIER_NAMES, TierName
 
-__all__ = ["Config", "IOConfig", "PrefetchConfig", "StateBytes", "TIER_NAMES", "TierName", "format_size", "parse_size",
+__all__ = ["Config", "IOConfig", "PrefetchConfig", "StandInConfig", "StreamSettings", "StateBytes", "TIER_NAMES", "TierName", "format_size", "parse_size",
            "OPTIMIZER_BYTES_PER_PARAM", "MASTER_BYTES_PER_PARAM", "DTYPE_BYTES"]
 
 
@@ -169,8 +170,9 @@ class Config:
     refuses to run under it, and a second backward before opt.step() is an error."""
     overlap_step: bool = True
     """Run opt.step()'s block updates on a thread of their own under the next forward, which
-    computes each block once its update is done (see [Note: overlapped step] in tierzero/runtime/step_queue.py; the same values as a
-    step run to the end first). One rank with the CPU as device; elsewhere the step runs inline."""
+    computes each block once its update is done (see [Note: overlapped step] in
+    tierzero/runtime/step_queue.py; the same values as a step run to the end first). At any
+    world size and on any device; False: the step runs inline."""
     checksums: bool = True
     """Record a checksum of every NVMe write and verify it on read."""
     block_classes: tuple[str, ...] = ()
@@ -193,6 +195,17 @@ class Config:
     """Seconds a collective may wait for other ranks before the run fails instead of hanging.
     `tierzero train` gives it to torch.distributed.init_process_group; a script that creates the
     process group itself passes `timeout=datetime.timedelta(seconds=config.collective_timeout_s)`."""
+    device: str | None = None
+    """The device tier's device: "cuda:1", "cpu"; None: the current CUDA device, else the CPU.
+    With several ranks on CUDA give each rank its own (f"cuda:{local_rank}"), or call
+    torch.cuda.set_device(local_rank) before wrap: a device that may be another rank's is refused."""
+    streams: Literal["auto", "sync", "async"] = "auto"
+    """How the CPU's copy streams run (tierzero/config/stand_in.py): "sync" at once; "async" the
+    stand-in for CUDA's streams (copies later on their own workers, checked, poisoned); "auto"
+    TIERZERO_STREAMS from the environment, else "sync". CUDA always uses its real streams."""
+    stand_in: StandInConfig = field(default_factory=StandInConfig)
+    """Options of the "async" stand-in (with streams="auto", TIERZERO_POISON and
+    TIERZERO_DELAY_SEED from the environment override them)."""
 
     def __post_init__(self) -> None:
         for name in ("device_budget", "host_budget", "nvme_budget", "min_block_bytes"):
@@ -215,6 +228,13 @@ class Config:
             object.__setattr__(self, "prefetch", PrefetchConfig(policy=self.prefetch))
         if isinstance(self.io, Mapping):
             object.__setattr__(self, "io", IOConfig(**self.io))
+        if isinstance(self.stand_in, Mapping):
+            object.__setattr__(self, "stand_in", StandInConfig(**self.stand_in))
+        if not isinstance(self.stand_in, StandInConfig):
+            raise ValueError(f"stand_in: expected a StandInConfig or a mapping, got {self.stand_in!r}")
+        _check_choice("streams", self.streams, STREAM_MODES)
+        if self.device is not None and not (isinstance(self.device, str) and self.device.split(":")[0] in ("cpu", "cuda")):
+            raise ValueError(f"device: expected None, 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if not isinstance(self.prefetch, PrefetchConfig):
             raise ValueError(f"prefetch: expected a PrefetchConfig, a mapping or a prefetch policy object "
                              f"(tz.PrefetchPolicy: a plan(view) method), got {self.prefetch!r}")
@@ -249,6 +269,10 @@ class Config:
     def frozen_tier(self) -> TierName:
         """Where frozen parameters live: `frozen`, else `params`."""
         return self.frozen if self.frozen is not None else self.params
+
+    def stream_settings(self) -> StreamSettings:
+        """How a CPU device tier runs its copies: `streams` and `stand_in`, or the environment."""
+        return stream_settings(self.streams, self.stand_in)
 
     def compute_dtype_name(self, *, cuda: bool) -> str:
         """The torch dtype name parameters are computed in: `compute_dtype`, with "auto" resolved

@@ -34,7 +34,7 @@ class AdamW(TieredOptimizer):
                 params: list[torch.Tensor], *states: list[torch.Tensor]) -> None:
         exp_avgs, exp_avg_sqs = states
         beta1, beta2 = group["betas"]
-        counts = [torch.tensor(float(s)) for s in steps]
+        counts = [torch.tensor(float(s), device=p.device) for s, p in zip(steps, params)]  # CUDA's kernel: on the device
         torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], counts, lr=group["lr"], beta1=beta1,
                             beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
                             amsgrad=False, maximize=False)

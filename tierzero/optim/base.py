@@ -10,10 +10,10 @@ torch.optim.AdamW/SGD(fused=True) compute for the same parameters) and block k-1
 state and new compute-dtype parameters are being written to their home tier (dirty releases
 and `store` write NVMe asynchronously; host budget reservations bound how far it runs ahead).
 With Config.step_in_backward each block is updated as soon as backward has made its gradient
-final, and step() updates what is left. Otherwise (Config.overlap_step, one rank, CPU as
-device) step() queues the blocks' updates and returns: they run under the next forward (note
-[Note: overlapped step] in tierzero/runtime/step_queue.py). The parameters' `.grad` are not used; `zero_grad()`
-clears the flat gradients.
+final, and step() updates what is left. Otherwise (Config.overlap_step) step() queues the
+blocks' updates and returns: they run under the next forward (note [Note: overlapped step] in
+tierzero/runtime/step_queue.py). The parameters' `.grad` are not used; `zero_grad()` clears the
+flat gradients.
 
 Parameter groups follow torch's contract: the optimizer takes a wrapped model (one group of its
 trainable parameters) or groups of its parameters (`model.named_parameters()` picked as users
@@ -26,7 +26,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import functools
 import weakref
-from typing import Any, Callable, Iterable, Sequence, Union
+from typing import Any, Callable, Iterable, Sequence, TypeVar, Union
 
 import torch
 from torch import nn
@@ -94,6 +94,8 @@ def _update_batches(layout: FlatLayout, rank: int, skip: frozenset[int] = frozen
     return batches
 
 
+_C = TypeVar("_C")
+
 class TieredOptimizer(torch.optim.Optimizer):
     """The block-by-block step shared by AdamW and SGD; subclasses give the update math.
 
@@ -140,21 +142,21 @@ class TieredOptimizer(torch.optim.Optimizer):
         """The overlapped step's updates (None: step() updates inline)."""
         ctx = self._model_state.ctx
         config = self._model_state.config
-        if config.overlap_step and not config.step_in_backward and ctx.world_size == 1 and not ctx.pm.streams.cuda:
+        # Updates run on a thread of their own at any world size and on any device: their
+        # collectives are handed back to the thread that drives the model's (StepQueue), and
+        # their device work is ordered against compute by the copy streams' events.
+        if config.overlap_step and not config.step_in_backward:
             self._queue = StepQueue(on_wait=lambda s: ctx.pm.telemetry.record_stall(Tier.HOST, s, {"update": s}))
             ctx.overlap_step(self._queue)
             weakref.finalize(self, self._queue.close)
         if config.step_in_backward:
             ctx.on_grads_final(self._step_in_backward)
             ctx.on_iteration_end(self._drain)
-            # On one rank with the CPU as device, a block's update runs on a thread of its own
-            # while backward computes the blocks before it: the update mostly waits for its
-            # state's NVMe reads, which then overlap backward's compute. (With several ranks an
-            # update touches the all-gathers the backward thread manages, and CUDA streams are
-            # per thread: those run the update inline until that path is measured on a GPU.)
-            if ctx.world_size == 1 and not ctx.pm.streams.cuda:
-                self._updater = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierzero-update")
-                weakref.finalize(self, self._updater.shutdown, wait=False)
+            # A block's update runs on a thread of its own while backward computes the blocks
+            # before it: the update mostly waits for its state's NVMe reads, which then overlap
+            # backward's compute.
+            self._updater = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierzero-update")
+            weakref.finalize(self, self._updater.shutdown, wait=False)
 
     def _check_update_room(self, flat: FlatParam) -> None:
         """A block's update holds its gradient, master weights and moments at once on the tier
@@ -279,19 +281,19 @@ class TieredOptimizer(torch.optim.Optimizer):
             update = functools.partial(self._step_flat, flat, groups,
                                        then=lambda i=i: self._read_ahead(todo[i + 1:i + 1 + READ_AHEAD]))
             if self._queue is None:
-                update()
+                _then_collectives(update())
             else:
                 self._queue.submit(flat.param, flat.name, self._beside_compute(update))
         return loss
 
-    def _beside_compute(self, update: Callable[[], None]) -> Callable[[], None]:
+    def _beside_compute(self, update: Callable[[], _C]) -> Callable[[], _C]:
         """`update` run on a thread beside compute: its waits for data are not stalls of the
         training loop (telemetry counts them apart; the loop's waits for the update are)."""
         telemetry = self._model_state.pm.telemetry
 
-        def beside() -> None:
+        def beside() -> _C:
             with telemetry.background():
-                update()
+                return update()
         return beside
 
     @torch.no_grad()
@@ -313,23 +315,27 @@ class TieredOptimizer(torch.optim.Optimizer):
         ahead = self._flats[max(0, i - 1):i]
         groups = self.param_groups
 
-        def update() -> None:
+        def update() -> Callable[[], None] | None:
             with torch.no_grad():
-                self._step_flat(flat, groups, then=lambda: self._read_ahead(ahead, grad=False))
+                collectives = self._step_flat(flat, groups, then=lambda: self._read_ahead(ahead, grad=False))
                 flat_grad(flat).clear()  # used up: its host room goes back now, and it never reaches NVMe
+                return collectives
 
         if self._updater is None:
-            update()
+            _then_collectives(update())
         else:  # in order, one at a time, while backward goes on
             self._pending.append(self._updater.submit(self._beside_compute(update)))
 
     def _drain(self) -> None:
-        """Wait for the updates started during this backward; raise the first one's error."""
+        """Wait for the updates started during this backward, then run their collectives here,
+        in order (the thread that drives the model's); raise the first error."""
         pending, self._pending = self._pending, []
         cf.wait(pending)
         for fut in pending:
             if fut.exception() is not None:
                 raise fut.exception()
+        for fut in pending:
+            _then_collectives(fut.result())
 
     def driven_by(self, loop: str) -> None:
         """Declare that `loop` (e.g. "tierzero.hf.Trainer") drives this optimizer and handles the
@@ -363,14 +369,17 @@ class TieredOptimizer(torch.optim.Optimizer):
             for handle in self._live_states(flat).values():
                 pm.prefetch(handle, handle.staging, speculative=k > 0)
 
-    def _step_flat(self, flat: FlatParam, groups: list[dict[str, Any]], *, then: Callable[[], None]) -> None:
+    def _step_flat(self, flat: FlatParam, groups: list[dict[str, Any]], *,
+                   then: Callable[[], None]) -> Callable[[], None] | None:
         """Update `flat` with its groups' hyper-parameters; `then` (the next block's prefetch)
         runs once this block's state is pinned, so the read-ahead can never evict what this
-        update is about to use."""
+        update is about to use. Returns the update's collectives (FlatParam.master_updated) for
+        the caller to run on the thread that drives the model's."""
         pm = self._model_state.pm
         handles = list(self._live_states(flat).values())
         gradient = flat_grad(flat)
-        with torch.profiler.record_function(f"tierzero::optimizer_step {flat.name}"), gradient.acquire() as grad:
+        with torch.profiler.record_function(f"tierzero::optimizer_step {flat.name}"), pm.streams.context(), \
+                gradient.acquire() as grad:
             tensors = [pm.acquire(h, h.staging) for h in handles]
             try:
                 then()
@@ -383,7 +392,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                     grads = [gradient.scaled(grad[lo:hi]) for lo, hi, _ in pieces]
                     self._update(groups[c], [steps[j] for _, _, j in pieces], grads,
                                  *([t[lo:hi] for lo, hi, _ in pieces] for t in tensors))
-                flat.master_updated(tensors[0])
+                return flat.master_updated(tensors[0])
             finally:
                 for h in handles:
                     pm.release(h, h.staging, dirty=True)
@@ -474,7 +483,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             self.set_block_steps(flat, entry["step"])
             for k, h in self._live_states(flat).items():
                 pm.store(h, entry[k.value])
-            flat.master_updated(entry[Kind.MASTER.value])
+            _then_collectives(flat.master_updated(entry[Kind.MASTER.value]))
 
 
 _OPTIMIZER_OF: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[TieredOptimizer]]" = weakref.WeakKeyDictionary()
@@ -521,6 +530,12 @@ def _hyper_key(group: dict[str, Any]) -> tuple[Any, ...]:
             return ("tensor", id(v))
         return tuple(hashable(x) for x in v) if isinstance(v, (list, tuple)) else v
     return tuple((k, hashable(v)) for k, v in sorted(group.items()) if k not in ("params", "param_names"))
+
+
+def _then_collectives(collectives: Callable[[], None] | None) -> None:
+    """Run an update's collectives (none: nothing to run) on this thread, which drives the model's."""
+    if collectives is not None:
+        collectives()
 
 
 def flat_grad(flat: FlatParam) -> FlatGrad:

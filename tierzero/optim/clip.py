@@ -15,12 +15,15 @@ from tierzero.runtime import FlatParam, StepContext, all_reduce_, rank_errors
 
 def _global_norm(shard_norms: list[torch.Tensor], norm_type: float, ctx: StepContext) -> torch.Tensor:
     """The norm over every rank's gradient shards from this rank's per-shard norms (shards split
-    the flat gradients exactly, padding holds zeros)."""
-    local = torch.stack(shard_norms).to(ctx.device)
+    the flat gradients exactly, padding holds zeros), reduced on the device."""
+    local = torch.stack([n.to(ctx.device) for n in shard_norms])
+    streams = ctx.pm.streams
     with rank_errors(ctx.rank, ctx.world_size, "all-reduce of the gradient norm"):
         if math.isinf(norm_type):
-            return all_reduce_(local.max(), ctx.group, ctx.world_size, op="max", comm=ctx.comm).cpu()
-        powered = all_reduce_(local.pow(norm_type).sum(), ctx.group, ctx.world_size, comm=ctx.comm)
+            return all_reduce_(streams.to_device(local.max()), ctx.group, ctx.world_size, streams, op="max",
+                               comm=ctx.comm).cpu()
+        powered = all_reduce_(streams.to_device(local.pow(norm_type).sum()), ctx.group, ctx.world_size, streams,
+                              comm=ctx.comm)
     return powered.pow(1.0 / norm_type).cpu()
 
 

@@ -4,7 +4,8 @@ One module per level, from the bytes up (see the manager's module docstring for 
 
     handles.py    TensorHandle and Kind: what a placed tensor is
     tiers.py      Budget (a tier's byte account) and HostPool (page-aligned, pinned with CUDA)
-    streams.py    the device's copy streams and events (synchronous stand-ins on the CPU)
+    stand_in.py   the CPU's asynchronous stand-in for them: serial copy workers, poison, checks
+    streams.py    the device's copy streams and events (CUDA's, or the CPU's stand-ins)
     cow_home.py   a checkpoint's files serving as NVMe homes until first written
     swap_dirs.py  this run's locked folder; reclaiming what killed runs left, safely
     nvme.py       this run's swap files: extents, checksummed IO through io_engine
@@ -23,8 +24,10 @@ from tierzero.placement.handles import TRAFFIC_GROUPS, Kind, TensorHandle
 from tierzero.placement.manager import PlacementManager
 from tierzero.placement.nvme import ChecksumError, SwapSpace
 from tierzero.placement.residency import Residency, TensorRecord
+from tierzero.placement.streams import CopyEvent, CopyStreams, mutated
 from tierzero.placement.telemetry import MAX_EVENTS, STALL_SOURCES, StepStats, Telemetry
 
 __all__ = ["PlacementManager", "Tier", "Kind", "TensorHandle", "TRAFFIC_GROUPS", "Residency", "TensorRecord",
+           "CopyStreams", "CopyEvent", "mutated",
            "EvictionPolicy", "LeastRecentlyUsed", "CheckpointHome", "Segment", "SwapSpace", "ChecksumError",
            "StepStats", "Telemetry", "MAX_EVENTS", "STALL_SOURCES"]

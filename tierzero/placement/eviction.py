@@ -113,16 +113,37 @@ class Room:
             f"{tier.value} tier{because} but tensors homed there already hold {format_size(homes)} of its "
             f"{format_size(limit)} budget; raise {tier.value}_budget or home some tensors on another tier")
 
+    def check_working_set(self, what: str, handles: Sequence[TensorHandle],
+                          extra: Sequence[tuple[Tier, int]] = ()) -> None:
+        """ValueError when `handles` acquired on their staging tiers at once (plus `extra`
+        buffers) can never fit beside the tensors homed there (PlacementManager.check_working_set)."""
+        need: dict[Tier, int] = {}
+        for h in handles:
+            if h.staging is not h.home:
+                need[h.staging] = need.get(h.staging, 0) + self.stores[h.staging].reserved(h.nbytes)
+        for tier, nbytes in extra:
+            need[tier] = need.get(tier, 0) + self.stores[tier].reserved(nbytes)
+        for tier, nbytes in need.items():
+            limit, homed = self.stores[tier].budget.limit, self._homes[tier]
+            if nbytes > limit - homed:
+                names = ", ".join(h.name for h in handles if h.staging is tier and h.home is not tier)
+                raise ValueError(
+                    f"{what} holds {format_size(nbytes)} on the {tier.value} tier at once ({names}), beside the "
+                    f"{format_size(homed)} homed there, but the {tier.value} budget is {format_size(limit)}; "
+                    f"raise {tier.value}_budget to at least {homed + nbytes} bytes, or split the model into "
+                    "smaller blocks (Config.block_classes)")
+
     def take(self, needs: Sequence[tuple[Tier, int]], exclude: TensorHandle | None, *,
-             speculative: bool = False) -> list[Buffer] | Shortfall:
+             speculative: bool = False, home: bool = False) -> list[Buffer] | Shortfall:
         """A buffer for every (tier, nbytes) in `needs`, evicting by policy (never a copy of
         `exclude`, the tensor the buffers are for); all or nothing. On a shortfall, dirty
         copies on the tier that fell short start being written back. A `speculative` need (a
         read further ahead) does neither that nor evict a prefetched copy not used yet: it
-        never pushes out data still to be used."""
+        never pushes out data still to be used. `home`: the first need is a tensor's home (it
+        lives as long as the tensor)."""
         got: list[Buffer] = []
-        for tier, nbytes in needs:
-            buf = self._alloc_evicting(tier, nbytes, exclude, speculative)
+        for i, (tier, nbytes) in enumerate(needs):
+            buf = self._alloc_evicting(tier, nbytes, exclude, speculative, home and i == 0)
             if buf is None:
                 for (t, _), b in zip(needs, got):
                     self.stores[t].free(b)
@@ -133,9 +154,9 @@ class Room:
         return got
 
     def _alloc_evicting(self, tier: Tier, nbytes: int, exclude: TensorHandle | None,
-                        speculative: bool = False) -> Buffer | None:
+                        speculative: bool = False, home: bool = False) -> Buffer | None:
         store = self.stores[tier]
-        buf = store.alloc(nbytes)
+        buf = store.alloc(nbytes, home=home)
         if buf is not None:
             return buf
         candidates = [h for (h, t) in self._lru if t is tier and h is not exclude and self._evictable(h, tier)]
@@ -148,7 +169,7 @@ class Room:
             if victim not in allowed or not self._evictable(victim, tier):
                 continue
             self._evict(victim, tier)
-            buf = store.alloc(nbytes)
+            buf = store.alloc(nbytes, home=home)
             if buf is not None:
                 return buf
         return None

@@ -41,13 +41,10 @@ notifies waiters, and a call that must wait for room or a move sleeps on it.
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures as cf
-import signal
-import sys
+import os
 import threading
 import time
-import weakref
 from typing import Callable, Sequence, TypeVar
 
 import numpy as np
@@ -60,41 +57,15 @@ from tierzero.placement.handles import Kind, TensorHandle
 from tierzero.placement.moves import Move, stall_sources, staging_needs
 from tierzero.placement.nvme import SwapRegion, SwapSpace
 from tierzero.placement.residency import Residency, ResidencyTable, TensorRecord, assert_in_states
-from tierzero.placement.streams import CopyStreams, resolve_device
+from tierzero.placement.streams import MUTATIONS, CopyEvent, CopyStreams, resolve_device
+from tierzero.placement.swap_dirs import close_at_exit, closed, exit_on_sigterm
 from tierzero.placement.telemetry import Telemetry
 from tierzero.placement.tier_store import flat, tier_stores
-from tierzero.placement.tiers import Budget, HostPool, round_up
+from tierzero.placement.tiers import Budget, HostPool, PinnedArena, round_up
 
 __all__ = ["PlacementManager", "Residency", "TensorRecord", "EvictionPolicy", "LeastRecentlyUsed", "Move"]
 
 _T = TypeVar("_T")
-
-_OPEN: "weakref.WeakSet[PlacementManager]" = weakref.WeakSet()
-"""Placement managers not closed yet: closed at interpreter exit, so a script that ends
-without closing its model leaves no swap files behind."""
-
-
-def _exit_on_sigterm() -> None:
-    """SIGTERM (what schedulers and torchrun send to stop a process) ends it the way SIGINT
-    does: an exception unwinds the program, so `finally` blocks and the close at exit run and no
-    swap file stays behind. Installed once, from the main thread, and only over the default
-    handler: a program's own SIGTERM handler is left alone."""
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _raise_exit)
-
-
-def _raise_exit(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
-@atexit.register
-def _close_at_exit() -> None:
-    for pm in list(_OPEN):
-        try:
-            pm.close(flush=False)  # the swap files go: writing dirty copies into them is waste
-        except Exception as e:  # the interpreter is exiting: report, close the others
-            print(f"tierzero: closing {pm!r} at exit failed: {e}", file=sys.stderr)
-
 
 class PlacementManager:
     """Places registered tensors on the device, host and NVMe tiers within their budgets.
@@ -107,19 +78,26 @@ class PlacementManager:
     """
 
     def __init__(self, config: Config, rank: int = 0, device: torch.device | str | None = None, *,
-                 wait_timeout_s: float = 60.0, stuck_after_s: float = 2.0) -> None:
+                 world_size: int = 1, wait_timeout_s: float = 60.0, stuck_after_s: float = 2.0) -> None:
         self.config = config
         self.rank = rank
-        self.device = resolve_device(device)
+        local_rank = os.environ.get("LOCAL_RANK")
+        self.device = resolve_device(device if device is not None else config.device, world_size=world_size,
+                                     rank=rank, local_rank=None if local_rank is None else int(local_rank))
         self.wait_timeout_s = wait_timeout_s
         self.stuck_after_s = stuck_after_s
         self.telemetry = Telemetry()
-        self.streams = CopyStreams(self.device)
+        self.streams = CopyStreams(self.device, config.stream_settings())
         self.budgets = {t: Budget(t, config.budget(t.value)) for t in Tier}
         for b in self.budgets.values():
             b.add_hook(self.telemetry.on_bytes)
-        self.pool = HostPool(self.budgets[Tier.HOST], pinned=self.streams.cuda)
-        self.device_pool = None if self.streams.cuda else HostPool(self.budgets[Tier.DEVICE], pinned=False)
+        # Asynchronous copies need pinned host memory: one region, pinned once (tiers.py).
+        self.pool: HostPool | PinnedArena = (
+            PinnedArena(self.budgets[Tier.HOST], pin=self.streams.cuda, on_free=self.streams.host_freeing)
+            if self.streams.asynchronous else HostPool(self.budgets[Tier.HOST]))
+        if isinstance(self.pool, PinnedArena):
+            self.streams.register_pinned(self.pool.base, self.pool.size)
+        self.device_pool = None if self.streams.cuda else HostPool(self.budgets[Tier.DEVICE])
         self.swap = None
         if config.nvme_dir is not None:
             self.swap = SwapSpace(config.nvme_dir, rank, self.budgets[Tier.NVME], config.io,
@@ -131,14 +109,15 @@ class PlacementManager:
         except BaseException:
             if self.swap is not None:
                 self.swap.close()
+            self.streams.close()
             raise
         self._room = self._table.room
         self._cond = self._table.cond
         self._scratch: dict[int, tuple[Tier, int]] = {}
         """Scratch buffers handed out: data_ptr -> (tier, the thread holding it)."""
         self._closed = False
-        _OPEN.add(self)
-        _exit_on_sigterm()
+        close_at_exit(self)
+        exit_on_sigterm()
 
     # ----------------------------------------------------------------------------- public API
 
@@ -188,7 +167,8 @@ class PlacementManager:
             for tier, nbytes in staging:
                 self._room.check_fits(h.name, nbytes, tier, why="NVMe-homed tensors are staged through host memory")
             needs = [(h.home, h.nbytes)] + staging
-            buf, *staged = self._wait_until(lambda: self._room.take(needs, h), h.name, f"register({h.name!r})")
+            buf, *staged = self._wait_until(lambda: self._room.take(needs, h, home=True), h.name,
+                                            f"register({h.name!r})")
             self._table.to_home(h, data, buf, staged[0] if staged else None, lazy=lazy, borrowed=borrowed)
             return h
 
@@ -270,26 +250,35 @@ class PlacementManager:
             self.telemetry.record_prefetch(hit)
             if t0 - asked > 1e-3:  # time spent waiting for room (or for another copy's move)
                 self.telemetry.record_stall(tier, t0 - asked, {"room": t0 - asked})
+            event = copy.event
             if move is not None:
-                cf.wait([move.future])
+                # A fetch toward the device is waited for on the host only until its copy is
+                # queued; compute then waits for the copy's event on its own stream.
+                waited = move.issued if move.dst is tier and move.issued is not None else move.future
+                cf.wait([waited])
                 t1 = time.perf_counter()
                 self.telemetry.record_stall(tier, t1 - t0, stall_sources(move.legs, t0, t1))
-                error = move.future.exception() if move.dst is tier else None
+                error = waited.exception() if move.dst is tier else None
                 if error is not None:
                     raise error  # the fetch failed; its copy is gone
+                if waited is move.issued:
+                    event = move.issued.result()
             with self._cond:
-                assert_in_states(rec, tier, Residency.RESIDENT, Residency.WRITING_BACK)
-            self.streams.compute_wait(copy.event, copy.tensor)
+                assert_in_states(rec, tier, Residency.FETCHING, Residency.RESIDENT, Residency.WRITING_BACK)
+            if "fetch_wait" not in MUTATIONS:
+                self.streams.compute_wait(event, copy.tensor)
             return copy.tensor
 
     def release(self, h: TensorHandle, tier: Tier | str = Tier.DEVICE, *, dirty: bool = False,
-                lazy: bool = False) -> None:
+                lazy: bool = False, written: CopyEvent | None = None) -> None:
         """Unpin; dirty=True writes this copy's contents back to the home tier (async).
 
         lazy=True (with dirty, for a host copy of an NVMe home): keep the copy dirty instead; it
         is written home only when its room is needed (or by flush()), and never if discard()
         comes first: a gradient used and cleared within a step never reaches the disk. Where a
-        write-back would need a staging buffer (a device copy of an NVMe home) it is eager."""
+        write-back would need a staging buffer (a device copy of an NVMe home) it is eager.
+        written: the caller's last write into the copy is a copy still in flight (a gradient's
+        device-to-host copy); every reader, write-back and free of the copy waits for it."""
         rec, tier = self._lookup(h, tier, "release")
         lazy = lazy and dirty and tier is not h.home and not staging_needs(tier, h.home, h.nbytes)
         with self._cond:
@@ -297,18 +286,19 @@ class PlacementManager:
             self._check_live(rec)
             self._table.releasing(rec, tier)
             staging = None
+            moving = (Residency.FETCHING, Residency.WRITING_BACK)  # a fetch commits after its copy is queued
             if lazy:
-                self._wait_until(lambda: rec.residency[tier] is not Residency.WRITING_BACK or None, rec,
-                                 f"release({h.name!r}, {tier.value!r}, lazy=True) waiting for its write-back")
+                self._wait_until(lambda: rec.residency[tier] not in moving or None, rec,
+                                 f"release({h.name!r}, {tier.value!r}, lazy=True) waiting for its move")
             elif dirty and tier is not h.home:
-                # Still pinned while waiting (for an earlier write-back of this copy to finish,
-                # and for a staging buffer), so the dirty copy cannot be evicted meanwhile.
+                # Still pinned while waiting (for an earlier move of this copy to finish, and
+                # for a staging buffer), so the dirty copy cannot be evicted meanwhile.
                 needs = staging_needs(tier, h.home, h.nbytes)
                 bufs = self._wait_until(
-                    lambda: None if rec.residency[tier] is Residency.WRITING_BACK else self._room.take(needs, h),
+                    lambda: None if rec.residency[tier] in moving else self._room.take(needs, h),
                     rec, f"release({h.name!r}, {tier.value!r}, dirty=True)")
                 staging = flat(bufs[0]) if bufs else None
-            self._table.release(rec, tier, dirty=dirty, staging=staging, lazy=lazy)
+            self._table.release(rec, tier, dirty=dirty, staging=staging, lazy=lazy, written=written)
             self._cond.notify_all()
 
     def discard(self, h: TensorHandle) -> None:
@@ -350,9 +340,9 @@ class PlacementManager:
         with self._cond:
             self._check_open()
             self._check_live(rec)
-            needs = staging_needs(None, h.home, h.nbytes)
-            bufs = self._wait_until(lambda: None if rec.in_flight else self._room.take(needs, h),
-                                    rec, f"store({h.name!r}) waiting for its moves")
+            bufs = self._wait_until(lambda: None if rec.in_flight else self._room.take(
+                [(Tier.HOST, h.nbytes)] if self._table.store_staging(rec, data) else [], h),
+                rec, f"store({h.name!r}) waiting for its moves")
             self._table.store(rec, data, flat(bufs[0]) if bufs else None)
             self._cond.notify_all()
 
@@ -370,20 +360,32 @@ class PlacementManager:
                              rec, f"read({h.name!r}) waiting for its write-backs")
             return self._table.read_home(rec, None if out is None else torch.from_numpy(out))
 
-    def reserve_scratch(self, nbytes: int, tier: Tier | str = Tier.DEVICE, *, what: str) -> torch.Tensor:
-        """A uint8 buffer of at least `nbytes` on `tier` that the caller fills itself (a block
-        gathered from every rank's shards), reserved within the tier's budget like any copy
-        (evicting unpinned cached copies, waiting up to wait_timeout_s for releases); give it
-        back with free_scratch(). `what` names it in errors."""
+    def reserve_scratch(self, nbytes: int, tier: Tier | str = Tier.DEVICE, *, what: str,
+                        wait: bool = True) -> torch.Tensor | None:
+        """A uint8 buffer of at least `nbytes` on `tier` that the caller fills and computes on
+        itself (a block gathered from every rank's shards), reserved within the tier's budget
+        like any copy (evicting unpinned cached copies, waiting up to wait_timeout_s for
+        releases; wait=False: None when there is no room now); give it back with
+        free_scratch(). The calling thread's compute stream is recorded as its user, so its
+        memory is not handed out again before that compute is done. `what` names it in errors."""
         tier = Tier.parse(tier, what=f"reserve_scratch({what!r}) tier")
         if tier is Tier.NVME:
             raise ValueError(f"reserve_scratch({what!r}, 'nvme'): scratch buffers live on 'device' or 'host'")
         with self._cond:
             self._check_open()
             self._room.check_fits(what, nbytes, tier)
-            (buf,) = self._wait_until(lambda: self._room.take([(tier, nbytes)], None), what,
-                                      f"reserve_scratch({what!r}, {tier.value!r})")
+            if wait:
+                (buf,) = self._wait_until(lambda: self._room.take([(tier, nbytes)], None), what,
+                                          f"reserve_scratch({what!r}, {tier.value!r})")
+            else:
+                got = self._room.take([(tier, nbytes)], None, speculative=True)
+                if isinstance(got, Shortfall):
+                    return None
+                (buf,) = got
             self._scratch[flat(buf).data_ptr()] = (tier, threading.get_ident())
+        if tier is Tier.DEVICE:
+            self.streams.lend(flat(buf), what)
+            self.streams.compute_wait(None, flat(buf))
         return flat(buf)
 
     def free_scratch(self, buf: torch.Tensor, tier: Tier | str = Tier.DEVICE) -> None:
@@ -404,8 +406,7 @@ class PlacementManager:
 
     def nvme_location(self, h: TensorHandle) -> tuple[str, int]:
         """(file, byte offset) where an NVMe-homed tensor's bytes start: a swap file, or the
-        checkpoint file of a copy-on-write home (see [Note: copy-on-write home] in tierzero/placement/cow_home.py); for tools that inspect
-        or repair swap files, and for tests that damage them on purpose."""
+        checkpoint file of a copy-on-write home ([Note: copy-on-write home]); for tools and tests."""
         rec = self._record_of(h, "nvme_location")
         if h.home is not Tier.NVME or self.swap is None:
             raise ValueError(f"nvme_location({h.name!r}): the tensor is homed on {h.home.value}, not nvme")
@@ -441,8 +442,9 @@ class PlacementManager:
         self.settle()
 
     def settle(self) -> None:
-        """Wait for every move in flight (dirty cached copies stay dirty); raise the first
-        write-back error since the last flush or settle."""
+        """Wait for every move in flight (dirty cached copies stay dirty) and for the streams to
+        pass the device buffers freed; raise the first write-back error since the last flush or
+        settle."""
         while True:
             with self._cond:
                 futures = [m.future for m in self._table.moves.all()]
@@ -450,6 +452,8 @@ class PlacementManager:
                 break
             cf.wait(futures)
         with self._cond:
+            for store in self._tiers.values():
+                store.settle()
             errors, self._table.errors = self._table.errors, []
         if errors:
             raise errors[0]
@@ -476,7 +480,7 @@ class PlacementManager:
         exit, when concurrent.futures already refuses new work and the files are going anyway)."""
         if self._closed:
             return
-        _OPEN.discard(self)
+        closed(self)
         error: BaseException | None = None
         try:
             if flush:
@@ -490,6 +494,7 @@ class PlacementManager:
             self._cond.notify_all()  # a call still waiting for room fails now, not after its timeout
         for store in self._tiers.values():
             store.close()
+        self.streams.close()
         if error is not None:
             raise error
 
@@ -518,7 +523,7 @@ class PlacementManager:
                              rec, f"acquire({h.name!r}) waiting for write-backs to its home")
             self._table.check_home(rec)
             copy = self._table.pin(rec, h.home)
-        self.streams.compute_wait(None, copy.tensor)
+        self.streams.compute_wait(copy.event, copy.tensor)
         return copy.tensor
 
     def _wait_until(self, attempt: Callable[[], _T | Shortfall | None], subject: TensorRecord | str,
@@ -580,26 +585,11 @@ class PlacementManager:
 
     def check_working_set(self, what: str, handles: Sequence[TensorHandle],
                           extra: Sequence[tuple[Tier, int]] = ()) -> None:
-        """ValueError when `handles` acquired on their staging tiers at once (plus `extra`
-        buffers) can never fit there beside the tensors homed on those tiers: a caller that
-        holds them together (an optimizer's update of one block) checks at its construction,
-        not at its first step."""
-        need: dict[Tier, int] = {}
-        for h in handles:
-            if h.staging is not h.home:
-                need[h.staging] = need.get(h.staging, 0) + self._tiers[h.staging].reserved(h.nbytes)
-        for tier, nbytes in extra:
-            need[tier] = need.get(tier, 0) + self._tiers[tier].reserved(nbytes)
+        """ValueError when `handles` acquired on their staging tiers at once (plus `extra`) can
+        never fit beside the tensors homed there: checked at construction by a caller that holds
+        them together (an optimizer's update of one block), not at its first step."""
         with self._cond:
-            for tier, nbytes in need.items():
-                limit, homed = self.budgets[tier].limit, self._room.homed(tier)
-                if nbytes > limit - homed:
-                    names = ", ".join(h.name for h in handles if h.staging is tier and h.home is not tier)
-                    raise ValueError(
-                        f"{what} holds {format_size(nbytes)} on the {tier.value} tier at once ({names}), beside the "
-                        f"{format_size(homed)} homed there, but the {tier.value} budget is {format_size(limit)}; "
-                        f"raise {tier.value}_budget to at least {homed + nbytes} bytes, or split the model into "
-                        "smaller blocks (Config.block_classes)")
+            self._room.check_working_set(what, handles, extra)
 
     def _record_of(self, h: TensorHandle, what: str) -> TensorRecord:
         self._check_open()

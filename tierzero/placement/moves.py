@@ -10,7 +10,9 @@ manager turns that into an `Outcome` and commits it under its lock. The body's l
 
     fetch       NVMe -> host (io_engine read into the destination host copy, or into a staging
                 buffer when the destination is the device), then host or device -> the
-                destination (copy stream)
+                destination (copy stream); a copy toward the device is announced as issued
+                (`FetchPlan.issued`, its event) as soon as it is queued: acquire() then orders
+                compute after the event instead of waiting on the host for the copy to land
     write-back  the cached copy -> its home (copy stream); for an NVMe home, device -> host
                 staging (copy stream), then host -> NVMe (io_engine write)
     store       a host staging copy of the caller's data -> the NVMe home (io_engine write)
@@ -30,7 +32,7 @@ import torch
 from tierzero.config import Tier
 from tierzero.placement.handles import TensorHandle
 from tierzero.placement.nvme import SwapSpace
-from tierzero.placement.streams import DONE, CopyEvent, CopyStreams
+from tierzero.placement.streams import DONE, MUTATIONS, CopyEvent, CopyStreams
 from tierzero.placement.tier_store import Buffer, flat, region, typed
 
 
@@ -93,6 +95,9 @@ class Move(NamedTuple):
     future: cf.Future[None]
     start: float
     legs: list[Leg]
+    issued: cf.Future[CopyEvent] | None = None
+    """A fetch's: done once its last copy is queued, with that copy's event (toward the device:
+    compute may order itself after it while the move waits for the copy to land)."""
 
 
 class MoveTable:
@@ -201,6 +206,8 @@ class FetchPlan(NamedTuple):
     does not wait for that write)."""
     source_fetch: cf.Future[None] | None
     """The fetch still filling `source`, when there is one: its failure fails this fetch."""
+    issued: cf.Future[CopyEvent]
+    """Set by the body once the copy toward the device is queued (else when the move ends)."""
 
 
 class WritebackPlan(NamedTuple):
@@ -247,6 +254,8 @@ def run_fetch(plan: FetchPlan, io: MoveIO) -> Done:
             t0 = time.perf_counter()
         copy_src = plan.source.tensor if plan.staging is None else typed(plan.staging, h)
         event = io.streams.copy(plan.copy.tensor, copy_src, after=plan.ready)
+        if plan.dst is Tier.DEVICE and io.streams.asynchronous:
+            plan.issued.set_result(event)
         # The source and staging are freed at commit: they must outlive the copy.
         event.synchronize()
         spans.append(Span(plan.src if plan.staging is None else Tier.HOST, plan.dst, t0, time.perf_counter()))
@@ -255,6 +264,7 @@ def run_fetch(plan: FetchPlan, io: MoveIO) -> Done:
 
 def run_writeback(plan: WritebackPlan, io: MoveIO) -> Done:
     cf.wait(plan.after)
+    plan.copy.event.synchronize()  # the last write into the copy (a gradient's device-to-host copy)
     h, spans = plan.handle, []
     with torch.profiler.record_function(f"tierzero::writeback {h.name}"), io.streams.context():
         t0 = time.perf_counter()
@@ -264,7 +274,9 @@ def run_writeback(plan: WritebackPlan, io: MoveIO) -> Done:
             return Done(DONE, spans)
         landing = flat(plan.copy.buffer)
         if plan.staging is not None:
-            io.streams.copy(typed(plan.staging, h), plan.copy.tensor, after=plan.ready).synchronize()
+            event = io.streams.copy(typed(plan.staging, h), plan.copy.tensor, after=plan.ready)
+            if "writeback_wait" not in MUTATIONS:
+                event.synchronize()  # the staging buffer's bytes go to NVMe next
             spans.append(Span(plan.src, Tier.HOST, t0, time.perf_counter()))
             landing, t0 = plan.staging, time.perf_counter()
         io.nvme().write(region(plan.home.buffer), landing.numpy(), h.name, h.kind.traffic)

@@ -37,7 +37,7 @@ from tierzero.placement.moves import (Copy, Done, Failed, FetchPlan, Leg, Move, 
                                       StorePlan, WritebackPlan, run_fetch, run_store, run_writeback,
                                       staging_needs)
 from tierzero.placement.nvme import SwapSpace
-from tierzero.placement.streams import CopyStreams
+from tierzero.placement.streams import DONE, CopyEvent, CopyStreams
 from tierzero.placement.telemetry import Telemetry
 from tierzero.placement.tier_store import Buffer, TierStore, flat, region, typed
 from tierzero.placement.tiers import HostPool
@@ -178,9 +178,11 @@ class ResidencyTable:
         """The home's contents on the CPU: fresh, or in `out` (flat uint8, page-aligned)."""
         dirty = next((c for c in rec._copies.values() if c.dirty), None)
         if dirty is not None:  # newer than the home
+            dirty.event.synchronize()
             return dirty.tensor.detach().to("cpu", copy=True) if out is None else typed(out, rec.handle).copy_(dirty.tensor)
         self.check_home(rec)
         h, home = rec.handle, rec._copies[rec.home]
+        home.event.synchronize()
         if home.tensor is not None:
             if out is None:
                 return home.tensor.detach().to("cpu", copy=True)
@@ -223,11 +225,14 @@ class ResidencyTable:
         return copy
 
     def release(self, rec: TensorRecord, tier: Tier, *, dirty: bool, staging: torch.Tensor | None,
-                lazy: bool = False) -> None:
+                lazy: bool = False, written: CopyEvent | None = None) -> None:
         """Unpin (after releasing()); a dirty cached copy is written back (through `staging` for
         device -> NVMe), or with `lazy` only marked dirty (written back when its room is needed,
-        or never if discarded first); a dirty home invalidates the cached copies."""
+        or never if discarded first); a dirty home invalidates the cached copies. `written`:
+        the copy's last write, still in flight, which its readers and its free wait for."""
         copy = rec._copies[tier]
+        if written is not None:
+            copy.event = written
         if dirty and lazy:
             assert tier is not rec.home and staging is None, (rec, tier)
             copy.pins -= 1
@@ -245,26 +250,53 @@ class ResidencyTable:
             self._invalidate_cached(rec, keep=tier)
 
     def store(self, rec: TensorRecord, data: torch.Tensor, staging: torch.Tensor | None) -> None:
-        """Overwrite the home (an NVMe home asynchronously, from `staging`) and every cached copy."""
+        """Overwrite the home (an NVMe home asynchronously, from `staging`) and the cached copies:
+        an unpinned device copy is dropped (the next fetch brings the new values on the copy
+        stream); a device home or pinned device copy is written from `data` on the device, else
+        through `staging` on the copy stream (see `store_staging`)."""
         h, home = rec.handle, rec._copies[rec.home]
+        if staging is not None:
+            typed(staging, h).copy_(data)
+        pending = []
+        try:
+            for tier, copy in list(rec._copies.items()):
+                if tier is Tier.NVME:
+                    continue
+                if tier is not rec.home and tier is Tier.DEVICE and copy.pins == 0:
+                    self.drop(h, tier)
+                    continue
+                copy.event.synchronize()  # a copy still landing in it would overwrite the new values
+                if tier is Tier.DEVICE and not self._streams.is_device(data) and staging is not None:
+                    copy.event = self._streams.copy(copy.tensor, typed(staging, h))
+                    pending.append(copy.event)
+                else:
+                    copy.tensor.copy_(data)
+                    self._streams.compute_wait(None, copy.tensor)  # written on the compute stream
+                copy.stale = False
+                copy.dirty = False
+            for event in pending:  # the staging buffer is freed or written to NVMe next
+                event.synchronize()
+        except BaseException:
+            if staging is not None:
+                self._pool.free(staging)
+            raise
         if home.tensor is None:
-            try:
-                typed(flat(staging), h).copy_(data)
-            except BaseException:
-                self._pool.free(flat(staging))
-                raise
             self._submit(StorePlan(h, home, flat(staging)), Tier.HOST, Tier.NVME, run_store, self._finish_store,
                          key=Tier.NVME)
         else:
-            home.tensor.copy_(data)
-            self._streams.compute_wait(None, home.tensor)  # written on the compute stream
             rec._home_error = None
-        for tier, copy in rec._copies.items():
-            if tier is not rec.home:
-                copy.tensor.copy_(data)
-                copy.stale = False
-                copy.dirty = False
-                self._streams.compute_wait(None, copy.tensor)
+            if staging is not None:
+                self._pool.free(staging)
+
+    def store_staging(self, rec: TensorRecord, data: torch.Tensor) -> bool:
+        """Whether store() needs a host staging buffer: an NVMe home's write, or a device home
+        or pinned device copy written from host data on the copy stream (CUDA's non-blocking
+        copies need pinned memory)."""
+        if rec.home is Tier.NVME:
+            return True
+        device = rec._copies.get(Tier.DEVICE)
+        return (self._streams.asynchronous and not self._streams.is_device(data) and device is not None
+                and (rec.home is Tier.DEVICE or device.pins > 0))
 
     def plan_fetch(self, rec: TensorRecord, tier: Tier, *, speculative: bool = False) -> FetchPlan | Shortfall:
         """Choose the source of a copy toward `tier` and reserve its buffers."""
@@ -282,11 +314,12 @@ class ResidencyTable:
         source_fetch = self.moves.get(h, src)
         if source_fetch is not None and source_fetch.dst is not src:
             source_fetch = None  # the source's own write-back: it reads what this fetch reads
-        return FetchPlan(h, src, tier, rec._copies[src], Copy(bufs[0], self.stores[tier].view(bufs[0], h)),
+        source = rec._copies[src]
+        return FetchPlan(h, src, tier, source, Copy(bufs[0], self.stores[tier].view(bufs[0], h)),
                          flat(bufs[1]) if len(bufs) > 1 else None,
-                         self._streams.compute_ready() if src is Tier.DEVICE else None,
+                         self._streams.compute_ready() if src is Tier.DEVICE else source.event,
                          tuple(m.future for m in rec.in_flight if m.dst is src),  # not the home's write
-                         source_fetch.future if source_fetch is not None else None)
+                         source_fetch.future if source_fetch is not None else None, cf.Future())
 
     def try_fetch(self, rec: TensorRecord, tier: Tier, *, speculative: bool = False) -> Literal[True] | Shortfall:
         """Start a copy toward `tier` if there is room now; True if started or already there or
@@ -366,7 +399,9 @@ class ResidencyTable:
         for tier in [t for t in rec._copies if t is not h.home]:
             self.drop(h, tier)
         assert_in_states(rec, h.home, Residency.HOME)
-        self.stores[h.home].free(rec._copies.pop(h.home).buffer)
+        home = rec._copies.pop(h.home)
+        home.event.synchronize()
+        self.stores[h.home].free(home.buffer)
         self.room.remove_home(h)
         del self._records[h], self._names[h.name]
         rec._residency[h.home] = Residency.ABSENT
@@ -446,7 +481,9 @@ class ResidencyTable:
         rec = self._records[h]
         assert tier is not h.home and self.moves.get(h, tier) is None, (rec, tier)
         self.room.forget(h, tier)
-        self.stores[tier].free(rec._copies.pop(tier).buffer)
+        copy = rec._copies.pop(tier)
+        copy.event.synchronize()  # the last write into it has landed before its memory goes
+        self.stores[tier].free(copy.buffer)
         rec._residency[tier] = Residency.ABSENT
 
     # ----------------------------------------------------------------------------- moves
@@ -459,7 +496,8 @@ class ResidencyTable:
         submitted = time.perf_counter()
         pool = self._executor if Tier.NVME in (src, dst) else self._copier
         future = pool.submit(self._run, plan, body, finish, legs, submitted)
-        self.moves.add(key, Move(plan.handle, src, dst, plan.handle.nbytes, future, submitted, legs))
+        issued = plan.issued if isinstance(plan, FetchPlan) else None
+        self.moves.add(key, Move(plan.handle, src, dst, plan.handle.nbytes, future, submitted, legs, issued))
 
     def _run(self, plan: _P, body: Callable[[_P, MoveIO], Done], finish: Callable[[_P, Outcome], None],
              legs: list[Leg], submitted: float) -> None:
@@ -475,6 +513,11 @@ class ResidencyTable:
                 finish(plan, outcome)
             finally:  # waiters wake even if the commit itself failed
                 self.cond.notify_all()
+                if isinstance(plan, FetchPlan) and not plan.issued.done():  # not issued early: now
+                    if isinstance(outcome, Failed):
+                        plan.issued.set_exception(outcome.error)
+                    else:
+                        plan.issued.set_result(DONE)
         if isinstance(outcome, Failed):
             raise outcome.error
 

@@ -21,15 +21,20 @@ removes only what tierzero made, and only where it is sure the owner is dead:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import os
 import re
+import signal
 import stat
 import sys
+import threading
 import time
 import uuid
+import weakref
 from pathlib import Path
+from typing import Any
 
 from io_engine.owners import pid_alive, read_pid
 from tierzero.config import format_size
@@ -179,3 +184,41 @@ def _reclaim(parent: int, name: str, rank_dir: Path) -> None:
         os.rmdir(name, dir_fd=parent)
     print(f"tierzero: removed {format_size(freed)} of swap files left in {where} by process {pid}, which is gone",
           file=sys.stderr)
+
+
+# ------------------------------------------------------------------ no swap file left at exit
+
+_OPEN: "weakref.WeakSet[Any]" = weakref.WeakSet()
+"""Placement managers not closed yet: closed at interpreter exit, so a script that ends
+without closing its model leaves no swap files behind."""
+
+
+def close_at_exit(owner: Any) -> None:
+    """`owner.close(flush=False)` at interpreter exit unless `closed(owner)` came first."""
+    _OPEN.add(owner)
+
+
+def closed(owner: Any) -> None:
+    _OPEN.discard(owner)
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM (what schedulers and torchrun send to stop a process) ends it the way SIGINT
+    does: an exception unwinds the program, so `finally` blocks and the close at exit run and no
+    swap file stays behind. Installed once, from the main thread, and only over the default
+    handler: a program's own SIGTERM handler is left alone."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _raise_exit)
+
+
+def _raise_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    for owner in list(_OPEN):
+        try:
+            owner.close(flush=False)  # the swap files go: writing dirty copies into them is waste
+        except Exception as e:  # the interpreter is exiting: report, close the others
+            print(f"tierzero: closing {owner!r} at exit failed: {e}", file=sys.stderr)

@@ -5,10 +5,13 @@ budget has no room now), gives them back (`free`), and learns what a tensor real
 there (`reserved`: buffers are rounded up). The stores, one per tier:
 
     DEVICE  CudaTier: device memory from torch's caching allocator, allocated on the h2d copy
-            stream. Without CUDA the device tier is CPU memory with the device budget: a PoolTier
-            over its own HostPool, whose buffers are reused the way CUDA's caching allocator
-            reuses device blocks rather than page-faulting fresh memory on every copy.
-    HOST    PoolTier over the HostPool (pinned with CUDA, page-aligned always).
+            stream; a freed buffer's bytes go back to the budget once the streams that used it
+            are past it (when the allocator may hand it out again). Without CUDA the device
+            tier is CPU memory with the device budget: a PoolTier over its own HostPool, whose
+            buffers are reused the way CUDA's caching allocator reuses device blocks rather
+            than page-faulting fresh memory on every copy.
+    HOST    PoolTier over the host pool (tiers.py: a PinnedArena with CUDA and in the stream
+            stand-in, a HostPool otherwise; page-aligned always).
     NVME    NvmeTier: regions of this rank's swap files. It holds bytes, not tensors.
 
 A store's budget counts everything it holds (a pool's cached free buffers too); the stores are
@@ -17,7 +20,7 @@ not thread-safe on their own: PlacementManager calls them under its lock.
 
 from __future__ import annotations
 
-from typing import Protocol, Union
+from typing import Any, Protocol, Union
 
 import torch
 
@@ -25,7 +28,7 @@ from tierzero.config import Tier
 from tierzero.placement.handles import TensorHandle
 from tierzero.placement.nvme import SwapRegion, SwapSpace
 from tierzero.placement.streams import CopyStreams
-from tierzero.placement.tiers import Budget, HostPool, round_up
+from tierzero.placement.tiers import Budget, HostPool, PinnedArena, round_up
 
 Buffer = Union[torch.Tensor, SwapRegion]
 """What holds one copy's reservation: a flat uint8 tensor (device or host) or an NVMe region."""
@@ -37,8 +40,9 @@ class TierStore(Protocol):
     tier: Tier
     budget: Budget
 
-    def alloc(self, nbytes: int) -> Buffer | None:
-        """A buffer of at least `nbytes`, reserved from the budget; None when it has no room."""
+    def alloc(self, nbytes: int, *, home: bool = False) -> Buffer | None:
+        """A buffer of at least `nbytes`, reserved from the budget; None when it has no room.
+        `home`: it lives as long as its tensor (a pinned arena keeps those apart)."""
         ...
 
     def free(self, buffer: Buffer) -> None:
@@ -51,6 +55,10 @@ class TierStore(Protocol):
 
     def view(self, buffer: Buffer, handle: TensorHandle) -> torch.Tensor | None:
         """The buffer as the handle's tensor (shape, dtype); None on a tier of bytes (NVMe)."""
+        ...
+
+    def settle(self) -> None:
+        """Wait until what was freed is free for real (CUDA: the streams that used it are past it)."""
         ...
 
     def close(self) -> None:
@@ -76,25 +84,43 @@ def region(buffer: Buffer) -> SwapRegion:
 
 
 class PoolTier:
-    """A tier whose memory comes from a HostPool: the host tier, and the device tier's CPU
-    stand-in (see the module docstring)."""
+    """A tier whose memory comes from a host pool: the host tier, and the device tier on the
+    CPU (see the module docstring), whose buffers `streams` registers and announces freed."""
 
-    def __init__(self, tier: Tier, pool: HostPool) -> None:
+    def __init__(self, tier: Tier, pool: HostPool | PinnedArena, streams: CopyStreams | None = None) -> None:
         self.tier = tier
         self.pool = pool
         self.budget = pool.budget
+        self.streams = streams
 
-    def alloc(self, nbytes: int) -> torch.Tensor | None:
-        return self.pool.try_alloc(nbytes)
+    def alloc(self, nbytes: int, *, home: bool = False) -> torch.Tensor | None:
+        buf = self.pool.try_alloc(nbytes, home=home)
+        if buf is not None and self.streams is not None:
+            self.streams.register(buf)
+        return buf
 
     def free(self, buffer: Buffer) -> None:
-        self.pool.free(flat(buffer))
+        buf = flat(buffer)
+        if self.streams is None:
+            self.pool.free(buf)
+            return
+        self.streams.freeing(buf)
+        unrecorded = self.streams.unrecorded(buf)
+        self.pool.free(buf)
+        if unrecorded is not None:
+            raise RuntimeError(
+                f"tierzero (stream stand-in): the device buffer {unrecorded!r} was handed to compute and "
+                "freed without compute recording its use (CopyStreams.compute_wait): on CUDA the caching "
+                "allocator could hand its memory to the next copy while kernels still read it")
 
     def reserved(self, nbytes: int) -> int:
         return self.pool.bucket(nbytes)
 
     def view(self, buffer: Buffer, handle: TensorHandle) -> torch.Tensor:
         return typed(flat(buffer), handle)
+
+    def settle(self) -> None:
+        return None
 
     def close(self) -> None:
         self.pool.close()
@@ -104,25 +130,53 @@ class PoolTier:
 
 
 class CudaTier:
-    """The device tier on CUDA: exact-size buffers from torch's caching allocator."""
+    """The device tier on CUDA: exact-size buffers from torch's caching allocator. A freed
+    buffer that other streams used (compute, d2h) stays in the budget until events recorded on
+    those streams at the free complete: until then the allocator keeps the memory too."""
 
     def __init__(self, budget: Budget, streams: CopyStreams) -> None:
         self.tier = Tier.DEVICE
         self.budget = budget
         self.streams = streams
+        self._pending: list[tuple[list[Any], int]] = []
+        """(events, bytes) of freed buffers whose streams may still use them."""
 
-    def alloc(self, nbytes: int) -> torch.Tensor | None:
+    def alloc(self, nbytes: int, *, home: bool = False) -> torch.Tensor | None:
+        self._reap(wait=False)
         if not self.budget.try_reserve(nbytes):
-            return None
+            if not self._pending:
+                return None
+            self._reap(wait=True)  # the room is short: wait for the streams to pass the freed buffers
+            if not self.budget.try_reserve(nbytes):
+                return None
         try:
             with self.streams.alloc_context():
-                return torch.empty(nbytes, dtype=torch.uint8, device=self.streams.device)
+                buf = torch.empty(nbytes, dtype=torch.uint8, device=self.streams.device)
         except BaseException:
             self.budget.release(nbytes)
             raise
+        self.streams.register(buf)
+        return buf
 
     def free(self, buffer: Buffer) -> None:
-        self.budget.release(flat(buffer).numel())
+        buf = flat(buffer)
+        events = self.streams.freeing(buf)
+        if events:
+            self._pending.append((events, buf.numel()))
+        else:
+            self.budget.release(buf.numel())
+
+    def _reap(self, *, wait: bool) -> None:
+        keep = []
+        for events, nbytes in self._pending:
+            if wait:
+                for e in events:
+                    e.synchronize()
+            if wait or all(e.query() for e in events):
+                self.budget.release(nbytes)
+            else:
+                keep.append((events, nbytes))
+        self._pending = keep
 
     def reserved(self, nbytes: int) -> int:
         return nbytes
@@ -130,8 +184,11 @@ class CudaTier:
     def view(self, buffer: Buffer, handle: TensorHandle) -> torch.Tensor:
         return typed(flat(buffer), handle)
 
+    def settle(self) -> None:
+        self._reap(wait=True)
+
     def close(self) -> None:
-        return None
+        self._reap(wait=True)
 
     def __repr__(self) -> str:
         return f"CudaTier({self.streams.device}, {self.budget!r})"
@@ -145,7 +202,7 @@ class NvmeTier:
         self.swap = swap
         self.budget = swap.budget
 
-    def alloc(self, nbytes: int) -> SwapRegion | None:
+    def alloc(self, nbytes: int, *, home: bool = False) -> SwapRegion | None:
         return self.swap.try_alloc(nbytes)
 
     def free(self, buffer: Buffer) -> None:
@@ -157,6 +214,9 @@ class NvmeTier:
     def view(self, buffer: Buffer, handle: TensorHandle) -> None:
         return None
 
+    def settle(self) -> None:
+        return None
+
     def close(self) -> None:
         self.swap.close()
 
@@ -164,12 +224,12 @@ class NvmeTier:
         return f"NvmeTier({self.swap!r})"
 
 
-def tier_stores(budgets: dict[Tier, Budget], streams: CopyStreams, pool: HostPool,
+def tier_stores(budgets: dict[Tier, Budget], streams: CopyStreams, pool: HostPool | PinnedArena,
                 device_pool: HostPool | None, swap: SwapSpace | None) -> dict[Tier, TierStore]:
     """The store of every tier this manager has (no NVMe store without swap files)."""
     stores: dict[Tier, TierStore] = {
         Tier.DEVICE: CudaTier(budgets[Tier.DEVICE], streams) if device_pool is None
-        else PoolTier(Tier.DEVICE, device_pool),
+        else PoolTier(Tier.DEVICE, device_pool, streams),
         Tier.HOST: PoolTier(Tier.HOST, pool),
     }
     if swap is not None:

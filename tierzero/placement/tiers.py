@@ -1,15 +1,23 @@
-"""Tiers, byte budgets and the host buffer pool.
+"""Tiers, byte budgets and the host tier's memory.
 
 Every byte a tier holds is reserved from that tier's `Budget` before the memory is allocated or
 the move that fills it starts, and is given back when the memory is freed, so a budget is never
-exceeded, not even for a moment. Host memory comes from one `HostPool` whose buffers are pinned
-when CUDA is present (so host-to-device copies run asynchronously) and page-aligned always (so
-NVMe reads and writes can use O_DIRECT); the pool's cached free buffers count in the host budget
-too, because the memory is still held.
+exceeded, not even for a moment. Host memory is page-aligned always (so NVMe reads and writes
+can use O_DIRECT) and comes from one of two pools with the same interface:
+
+    HostPool     buffers allocated as needed, a free one cached for the next request of its
+                 size (cached buffers count in the budget: the memory is still held); the
+                 host tier of a CPU run, and the device tier's memory on the CPU
+    PinnedArena  one region the size of the budget, pinned once with CUDA (exactly its pages,
+                 where torch's pinned allocator rounds each allocation up to a power of two),
+                 handed out in 4 KiB-aligned slices; the host tier with CUDA (host-to-device
+                 copies from it run asynchronously) and in the stream stand-in
 """
 
 from __future__ import annotations
 
+import bisect
+import mmap
 import threading
 from typing import Callable
 
@@ -106,27 +114,24 @@ class Budget:
 
 
 class HostPool:
-    """Reusable host buffers, page-aligned and (with CUDA) pinned, all counted in the host budget.
+    """Reusable page-aligned host buffers, all counted in their budget.
 
-    Buffers are flat uint8 tensors whose size is a bucket: a multiple of 4096 bytes, or with
-    pinned memory the next power of two (torch's pinned allocator rounds to powers of two, so
-    that is what is really pinned). A freed buffer is cached for the next request of the same
-    bucket; cached buffers are dropped, largest first, when a request does not fit otherwise.
+    Buffers are flat uint8 tensors whose size is a bucket: a multiple of 4096 bytes. A freed
+    buffer is cached for the next request of the same bucket; cached buffers are dropped,
+    largest first, when a request does not fit otherwise.
     """
 
-    def __init__(self, budget: Budget, *, pinned: bool) -> None:
+    pinned = False
+
+    def __init__(self, budget: Budget) -> None:
         self.budget = budget
-        self.pinned = pinned
         self._lock = threading.Lock()
         self._free: dict[int, list[torch.Tensor]] = {}
         self._cached_bytes = 0
         self._in_use: dict[int, int] = {}  # data_ptr -> bucket size of buffers handed out
 
     def bucket(self, nbytes: int) -> int:
-        size = round_up(max(nbytes, 1))
-        if self.pinned:
-            size = 1 << (size - 1).bit_length()
-        return size
+        return round_up(max(nbytes, 1))
 
     @property
     def cached_bytes(self) -> int:
@@ -141,8 +146,9 @@ class HostPool:
     def in_use_count(self) -> int:
         return len(self._in_use)
 
-    def try_alloc(self, nbytes: int) -> torch.Tensor | None:
-        """A buffer of bucket(nbytes) bytes, or None when the host budget cannot hold it."""
+    def try_alloc(self, nbytes: int, *, home: bool = False) -> torch.Tensor | None:
+        """A buffer of bucket(nbytes) bytes, or None when the host budget cannot hold it (`home`
+        makes no difference: buffers are reused by size)."""
         size = self.bucket(nbytes)
         with self._lock:
             cached = self._free.get(size)
@@ -191,24 +197,115 @@ class HostPool:
                 self.budget.release(size)
                 freed += size
         self._free = {s: b for s, b in self._free.items() if b}
-        if freed and self.pinned:
-            # torch keeps freed pinned blocks in its own cache; hand them back for real.
-            empty_cache = getattr(torch._C, "_host_emptyCache", None)
-            if empty_cache is not None:
-                empty_cache()
         return freed
 
     def _new_buffer(self, size: int) -> torch.Tensor:
-        if self.pinned:
-            buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        else:
-            buf = torch.from_numpy(aligned_empty(size, ALIGNMENT))
+        buf = torch.from_numpy(aligned_empty(size, ALIGNMENT))
         if buf.data_ptr() % ALIGNMENT:
             raise RuntimeError(f"host buffer of {size} bytes at {buf.data_ptr():#x} is not "
                                f"{ALIGNMENT}-byte aligned; O_DIRECT IO needs page-aligned buffers")
         return buf
 
     def __repr__(self) -> str:
-        kind = "pinned" if self.pinned else "pageable"
-        return (f"HostPool({kind}, in_use={self.in_use_bytes}, cached={self._cached_bytes}, "
+        return (f"HostPool(in_use={self.in_use_bytes}, cached={self._cached_bytes}, "
                 f"budget={self.budget!r})")
+
+
+class PinnedArena:
+    """The host tier's memory as one region the size of its budget (see the module docstring),
+    pinned at construction with CUDA (`cudaHostRegister`: the pinned bytes are the region's,
+    never more than the budget) and unpinned at close. Slices are 4 KiB-aligned, the smallest
+    free extent that fits (best fit), merged with their free neighbours when given back; a
+    request that fits the budget but no free extent (fragmentation) gets None, as a full budget
+    does, so the caller evicts or waits. `on_free` sees every buffer given back (the stream
+    stand-in checks no copy is still queued on it). Homes (alive as long as their tensors) are
+    cut from the top of the highest free extent that fits, everything else from the bottom, so
+    that buffers that come and go do not leave holes between the ones that stay. Thread-safe."""
+
+    def __init__(self, budget: Budget, *, pin: bool, on_free: Callable[[torch.Tensor], None] | None = None) -> None:
+        self.budget = budget
+        self.pinned = pin
+        self.size = budget.limit // ALIGNMENT * ALIGNMENT
+        self._on_free = on_free
+        self._lock = threading.Lock()
+        # An anonymous mapping: page-aligned, its pages untouched until used.
+        self._map = mmap.mmap(-1, max(self.size, ALIGNMENT), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.region = torch.frombuffer(self._map, dtype=torch.uint8)[: self.size]
+        self.base = self.region.data_ptr()
+        if pin and self.size:
+            error = int(torch.cuda.cudart().cudaHostRegister(self.base, self.size, 0))
+            if error:
+                raise RuntimeError(f"pinning the host tier's {self.size} bytes failed (cudaHostRegister error "
+                                   f"{error}); lower host_budget, or raise the locked-memory limit (ulimit -l)")
+        self._starts: list[int] = [0] if self.size else []
+        """Offsets of the free extents, sorted; `_lengths` holds each one's length."""
+        self._lengths: dict[int, int] = {0: self.size} if self.size else {}
+        self._in_use: dict[int, tuple[int, int]] = {}  # data_ptr -> (offset, length)
+
+    def bucket(self, nbytes: int) -> int:
+        """Bytes a buffer of `nbytes` takes: whole pages."""
+        return round_up(max(nbytes, 1))
+
+    cached_bytes = 0
+    """Nothing is cached: given-back bytes return to the budget at once."""
+
+    @property
+    def in_use_bytes(self) -> int:
+        with self._lock:
+            return sum(length for _, length in self._in_use.values())
+
+    @property
+    def in_use_count(self) -> int:
+        return len(self._in_use)
+
+    def try_alloc(self, nbytes: int, *, home: bool = False) -> torch.Tensor | None:
+        """A slice of bucket(nbytes) bytes, or None when the budget or the free extents lack room."""
+        size = self.bucket(nbytes)
+        with self._lock:
+            fits = [s for s in self._starts if self._lengths[s] >= size]
+            if not fits or not self.budget.try_reserve(size):
+                return None
+            extent = fits[-1] if home else min(fits, key=lambda s: (self._lengths[s], s))
+            length = self._lengths.pop(extent)
+            self._starts.remove(extent)
+            start = extent + length - size if home else extent
+            rest = extent if home else extent + size
+            if length > size:
+                bisect.insort(self._starts, rest)
+                self._lengths[rest] = length - size
+            buf = self.region[start: start + size]
+            self._in_use[buf.data_ptr()] = (start, size)
+            return buf
+
+    def free(self, buf: torch.Tensor) -> None:
+        """Give a slice back: its bytes return to the budget and its extent to the free ones."""
+        if self._on_free is not None:
+            self._on_free(buf)
+        with self._lock:
+            start, size = self._in_use.pop(buf.data_ptr())
+            self.budget.release(size)
+            i = bisect.bisect(self._starts, start)
+            if i < len(self._starts) and self._starts[i] == start + size:  # merge the next extent
+                size += self._lengths.pop(self._starts.pop(i))
+            if i > 0 and self._starts[i - 1] + self._lengths[self._starts[i - 1]] == start:  # and the previous
+                start = self._starts[i - 1]
+                size += self._lengths[start]
+            else:
+                self._starts.insert(i, start)
+            self._lengths[start] = size
+
+    def trim(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        """Unpin the region; every slice must have been given back."""
+        if self._in_use:
+            raise RuntimeError(f"PinnedArena closed with {len(self._in_use)} buffers "
+                               f"({sum(n for _, n in self._in_use.values())} bytes) still in use")
+        if self.pinned and self.size and self.base:
+            torch.cuda.cudart().cudaHostUnregister(self.base)
+            self.base = 0
+
+    def __repr__(self) -> str:
+        kind = "pinned" if self.pinned else "pageable"
+        return f"PinnedArena({kind}, {self.size} bytes, in_use={self.in_use_bytes}, budget={self.budget!r})"

@@ -14,8 +14,10 @@ Phases of one iteration (a forward and its backward):
 3. `end()` at the end of the backward (or of an inference forward) adopts the new recording
    when it differs, writes one span per fetch to the telemetry's Chrome trace (track "blocks":
    each fetch to the next, with its stall), and learns the iteration's times (`BlockTimes`):
-   compute per trace position (the span less the stalls in it) and copy time per unit and
-   tier (from the telemetry's moves). A fetch that deviates from the trace (dynamic control
+   compute per trace position (the span less the stalls in it; on CUDA, where the host only
+   queues kernels, the GPU's time from the block's copy landing to the next fetch, between
+   timing events on the compute stream) and copy time per unit and tier (from the
+   telemetry's moves). A fetch that deviates from the trace (dynamic control
    flow) warns once and turns this iteration into on-demand fetching.
 
 Eviction: the prefetcher is also the placement manager's eviction policy. Tensors of no unit go
@@ -62,6 +64,10 @@ class _Mark(NamedTuple):
     sources1: dict[str, float] | None = None
     host_room: int = 0
     """Host bytes for unit copies when it was asked for (see Prefetcher._room)."""
+    begun: Any = None
+    """CUDA: a timing event on the compute stream before the fetch (None on the CPU)."""
+    ready: Any = None
+    """CUDA: a timing event once compute waits for the block's copy."""
 
 
 @dataclass
@@ -145,7 +151,8 @@ class Prefetcher:
             self._learn_last(it.key, now, stall)
             it.gap_stall = stall - self._ended[1] if self._ended is not None else 0.0
         it.marks.append(_Mark(event, now, stall, None, tuple(sorted(held - {event.unit})),
-                              self.pm.telemetry.stall_by_source(), host_room=self._room(Tier.HOST)))
+                              self.pm.telemetry.stall_by_source(), host_room=self._room(Tier.HOST),
+                              begun=self._stamp()))
         it.recording.append(event)
         if it.trace is None or it.deviated:
             return
@@ -161,7 +168,7 @@ class Prefetcher:
         it = self._it
         if it is not None and it.marks:
             it.marks[-1] = it.marks[-1]._replace(stall1=self.pm.telemetry.total_stall_s(),
-                                                 sources1=self.pm.telemetry.stall_by_source())
+                                                 sources1=self.pm.telemetry.stall_by_source(), ready=self._stamp())
 
     def end(self, *, learn: bool = True) -> None:
         """The iteration is over; learn=False: it was cut short (a backward that raised), its
@@ -221,10 +228,14 @@ class Prefetcher:
         self._iterations += 1
         marks = it.marks
         ends = [(m.start, m.stall0) for m in marks[1:]] + [(now, stall)]
+        stamps = [m.begun for m in marks[1:]] + [self._stamp()]
         compute = []
         for i, (m, (end, stall_end)) in enumerate(zip(marks, ends)):
             own = (m.stall1 if m.stall1 is not None else m.stall0) - m.stall0
-            compute.append(max(0.0, end - m.start - (stall_end - m.stall0)))
+            if m.ready is not None and stamps[i] is not None:
+                compute.append(self.pm.streams.seconds(m.ready, stamps[i]))
+            else:
+                compute.append(max(0.0, end - m.start - (stall_end - m.stall0)))
             self.pm.telemetry.record_span(TRACK, f"{m.event.phase} {m.event.unit}", m.start, end, {
                 "iteration": self._iterations, "key": repr(it.key), "pos": i, "phase": str(m.event.phase),
                 "unit": m.event.unit, "held": list(m.held), "stall_s": own,
@@ -247,6 +258,11 @@ class Prefetcher:
         for (unit, tier), seconds in spent.items():
             per_tensor = sum(seconds) / len(seconds) * len(self.units[unit].tensors)
             times.learn_fetch(unit, tier, per_tensor, self.units[unit].nbytes)
+
+    def _stamp(self) -> Any:
+        """A timing event on the compute stream with CUDA, where the host clock measures only
+        kernel launches; None on the CPU, whose compute the host clock measures."""
+        return self.pm.streams.stamp() if self.pm.streams.cuda else None
 
     def _learn_last(self, key: Hashable, now: float, stall: float) -> None:
         """The first fetch of an iteration: the previous one's last compute is known now."""

@@ -1,8 +1,10 @@
 """The collectives over flat tensors: plain module-level functions (tests patch them), the one
 place tierzero calls torch.distributed.
 
-Every all-gather, reduce-scatter and all-reduce adds to a `CommBytes` the bytes of the buffer
-it covers: the gathered output, the reduced input (the unit of the ZeRO paper's traffic model,
+Every tensor given to a collective must be device memory (NCCL refuses host tensors; the
+stream stand-in checks it on the CPU: `CopyStreams.check_collective`), and the buffers they
+make are made there. Every all-gather, reduce-scatter and all-reduce adds to a `CommBytes` the
+bytes of the buffer it covers: the gathered output, the reduced input (the unit of the ZeRO paper's traffic model,
 where gathering or reduce-scattering Ψ elements costs Ψ; on a ring each rank sends (N - 1) / N
 of that, and 2 (N - 1) / N for an all-reduce). At world size 1 they copy nothing and send
 nothing, so the single-process path is the same code as the distributed one. A failed
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tierzero.layout import CommBytes, FlatLayout
+from tierzero.placement import CopyStreams
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -45,10 +48,16 @@ def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
     fn(out, inp, op=dist.ReduceOp.SUM, group=group)
 
 
+def _on_device(streams: CopyStreams, what: str, *tensors: torch.Tensor) -> None:
+    for t in tensors:
+        streams.check_collective(t, what)
+
+
 def start_all_gather(shard: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None,
-                     comm: CommBytes) -> Any:
+                     comm: CommBytes, streams: CopyStreams) -> Any:
     """Start gathering every rank's `shard` into `full`; returns the collective's work handle
     (wait() on it before reading `full`). Only called with world size > 1."""
+    _on_device(streams, "an all-gather", shard, full)
     comm.all_gather += _nbytes(full)
     return _all_gather(full, shard, group, async_op=True)
 
@@ -82,49 +91,54 @@ def rank_errors(rank: int, world_size: int, what: str) -> Iterator[None]:
 
 
 def all_gather_flat(shard: torch.Tensor, layout: FlatLayout, group: dist.ProcessGroup | None,
-                    comm: CommBytes, *, out: torch.Tensor | None = None) -> torch.Tensor:
+                    comm: CommBytes, streams: CopyStreams, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """The full flat buffer from every rank's shard, new or in `out` (world 1: the shard
     itself, no copy)."""
     if layout.world_size == 1:
         return shard
-    full = shard.new_empty(layout.padded_numel) if out is None else out
+    full = streams.empty(layout.padded_numel, shard.dtype) if out is None else out
+    _on_device(streams, "an all-gather", shard, full)
     comm.all_gather += _nbytes(full)
     _all_gather(full, shard, group, async_op=False)
     return full
 
 
 def reduce_scatter_flat(full: torch.Tensor, layout: FlatLayout, group: dist.ProcessGroup | None,
-                        comm: CommBytes) -> torch.Tensor:
+                        comm: CommBytes, streams: CopyStreams) -> torch.Tensor:
     """This rank's shard of the mean of every rank's full flat buffer (world 1: `full` itself)."""
     if layout.world_size == 1:
         return full
-    shard = full.new_empty(layout.shard_numel)
+    shard = streams.empty(layout.shard_numel, full.dtype)
+    _on_device(streams, "a reduce-scatter", full, shard)
     comm.reduce_scatter += _nbytes(full)
     _reduce_scatter(shard, full, group)
     return shard.div_(layout.world_size)
 
 
 def all_reduce_flat(full: torch.Tensor, layout: FlatLayout, group: dist.ProcessGroup | None,
-                    comm: CommBytes) -> torch.Tensor:
+                    comm: CommBytes, streams: CopyStreams) -> torch.Tensor:
     """The mean of every rank's full flat buffer, in place (world 1: `full` itself)."""
     if layout.world_size == 1:
         return full
-    return all_reduce_(full, group, layout.world_size, comm=comm).div_(layout.world_size)
+    return all_reduce_(full, group, layout.world_size, streams, comm=comm).div_(layout.world_size)
 
 
-def all_reduce_(t: torch.Tensor, group: dist.ProcessGroup | None, world_size: int, *, op: str = "sum",
-                comm: CommBytes | None = None) -> torch.Tensor:
+def all_reduce_(t: torch.Tensor, group: dist.ProcessGroup | None, world_size: int, streams: CopyStreams, *,
+                op: str = "sum", comm: CommBytes | None = None) -> torch.Tensor:
     """`t` reduced over the ranks in place (sum or max); world 1: unchanged."""
     if world_size > 1:
+        _on_device(streams, "an all-reduce", t)
         if comm is not None:
             comm.all_reduce += _nbytes(t)
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
     return t
 
 
-def broadcast_from_first_(t: torch.Tensor, group: dist.ProcessGroup | None, world_size: int) -> torch.Tensor:
+def broadcast_from_first_(t: torch.Tensor, group: dist.ProcessGroup | None, world_size: int,
+                          streams: CopyStreams) -> torch.Tensor:
     """`t` overwritten in place with the group's first rank's values; world 1: unchanged."""
     if world_size > 1:
+        _on_device(streams, "a broadcast", t)
         src = dist.get_global_rank(group, 0) if group is not None else 0
         dist.broadcast(t, src=src, group=group)
     return t

@@ -35,7 +35,7 @@ backward sees whatever `.data` holds then: the copy the pre-backward hook fetche
 from __future__ import annotations
 
 from enum import Enum
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -135,8 +135,10 @@ class FlatParam:
         ctx = self.ctx
         kind = Kind.PARAM if self.trainable else Kind.FROZEN
         flat = self.layout.flatten(values, dtype=torch.float32, device="cpu")
-        with rank_errors(ctx.rank, ctx.world_size, f"broadcast of {self.name}.{kind.value} at wrap"):
-            broadcast_from_first_(flat, ctx.group, ctx.world_size)
+        if ctx.world_size > 1:  # broadcast on the device, where the group's collectives run
+            with rank_errors(ctx.rank, ctx.world_size, f"broadcast of {self.name}.{kind.value} at wrap"):
+                flat = broadcast_from_first_(ctx.pm.streams.to_device(flat), ctx.group, ctx.world_size,
+                                             ctx.pm.streams).cpu()
         self._register(flat[self.shard], flat if ctx.zero.params_whole else None, lazy=False)
 
     def register_shard(self, shard: LoadedShard) -> None:
@@ -150,7 +152,7 @@ class FlatParam:
         whole = None
         if ctx.zero.params_whole:
             assert shard.home is None, self.name  # the whole parameters are not the shard's bytes
-            whole = self._gather(shard.values.to(ctx.device, ctx.compute_dtype), "at wrap")
+            whole = self._gather(ctx.pm.streams.to_device(shard.values, ctx.compute_dtype), "at wrap")
         self._register(shard.values, whole, lazy=True, borrowed=shard.home)
 
     def _register(self, shard: torch.Tensor, whole: torch.Tensor | None, *, lazy: bool,
@@ -292,7 +294,8 @@ class FlatParam:
         flat = ctx.pm.read(self.values)
         if flat.numel() < self.layout.padded_numel:
             with rank_errors(ctx.rank, ctx.world_size, f"all-gather of {self.param.name} for a state dict"):
-                flat = all_gather_flat(flat.to(ctx.device), self.layout, ctx.group, ctx.comm).cpu()
+                flat = all_gather_flat(ctx.pm.streams.to_device(flat), self.layout, ctx.group, ctx.comm,
+                                       ctx.pm.streams).cpu()
         return [v.to(dt, copy=True) for v, dt in zip(self.layout.views(flat), self.orig_dtypes)]
 
     def held_values(self) -> torch.Tensor:
@@ -325,42 +328,51 @@ class FlatParam:
             self.ctx.pm.store(self.master, shard.float())
         self._store_param(shard)
 
-    def master_updated(self, master: torch.Tensor) -> None:
+    def master_updated(self, master: torch.Tensor) -> Callable[[], None] | None:
         """The master weights now hold `master` (an optimizer step): store the new parameters,
         unless the parameters are the master weights (the master's write reaches them), and drop
-        a gathered copy of the old ones either way."""
-        if self.master is self.param:
-            discard_gather(self.ctx, self)
-        else:
-            self._store_param(master)
-
-    def _store_param(self, shard: torch.Tensor) -> None:
+        a gathered copy of the old ones either way. Across ranks what takes collectives (the
+        all-gather of the new parameters at stages 1 and 2; dropping an all-gather started
+        ahead) is returned instead, for the thread that drives the collectives to run in step
+        order, the same on every rank; the caller runs the rest wherever it is."""
         ctx = self.ctx
+        if ctx.zero.params_whole and ctx.world_size > 1:
+            shard = master.to(ctx.compute_dtype, copy=True)  # `master` is released before this runs
+            return lambda: self._store_param(shard)
+        if self.master is not self.param:
+            self._store_param(master, discard=ctx.world_size == 1)
+        return (lambda: discard_gather(ctx, self)) if ctx.world_size > 1 else None
+
+    def _store_param(self, shard: torch.Tensor, *, discard: bool = True) -> None:
+        ctx = self.ctx
+        streams = ctx.pm.streams
         shard = shard.to(ctx.compute_dtype)
         if ctx.zero.params_whole and self.param.home is Tier.DEVICE:  # gathered in place
             whole = ctx.pm.acquire(self.param, Tier.DEVICE)
             try:
-                self._gather(shard.to(ctx.device), "of the updated values", out=whole)
+                self._gather(streams.to_device(shard), "of the updated values", out=whole)
             finally:
                 ctx.pm.release(self.param, Tier.DEVICE, dirty=True)
         elif ctx.zero.params_whole:  # gathered on the device, stored to the home and cached copies
             nbytes = self.layout.padded_numel * ctx.compute_dtype.itemsize
             scratch = ctx.pm.reserve_scratch(nbytes, Tier.DEVICE, what=f"{self.param.name} (updated, gathered)")
+            assert scratch is not None
             try:
                 whole = scratch[:nbytes].view(ctx.compute_dtype)
-                ctx.pm.store(self.param, self._gather(shard.to(ctx.device), "of the updated values", out=whole))
+                ctx.pm.store(self.param, self._gather(streams.to_device(shard), "of the updated values", out=whole))
             finally:
                 ctx.pm.free_scratch(scratch, Tier.DEVICE)
         else:
             ctx.pm.store(self.param, shard)
-        discard_gather(ctx, self)
+        if discard:
+            discard_gather(ctx, self)
 
     def _gather(self, shard: torch.Tensor, why: str, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Every rank's `shard` gathered into the whole flat tensor (stages 1 and 2)."""
         ctx = self.ctx
         with torch.profiler.record_function(f"tierzero::all_gather_updated {self.name}"), \
                 rank_errors(ctx.rank, ctx.world_size, f"all-gather of {self.name}'s parameters {why}"):
-            return all_gather_flat(shard, self.layout, ctx.group, ctx.comm, out=out)
+            return all_gather_flat(shard, self.layout, ctx.group, ctx.comm, ctx.pm.streams, out=out)
 
     def __repr__(self) -> str:
         kind = "param" if self.trainable else "frozen"

@@ -27,11 +27,23 @@ the first block and done after the last, has its gradients held by autograd from
 backward to the end of backward (a tied embedding / LM head's share waits in autograd's input
 buffer for the embedding's: vocab x width x 4 bytes, 0.5 GB at 50k x 2560), and every block's
 `.grad` exist whole beside its stored gradient before the flattening: all outside the budgets.
-The stored gradient is acquired (host budget) at the first share and held until the block's
-accumulate. Only where that is exact and local: one rank (no reduce-scatter needs the whole
-gradient), the CPU as device, gradients stored in the parameters' dtype, the first backward
-since zero_grad() (a second one adds to the stored sum, which autograd's order would not); a
-share that arrives otherwise (a recompute in backward) is added at accumulate.
+Where the shares are summed:
+
+    the stored gradient   synchronous CPU copies, one rank, gradients stored in the parameters'
+                          dtype, the first backward since zero_grad() (a second one adds to the
+                          stored sum, which autograd's order would not): acquired (overwrite) at
+                          the first share and held until the block's accumulate
+    a device buffer       wherever copies are asynchronous (CUDA, the stream stand-in) or there
+                          are several ranks: the whole flat gradient of this backward, in the
+                          parameters' dtype, reserved (device budget) at the first share when
+                          there is room now; at accumulate it is what the reduce-scatter (or
+                          all-reduce) reads and what the device-to-host copy takes to the
+                          stored gradient, exactly as the flattened `.grad` would be
+
+A share that arrives otherwise (a recompute in backward, no room for the buffer) is added at
+accumulate. The device-to-host copy of a gradient runs on the copy stream: backward goes on at
+once, and the stored gradient's readers wait for the copy's event (PlacementManager.release's
+`written`); its norms are taken on the device before it leaves.
 """
 
 from __future__ import annotations
@@ -42,6 +54,7 @@ from typing import Any, Iterator, NamedTuple, Sequence
 import torch
 from torch import nn
 
+from tierzero.config import Tier
 from tierzero.layout import FlatLayout
 from tierzero.placement import Kind, TensorHandle
 from tierzero.runtime.collectives import all_reduce_flat, rank_errors, reduce_scatter_flat
@@ -71,8 +84,13 @@ class FlatGrad:
         self._captured: set[int] = set()
         """Early capture: parameters (by index) with contributions summed into `_held`."""
         self._held: torch.Tensor | None = None
-        """Early capture: the stored gradient, acquired (overwrite) at the first contribution
-        and pinned until accumulate folds in the rest."""
+        """Early capture: where this backward's shares are summed (module docstring): the stored
+        gradient, acquired (overwrite) at the first share and pinned until accumulate folds in
+        the rest, or a view of `_scratch`."""
+        self._scratch: torch.Tensor | None = None
+        """Early capture on the device: the buffer `_held` views, given back at accumulate."""
+        self._refused = False
+        """Early capture found no room for its buffer in this backward: none until accumulate."""
 
     @contextlib.contextmanager
     def acquire(self, *, writable: bool = False) -> Iterator[torch.Tensor]:
@@ -135,21 +153,26 @@ class FlatGrad:
         with self.acquire() as g:
             return self.norms_of(g, norm_type)
 
+    @property
+    def _on_device(self) -> bool:
+        """Early capture sums into a device buffer (module docstring), not the stored gradient."""
+        return self.ctx.pm.streams.asynchronous or self.ctx.world_size > 1
+
     def can_capture(self, dtype: torch.dtype) -> bool:
         """Early capture applies now to a contribution of `dtype` (see the module docstring)."""
-        ctx = self.ctx
-        return (ctx.world_size == 1 and not ctx.pm.streams.cuda and dtype == self.handle.dtype
-                and (self.empty or self._held is not None))
+        if self._held is not None:
+            return dtype == self._held.dtype
+        if self._on_device:
+            return not self._refused and dtype == self.ctx.compute_dtype
+        return dtype == self.handle.dtype and self.empty
 
     def capture(self, index: int, g: torch.Tensor) -> bool:
-        """Sum one contribution to parameter `index`'s gradient into the stored gradient, as
+        """Sum one contribution to parameter `index`'s gradient into this backward's sum, as
         autograd's input buffer would (the first one copied, later ones added, in arrival
         order); False when early capture does not apply (the caller passes `g` on)."""
-        if not self.can_capture(g.dtype):
+        if not self.can_capture(g.dtype) or (self._held is None and not self._start_capture()):
             return False
-        if self._held is None:  # not zeroed: accumulate zeroes what no share reached
-            with torch.profiler.record_function(f"tierzero::capture_grad {self.handle.owner}"):
-                self._held = self.ctx.pm.acquire(self.handle, self.handle.staging, overwrite=True)
+        assert self._held is not None
         slot = self.layout.slots[index]
         view = self._held[slot.offset:slot.offset + slot.numel]
         self._reached.add(index)
@@ -160,72 +183,125 @@ class FlatGrad:
             self._captured.add(index)
         return True
 
-    @contextlib.contextmanager
-    def _accumulating(self) -> Iterator[torch.Tensor]:
-        """The stored gradient an accumulate writes: the one early capture holds (released
-        here, once), else acquired for it."""
-        if self._held is None:
-            with self._stored(writable=True, overwrite=self.empty) as buf:
-                yield buf
-            return
-        buf, self._held = self._held, None
-        try:
-            yield buf
-        finally:
-            self._captured.clear()
-            self.ctx.pm.release(self.handle, self.handle.staging, dirty=True, lazy=True)
+    def _start_capture(self) -> bool:
+        """The first share of a backward: take where the shares are summed (module docstring)."""
+        ctx, h = self.ctx, self.handle
+        with torch.profiler.record_function(f"tierzero::capture_grad {h.owner}"):
+            if not self._on_device:  # not zeroed: accumulate zeroes what no share reached
+                self._held = ctx.pm.acquire(h, h.staging, overwrite=True)
+                return True
+            nbytes = self.layout.padded_numel * ctx.compute_dtype.itemsize
+            scratch = None
+            if ctx.capture_room(nbytes):
+                scratch = ctx.pm.reserve_scratch(nbytes, Tier.DEVICE, what=f"{h.name} (captured)", wait=False)
+                if scratch is None:
+                    ctx.capture_done(nbytes)
+            if scratch is None:
+                self._refused = True
+                return False
+            self._scratch, self._held = scratch, scratch[:nbytes].view(ctx.compute_dtype)
+            return True
 
     def drop_capture(self) -> None:
         """Forget contributions captured by a backward that never reached accumulate (it
-        raised): the stored gradient is left as it was (empty)."""
-        if self._held is not None:
+        raised): the stored gradient is left as it was."""
+        if self._scratch is not None:
+            self.ctx.pm.free_scratch(self._scratch, Tier.DEVICE)
+            self.ctx.capture_done(self.layout.padded_numel * self.ctx.compute_dtype.itemsize)
+        elif self._held is not None:
             self.ctx.pm.release(self.handle, self.handle.staging)
-            self._held = None
-            self._captured.clear()
+        self._held = self._scratch = None
+        self._captured.clear()
+        self._refused = False
 
     def accumulate(self, params: list[nn.Parameter]) -> None:
-        """Move the parameters' .grad into the shard; idempotent (no .grad: no-op)."""
+        """Move the parameters' .grad (and what early capture summed) into the shard;
+        idempotent (no .grad, nothing captured: no-op)."""
         grads = [p.grad for p in params]
         if all(g is None for g in grads) and self._held is None:
             return
         for p in params:
             p.grad = None  # frees the device copy as soon as it is accumulated
         self._reached.update(i for i, g in enumerate(grads) if g is not None)
-        ctx = self.ctx
-        with torch.profiler.record_function(f"tierzero::accumulate_grad {self.handle.owner}"), \
-                self._accumulating() as buf:
-            if self._captured:  # early capture: add what autograd still held, zero the rest
-                for i, (slot, g) in enumerate(zip(self.layout.slots, grads)):
-                    view = buf[slot.offset:slot.offset + slot.numel]
-                    if i in self._captured:
-                        if g is not None:
-                            view.add_(g.reshape(-1))
-                    elif g is not None:
-                        view.copy_(g.reshape(-1))
-                    else:
-                        view.zero_()
-                for lo, hi in self.layout.gaps():
-                    buf[lo:hi].zero_()
-            elif self.empty and self.layout.world_size == 1 and buf.device == ctx.device:
+        with torch.profiler.record_function(f"tierzero::accumulate_grad {self.handle.owner}"):
+            if self._held is not None and self._scratch is None:
+                self._accumulate_held(grads)
+            else:
+                try:
+                    self._accumulate_reduced(grads)
+                finally:
+                    self.drop_capture()
+        self._refused = False
+        self.empty = False
+
+    def _fold(self, buf: torch.Tensor, grads: list[torch.Tensor | None]) -> None:
+        """Early capture's sum in `buf` completed: what autograd still held added, the slots no
+        share reached and the padding zeroed."""
+        for i, (slot, g) in enumerate(zip(self.layout.slots, grads)):
+            view = buf[slot.offset:slot.offset + slot.numel]
+            if i in self._captured:
+                if g is not None:
+                    view.add_(g.reshape(-1))
+            elif g is not None:
+                view.copy_(g.reshape(-1))
+            else:
+                view.zero_()
+        for lo, hi in self.layout.gaps():
+            buf[lo:hi].zero_()
+
+    def _accumulate_held(self, grads: list[torch.Tensor | None]) -> None:
+        """Early capture into the stored gradient: fold in the rest, release it (once)."""
+        buf, self._held = self._held, None
+        assert buf is not None
+        try:
+            self._fold(buf, grads)
+            self._written(buf)
+        finally:
+            self._captured.clear()
+            self.ctx.pm.release(self.handle, self.handle.staging, dirty=True, lazy=True)
+
+    def _accumulate_reduced(self, grads: list[torch.Tensor | None]) -> None:
+        """This rank's part of every rank's gradient, reduced on the device, into the stored
+        gradient: the first time in a step by an asynchronous device-to-host copy (written over
+        whole), later times added to it."""
+        ctx, h = self.ctx, self.handle
+        streams = ctx.pm.streams
+        buf = ctx.pm.acquire(h, h.staging, overwrite=self.empty)
+        written = None
+        try:
+            if self._held is None and self.empty and self.layout.world_size == 1 and streams.is_device(buf):
                 # No collective and no copy between devices: flatten straight into the
                 # gradient, without a block-sized temporary.
-                self.layout.flatten(grads, dtype=buf.dtype, out=buf)
+                self._written(self.layout.flatten(grads, dtype=buf.dtype, out=buf))
+                return
+            if self._held is not None:
+                self._fold(self._held, grads)
+                full = self._held if self._held.dtype == buf.dtype else streams.to_device(self._held, buf.dtype)
             else:
-                full = self.layout.flatten(grads, dtype=buf.dtype, device=ctx.device)
-                what = "all-reduce" if self.whole else "reduce-scatter"
-                with rank_errors(ctx.rank, ctx.world_size, f"{what} of {self.handle.name}"):
-                    if self.whole:
-                        reduced = all_reduce_flat(full, self.layout, ctx.group, ctx.comm)
-                    else:
-                        reduced = reduce_scatter_flat(full, self.layout, ctx.group, ctx.comm)
-                if self.empty:
-                    buf.copy_(reduced)
+                full = self.layout.flatten(grads, dtype=buf.dtype, out=streams.empty(self.layout.padded_numel,
+                                                                                     buf.dtype))
+            what = "all-reduce" if self.whole else "reduce-scatter"
+            with rank_errors(ctx.rank, ctx.world_size, f"{what} of {h.name}"):
+                if self.whole:
+                    reduced = all_reduce_flat(full, self.layout, ctx.group, ctx.comm, streams)
                 else:
-                    self.scaled(buf, inplace=True).add_(reduced.to(buf.device))
-            self.scale = None
-            norm_type = ctx.clip_norm_type
-            self._norms = None if norm_type is None else (norm_type, self.norms_of(self._mine(buf), norm_type))
-        self.empty = False
+                    reduced = reduce_scatter_flat(full, self.layout, ctx.group, ctx.comm, streams)
+            if not self.empty:
+                self.scaled(buf, inplace=True).add_(reduced.to(buf.device))
+                self._written(buf)
+            elif streams.is_device(buf):
+                self._written(buf.copy_(reduced))
+            else:
+                self._written(reduced)  # the norms of the device copy: the bytes are the same
+                written = streams.copy(buf, reduced, after=streams.compute_ready())
+        finally:
+            ctx.pm.release(h, h.staging, dirty=True, lazy=True, written=written)
+
+    def _written(self, buf: torch.Tensor) -> None:
+        """The stored gradient now holds `buf`'s values: no factor pending, norms taken now."""
+        self.scale = None
+        norm_type = self.ctx.clip_norm_type
+        self._norms = None if norm_type is None else (norm_type, self.norms_of(self._mine(buf), norm_type))
 
     def unreached(self) -> frozenset[int]:
         """Parameters (by index) without a gradient, which torch's optimizers and clipping skip

@@ -350,6 +350,9 @@ def close(model: nn.Module) -> None:
     state = state_of(model)
     if state.ctx.updates is not None:
         state.ctx.updates.close()  # the step's last updates land before the files go
+    for flat in state.flat_params(trainable=True):
+        if flat.grad is not None:
+            flat.grad.drop_capture()  # of a backward that raised: its device buffer goes back
     try:
         state.activations.close()
     finally:

@@ -115,6 +115,12 @@ class StepContext:
     phase: Phase = field(default=Phase.IDLE, init=False)
     prefetcher: Prefetcher | None = field(default=None, init=False)
     gather_counts: GatherCounts = field(default_factory=GatherCounts, init=False)
+    captures: int = field(default=0, init=False)
+    """Flat gradients whose shares early capture summed on the device (grads.py), since wrap."""
+    _largest_block: int = field(default=0, init=False)
+    """Device bytes of the largest block: room early capture leaves for the next fetch."""
+    _capture_bytes: int = field(default=0, init=False)
+    """Device bytes early capture holds now (not available for fetched copies)."""
     _held: dict[str, HeldBlock] = field(default_factory=dict, init=False)
     _held_storage: dict[int, FlatRef] = field(default_factory=dict, init=False)
     """data_ptr of a held flat tensor's device copy -> its FlatParam."""
@@ -172,11 +178,13 @@ class StepContext:
         if handle.home is Tier.DEVICE:
             self._device_home_bytes -= handle.nbytes
 
-    def attach(self, prefetcher: Prefetcher, end_backward: Callable[[], None]) -> None:
-        """The root state's prefetcher and final callback of a backward pass (at wrap, and again
-        when the root state is rebuilt: wrapping.refresh)."""
+    def attach(self, prefetcher: Prefetcher, end_backward: Callable[[], None], largest_block: int) -> None:
+        """The root state's prefetcher and final callback of a backward pass, and the device
+        bytes of its largest block (at wrap, and again when the root state is rebuilt:
+        wrapping.refresh)."""
         self.prefetcher = prefetcher
         self._end_backward = end_backward
+        self._largest_block = largest_block
 
     def on_grads_final(self, callback: Callable[[FlatRef], None] | None) -> None:
         """Call `callback` once per backward with each trainable flat tensor whose gradient is
@@ -286,10 +294,11 @@ class StepContext:
         del self._held[block.name]
 
     def device_room(self) -> int:
-        """Bytes of the device budget not taken by device-homed tensors, held blocks and the
-        placed activations kept on the device."""
+        """Bytes of the device budget not taken by device-homed tensors, held blocks, the placed
+        activations kept on the device and early capture's buffers."""
         held = sum(b.nbytes for b in self._held.values())
-        return self.pm.budget(Tier.DEVICE) - self._device_home_bytes - held - self._activation_bytes
+        return (self.pm.budget(Tier.DEVICE) - self._device_home_bytes - held - self._activation_bytes
+                - self._capture_bytes)
 
     @property
     def device_home_bytes(self) -> int:
@@ -299,6 +308,19 @@ class StepContext:
     def add_activation_bytes(self, nbytes: int) -> None:
         """Placed activations took (or, negative, gave back) device bytes."""
         self._activation_bytes += nbytes
+
+    def capture_room(self, nbytes: int) -> bool:
+        """Take `nbytes` of device room for early capture if the largest block still fits beside
+        them (a fetch must never lack room for capture's sake); give them back with
+        `capture_done`."""
+        if self.device_room() - nbytes < self._largest_block:
+            return False
+        self._capture_bytes += nbytes
+        self.captures += 1
+        return True
+
+    def capture_done(self, nbytes: int) -> None:
+        self._capture_bytes -= nbytes
 
     def track(self, flat: FlatRef, device_copy: torch.Tensor) -> None:
         self._held_storage[device_copy.untyped_storage().data_ptr()] = flat

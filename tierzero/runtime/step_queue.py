@@ -24,9 +24,14 @@ An update that raises stops the queue: the updates after it are not run (the mod
 partial step), and every later wait raises an error naming the block that failed, from the
 update's error, until the model is closed.
 
-On one rank with the CPU as device only: CUDA streams are per thread and an update on several
-ranks all-gathers, which the main thread drives (the same limits as Config.step_in_backward's
-updater); elsewhere `opt.step()` updates inline.
+Any world size, any device. An update's collectives (across ranks: the all-gather of the new
+parameters at stages 1 and 2, dropping an all-gather started ahead at stage 3) are not run on
+the update thread: the update returns them, and the thread that waits for the update (a
+fetch, a drain: the one that drives the model's collectives) runs them, in step order, so that
+every rank issues the same collectives in the same order, never beside the training loop's own.
+A flat whose collectives are still to run counts as updating. The update's device work runs on
+the copy streams (its thread makes the device current) and is ordered against the next
+forward's compute by their events.
 """
 
 from __future__ import annotations
@@ -34,9 +39,12 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 import time
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 from tierzero.placement import TensorHandle
+
+Collectives = Optional[Callable[[], None]]
+"""What an update returns: its collectives, to run on the thread that drives the model's."""
 
 
 class StepFailed(RuntimeError):
@@ -54,6 +62,8 @@ class StepQueue:
         """Queued or running updates, by parameter handle (removed once they end)."""
         self._clear: dict[TensorHandle, Callable[[], None]] = {}
         """Gradient clears zero_grad asked for while the flat's update was queued."""
+        self._collectives: dict[TensorHandle, tuple[str, Callable[[], None]]] = {}
+        """Finished updates' collectives still to run, in step order (see the module docstring)."""
         self._failed: StepFailed | None = None
         self._on_wait = on_wait
         """Told the seconds a fetch waited for updates (the telemetry's host stall)."""
@@ -62,16 +72,19 @@ class StepQueue:
     def __repr__(self) -> str:
         return f"StepQueue(pending={[h.name for h in self._pending]}, failed={self._failed is not None})"
 
-    def submit(self, key: TensorHandle, name: str, update: Callable[[], None]) -> None:
+    def submit(self, key: TensorHandle, name: str, update: Callable[[], Collectives]) -> None:
         """Queue `update` of the flat whose parameter handle is `key` (`name` for errors)."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("tierzero: the model was closed; it cannot be stepped")
-            assert key not in self._pending, f"{name}: queued twice in one step"
+            assert key not in self._pending and key not in self._collectives, f"{name}: queued twice in one step"
             self._pending[key] = self._pool.submit(self._run, key, name, update)
 
-    def _run(self, key: TensorHandle, name: str, update: Callable[[], None]) -> None:
-        self._attempt(name, update)
+    def _run(self, key: TensorHandle, name: str, update: Callable[[], Collectives]) -> None:
+        collectives = self._attempt(name, update)
+        if collectives is not None:
+            with self._lock:
+                self._collectives[key] = (name, collectives)
         while True:  # zero_grad's clear (one may come while another runs) before the flat is free
             with self._lock:
                 clear = self._clear.pop(key, None)
@@ -80,11 +93,11 @@ class StepQueue:
                     return
             self._attempt(name, clear, after_failure=True)  # a gradient is dead data either way
 
-    def _attempt(self, name: str, work: Callable[[], None], *, after_failure: bool = False) -> None:
+    def _attempt(self, name: str, work: Callable[[], Collectives], *, after_failure: bool = False) -> Collectives:
         if self._failed is not None and not after_failure:
-            return
+            return None
         try:
-            work()
+            return work()
         except BaseException as e:
             failed = StepFailed(
                 f"tierzero: opt.step() failed while updating block {name!r} on its update thread "
@@ -94,27 +107,45 @@ class StepQueue:
             failed.__cause__ = e
             if self._failed is None:
                 self._failed = failed
+            return None
 
     def busy(self, keys: Iterable[TensorHandle]) -> bool:
-        """Whether any of these flats has an update queued or running."""
+        """Whether any of these flats has an update queued or running, or collectives to run."""
         with self._lock:
-            return any(k in self._pending for k in keys)
+            return any(k in self._pending or k in self._collectives for k in keys)
 
     def wait(self, keys: Iterable[TensorHandle]) -> None:
-        """Return once these flats' updates are done; raise StepFailed if an update failed."""
+        """Return once these flats' updates are done and their collectives ran (here); raise
+        StepFailed if an update failed."""
+        keys = list(keys)
         with self._lock:
             futures = [self._pending[k] for k in keys if k in self._pending]
         self._wait(futures)
+        self._run_collectives(keys)
 
     def drain(self, *, forget_failure: bool = False) -> None:
-        """Return once every queued update is done; raise StepFailed if one failed, unless
-        `forget_failure` (a checkpoint load is about to replace the partial step)."""
+        """Return once every queued update is done and every collective ran (here); raise
+        StepFailed if one failed, unless `forget_failure` (a checkpoint load is about to replace
+        the partial step)."""
         with self._lock:
             futures = list(self._pending.values())
         if forget_failure:
             cf.wait(futures)
             self._failed = None
+            self._collectives.clear()
         self._wait(futures)
+        with self._lock:
+            keys = list(self._collectives)
+        self._run_collectives(keys)
+
+    def _run_collectives(self, keys: list[TensorHandle]) -> None:
+        for key in keys:
+            with self._lock:
+                entry = self._collectives.pop(key, None)
+            if entry is not None:
+                self._attempt(entry[0], entry[1])
+        if self._failed is not None:
+            raise StepFailed(str(self._failed)) from self._failed.__cause__
 
     def clear_after(self, key: TensorHandle, clear: Callable[[], None]) -> bool:
         """Run `clear` (a gradient's zero_grad) right after the flat's update if one is queued
@@ -140,6 +171,7 @@ class StepQueue:
             return
         cf.wait(futures)
         self._pool.shutdown(wait=True)
+        self._collectives.clear()
 
     def _wait(self, futures: list[cf.Future[None]]) -> None:
         if futures and not all(f.done() for f in futures):

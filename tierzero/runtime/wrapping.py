@@ -111,7 +111,7 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
             check_buffers(model, plan)
         groups = group_modules(model, config)
         owner = assign_params(model, groups)
-        pm = PlacementManager(config, rank=rank)
+        pm = PlacementManager(config, rank=rank, world_size=world_size)
         try:
             compute_dtype = getattr(torch, config.compute_dtype_name(cuda=pm.device.type == "cuda"))
             ctx = StepContext(pm=pm, compute_dtype=compute_dtype,
@@ -120,6 +120,7 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
                               zero_stage=config.zero_stage, grad_dtype=getattr(torch, config.grad_dtype))
             specs = block_specs(model, groups, owner)
             _check_device_budget(config, specs, ctx.compute_dtype, ctx.zero)
+            _check_update_tiers(config, pm)
             layouts = [(name, modules, flat_groups(params, world_size, compute_dtype))
                        for name, modules, params in specs]
             shards = None
@@ -162,8 +163,8 @@ def _start(model: nn.Module, config: Config, ctx: StepContext, blocks: list[Bloc
     pm = ctx.pm
     for module in model.modules():
         for key, buf in module._buffers.items():
-            if buf is not None and buf.device != pm.device:
-                module._buffers[key] = buf.to(pm.device)
+            if buf is not None and (buf.device != pm.device or not pm.streams.is_device(buf)):
+                module._buffers[key] = pm.streams.to_device(buf)
     _broadcast_buffers(model, ctx)
     state = TieredState(model, config, ctx, blocks, activations)
     groups = {b.name: b.group for b in blocks}
@@ -184,7 +185,7 @@ def _start(model: nn.Module, config: Config, ctx: StepContext, blocks: list[Bloc
     prefetcher = Prefetcher(pm, [b.unit for b in blocks if b.flats], policy_from_config(config),
                             device_room=ctx.device_room, fetch_ahead=fetch_ahead,
                             device_wraps=not ctx.zero.gathers, busy=lambda unit: ctx.updating(unit.tensors))
-    ctx.attach(prefetcher, state.end_backward)
+    ctx.attach(prefetcher, state.end_backward, max((b.nbytes for b in blocks if b.flats), default=0))
     pm.set_eviction_policy(prefetcher)
     state.register_hooks()
     ctx.comm.take()  # wrap's gathers (stages 1-2, weights=) are no step's traffic
@@ -285,6 +286,19 @@ def home_of(config: Config, trainable: bool) -> Tier:
     return Tier(config.params if trainable else config.frozen_tier)
 
 
+def _check_update_tiers(config: Config, pm: PlacementManager) -> None:
+    """A block's update is one fused kernel over its gradient, master weights and moments, on the
+    tiers the CPU works on them in: with asynchronous streams (CUDA, or the stand-in that stands
+    for it) all on the device (the update runs there) or all off it (on the CPU), never mixed."""
+    tiers = {Tier.HOST if t == "nvme" else Tier(t) for t in (config.grads, config.optimizer_states)}
+    if pm.streams.asynchronous and Tier.DEVICE in tiers and len(tiers) > 1:
+        raise ValueError(
+            f"grads={config.grads!r} with optimizer_states={config.optimizer_states!r}: the optimizer updates "
+            "a block with one fused kernel over its gradient, master weights and moments, which must be on one "
+            f"device, and {pm.device} is not where the others are; place grads and optimizer_states both on "
+            "'device' (the update runs there) or both on 'host' / 'nvme' (it runs on the CPU)")
+
+
 def _build_block(name: str, modules: list[nn.Module],
                  layouts: list[tuple[list[tuple[str, nn.Parameter]], FlatLayout]], ctx: StepContext, config: Config,
                  activations: Activations, shards: Iterator[LoadedShard] | None) -> Block:
@@ -313,7 +327,7 @@ def _broadcast_buffers(model: nn.Module, ctx: StepContext) -> None:
     """Every rank starts with the first rank's buffers (running statistics, masks)."""
     for fqn, buf in model.named_buffers():
         with rank_errors(ctx.rank, ctx.world_size, f"broadcast of buffer {fqn!r} at wrap"):
-            broadcast_from_first_(buf, ctx.group, ctx.world_size)
+            broadcast_from_first_(buf, ctx.group, ctx.world_size, ctx.pm.streams)
 
 
 # ------------------------------------------------------------------------ meta-device models

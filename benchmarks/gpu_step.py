@@ -1,0 +1,281 @@
+"""A training step on a GPU: a transformers Llama of ~1B parameters, bf16 compute with fp32
+master weights, seq 1024, trained by tierzero and by the offloading baselines beside plain PyTorch.
+
+Configurations (each in a child process of its own, the same batches):
+
+    a  tierzero, parameters, gradients and optimizer states on the pinned host tier, a device
+       budget of a quarter of the bf16 parameters
+    b  the same with parameters, gradients and optimizer states on NVMe (--nvme-dir)
+    c  FSDP2, fully_shard(offload_policy=CPUOffloadPolicy()) on one rank, bf16 mixed precision
+    d  torchao's CPUOffloadOptimizer (AdamW), when torchao imports
+    e  plain PyTorch on the GPU: fp32 parameters and AdamW(fused=True), bf16 autocast
+
+Per configuration, over the steps after --warmup: tokens/s, step seconds (median), the GPU busy
+fraction, tierzero's stall seconds, peak GPU memory (torch.cuda.max_memory_allocated) and peak
+pinned host bytes (tierzero: its pinned region; the others: torch's pinned allocator's peak).
+The GPU busy fraction is the GPU time of one forward and backward with everything resident (e's
+kernels, timed with CUDA events around them) over the configuration's step time: the share of
+its step the GPU could not have been shorter. A table, or --json.
+
+Without CUDA, `--device cpu --streams async` runs a, b and e with the CPU as device and the
+asynchronous stream stand-in (tierzero/placement/stand_in.py), so the script's logic is
+exercised on every machine; `--size tiny` makes it quick. The GPU figures need a GPU.
+
+    python benchmarks/gpu_step.py --nvme-dir /mnt/nvme/gpu-step [--configs a,b,c,d,e] [--steps 5] [--json]
+    python benchmarks/gpu_step.py --device cpu --streams async --size tiny --seq 128 --nvme-dir /tmp/gs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SIZES = {
+    # TinyLlama-1.1B's shape: 1.10 B parameters
+    "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+               num_attention_heads=32, num_key_value_heads=4),
+    "tiny": dict(vocab_size=1024, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2),
+}
+NAMES = {"a": "tierzero host", "b": "tierzero NVMe", "c": "FSDP2 CPUOffloadPolicy", "d": "torchao CPUOffloadOptimizer",
+         "e": "plain PyTorch"}
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="benchmarks/gpu_step.py", description=__doc__.splitlines()[0])
+    p.add_argument("--device", default=None, choices=("cuda", "cpu"), help="default: cuda when there is one")
+    p.add_argument("--streams", default="sync", choices=("sync", "async"), help="the CPU's copy streams")
+    p.add_argument("--size", default="1b", choices=tuple(SIZES))
+    p.add_argument("--configs", default="a,b,c,d,e")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=5, help="timed steps, after --warmup")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--host-budget", default=None, help="tierzero's host budget (default: a: the whole "
+                   "state and staging, b: 4 GiB)")
+    p.add_argument("--nvme-dir", default="runs/gpu-step")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# --------------------------------------------------------------------------- one configuration
+
+def _model(spec: dict) -> Any:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(max_position_embeddings=max(spec["seq"], 128), tie_word_embeddings=False,
+                                   **SIZES[spec["size"]])
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _pinned_peak() -> int | None:
+    """Peak bytes of torch's pinned host allocator (None where torch does not report it)."""
+    import torch
+
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None or not torch.cuda.is_available():
+        return None
+    return next((v for k, v in stats().items() if "allocated_bytes" in k and k.endswith("peak")), None)
+
+
+def _device_budget(model: Any, n: int) -> int:
+    """A quarter of the bf16 parameters, or the root block and two of the largest where that is
+    more (a small model's embeddings)."""
+    import torch
+
+    import tierzero as tz
+    from tierzero.layout import ROOT, block_fetch_bytes, blocks_of
+
+    sizes = {name: block_fetch_bytes(ps, torch.bfloat16, 1) for name, _, ps in blocks_of(model, tz.Config())}
+    root = sizes.pop(ROOT)
+    return max(2 * n // 4, root + 2 * max(sizes.values()))
+
+
+def _tierzero(model: Any, spec: dict, nvme: bool) -> tuple[Any, Any, Any]:
+    import tierzero as tz
+    from tierzero import runtime
+
+    n = sum(p.numel() for p in model.parameters())
+    state = 2 * n + 4 * n + 12 * n  # bf16 params, fp32 grads, fp32 master weights and moments
+    host = spec["host_budget"] or (4 << 30 if nvme else int(state * 1.25) + (256 << 20))
+    tier = "nvme" if nvme else "host"
+    cfg = tz.Config(device_budget=_device_budget(model, n), host_budget=host, params=tier, grads=tier,
+                    optimizer_states=tier, compute_dtype="bfloat16", device=spec["device"], streams=spec["streams"],
+                    nvme_dir=spec["nvme_dir"] if nvme else None, nvme_budget=int(state * 1.2) + (1 << 30))
+    tz.wrap(model, cfg)
+    return model, tz.AdamW(model, lr=1e-4), runtime.placement_manager(model)
+
+
+def _baseline(model: Any, spec: dict, which: str) -> tuple[Any, Any]:
+    import torch
+
+    device = spec["device"]
+    if which == "c":
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        try:
+            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        except ImportError:  # torch < 2.6
+            from torch.distributed._composable.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+        mesh = init_device_mesh("cuda", (1,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy())
+        fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy())
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model = model.to(device)
+    if which == "d":
+        from torchao.optim import CPUOffloadOptimizer
+        return model, CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, fused=True, lr=1e-4)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+
+def child(spec: dict) -> None:
+    """Train one configuration; one JSON line with its per-step figures."""
+    import torch
+
+    from tierzero import runtime
+
+    which, cuda = spec["config"], spec["device"] == "cuda"
+    model = _model(spec)
+    n_params = sum(p.numel() for p in model.parameters())
+    pm = None
+    if which in ("a", "b"):
+        model, opt, pm = _tierzero(model, spec, nvme=which == "b")
+    else:
+        model, opt = _baseline(model, spec, which)
+    autocast = torch.autocast(spec["device"], dtype=torch.bfloat16, enabled=which in ("d", "e"))
+    g = torch.Generator().manual_seed(1)
+    steps, stalls, compute = [], [], []
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        getattr(torch.cuda, "reset_peak_host_memory_stats", lambda: None)()
+    for step in range(spec["warmup"] + spec["steps"]):
+        x = torch.randint(0, SIZES[spec["size"]]["vocab_size"], (spec["batch"], spec["seq"]), generator=g)
+        x = x.to(spec["device"])
+        t0 = time.perf_counter()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        with autocast:
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        if cuda:
+            end.record()
+        opt.step()
+        opt.zero_grad()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        if step >= spec["warmup"]:
+            steps.append(wall)
+            if cuda:
+                compute.append(start.elapsed_time(end) / 1e3)
+            if pm is not None:
+                stalls.append(sum(runtime.step_stats(model).stall_s.values()))
+        elif pm is not None:
+            runtime.step_stats(model)
+    pinned = _pinned_peak()
+    if pm is not None and pm.pool.pinned:
+        pinned = pm.pool.size + (pinned or 0)
+    print(json.dumps({
+        "config": which, "params": n_params, "step_s": statistics.median(steps), "steps_s": steps,
+        "fwd_bwd_gpu_s": statistics.median(compute) if compute else None,
+        "stall_s": statistics.median(stalls) if stalls else None,
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else None, "peak_pinned_bytes": pinned,
+        "streams": None if pm is None else pm.streams.mode}), flush=True)
+    if pm is not None:
+        runtime.close(model)
+
+
+# ----------------------------------------------------------------------------------- the runs
+
+def run(args: argparse.Namespace, which: str) -> dict:
+    nvme = Path(args.nvme_dir).resolve() / which
+    spec = {"config": which, "size": args.size, "seq": args.seq, "batch": args.batch, "steps": args.steps,
+            "warmup": args.warmup, "device": args.device, "streams": args.streams,
+            "host_budget": args.host_budget, "nvme_dir": str(nvme)}
+    if which == "b":
+        nvme.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
+                          capture_output=True, text=True)
+    shutil.rmtree(nvme, ignore_errors=True)
+    if proc.returncode != 0:
+        return {"config": which, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def skipped(args: argparse.Namespace, which: str) -> str | None:
+    """Why a configuration cannot run here (None: it can)."""
+    if which in ("c", "d") and args.device != "cuda":
+        return "needs CUDA"
+    if which == "d":
+        try:
+            import torchao.optim  # noqa: F401
+        except ImportError:
+            return "torchao does not import"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.child:
+        child(json.loads(args.child))
+        return 0
+    import torch
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: torch sees no CUDA device", file=sys.stderr)
+        return 2
+    results = []
+    for which in args.configs.split(","):
+        why = skipped(args, which)
+        results.append({"config": which, "skipped": why} if why else run(args, which))
+    plain = next((r.get("fwd_bwd_gpu_s") for r in results if r["config"] == "e" and "step_s" in r), None)
+    tokens = args.batch * args.seq
+    for r in results:
+        if "step_s" in r:
+            r["tokens_per_s"] = tokens / r["step_s"]
+            r["gpu_busy_frac"] = None if plain is None else plain / r["step_s"]
+    device = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu, {args.streams} streams"
+    report = {"device": device, "size": args.size, "seq": args.seq, "batch": args.batch, "steps": args.steps,
+              "runs": results, "note": None if args.device == "cuda" else
+              "no GPU here: the GPU figures (busy fraction, peak GPU memory, pinned bytes) need one"}
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"{args.size} Llama, seq {args.seq}, batch {args.batch}, on {device}")
+    print(f"{'':>2} {'configuration':>28} {'tokens/s':>9} {'step s':>7} {'GPU busy':>8} {'stall s':>7} "
+          f"{'peak GPU':>9} {'pinned':>9}")
+    gib = lambda v: "-" if v is None else f"{v / 2**30:.2f}Gi"  # noqa: E731
+    for r in results:
+        name = NAMES[r["config"]]
+        if "step_s" not in r:
+            print(f"{r['config']:>2} {name:>28}  {r.get('skipped') or 'failed: ' + r.get('error', '')}")
+            continue
+        busy = "-" if r["gpu_busy_frac"] is None else f"{r['gpu_busy_frac']:.0%}"
+        stall = "-" if r["stall_s"] is None else f"{r['stall_s']:.3f}"
+        print(f"{r['config']:>2} {name:>28} {r['tokens_per_s']:>9.0f} {r['step_s']:>7.3f} {busy:>8} {stall:>7} "
+              f"{gib(r['peak_gpu_bytes']):>9} {gib(r['peak_pinned_bytes']):>9}")
+    if report["note"]:
+        print(report["note"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
