@@ -400,7 +400,13 @@ class Activations:
         try:
             t0 = time.perf_counter()
             with torch.profiler.record_function(f"tierzero::save_activations {handle.name}"):
-                events = [self.pm.streams.copy(dst[o:o + src.numel()], src, after=ready) for o, src in pieces]
+                if tier is Tier.DEVICE:  # device to device: on this thread's stream, after the forward's work
+                    self.pm.streams.compute_wait(ready, dst)
+                    for o, src in pieces:
+                        dst[o:o + src.numel()].copy_(src)
+                    events = [self.pm.streams.compute_ready()]
+                else:
+                    events = [self.pm.streams.copy(dst[o:o + src.numel()], src, after=ready) for o, src in pieces]
                 for event in events:
                     event.synchronize()
             t1 = time.perf_counter()
