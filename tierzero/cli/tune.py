@@ -42,7 +42,7 @@ import torch
 import tierzero as tz
 from io_engine.progress import Progress
 from io_engine.sizes import parse_size
-from tierzero.cli.flags import add_placement_flags, placement_from_flags
+from tierzero.cli.flags import activations_from_flags, add_activation_flags, add_placement_flags, placement_from_flags
 from tierzero.cli.harness import batch_loss, check_room, corpus, meta_model, peak_rss, release_memory
 from tierzero.config import format_size
 from tierzero.formats import corpus as tzdata
@@ -141,6 +141,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nvme-dir", default=None, help="folder for swap files (on the disk to tune for)")
     p.add_argument("--nvme-budget", default="256GiB")
     add_placement_flags(p)
+    add_activation_flags(p)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--steps", type=int, default=5, help="measured steps per candidate (a median and a spread)")
@@ -193,7 +194,8 @@ class Trainer:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.base = tz.Config(device_budget=args.device_budget, host_budget=args.host_budget,
-                              nvme_dir=args.nvme_dir, nvme_budget=args.nvme_budget, **placement_from_flags(args))
+                              nvme_dir=args.nvme_dir, nvme_budget=args.nvme_budget, **placement_from_flags(args),
+                              **activations_from_flags(args))
         model, self.tokenizer = self._meta_model()
         self.corpus = corpus(args, self.tokenizer, model)
 
@@ -356,7 +358,8 @@ def _gbps(model: TierModel, leg: tuple[str, str]) -> float | None:
 
 
 def _setup(args: argparse.Namespace, trainer: Trainer | None) -> dict[str, Any]:
-    keys = ("model", "n_layer", "n_embd", "batch", "seq", "steps", "warmup", "simulate", "trace", "bench_io")
+    keys = ("model", "n_layer", "n_embd", "batch", "seq", "steps", "warmup", "simulate", "trace", "bench_io",
+            "activations", "activation_checkpointing")
     out = {k: getattr(args, k) for k in keys}
     if trainer is not None:
         b = trainer.base
