@@ -202,3 +202,15 @@ def test_blocks_the_step_left_on_the_host_are_copied_without_a_read() -> None:
     warm = simulate(rec, NoPrefetch(), MODEL)
     assert warm.disk_s == 0 < cold.disk_s
     assert warm.copies == cold.copies and warm.stall_s == pytest.approx(warm.copies * 0.1 * MS)
+
+
+def test_tune_places_activations_as_train_does(tmp_path: Any, capsys: Any) -> None:
+    """--activations nvme: every run places its activations there (the last block's kept on the
+    device, a copy within one tier that the recording leaves out)."""
+    rc = tune.main(tiny_args(tmp_path, "--device-budget", "16MiB", "--activations", "nvme", "--steps", "2",
+                             "--policies", "none,lookahead:1", "--nvme-depths", "0", "--io-threads", "2",
+                             "--measure-top", "1", "--json"))
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["setup"]["activations"] == "nvme"
+    assert sum(r["stall_s"] is not None for r in report["candidates"]) == 1

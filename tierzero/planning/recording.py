@@ -227,7 +227,7 @@ def _iteration(spans: list[dict], after: list[dict], moves: list[dict], tracks: 
     fetch_tensors = {t for u in units.values() for t in u.tensors}
     starts = [e["ts"] for e in this]
     legs, background = [], []
-    inside = [m for m in moves if start <= m["ts"] < end]
+    inside = [m for m in moves if start <= m["ts"] < end and _between_tiers(tracks[m["tid"]])]
     for m in inside:
         src, _, dst = tracks[m["tid"]].partition(" -> ")
         leg = Leg(src, dst, m["args"]["bytes"], m["dur"] / 1e6)
@@ -266,6 +266,12 @@ def _step_on_host(forward: set[str], moves: list[dict], tracks: dict[int, str],
             out.add(name)
     return frozenset(out)
 
+
+
+def _between_tiers(track: str) -> bool:
+    """A move track names two different tiers (a trace from an older run may hold copies within one)."""
+    src, _, dst = track.partition(" -> ")
+    return bool(dst) and src != dst
 
 
 def _busy(moves: list[dict], tracks: dict[int, str]) -> dict[tuple[str, str], tuple[int, float]]:

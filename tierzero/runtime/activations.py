@@ -410,7 +410,8 @@ class Activations:
                 for event in events:
                     event.synchronize()
             t1 = time.perf_counter()
-            self.pm.telemetry.record_move(handle.name, str(Tier.DEVICE), str(tier), handle.nbytes, t0, t1)
+            if tier is not Tier.DEVICE:  # a copy within the device moves nothing between tiers
+                self.pm.telemetry.record_move(handle.name, str(Tier.DEVICE), str(tier), handle.nbytes, t0, t1)
             self.pm.telemetry.record_span(TRACK, f"save {handle.owner}", t0, t1,
                                           {"bytes": handle.nbytes, "tier": handle.home.value})
             done = True
