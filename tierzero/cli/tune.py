@@ -47,7 +47,7 @@ from tierzero.cli.harness import batch_loss, check_room, corpus, meta_model, pea
 from tierzero.config import format_size
 from tierzero.formats import corpus as tzdata
 from tierzero.models import CONFIGS
-from tierzero.planning import SIMPLICITY, Measured, Option, Recording, TierModel, choose, explain, simulate
+from tierzero.planning import Measured, Option, Recording, TierModel, choose, explain, simplicity, simulate
 from tierzero.prefetch import policy_from_config
 from tierzero.runtime import close, placement_manager, step_stats
 
@@ -259,7 +259,8 @@ def tune(args: argparse.Namespace) -> dict[str, Any]:
         for c, row in zip(cands, rows):
             row.update(_predict(c, recording, bench, args, trainer))
         if not args.simulate:
-            ranked = sorted(range(len(cands)), key=lambda i: (rows[i]["predicted_stall_s"], _simplicity(cands[i])))
+            ranked = sorted(range(len(cands)), key=lambda i: (rows[i]["predicted_stall_s"],
+                                                              simplicity(_option(cands[i], rows[i], True))))
             top = ranked[:args.measure_top] if args.measure_top else ranked
             _measure(trainer, args, [(cands[i], rows[i]) for i in sorted(top)], bar)
             if not args.trace:  # before and after the candidates: drift of the machine evens out
@@ -292,10 +293,6 @@ def _total_steps(args: argparse.Namespace, n: int) -> int:
     measured = 0 if args.simulate else min(n, args.measure_top or n) * (args.warmup + args.steps)
     recordings = 0 if args.trace else 1 if args.simulate else 2
     return measured + recordings * RECORD_STEPS
-
-
-def _simplicity(c: Candidate) -> tuple:
-    return (SIMPLICITY.get(c.policy, len(SIMPLICITY)), c.knob or 0, c.nvme_depth, c.io_threads)
 
 
 def _option(c: Candidate, row: dict[str, Any], predicted: bool) -> Option:
