@@ -173,7 +173,8 @@ class Recording:
         units = {name: Unit(name, tuple(u.get("tensors", ())), u["bytes"], u["nvme"]) for name, u in info["units"].items()}
         tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
         moves = [e for e in events if e.get("ph") == "X" and e.get("cat") == "move"]
-        return info, units, [_iteration(by_it[i], by_it[i + 1], moves, tracks, units) for i in full[-(last or len(full)):]]
+        return info, units, [_iteration(by_it[i], by_it[i - 1], by_it[i + 1], moves, tracks, units)
+                                    for i in full[-(last or len(full)):]]
 
     @property
     def compute_s(self) -> float:
@@ -203,8 +204,8 @@ class _Part(NamedTuple):
     step_on_host: frozenset[str]
 
 
-def _iteration(spans: list[dict], after: list[dict], moves: list[dict], tracks: dict[int, str],
-               units: Mapping[str, Unit]) -> _Part:
+def _iteration(spans: list[dict], before: list[dict], after: list[dict], moves: list[dict],
+               tracks: dict[int, str], units: Mapping[str, Unit]) -> _Part:
     """One iteration's fetch spans (and the next's, which closes its last compute) as slots, its
     move legs, the background ones placed by the fetch they followed, its channels' busy time.
     Background: every leg but the copies of units' tensors to the host or the device (what a
@@ -238,16 +239,19 @@ def _iteration(spans: list[dict], after: list[dict], moves: list[dict], tracks: 
     forward = {s.event.unit for s in slots if s.event.phase is FetchPhase.FORWARD}
     copied = {m["name"] for m in inside if tracks[m["tid"]].endswith("-> device")}
     invalidates = bool(forward) and all(t in copied for u in forward for t in units[u].tensors)
+    since = max(e["ts"] + e["dur"] for e in before)  # the step before this forward began after it
     return _Part(slots, legs, background, _busy(inside, tracks), this[0]["args"]["host_room"],
                  _miss_overheads(this, moves, tracks, units), invalidates,
-                 _step_on_host(forward, inside, tracks, units))
+                 _step_on_host(forward, [m for m in moves if m["ts"] >= since], end, tracks, units))
 
 
-def _step_on_host(forward: set[str], moves: list[dict], tracks: dict[int, str],
+def _step_on_host(forward: set[str], moves: list[dict], end: float, tracks: dict[int, str],
                   units: Mapping[str, Unit]) -> frozenset[str]:
-    """The forward's units whose tensors the iteration wrote home from the host (the step's
-    update) and whose first copy to the device was not staged through an NVMe read of its own
-    (a read of the tensor ending as the copy began)."""
+    """The forward's units that the step before it updated and whose first copy to the device
+    (before `end`) was not staged through an NVMe read of its own (a read of the tensor ending as
+    the copy began). Updated: its tensors written home from the host from that step on; the
+    write-back of a dirty unit comes whenever its worker gets to it, before or after the forward
+    fetches it, even in a later iteration. `moves`: those from the step on."""
     def track(m: dict) -> str:
         return tracks[m["tid"]]
     written = {m["name"] for m in moves if track(m) == "host -> nvme"}
@@ -258,14 +262,13 @@ def _step_on_host(forward: set[str], moves: list[dict], tracks: dict[int, str],
     out = set()
     for name in forward:
         tensors = units[name].tensors
-        firsts = [min((m for m in moves if m["name"] == t and track(m) == "host -> device"), key=lambda m: m["ts"],
-                      default=None) for t in tensors]
+        firsts = [min((m for m in moves if m["name"] == t and track(m) == "host -> device" and m["ts"] < end),
+                      key=lambda m: m["ts"], default=None) for t in tensors]
         if not tensors or not all(t in written for t in tensors) or None in firsts:
             continue
-        if not any(abs(end - m["ts"]) < STAGED_GAP_US for m in firsts for end in reads.get(m["name"], ())):
+        if not any(abs(done - m["ts"]) < STAGED_GAP_US for m in firsts for done in reads.get(m["name"], ())):
             out.add(name)
     return frozenset(out)
-
 
 
 def _between_tiers(track: str) -> bool:
