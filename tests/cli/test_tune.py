@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from typing import Any
 
 import pytest
@@ -214,3 +215,42 @@ def test_tune_places_activations_as_train_does(tmp_path: Any, capsys: Any) -> No
     report = json.loads(capsys.readouterr().out)
     assert report["setup"]["activations"] == "nvme"
     assert sum(r["stall_s"] is not None for r in report["candidates"]) == 1
+
+
+def test_io_thread_counts_get_the_disk_rate_a_sweep_of_the_nvme_folder_measured(tmp_path: Any, capsys: Any,
+                                                                              monkeypatch: Any) -> None:
+    """Without --bench-io, tune sweeps the NVMe folder at each --io-threads count after the first
+    recording, and each count's prediction takes the disk rate measured at it; the sweep's file
+    is gone after it."""
+    swept = []
+    real_sweep = tune._disk_sweep
+
+    def sweep(args: Any, trainer: Any) -> Any:
+        bench = real_sweep(args, trainer)
+        swept.append(bench)
+        assert [p.name for p in (tmp_path / "nvme").iterdir() if p.name.startswith(".io_engine")] == []
+        return bench
+
+    monkeypatch.setattr(tune, "_disk_sweep", sweep)
+    rc = tune.main(tiny_args(tmp_path, "--policies", "none", "--nvme-depths", "2", "--io-threads", "1,2",
+                             "--simulate", "--json"))
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    (bench,) = swept
+    reads = {r["threads"]: r["gbps"] for r in bench["engine"] if r["op"] == "read"}
+    assert set(reads) == {1, 2} and len([r for r in bench["engine"] if r["op"] == "read"]) == 2 * tune.DISK_SWEEP_REPEAT
+    one, two = report["candidates"]
+    # the recording read with the first count (1): its own rate; 2 threads: scaled by the sweep
+    assert one["model"]["disk_rate_from"] == "the recording"
+    assert "scaled by bench-io" in two["model"]["disk_rate_from"]
+    ratio = two["model"]["disk_read_gbps"] / one["model"]["disk_read_gbps"]
+    at = statistics.mean(r["gbps"] for r in bench["engine"] if r["op"] == "read" and r["threads"] == 1)
+    to = statistics.mean(r["gbps"] for r in bench["engine"] if r["op"] == "read" and r["threads"] == 2)
+    assert ratio == pytest.approx(to / at, rel=0.01)
+
+
+def test_one_io_thread_count_needs_no_sweep(tmp_path: Any, capsys: Any, monkeypatch: Any) -> None:
+    monkeypatch.setattr(tune, "measure", lambda *a, **k: pytest.fail("swept the disk for one io thread count"))
+    assert tune.main(tiny_args(tmp_path, "--policies", "none", "--nvme-depths", "2", "--io-threads", "2",
+                               "--simulate", "--json")) == 0
+    assert json.loads(capsys.readouterr().out)["candidates"][0]["model"]["disk_rate_from"] == "the recording"

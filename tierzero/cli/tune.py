@@ -21,8 +21,9 @@ config snippets (TOML and Python), or with `--json` one object: {"candidates": [
 
 `--compute-speedup F` divides the recorded compute times by F in the predictions, so on a slow
 machine the tuner answers what a GPU F times faster would need from the same disk;
-`--bench-io FILE` (the output of `tierzero bench-io --json`) tells the model how the disk's rate
-changes with io threads.
+How the disk's rate changes with io threads the model learns from a short read sweep of the
+NVMe folder at each `--io-threads` count, run after the first recording (a few seconds), or from
+`--bench-io FILE` (the output of `tierzero bench-io --json`) instead.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import Any, Callable
 import torch
 
 import tierzero as tz
+from io_engine.bench import measure, to_json
 from io_engine.progress import Progress
 from io_engine.sizes import parse_size
 from tierzero.cli.flags import activations_from_flags, add_activation_flags, add_placement_flags, placement_from_flags
@@ -52,6 +54,10 @@ from tierzero.prefetch import policy_from_config
 from tierzero.runtime import close, placement_manager, step_stats
 
 POLICIES = "none,lookahead:1,lookahead:2,lookahead:4,bytes,adaptive"
+DISK_SWEEP_BYTES = 256 << 20
+"""Bytes of the file the disk sweep writes and reads at each io thread count (O_DIRECT: the page
+cache plays no part; ~0.1 s per read on a 3 GB/s disk)."""
+DISK_SWEEP_REPEAT = 3
 RECORD_STEPS = 6
 """Steps of the recording run: the first records the block order, the last closes the
 iterations replayed (the four between, merged: see Recording.from_trace)."""
@@ -158,7 +164,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-speedup", type=float, default=1.0, metavar="F",
                    help="predict for compute F times faster than recorded (e.g. 50: a GPU)")
     p.add_argument("--bench-io", default=None, metavar="FILE", help="`tierzero bench-io --json` output: the "
-                   "disk's rate per io threads for the predictions")
+                   "disk's rate per io threads for the predictions (default: a short sweep of --nvme-dir)")
     p.add_argument("--data", default=None, help="text or JSONL file to train on (default: the Python standard "
                    "library's source, as tierzero train)")
     p.add_argument("--seed", type=int, default=0)
@@ -255,6 +261,7 @@ def tune(args: argparse.Namespace) -> dict[str, Any]:
     with Progress(_total_steps(args, len(cands)), enabled=not args.no_progress) as bar:
         if not args.trace:
             traces.append(_record(trainer, args, bar, "before"))
+            bench = bench or _disk_sweep(args, trainer)
         recording = Recording.load(args.trace) if args.trace else Recording.from_traces(traces, where="the recording")
         for c, row in zip(cands, rows):
             row.update(_predict(c, recording, bench, args, trainer))
@@ -311,6 +318,18 @@ def _record(trainer: Trainer | None, args: argparse.Namespace, bar: Progress, wh
     _, trace = trainer.run(base.config(trainer.base), RECORD_STEPS,
                            lambda i, stall, step: bar.advance(f"recording ({when}) step {i + 1}: step {step:.3f} s"))
     return trace
+
+
+def _disk_sweep(args: argparse.Namespace, trainer: Trainer | None) -> dict | None:
+    """Read GB/s of the NVMe folder at each io thread count the candidates use (a bench-io
+    result, engine reads only): without it the model gives every io thread count the recording's
+    disk rate. None when the candidates use one count or nothing is on NVMe."""
+    if trainer is None or args.nvme_dir is None or len(set(args.io_threads)) < 2:
+        return None
+    report = measure(args.nvme_dir, DISK_SWEEP_BYTES, block_sizes=(trainer.base.io.block_size,),
+                     threads=tuple(sorted(set(args.io_threads))), fio_grid=(), repeat=DISK_SWEEP_REPEAT,
+                     use_fio=False, checksum_reps=0, progress=False)
+    return to_json(report)
 
 
 def _measure(trainer: Trainer | None, args: argparse.Namespace, todo: list[tuple[Candidate, dict]],
