@@ -33,8 +33,7 @@ from io_engine.owners import owner_gone, temp_name
 from tierzero.formats.corpus import Tokenizer
 from tierzero.formats.safetensors_file import TensorSpec, fsync_dir, write_safetensors
 
-__all__ = ["from_pretrained", "save_pretrained", "meta_model", "folder_tokenizer", "Trainer", "require_causal_lm",
-           "require_transformers", "write_weights_folder",
+__all__ = ["meta_model", "folder_tokenizer", "require_causal_lm", "require_transformers", "write_weights_folder",
            "write_config_files", "CONFIG_FILES", "SINGLE_FILE", "INDEX_FILE"]
 
 CONFIG_FILE, GENERATION_CONFIG_FILE = "config.json", "generation_config.json"
