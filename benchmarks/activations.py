@@ -1,7 +1,9 @@
 """Placed activations: peak RSS, step time, activation bytes by tier and stall of a transformers
 GPT-2 124M shape (fp32, parameters and optimizer states on NVMe, gradients on host, batch 1)
 at several sequence lengths, with Config.activations device / host / nvme, each with and
-without activation checkpointing.
+without activation checkpointing. The loss is the chunked one (`--loss chunked`, tierzero.hf.
+causal_lm_loss: never the whole sequence's logits, inside the model's forward) unless `--loss
+plain` (cross_entropy over the model's logits, after its forward).
 
 Every configuration runs in a child process of its own: one step to warm up (the first records
 the block order; pools fill), then the peak-RSS mark is reset (/proc/self/clear_refs) and
@@ -14,12 +16,13 @@ sequence (A B A B) for the step-time ratio. The activation bytes `tierzero estim
 (tierzero.planning: one forward on fake tensors) are set beside the measured ones.
 
     flock /tmp/tierzero-bench.lock python benchmarks/activations.py --nvme-dir DIR \\
-        [--seqs 256,512,1024,2048] [--steps 2] [--ab-rounds 2] [--json]
+        [--seqs 256,512,1024,2048] [--steps 2] [--ab-rounds 2] [--loss chunked|plain] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -56,6 +59,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device-budget", default="1GiB")
     p.add_argument("--layers", type=int, default=12, help="GPT-2 124M: 12 (fewer, narrower: a quick dry run)")
     p.add_argument("--width", type=int, default=768)
+    p.add_argument("--loss", default="chunked", choices=("chunked", "plain"))
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -82,10 +86,15 @@ def budgets(args: argparse.Namespace, max_seq: int) -> dict[str, Any]:
     est = estimate(model, cfg)
     sizes = {name: sum(p.numel() for _, p in ps) for name, _, ps in blocks_of(model, cfg)}
     root, block = sizes.pop(ROOT), max(sizes.values())
-    acts = measure_activations(model, cfg, measured_loss, batch=1, seq=max_seq)
+    acts = measure_activations(model, cfg, loss_of(args), batch=1, seq=max_seq)
     host = (est.home["host"] + 16 * (root + 2 * block) + 4 * block * cfg.prefetch.nvme_depth + 2 * acts.largest
             + (128 << 20))
     return {"state_bytes": est.state_bytes, "host": host, "host_mode_host": host + acts.blocks}
+
+
+def loss_of(args: argparse.Namespace) -> Any:
+    """The loss as `tierzero estimate` measures it on fake tensors."""
+    return functools.partial(measured_loss, chunked=args.loss == "chunked")
 
 
 def config(args: argparse.Namespace, activations: str, ckpt: bool, *, host_budget: int | str) -> tz.Config:
@@ -115,7 +124,7 @@ def child(args: argparse.Namespace) -> None:
             base = _status("VmRSS")
         x = torch.randint(0, 50257, (1, spec["seq"]), generator=g)
         t0 = time.perf_counter()
-        loss = batch_loss(model, x, x)
+        loss = batch_loss(model, x, x, chunked=args.loss == "chunked")
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -142,7 +151,8 @@ def _status(key: str, pid: int | str = "self") -> int:
 def run_child(args: argparse.Namespace, seq: int, activations: str, ckpt: bool, host_budget: int) -> dict:
     spec = json.dumps({"seq": seq, "activations": activations, "ckpt": ckpt, "host_budget": host_budget})
     cmd = [sys.executable, __file__, "--child", spec, "--nvme-dir", args.nvme_dir, "--steps", str(args.steps),
-           "--device-budget", args.device_budget, "--layers", str(args.layers), "--width", str(args.width)]
+           "--device-budget", args.device_budget, "--layers", str(args.layers), "--width", str(args.width),
+           "--loss", args.loss]
     env = {**os.environ, "PYTHONPATH": str(REPO), "MALLOC_MMAP_THRESHOLD_": "131072"}
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
@@ -193,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     for seq in seqs:
         with torch.device("meta"):
             model = transformers.GPT2LMHeadModel(gpt2(args, seq))
-        acts = measure_activations(model, config(args, "nvme", False, host_budget=b["host"]), measured_loss,
+        acts = measure_activations(model, config(args, "nvme", False, host_budget=b["host"]), loss_of(args),
                                    batch=1, seq=seq)  # as `tierzero estimate --batch 1 --seq S` measures them
         estimates[seq] = {"blocks": acts.blocks, "outside": acts.outside, "after": acts.after,
                           "inputs": acts.kept(True),
@@ -225,13 +235,13 @@ def summarize(runs: list[dict], ab: list[dict], estimates: dict, seqs: list[int]
     est_vs = []
     for r in runs:
         e = estimates[r["seq"]]
-        # what the runtime sees: the model's forward (the loss batch_loss computes after it is not)
+        # what the runtime sees: the model's forward (with the chunked loss inside; a plain loss after it is not)
         want = e["outside"] + (e["inputs"] if r["checkpointing"] else e["blocks"])
         got = sum(r["activation_bytes"].values())
         est_vs.append({"seq": r["seq"], "activations": r["activations"], "checkpointing": r["checkpointing"],
                        "measured": got, "estimated": want, "ratio": want / got if got else None})
     return {
-        "runs": runs, "ab": ab, "estimates": estimates, "budgets": b, "device_budget": device_budget,
+        "runs": runs, "ab": ab, "estimates": estimates, "budgets": b, "device_budget": device_budget, "loss": args.loss,
         "rss_growth": growth,
         "targets": {
             "nvme_growth_within_device_budget": growth["nvme"] <= device_budget,
@@ -266,7 +276,7 @@ def report(res: dict) -> None:
     print("A B A B at the longest sequence, step s (device, nvme): "
           + ", ".join(f"{r['activations']} {r['step_s']:.2f}" for r in res["ab"]))
     print(json.dumps(res["targets"], indent=1))
-    print(f"losses identical in every mode: {res['identical_losses']}")
+    print(f"loss: {res['loss']}; losses identical in every mode: {res['identical_losses']}")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ _LAZY = {
     "WeightSource": "tierzero.formats",
     "from_pretrained": "tierzero.hf",
     "save_pretrained": "tierzero.hf",
+    "causal_lm_loss": "tierzero.hf",
     "PrefetchPolicy": "tierzero.prefetch",
     "PrefetchView": "tierzero.prefetch",
     "Fetch": "tierzero.prefetch",

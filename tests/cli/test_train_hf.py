@@ -122,3 +122,27 @@ def test_lora_over_a_base_read_from_its_own_files(tmp_path: Path, capsys) -> Non
     merged, start = (transformers.AutoModelForCausalLM.from_pretrained(f) for f in (out, folder))
     assert sorted(merged.state_dict()) == sorted(start.state_dict())
     assert any(not torch.equal(merged.state_dict()[k], v) for k, v in start.state_dict().items())
+
+
+def test_the_chunked_loss_trains_as_the_plain_one(tmp_path: Path, capsys) -> None:
+    """--chunked-loss with activations on NVMe and checkpointing: the first step's loss is the
+    plain loss's (the same weights; fp32 sums in another order), the run completes."""
+    from tierzero.cli import train
+
+    folder, data = tmp_path / "llama", tmp_path / "train.jsonl"
+    make_folder(folder)
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    losses = {}
+    for chunked in (False, True):
+        run = tmp_path / f"run-{chunked}"
+        args = ["--model", str(folder), "--data", str(data), "--steps", "3", "--batch", "2", "--seq", "32",
+                "--device-budget", "1MiB", "--host-budget", "2MiB", "--params", "nvme", "--optimizer-states", "nvme",
+                "--nvme-dir", str(tmp_path / f"nvme-{chunked}"), "--run-dir", str(run), "--no-progress",
+                "--activations", "nvme", "--activation-checkpointing"] + (["--chunked-loss"] if chunked else [])
+        assert train.main(args) == 0, capsys.readouterr().err
+        losses[chunked] = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses[True]) == 3 and all(math.isfinite(x) for x in losses[True])
+    assert losses[True][0] == pytest.approx(losses[False][0], rel=1e-5, abs=0)
+    assert train.main(["--model", "tiny", "--steps", "1", "--run-dir", str(tmp_path / "gpt"), "--no-progress",
+                       "--chunked-loss"]) == 2
+    assert "--chunked-loss: the built-in GPTs compute their loss inside their forward" in capsys.readouterr().err

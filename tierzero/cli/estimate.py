@@ -7,6 +7,7 @@ largest batch x sequence each activation placement fits (tierzero.planning does 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
@@ -139,17 +140,18 @@ def _activations(args: argparse.Namespace, cfg: Config) -> ActivationModel:
     else:
         model = hf.meta_model(args.model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return activation_model(model, cfg, measured_loss, batch=args.batch, seq=args.seq, device=device)
+    loss = functools.partial(measured_loss, chunked=args.chunked_loss)
+    return activation_model(model, cfg, loss, batch=args.batch, seq=args.seq, device=device)
 
 
-def measured_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def measured_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, chunked: bool = False) -> torch.Tensor:
     """`batch_loss` as it is measured on fake tensors. transformers takes fake tensors for a
     trace: without a cache it cannot tell that the batch holds no packed sequences, and builds
     the causal mask a real batch does without (passed to every layer: what checkpointing keeps
     would read far too high). An empty cache tells it; its first update copies each layer's keys
     and values, which the attention then saves instead of views of the projection (a few
     percent more than a real step: 7 % for GPT-2 124M)."""
-    return batch_loss(model, x, y, use_cache=True)
+    return batch_loss(model, x, y, use_cache=True, chunked=chunked)
 
 
 def _fits(acts: ActivationModel, est: Estimate, cfg: Config, budgets: dict[str, int]) -> dict[str, dict[str, int]]:

@@ -63,12 +63,17 @@ def zero_from_flags(args: argparse.Namespace) -> dict[str, object]:
 
 
 def add_activation_flags(p: argparse.ArgumentParser) -> None:
-    """--activations and --activation-checkpointing; read them back with `activations_from_flags`."""
+    """--activations and --activation-checkpointing (read them back with `activations_from_flags`),
+    --chunked-loss (harness.batch_loss's `chunked`)."""
     p.add_argument("--activations", default="device", choices=("device", "host", "nvme", "auto"),
                    help="where the activations saved for backward live (default device; auto: the device "
                         "while they fit its room, then host, then nvme)")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="keep only each block's input and recompute the block in backward")
+    p.add_argument("--chunked-loss", action="store_true",
+                   help="a transformers model's loss from its hidden states a chunk of tokens at a time, never "
+                        "the whole sequence's logits (tierzero.hf.causal_lm_loss: the same loss within fp32 "
+                        "rounding, not bit for bit; the head's matmul once more in backward)")
 
 
 def activations_from_flags(args: argparse.Namespace) -> dict[str, object]:

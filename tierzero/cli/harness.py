@@ -118,13 +118,20 @@ DEFAULT_TEXT_BYTES = 4 << 20
 """Text of the default corpus tokenized for a pretrained model (tokenizing all of it is slow)."""
 
 
-def batch_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, use_cache: bool = False) -> torch.Tensor:
+def batch_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, use_cache: bool = False,
+               chunked: bool = False) -> torch.Tensor:
     """Mean next-token cross-entropy (targets y = x shifted by one), for either kind of model
-    (a transformers model fills no cache in training unless `use_cache`)."""
-    out = model(x, y) if isinstance(model, GPT) else model(input_ids=x, use_cache=use_cache)
+    (a transformers model fills no cache in training unless `use_cache`). `chunked`
+    (--chunked-loss): a transformers model's through hf.causal_lm_loss, without the logits of
+    the whole sequence."""
     if isinstance(model, GPT):
-        return out.loss
-    logits = out.logits
+        if chunked:
+            raise ValueError("--chunked-loss: the built-in GPTs compute their loss inside their forward, over "
+                             "a 256-token vocabulary whose logits are small; it is for a transformers model folder")
+        return model(x, y).loss
+    if chunked:
+        return hf.causal_lm_loss(model, x, shift_labels=y, use_cache=use_cache)
+    logits = model(input_ids=x, use_cache=use_cache).logits
     return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
 
 

@@ -410,7 +410,7 @@ def _step(r: _Run, step: int) -> dict:
     x, y = r.sampler.next()
     local = slice(r.rank * args.batch // r.world_size, (r.rank + 1) * args.batch // r.world_size)
     x, y = x[local].to(pm.device), y[local].to(pm.device)
-    loss = batch_loss(r.model, x, y)
+    loss = batch_loss(r.model, x, y, chunked=args.chunked_loss)
     loss.backward()
     if args.clip > 0:
         tz.clip_grad_norm_(r.model, args.clip)

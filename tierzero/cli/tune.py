@@ -229,7 +229,7 @@ class Trainer:
             for i in range(steps):
                 x, y = (t.to(device) for t in sampler.next())
                 t0 = time.perf_counter()
-                batch_loss(model, x, y).backward()
+                batch_loss(model, x, y, chunked=self.args.chunked_loss).backward()
                 opt.step()
                 opt.zero_grad()
                 if device.type == "cuda":
@@ -375,7 +375,7 @@ def _gbps(model: TierModel, leg: tuple[str, str]) -> float | None:
 
 def _setup(args: argparse.Namespace, trainer: Trainer | None) -> dict[str, Any]:
     keys = ("model", "n_layer", "n_embd", "batch", "seq", "steps", "warmup", "simulate", "trace", "bench_io",
-            "activations", "activation_checkpointing")
+            "activations", "activation_checkpointing", "chunked_loss")
     out = {k: getattr(args, k) for k in keys}
     if trainer is not None:
         b = trainer.base

@@ -2,6 +2,7 @@
 
     pretrained.py  tz.from_pretrained / tz.save_pretrained: folders streamed in and out, block by block
     trainer.py     tierzero.hf.Trainer: transformers.Trainer for a wrapped model
+    loss.py        causal_lm_loss: a causal LM's loss without the whole sequence's logits
 
 transformers is an optional extra (`pip install 'tierzero[hf]'`): this package imports without
 it; `Trainer` is imported on first use (it subclasses transformers.Trainer).
@@ -12,9 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from tierzero.formats import meta_model, require_transformers
+from tierzero.hf.loss import causal_lm_loss, chunked_cross_entropy
 from tierzero.hf.pretrained import from_pretrained, save_pretrained
 
-__all__ = ["from_pretrained", "save_pretrained", "meta_model", "Trainer"]
+__all__ = ["from_pretrained", "save_pretrained", "meta_model", "Trainer", "causal_lm_loss", "chunked_cross_entropy"]
 
 
 def __getattr__(name: str) -> Any:

@@ -17,7 +17,8 @@ originals, whose device memory is then free. Compute goes on meanwhile; a forwar
 
 Backward: when the prefetcher starts a block's fetch ahead of its backward (the policy's choice,
 from the recorded trace), the block's pending pack is copied to the device too, within the
-device room, and NVMe-homed packs further back are read into host memory (`prefetch`). The first
+device room, and NVMe-homed packs further back are read into host memory (`prefetch`); a pack
+the writer has not finished yet is copied by the writer as soon as it has. The first
 unpack acquires the device copy (waiting if it is not there yet) and each tensor comes back as a
 view into it with its own strides. A pack is freed (copy released, tensor unregistered) when
 autograd drops its last record, at the block call's post-backward, or at the end of backward,
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import threading
 import time
 import warnings
 import weakref
@@ -136,6 +138,10 @@ class ActivationPack:
         self.written: cf.Future[None] | None = None
         self.acquired = False
         """The device copy is pinned for backward (from the first unpack to the free)."""
+        self.landed = False
+        """The writer filled the home (under Activations.lock, with `wanted`)."""
+        self.wanted = False
+        """The prefetcher asked for the device copy before the write landed: the writer starts it."""
         self._device: torch.Tensor | None = None
         self._live = 0
         self.state = PackState.OPEN
@@ -250,6 +256,8 @@ class Activations:
         self._keep_from: int | None = None
         """auto: packs from this index on in seal order stay on the device (None: not planned)."""
         self._warned = False
+        self.lock = threading.Lock()
+        """Orders a pack's `landed` (the writer) against `wanted` (the prefetcher)."""
 
     @property
     def placed(self) -> bool:
@@ -388,12 +396,16 @@ class Activations:
         if self._writer is None:
             self._writer = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tierzero-act-r{self.ctx.rank}")
         ready = self.pm.streams.compute_ready()  # the forward's work that made the tensors
-        pack.written = self._writer.submit(self._write, handle, pack.pieces(), ready)
+        pack.written = self._writer.submit(self._write, pack, pack.pieces(), ready)
         self._unwritten.append(pack.written)
 
-    def _write(self, handle: TensorHandle, pieces: list[tuple[int, torch.Tensor]], ready: Any) -> None:
+    def _write(self, pack: ActivationPack, pieces: list[tuple[int, torch.Tensor]], ready: Any) -> None:
         """The writer thread: copy the segments into the home (an NVMe home through a fresh host
-        copy, written home by the release), then drop them."""
+        copy, written home by the release), drop them, then start the copy to the device the
+        prefetcher asked for meanwhile (within this job: whoever waits for the write finds it
+        on its way)."""
+        handle = pack.handle
+        assert handle is not None
         tier = Tier.HOST if handle.home is Tier.NVME else handle.home
         dst = self.pm.acquire(handle, tier, overwrite=handle.home is Tier.NVME)
         done = False
@@ -418,6 +430,11 @@ class Activations:
         finally:
             pieces.clear()
             self.pm.release(handle, tier, dirty=done)
+        with self.lock:
+            pack.landed = True
+            wanted = pack.wanted
+        if wanted and pack.state is PackState.SEALED:
+            self.pm.prefetch(handle, Tier.DEVICE)
 
     def acquire(self, pack: ActivationPack) -> torch.Tensor:
         """The pack's device copy for backward, pinned until the pack is freed."""
@@ -458,16 +475,27 @@ class Activations:
         room = self.ctx.device_room() - sum(u.nbytes for u in units if u.name not in self.ctx.held)
         ahead = []
         for pack in reversed(self._pending):
-            if pack.acquired or not _written(pack):
+            if pack.acquired:
                 continue
             assert pack.handle is not None
             if pack.block in names and pack.handle.home is not Tier.DEVICE and pack.nbytes <= room:
-                self.pm.prefetch(pack.handle, Tier.DEVICE)
+                self._to_device(pack)
                 room -= pack.nbytes
-            elif pack.handle.home is Tier.NVME and len(ahead) < self.nvme_depth:
+            elif pack.handle.home is Tier.NVME and _written(pack) and len(ahead) < self.nvme_depth:
                 ahead.append(pack.handle)
         for handle in ahead:
             self.pm.prefetch(handle, Tier.HOST, speculative=True)
+
+    def _to_device(self, pack: ActivationPack) -> None:
+        """Start the pack's copy to the device: now if its write landed, else by the writer when
+        it lands (on a GPU the forward's last packs are often still being written when backward
+        starts; the copy must not start before them)."""
+        with self.lock:
+            if not pack.landed:
+                pack.wanted = True
+                return
+        assert pack.handle is not None
+        self.pm.prefetch(pack.handle, Tier.DEVICE)
 
     def collect(self, *, wait: bool = False) -> None:
         """Undo the placement of freed packs: release device copies, unregister the tensors
