@@ -242,9 +242,10 @@ def run_child(args: argparse.Namespace, size: str, mode: str) -> dict:
     shutil.rmtree(nvme, ignore_errors=True)
     if status != 0:
         raise RuntimeError(f"child {size} {mode} failed (status {status})")
-    head, steps, last = lines[0], lines[1:-1], lines[-1]
+    head, settle = lines[0], lines[-1] if "settle_s" in lines[-1] else None  # --tree: older children have none
+    steps = [line for line in lines[1:] if "step" in line]
     return {"size": size, "mode": mode, "params": head["params"], "wrap_s": head["wrap_s"], "steps": steps,
-            "settle": last, "peak_rss": usage.ru_maxrss * 1024}
+            "settle": settle, "peak_rss": usage.ru_maxrss * 1024}
 
 
 # ------------------------------------------------------------------------------- the report
@@ -267,7 +268,7 @@ def summarise(run: dict, drive: dict, args: argparse.Namespace) -> dict:
         "size": run["size"], "mode": run["mode"], "params": n, "state_bytes": 16 * n, "wrap_s": run["wrap_s"],
         "step_s": step_s, "step_s_each": [round(s["step_s"], 2) for s in steady],
         "bytes_per_param_each": [round((s["read_bytes"] + s["write_bytes"]) / n, 2) for s in steady],
-        "final_settle_s": run["settle"]["settle_s"],
+        "final_settle_s": None if run["settle"] is None else run["settle"]["settle_s"],
         "read_bytes": read, "write_bytes": write, "bytes_per_param": (read + write) / n,
         "floor_s": floor, "step_over_floor": step_s / floor,
         # against the best round of the drive measurement: another process's IO during a round

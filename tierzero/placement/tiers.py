@@ -15,7 +15,7 @@ can use O_DIRECT) and comes from one of two pools with the same interface:
 
 [Note: arena windows] A slice needs one free extent, not just budget: freeing cached copies in
 least-recently-used order until one opens up gives back far more than the request (each freed
-slice may sit between slices that stay), and every copy given back is read again later. So the
+slice may sit between slices that stay), and a copy given back is usually read again. So the
 arena picks its victims itself (`victims`): the window of the request's size, made of free
 extents and slices offered for eviction, whose most recent victim is least recent (what LRU
 alone would reach at best), and of those the one that gives back the fewest bytes. A HostPool
