@@ -9,7 +9,10 @@ reports per step: the wall time, the bytes the process read from and wrote to th
 a request in flight (/sys/block/DEV/stat io_ticks) and, where the code under test counts
 them, tierzero's bytes by kind; and the same clocks (wall, CPU, bytes) per phase of the step:
 forward (with the wait for the last step's overlapped updates), backward, clip + opt.step(),
-zero_grad (+ the last step's settle: its updates and writes landed). The drive is measured in the same run with io_engine
+zero_grad. Each step's updates run under the next step's forward (Config.overlap_step), so
+every step after the first carries exactly one step's updates (the first step's among them);
+the last step's updates land after the last step, timed apart ("final_settle_s"), not counted.
+The drive is measured in the same run with io_engine
 (sequential O_DIRECT write and read of a file at tierzero's IO settings) before the models
 train. Then, per steady step (the first is left out):
 
@@ -182,11 +185,6 @@ def child(spec: dict) -> None:
         opt.step()
         marks.append(_mark("step", disk))
         opt.zero_grad()
-        if step in (0, spec["steps"] - 1):
-            # The first step's and the last one's updates and writes land (timed): the counted
-            # steps run from a settled state to a settled state; between them each step's
-            # updates run under the next forward (Config.overlap_step).
-            settle(model)
         marks.append(_mark("flush", disk))
         (_, t0, io0, ticks0, cpu0), (_, t1, io1, ticks1, cpu1) = marks[0], marks[-1]
         stats = runtime.step_stats(model)
@@ -199,6 +197,14 @@ def child(spec: dict) -> None:
             row["tz_by_kind"] = stats.nvme_by_kind
             row["tz_busy_s"] = stats.nvme_busy_s
         print(json.dumps(row), flush=True)
+    # Each step's updates run under the next one's forward (Config.overlap_step), so every step
+    # after the first carries one step's updates: the last one's land here, outside the steps.
+    t0, io0 = time.perf_counter(), _proc_io()
+    settle(model)
+    io1, stats = _proc_io(), runtime.step_stats(model)
+    print(json.dumps({"settle_s": time.perf_counter() - t0, "read_bytes": io1[0] - io0[0],
+                      "write_bytes": io1[1] - io0[1], "tz_by_kind": getattr(stats, "nvme_by_kind", None)}),
+          flush=True)
     runtime.close(model)
 
 
@@ -236,9 +242,10 @@ def run_child(args: argparse.Namespace, size: str, mode: str) -> dict:
     shutil.rmtree(nvme, ignore_errors=True)
     if status != 0:
         raise RuntimeError(f"child {size} {mode} failed (status {status})")
-    head, steps = lines[0], lines[1:]
+    head, settle = lines[0], lines[-1] if "settle_s" in lines[-1] else None  # --tree: older children have none
+    steps = [line for line in lines[1:] if "step" in line]
     return {"size": size, "mode": mode, "params": head["params"], "wrap_s": head["wrap_s"], "steps": steps,
-            "peak_rss": usage.ru_maxrss * 1024}
+            "settle": settle, "peak_rss": usage.ru_maxrss * 1024}
 
 
 # ------------------------------------------------------------------------------- the report
@@ -260,6 +267,8 @@ def summarise(run: dict, drive: dict, args: argparse.Namespace) -> dict:
     out = {
         "size": run["size"], "mode": run["mode"], "params": n, "state_bytes": 16 * n, "wrap_s": run["wrap_s"],
         "step_s": step_s, "step_s_each": [round(s["step_s"], 2) for s in steady],
+        "bytes_per_param_each": [round((s["read_bytes"] + s["write_bytes"]) / n, 2) for s in steady],
+        "final_settle_s": None if run["settle"] is None else run["settle"]["settle_s"],
         "read_bytes": read, "write_bytes": write, "bytes_per_param": (read + write) / n,
         "floor_s": floor, "step_over_floor": step_s / floor,
         # against the best round of the drive measurement: another process's IO during a round

@@ -123,3 +123,33 @@ def test_pinned_arena_fragmented_is_no_room_and_close_reports_leaks():
     assert b.free == 2 * ALIGNMENT and arena.try_alloc(2 * ALIGNMENT) is None and b.free == 2 * ALIGNMENT
     with pytest.raises(RuntimeError, match="2 buffers .* still in use"):
         arena.close()
+
+
+def test_pinned_arena_victims_open_the_least_recent_window():
+    """[Note: arena windows]: of the slices offered (victims first), those of the window whose
+    most recent victim is least recent, then of the fewest bytes; none where no window opens."""
+    arena = PinnedArena(Budget(Tier.HOST, 10 * ALIGNMENT), pin=False)
+    s = [arena.try_alloc(ALIGNMENT) for _ in range(10)]
+    offered = [s[0], s[5], s[2], s[6], s[1], s[7], s[3], s[8], s[9]]  # s[4] is not offered
+    assert arena.try_alloc(3 * ALIGNMENT) is None
+    # s0 s1 s2 (latest victim: rank 4) opens before s5 s6 s7 (rank 5); LRU alone would give
+    # back ranks 0-4, five slices, for three pages
+    assert arena.victims(3 * ALIGNMENT, offered) == [0, 2, 4]
+    assert arena.victims(5 * ALIGNMENT, offered) == [1, 3, 5, 7, 8]  # s5..s9: s4 stays
+    assert arena.victims(6 * ALIGNMENT, offered) == []  # no window of 6 pages without s4
+    arena.free(s[6])
+    offered = [s[0], s[5], s[7], s[1], s[2], s[3], s[8], s[9]]
+    # s5 beside the hole: one page given back, where LRU would give back s0 first
+    assert arena.victims(2 * ALIGNMENT - 1, offered) == [1]
+    # as recent a latest victim (s7) either way: s7 beside the hole, not s8 and s7
+    assert arena.victims(2 * ALIGNMENT, [s[8], s[7], s[5]]) == [1]
+    assert arena.victims(3 * ALIGNMENT, offered) == [1, 2]  # s5, the hole, s7
+    for i in arena.victims(3 * ALIGNMENT, offered):  # what victims chose opens the window
+        arena.free(offered[i])
+    assert arena.try_alloc(3 * ALIGNMENT) is not None
+
+
+def test_host_pool_has_no_windows():
+    pool = HostPool(Budget(Tier.HOST, 4 * ALIGNMENT))
+    bufs = [pool.try_alloc(ALIGNMENT) for _ in range(4)]
+    assert pool.victims(2 * ALIGNMENT, bufs) is None  # any bytes given back serve

@@ -12,8 +12,10 @@ Room keeps no residency: PlacementManager tells it which copies exist (`cached`,
 `forget`) and lends it callbacks: `evictable(handle, tier)`, `evict(handle, tier)` (its drop
 transition), `clean(tier, nbytes)`, called when a need falls short, which starts writing
 back dirty cached copies there (lazy releases) so they become evictable once written, and
-`unused(handle, tier)`: a prefetched copy not used yet, offered to the policy after the others. Not
-thread-safe on its own; used under the manager's lock.
+`unused(handle, tier)`: a prefetched copy not used yet, offered to the policy after the others;
+`buffer(handle, tier)`: a cached copy's buffer, for a store whose memory is one region to pick,
+among the policy's victims, those that open a window of the size needed ([Note: arena windows]
+in tiers.py). Not thread-safe on its own; used under the manager's lock.
 """
 
 from __future__ import annotations
@@ -56,12 +58,14 @@ class Room:
                  evictable: Callable[[TensorHandle, Tier], bool],
                  evict: Callable[[TensorHandle, Tier], None],
                  clean: Callable[[Tier, int], None],
+                 buffer: Callable[[TensorHandle, Tier], Buffer],
                  unused: Callable[[TensorHandle, Tier], bool] = lambda h, t: False) -> None:
         self.stores = stores
         self.policy: EvictionPolicy = LeastRecentlyUsed()
         self._evictable = evictable
         self._evict = evict
         self._clean = clean
+        self._buffer = buffer
         self._unused = unused
         self._lru: OrderedDict[tuple[TensorHandle, Tier], None] = OrderedDict()
         self._homes = dict.fromkeys(Tier, 0)
@@ -165,8 +169,12 @@ class Room:
         if speculative:
             candidates = [h for h in candidates if not self._unused(h, tier)]
         allowed = set(candidates)
-        for victim in self.policy.order(candidates):
-            if victim not in allowed or not self._evictable(victim, tier):
+        victims = [h for h in self.policy.order(candidates) if h in allowed]
+        picks = store.victims(nbytes, [self._buffer(h, tier) for h in victims])
+        if picks is not None:  # memory in one region: only a window of it serves
+            victims = [victims[i] for i in picks]
+        for victim in victims:
+            if not self._evictable(victim, tier):
                 continue
             self._evict(victim, tier)
             buf = store.alloc(nbytes, home=home)

@@ -136,6 +136,7 @@ class ResidencyTable:
         self.cond = threading.Condition(threading.RLock())
         self.stores = stores
         self.room = Room(stores, self._evictable, self.drop, self._clean,
+                         lambda h, t: self._records[h]._copies[t].buffer,
                          lambda h, t: not self._records[h]._copies[t].used)
         self.moves = MoveTable()
         self.errors: list[BaseException] = []

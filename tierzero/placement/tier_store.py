@@ -20,6 +20,7 @@ not thread-safe on their own: PlacementManager calls them under its lock.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol, Union
 
 import torch
@@ -51,6 +52,11 @@ class TierStore(Protocol):
 
     def reserved(self, nbytes: int) -> int:
         """Bytes a buffer of `nbytes` takes from the budget."""
+        ...
+
+    def victims(self, nbytes: int, candidates: Sequence[Buffer]) -> list[int] | None:
+        """Which of `candidates` (victims first) to free so that `nbytes` fit, in their order;
+        None where any bytes freed serve (see [Note: arena windows] in tiers.py)."""
         ...
 
     def view(self, buffer: Buffer, handle: TensorHandle) -> torch.Tensor | None:
@@ -115,6 +121,9 @@ class PoolTier:
 
     def reserved(self, nbytes: int) -> int:
         return self.pool.bucket(nbytes)
+
+    def victims(self, nbytes: int, candidates: Sequence[Buffer]) -> list[int] | None:
+        return self.pool.victims(nbytes, [flat(c) for c in candidates])
 
     def view(self, buffer: Buffer, handle: TensorHandle) -> torch.Tensor:
         return typed(flat(buffer), handle)
@@ -181,6 +190,9 @@ class CudaTier:
     def reserved(self, nbytes: int) -> int:
         return nbytes
 
+    def victims(self, nbytes: int, candidates: Sequence[Buffer]) -> None:
+        return None  # the caching allocator's memory: any bytes freed serve
+
     def view(self, buffer: Buffer, handle: TensorHandle) -> torch.Tensor:
         return typed(flat(buffer), handle)
 
@@ -210,6 +222,9 @@ class NvmeTier:
 
     def reserved(self, nbytes: int) -> int:
         return round_up(nbytes)
+
+    def victims(self, nbytes: int, candidates: Sequence[Buffer]) -> None:
+        return None  # a region may be pieces of several holes: any bytes freed serve
 
     def view(self, buffer: Buffer, handle: TensorHandle) -> None:
         return None

@@ -12,6 +12,14 @@ can use O_DIRECT) and comes from one of two pools with the same interface:
                  where torch's pinned allocator rounds each allocation up to a power of two),
                  handed out in 4 KiB-aligned slices; the host tier with CUDA (host-to-device
                  copies from it run asynchronously) and in the stream stand-in
+
+[Note: arena windows] A slice needs one free extent, not just budget: freeing cached copies in
+least-recently-used order until one opens up gives back far more than the request (each freed
+slice may sit between slices that stay), and a copy given back is usually read again. So the
+arena picks its victims itself (`victims`): the window of the request's size, made of free
+extents and slices offered for eviction, whose most recent victim is least recent (what LRU
+alone would reach at best), and of those the one that gives back the fewest bytes. A HostPool
+has no windows: any bytes given back serve.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import bisect
 import mmap
 import threading
+from collections.abc import Sequence
 from typing import Callable
 
 import torch
@@ -175,6 +184,9 @@ class HostPool:
             self._free.setdefault(size, []).append(buf)
             self._cached_bytes += size
 
+    def victims(self, nbytes: int, candidates: Sequence[torch.Tensor]) -> None:
+        """None: any bytes given back serve a request (the memory is not one region)."""
+
     def trim(self) -> int:
         """Drop every cached buffer, giving its bytes back to the budget; returns the bytes."""
         with self._lock:
@@ -293,6 +305,45 @@ class PinnedArena:
             else:
                 self._starts.insert(i, start)
             self._lengths[start] = size
+
+    def victims(self, nbytes: int, candidates: Sequence[torch.Tensor]) -> list[int]:
+        """Which of `candidates` (slices that may be given back, victims first) to give back so
+        that a slice of `nbytes` fits, in their order; [] when no choice of them makes room.
+        See [Note: arena windows]."""
+        size, stays = self.bucket(nbytes), len(candidates)
+        rank = {c.data_ptr(): i for i, c in enumerate(candidates)}
+        with self._lock:
+            # The arena in address order, as (length, rank): -1 free, `stays` a slice not offered.
+            pieces = [(n, r) for _, n, r in sorted(
+                [(s, n, -1) for s, n in self._lengths.items()]
+                + [(s, n, rank.get(p, stays)) for p, (s, n) in self._in_use.items()])]
+
+        def window(latest: int) -> tuple[int, int, int] | None:
+            """(bytes given back, first, last piece) of the window of `size` bytes that gives back
+            the fewest, among those whose victims all rank at most `latest`."""
+            found, lo, length, given = None, 0, 0, 0
+            for hi, (n, r) in enumerate(pieces):
+                if r > latest:
+                    lo, length, given = hi + 1, 0, 0
+                    continue
+                length, given = length + n, given + (n if r >= 0 else 0)
+                while length - pieces[lo][0] >= size:  # the shortest window ending here
+                    length -= pieces[lo][0]
+                    given -= pieces[lo][0] if pieces[lo][1] >= 0 else 0
+                    lo += 1
+                if length >= size and (found is None or given < found[0]):
+                    found = (given, lo, hi)
+            return found
+
+        if window(stays - 1) is None:
+            return []
+        lo, hi = -1, stays - 1  # bisect for the least recent latest victim that opens a window
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if window(mid) is not None else (mid + 1, hi)
+        found = window(lo)
+        assert found is not None
+        return sorted(r for _, r in pieces[found[1]: found[2] + 1] if r >= 0)
 
     def trim(self) -> int:
         return 0
