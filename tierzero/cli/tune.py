@@ -20,7 +20,7 @@ config snippets (TOML and Python), or with `--json` one object: {"candidates": [
 "settings", "stall_s", "stall_range_s", "step_s", "predicted_stall_s", ...}], "best", ...}.
 
 `--compute-speedup F` divides the recorded compute times by F in the predictions, so on a slow
-machine the tuner answers what a GPU F times faster would need from the same disk;
+machine the tuner answers what a GPU F times faster would need from the same disk.
 How the disk's rate changes with io threads the model learns from a short read sweep of the
 NVMe folder at each `--io-threads` count, run after the first recording (a few seconds), or from
 `--bench-io FILE` (the output of `tierzero bench-io --json`) instead.
@@ -321,8 +321,8 @@ def _record(trainer: Trainer | None, args: argparse.Namespace, bar: Progress, wh
 
 
 def _disk_sweep(args: argparse.Namespace, trainer: Trainer | None) -> dict | None:
-    """Read GB/s of the NVMe folder at each io thread count the candidates use (a bench-io
-    result, engine reads only): without it the model gives every io thread count the recording's
+    """GB/s of the NVMe folder at each io thread count the candidates use (a bench-io result
+    without fio; the model takes its reads): without it the model gives every io thread count the recording's
     disk rate. None when the candidates use one count or nothing is on NVMe."""
     if trainer is None or args.nvme_dir is None or len(set(args.io_threads)) < 2:
         return None
