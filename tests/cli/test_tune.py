@@ -10,8 +10,9 @@ import pytest
 
 from tierzero.cli import train
 from tierzero.cli import tune
-from tierzero.prefetch.policies import Adaptive, FetchPhase, Lookahead, NoPrefetch, TraceEvent, Unit
-from tierzero.planning.recording import Recording, Slot
+from tierzero.config.tiernames import Tier
+from tierzero.prefetch.policies import Adaptive, Fetch, FetchPhase, Lookahead, NoPrefetch, TraceEvent, Unit
+from tierzero.planning.recording import Leg, Recording, Slot, Update
 from tierzero.planning.tier_model import Rate, TierModel, simulate
 
 MS = 1e-3
@@ -62,16 +63,50 @@ def test_faster_compute_needs_deeper_reads_and_the_disk_bounds_the_step() -> Non
 
 
 def test_a_policy_cannot_put_the_model_over_its_rooms() -> None:
-    class Everything(NoPrefetch):
+    class EverythingTwice(NoPrefetch):
         def plan(self, view):  # every unit, both tiers, every time
-            from tierzero.prefetch.policies import Fetch
-            from tierzero.config.tiernames import Tier
             return [Fetch(n, t) for n in view.units for t in (Tier.DEVICE, Tier.HOST)]
 
     rec = recording(device_blocks=2)
     rec.host_room = 2 * BLOCK
-    p = simulate(rec, Everything(), MODEL, speedup=50)
+    p = simulate(rec, EverythingTwice(), MODEL, speedup=50)
     assert p.copies >= 4  # still trains through every block, within two blocks of room
+
+
+class Everything(NoPrefetch):
+    def plan(self, view):  # every unit to the device, every time
+        return [Fetch(n, Tier.DEVICE) for n in view.units]
+
+
+def updated(cpu_s: float) -> Recording:
+    """Host-homed blocks whose overlapped-step updates each read three blocks' bytes from NVMe
+    (3 ms) and compute `cpu_s`; the device keeps every block, the step invalidates its copies."""
+    rec = recording(device_blocks=8)
+    rec.units = {n: u._replace(nvme=False) for n, u in rec.units.items()}
+    rec.step_invalidates = True
+    rec.updates = [Update(n, cpu_s, (Leg("nvme", "host", BLOCK, MS),) * 3) for n in rec.units]
+    return rec
+
+
+def test_the_overlapped_steps_updates_race_the_forward() -> None:
+    # Updates ahead of the forward: only the first block waits, for its reads (3 ms) and
+    # update (5 ms); the next update's reads (its read-ahead) overlap it.
+    fast = simulate(updated(5 * MS), NoPrefetch(), MODEL)
+    assert fast.stall_s == pytest.approx(8 * MS + 4 * 0.1 * MS)
+    # Updates of 15 ms against 10 ms of compute: the first waits 18 ms (and its copy), each
+    # next one 5 ms (its copy's 0.1 ms included: the compute before it began that much later).
+    slow = simulate(updated(15 * MS), NoPrefetch(), MODEL)
+    assert slow.stall_s == pytest.approx(18 * MS + 0.1 * MS + 3 * 5 * MS)
+    # No block is copied to the device before its update ended, whatever the policy asks.
+    assert simulate(updated(15 * MS), Everything(), MODEL).stall_s == pytest.approx(slow.stall_s)
+
+
+def test_update_reads_compete_with_the_policys_reads_for_the_disk() -> None:
+    rec = updated(5 * MS)
+    rec.units = {n: u._replace(nvme=True) for n, u in rec.units.items()}
+    alone = simulate(rec, NoPrefetch(), MODEL)
+    rec.updates = []  # the same on-demand reads without the updates' 12 ms of reads on the disk
+    assert simulate(rec, NoPrefetch(), MODEL).disk_s == pytest.approx(alone.disk_s - 12 * MS)
 
 
 def test_calibration_from_busy_time_and_bench_io_threads() -> None:
@@ -135,6 +170,9 @@ def test_simulate_replays_a_run_folders_trace(tmp_path: Any, capsys: Any) -> Non
     assert [s.event.unit for s in rec.slots][:2] == ["root", "blocks.0"] and rec.compute_s > 0
     # The parameters live on NVMe; the step rewrote them in host memory, where the forward found them.
     assert rec.step_invalidates and rec.step_on_host == set(rec.units)
+    # The overlapped step updated every block before the forward, in the forward's order.
+    forward = [s.event.unit for s in rec.slots if s.event.phase is FetchPhase.FORWARD]
+    assert [u.block for u in rec.updates] == forward and all(u.cpu_s > 0 for u in rec.updates)
     assert tune.main(["--simulate", "--trace", str(run), "--compute-speedup", "50", "--policies",
                       "none,adaptive", "--nvme-depths", "4", "--io-threads", "4", "--no-progress"]) == 0
     out = capsys.readouterr().out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import gc
 import warnings
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -268,5 +269,31 @@ def test_what_autograd_would_refuse_is_refused(tmp_path: Path, layer: type, kw: 
         loss = model(torch.randn(3, 8)).sum()
         with pytest.raises(RuntimeError, match=match):
             loss.backward()
+    finally:
+        runtime.close(model)
+
+
+def test_no_pack_is_read_back_during_the_forward_that_wrote_it(tmp_path: Path) -> None:
+    """The NVMe read-ahead of packs serves the backward: during the forward the packs written so
+    far are needed last, and reading them then only takes the disk from the step's updates and
+    host room from the blocks (they were pushed out and read again). A host budget too small to
+    keep the packs' host copies, so that they are read from NVMe."""
+    cfg = config(tmp_path, "small", activations="nvme", host_budget="1MiB",
+                 prefetch=tz.PrefetchConfig(policy="lookahead", depth=1, nvme_depth=8))
+    model = tz.wrap(builders.gpt(seq=24, layers=6), cfg)
+    try:
+        pm = runtime.placement_manager(model)
+        opt = tz.AdamW(model, lr=1e-3)
+        for x in batches(257, n=3):
+            began = time.perf_counter()
+            loss = loss_of(model, x)
+            forward_ended = time.perf_counter()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            early = [m.tensor for m in list(pm.telemetry.moves) if m.tensor.endswith(".activation")
+                     and (m.src, m.dst) == ("nvme", "host") and began <= m.start < forward_ended]
+            assert not early, early
+        assert any(m.tensor.endswith(".activation") and m.src == "nvme" for m in pm.telemetry.moves)  # read back
     finally:
         runtime.close(model)

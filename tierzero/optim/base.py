@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import functools
+import time
 import weakref
 from typing import Any, Callable, Iterable, Sequence, TypeVar, Union
 
@@ -34,7 +35,7 @@ from torch import nn
 from tierzero import runtime
 from tierzero.config import Tier
 from tierzero.layout import FlatLayout
-from tierzero.placement import Kind, TensorHandle
+from tierzero.placement import UPDATES_TRACK, Kind, TensorHandle
 from tierzero.runtime import FlatGrad, FlatParam, StepQueue
 
 READ_AHEAD = 2
@@ -283,17 +284,25 @@ class TieredOptimizer(torch.optim.Optimizer):
             if self._queue is None:
                 _then_collectives(update())
             else:
-                self._queue.submit(flat.param, flat.name, self._beside_compute(update))
+                self._queue.submit(flat.param, flat.name, self._beside_compute(update, flat.name, overlapped=True))
         return loss
 
-    def _beside_compute(self, update: Callable[[], _C]) -> Callable[[], _C]:
-        """`update` run on a thread beside compute: its waits for data are not stalls of the
-        training loop (telemetry counts them apart; the loop's waits for the update are)."""
+    def _beside_compute(self, update: Callable[[], _C], name: str, *, overlapped: bool) -> Callable[[], _C]:
+        """`update` of block `name` run on a thread beside compute: its waits for data are not
+        stalls of the training loop (telemetry counts them apart; the loop's waits for the
+        update are). Each update is a span of the trace's "updates" track, with the seconds it
+        waited for data and whether it is the overlapped step's (under the next forward) or
+        step_in_backward's: the tier model replays the former."""
         telemetry = self._model_state.pm.telemetry
 
         def beside() -> _C:
-            with telemetry.background():
-                return update()
+            t0 = time.perf_counter()
+            with telemetry.background() as waited:
+                try:
+                    return update()
+                finally:
+                    telemetry.record_span(UPDATES_TRACK, f"update {name}", t0, time.perf_counter(),
+                                          {"block": name, "wait_s": round(waited(), 6), "overlapped": overlapped})
         return beside
 
     @torch.no_grad()
@@ -324,7 +333,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         if self._updater is None:
             _then_collectives(update())
         else:  # in order, one at a time, while backward goes on
-            self._pending.append(self._updater.submit(self._beside_compute(update)))
+            self._pending.append(self._updater.submit(self._beside_compute(update, flat.name, overlapped=False)))
 
     def _drain(self) -> None:
         """Wait for the updates started during this backward, then run their collectives here,

@@ -19,7 +19,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 from tierzero.config import TIER_NAMES
 from tierzero.placement.handles import TRAFFIC_GROUPS
@@ -28,6 +28,9 @@ STALL_SOURCES = ("update", "room", "queued", "write", "read", "copy")
 """What a stall waited for: the overlapped step's update of a block ("update"), room on a tier
 ("room"), a move waiting for a worker ("queued"), an earlier write of what it reads ("write"),
 an NVMe read ("read"), a copy between memories ("copy")."""
+UPDATES_TRACK = "updates"
+"""The trace track of the optimizer's block updates on their own thread (span args: block,
+wait_s, overlapped: the overlapped step's, else step_in_backward's)."""
 MAX_EVENTS = 1_000_000
 """Moves and timeline points kept per run (the oldest are dropped past this)."""
 
@@ -148,11 +151,13 @@ class Telemetry:
             self._step.bytes_moved[dst] += nbytes
 
     @contextlib.contextmanager
-    def background(self) -> Iterator[None]:
-        """The calling thread works beside compute until the block ends: its waits are not stalls."""
+    def background(self) -> Iterator[Callable[[], float]]:
+        """The calling thread works beside compute until the block ends: its waits are not
+        stalls. Yields a function that says how long this thread has waited in the block."""
         self._local.background = True
+        self._local.waited = 0.0
         try:
-            yield
+            yield lambda: self._local.waited
         finally:
             self._local.background = False
 
@@ -161,6 +166,7 @@ class Telemetry:
         a thread working beside compute (`background`), a wait of that thread, not a stall."""
         tier = str(tier)
         if getattr(self._local, "background", False):
+            self._local.waited += seconds
             with self._lock:
                 self.background_wait_s += seconds
                 self._step.background_wait_s += seconds

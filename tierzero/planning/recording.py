@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Sequence
 
+from tierzero.placement import UPDATES_TRACK
 from tierzero.prefetch import FetchPhase, TraceEvent, Unit
 
 TRAINING_KEY = repr((True, True))
@@ -61,6 +62,18 @@ class Leg(NamedTuple):
     dst: str
     nbytes: int
     seconds: float
+
+
+class Update(NamedTuple):
+    """A block's update by the overlapped step before the recorded forward (the trace's
+    "updates" track), in the order the step ran them."""
+
+    block: str
+    cpu_s: float
+    """Its span less its waits for data."""
+    reads: tuple[Leg, ...]
+    """The NVMe reads of the block's tensors (master, moments, gradient) from the step on: the
+    update's own, or its predecessor's read-ahead of them."""
 
 
 class Background(NamedTuple):
@@ -99,6 +112,10 @@ class Recording:
     """Units the optimizer step left on the host: it rewrote their host copies (and wrote them
     home), and the forward copied them to the device from there, without an NVMe read. The
     replay puts them on the host at each step, as no prefetch policy decides."""
+    updates: list[Update] = field(default_factory=list)
+    """The overlapped step's block updates before the forward, in order (empty: the step ran
+    before the forward, or the trace predates the "updates" track: the fetches' recorded waits
+    for them are added as they were)."""
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "Recording":
@@ -149,7 +166,7 @@ class Recording:
                    info["device_room"], min(p.host_room for p in parts), info["workers"], info["io_threads"],
                    info["io_block_size"], info.get("device_wraps", True), info.get("policy", "?"),
                    [o for p in parts for o in p.miss_overheads], all(p.step_invalidates for p in parts),
-                   frozenset.intersection(*(p.step_on_host for p in parts)))
+                   frozenset.intersection(*(p.step_on_host for p in parts)), _merge_updates(parts))
 
     @staticmethod
     def _parts(trace: Mapping[str, Any], last: int | None, where: str) -> tuple[dict, dict[str, Unit], list["_Part"]]:
@@ -173,7 +190,8 @@ class Recording:
         units = {name: Unit(name, tuple(u.get("tensors", ())), u["bytes"], u["nvme"]) for name, u in info["units"].items()}
         tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
         moves = [e for e in events if e.get("ph") == "X" and e.get("cat") == "move"]
-        return info, units, [_iteration(by_it[i], by_it[i - 1], by_it[i + 1], moves, tracks, units)
+        updates = [e for e in events if e.get("ph") == "X" and e.get("cat") == UPDATES_TRACK]
+        return info, units, [_iteration(by_it[i], by_it[i - 1], by_it[i + 1], moves, tracks, units, updates)
                                     for i in full[-(last or len(full)):]]
 
     @property
@@ -202,15 +220,25 @@ class _Part(NamedTuple):
     miss_overheads: list[float]
     step_invalidates: bool
     step_on_host: frozenset[str]
+    updates: list[Update]
+
+
+def _merge_updates(parts: list[_Part]) -> list[Update]:
+    """Per update, the median CPU seconds; the reads of the latest iteration (as its background).
+    None if the iterations' steps updated different blocks."""
+    blocks = [u.block for u in parts[-1].updates]
+    if not blocks or any([u.block for u in p.updates] != blocks for p in parts):
+        return []
+    return [Update(b, statistics.median(p.updates[k].cpu_s for p in parts), parts[-1].updates[k].reads)
+            for k, b in enumerate(blocks)]
 
 
 def _iteration(spans: list[dict], before: list[dict], after: list[dict], moves: list[dict],
-               tracks: dict[int, str], units: Mapping[str, Unit]) -> _Part:
+               tracks: dict[int, str], units: Mapping[str, Unit], update_spans: list[dict]) -> _Part:
     """One iteration's fetch spans (and the next's, which closes its last compute) as slots, its
-    move legs, the background ones placed by the fetch they followed, its channels' busy time.
-    Background: every leg but the copies of units' tensors to the host or the device (what a
-    policy decides; the step's reads of parameters among them, see [Note: what the replay
-    leaves out])."""
+    move legs, the background ones placed by the fetch they followed, its channels' busy time,
+    the updates of the overlapped step before it. Background: every leg but the copies of
+    units' tensors to the host or the device (what a policy decides) and the updates' reads."""
     this = sorted(spans, key=lambda e: e["args"]["pos"])
     first_next = min(after, key=lambda e: e["args"]["pos"])
     slots = []
@@ -225,6 +253,8 @@ def _iteration(spans: list[dict], before: list[dict], after: list[dict], moves: 
         slots.append(Slot(TraceEvent(FetchPhase(a["phase"]), a["unit"]), tuple(a["held"]),
                           max(0.0, span - a["stall_s"] - other), a["stall_s"], other, update, a.get("host_room")))
     start, end = this[0]["ts"], first_next["ts"]
+    since = max(e["ts"] + e["dur"] for e in before)  # the step before this forward began after it
+    updates, theirs = _updates(update_spans, moves, tracks, since, this)
     fetch_tensors = {t for u in units.values() for t in u.tensors}
     starts = [e["ts"] for e in this]
     legs, background = [], []
@@ -233,16 +263,40 @@ def _iteration(spans: list[dict], before: list[dict], after: list[dict], moves: 
         src, _, dst = tracks[m["tid"]].partition(" -> ")
         leg = Leg(src, dst, m["args"]["bytes"], m["dur"] / 1e6)
         legs.append(leg)
-        if not (m["name"] in fetch_tensors and dst in ("host", "device")):
+        if not (m["name"] in fetch_tensors and dst in ("host", "device")) and id(m) not in theirs:
             pos = max(i for i, s in enumerate(starts) if s <= m["ts"])
             background.append(Background(pos, (m["ts"] - starts[pos]) / 1e6, leg))
     forward = {s.event.unit for s in slots if s.event.phase is FetchPhase.FORWARD}
     copied = {m["name"] for m in inside if tracks[m["tid"]].endswith("-> device")}
     invalidates = bool(forward) and all(t in copied for u in forward for t in units[u].tensors)
-    since = max(e["ts"] + e["dur"] for e in before)  # the step before this forward began after it
     return _Part(slots, legs, background, _busy(inside, tracks), this[0]["args"]["host_room"],
                  _miss_overheads(this, moves, tracks, units), invalidates,
-                 _step_on_host(forward, [m for m in moves if m["ts"] >= since], end, tracks, units))
+                 _step_on_host(forward, [m for m in moves if m["ts"] >= since], end, tracks, units), updates)
+
+
+def _updates(spans: list[dict], moves: list[dict], tracks: dict[int, str], since: float,
+             this: list[dict]) -> tuple[list[Update], set[int]]:
+    """The overlapped step's updates between the previous iteration's last fetch and this
+    iteration's backward, with their reads (the NVMe reads of a tensor of the block, "BLOCK.x",
+    from the step until the last update ended); and the ids of those read events."""
+    backward = min((e["ts"] for e in this if e["args"]["phase"] == FetchPhase.BACKWARD.value), default=float("inf"))
+    ours = sorted((e for e in spans if since <= e["ts"] < backward and e["args"].get("overlapped")),
+                  key=lambda e: e["ts"])
+    if not ours:
+        return [], set()
+    last = max(e["ts"] + e["dur"] for e in ours)
+    blocks = {e["args"]["block"] for e in ours}
+    reads: dict[str, list[dict]] = {}
+    for m in moves:
+        if since <= m["ts"] < last and tracks[m["tid"]] == "nvme -> host":
+            owner = m["name"].rpartition(".")[0]
+            if owner in blocks:
+                reads.setdefault(owner, []).append(m)
+    out = [Update(e["args"]["block"], max(0.0, e["dur"] / 1e6 - e["args"].get("wait_s", 0.0)),
+                  tuple(Leg("nvme", "host", m["args"]["bytes"], m["dur"] / 1e6)
+                        for m in reads.get(e["args"]["block"], ())))
+           for e in ours]
+    return out, {id(m) for ms in reads.values() for m in ms}
 
 
 def _step_on_host(forward: set[str], moves: list[dict], end: float, tracks: dict[int, str],

@@ -5,9 +5,11 @@ their compute seconds, the moves no policy decides, the device and host room.
 
 How the tiers are modelled (`TierModel`): a move takes one of the placement manager's workers
 for its whole life (a move that reads or writes NVMe one of its io workers, a copy between
-memories one of its two copy workers) and goes through its legs in order; each leg queues on its channel (the
-disk for NVMe reads and writes, one copy channel toward the device, one back), first come first
-served, taking `bytes * seconds_per_byte`; a move ends `overhead_s` after its last leg (thread
+memories one of its two copy workers) and goes through its legs in order; each leg queues on its
+channel (NVMe reads, NVMe writes, one copy channel toward the device, one back), first come first
+served, taking `bytes * seconds_per_byte`: a disk reads while it writes (measured on 350m: the
+reads' and writes' busy times overlap by a fifth of their sum), and each direction's rate,
+calibrated from the recording, is the one it had beside the other's traffic; a move ends `overhead_s` after its last leg (thread
 hand-off, commit). The rates come from the recording's own moves (bytes over the seconds such
 legs ran); the overhead from its on-demand fetches (their wait less their legs); a `tierzero
 bench-io --json` result scales the disk's rates by read concurrency: the pieces of reads in
@@ -25,17 +27,22 @@ of the host budget holds the step's gradients and optimizer states, which come a
 iteration). At each step the device copies are dropped when the recorded step rewrote the
 parameters, and the units the step left on the host (`Recording.step_on_host`) are put there.
 A fetch whose copy is not there waits: that wait is the predicted stall. Stalls the recording
-saw outside block fetches, and the fetches' waits for their block's update by the overlapped
-step, are added as they were (no policy changes them).
+saw outside block fetches are added as they were (no policy changes them).
 
-[Note: what the replay leaves out] Compute slowed down by copies competing for the CPU or
-memory bandwidth; the disk shared unevenly between concurrent reads; and the overlapped step's
-own reads of parameters the host no longer caches (they are copies of units to the host, which
-the replay leaves to the policy): where the host budget cannot keep the parameters between the
-update and the forward, on-demand fetching is predicted too low (built-in 350m, 1 GiB host:
-1.4 s predicted against 2.4 s measured), while policies that read ahead, whose reads are the
-ones the update then finds, are predicted within a quarter. `tierzero tune` prints predictions
-beside measured figures so the model's error is visible.
+The overlapped step (`Recording.updates`) is replayed too, for it races the forward: each block's
+update reads its master, moments and gradient from NVMe (the reads start once the update before
+it has its own data, its read-ahead) through the same workers and disk as the policy's reads,
+starts when the one before it ends, and computes its recorded CPU seconds; a forward fetch of
+the block waits for it, and no policy prefetches a block before its update ends. So where the
+updates pace the forward (350m: ~200 MB read and ~150 MB written per block update against
+~0.2 s of compute), reading ahead competes with them and the replay shows it. A recording
+without the "updates" track (an older trace) adds the fetches' recorded waits for them instead.
+
+[Note: what the replay leaves out] Compute slowed down by copies and updates competing for the
+CPU or memory bandwidth (the update's CPU seconds are the recorded ones, under the recorded
+contention); the disk shared unevenly between concurrent reads; the updates' waits for host
+room and for write-backs (of their waits, only their reads are replayed).
+`tierzero tune` prints predictions beside measured figures so the model's error is visible.
 """
 
 from __future__ import annotations
@@ -48,9 +55,9 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 from tierzero.config import Tier
 from tierzero.planning.recording import Background, Recording
-from tierzero.prefetch import BlockTimes, PrefetchPolicy, PrefetchView, Unit, fitting, next_use_order
+from tierzero.prefetch import BlockTimes, FetchPhase, PrefetchPolicy, PrefetchView, Unit, fitting, next_use_order
 
-CHANNELS = {("nvme", "host"): "disk", ("host", "nvme"): "disk", ("host", "device"): "h2d",
+CHANNELS = {("nvme", "host"): "read", ("host", "nvme"): "write", ("host", "device"): "h2d",
             ("device", "host"): "d2h"}
 """The channel each leg (src, dst) queues on."""
 COPY_WORKERS = 2
@@ -163,13 +170,22 @@ class _Sim:
         self.now = 0.0
         self.pos = -1
         self.held: frozenset[str] = frozenset()
-        self.disk_s = 0.0
+        self.disk: list[tuple[float, float]] = []
+        """The disk's busy intervals (reads and writes overlap on it)."""
         self.device_copies = 0
         fetch = {}
         for name, u in rec.units.items():
             fetch[(name, Tier.DEVICE)] = model.leg_seconds("host", "device", u.nbytes) + model.overhead_s
             fetch[(name, Tier.HOST)] = model.leg_seconds("nvme", "host", u.nbytes) + model.overhead_s
         self.times = BlockTimes([s.compute_s / speedup for s in rec.slots], fetch)
+        self.updates = rec.updates if all(u.block in rec.units for u in rec.updates) else []
+        """The overlapped step's updates, replayed (else their recorded waits are added)."""
+        self.updated: dict[str, float] = {}
+        """Per block of this iteration's updates: when its update ends, once the replay knows."""
+        self.next_update = len(self.updates)
+        self.reads_from = self.update_from = 0.0
+        """When the next update's reads start (its predecessor has its own data) and when the
+        next update may start (its predecessor ended)."""
 
     # ------------------------------------------------------------------------ rooms, views
 
@@ -208,8 +224,8 @@ class _Sim:
             begin = max(start, self.free_at[ch])
             start = begin + self.model.leg_seconds(src, dst, nbytes)
             self.free_at[ch] = start
-            if ch == "disk":
-                self.disk_s += start - begin
+            if ch in ("read", "write"):
+                self.disk.append((begin, start))
         done = start + self.model.overhead_s
         heapq.heappush(pool, done)
         return done
@@ -271,6 +287,41 @@ class _Sim:
         self.unpins = keep
         self.staging = [(t, b) for t, b in self.staging if t > self.now]
 
+    # --------------------------------------------------------------- the overlapped step
+
+    def step(self) -> None:
+        """The optimizer step, now: its updates queued, one after another (`advance`)."""
+        self.updated.clear()
+        self.next_update = 0
+        self.reads_from = self.update_from = self.now
+
+    def advance(self, until: float) -> None:
+        """Replay the updates whose reads start by `until`: an update's reads start once the one
+        before it has its data (its read-ahead) and compete for workers and the disk with
+        everything else; it starts once the one before it ended, computes on the CPU once its
+        data is there (its recorded seconds: compute speedups are the device's)."""
+        while self.next_update < len(self.updates) and self.reads_from <= until:
+            u = self.updates[self.next_update]
+            data = max([self.move(self.reads_from, [("nvme", "host", leg.nbytes)]) for leg in u.reads],
+                       default=self.reads_from)
+            begin = max(self.update_from, data)
+            self.updated[u.block] = self.update_from = begin + u.cpu_s
+            self.reads_from = begin
+            self.next_update += 1
+
+    def updating(self, name: str) -> bool:
+        """The unit's update is queued or running (it is not prefetched yet, as the prefetcher
+        does not)."""
+        if not any(u.block == name for u in self.updates[self.next_update:]):
+            return self.updated.get(name, 0.0) > self.now
+        return True
+
+    def wait_update(self, name: str) -> None:
+        """A forward fetch waits for its block's update."""
+        while name not in self.updated and self.next_update < len(self.updates):
+            self.advance(self.reads_from)
+        self.now = max(self.now, self.updated.get(name, 0.0))
+
     # ----------------------------------------------------------------------------- the step
 
     def plan(self) -> None:
@@ -279,7 +330,7 @@ class _Sim:
         for f in self.policy.plan(self.view()):
             unit, tier = self.rec.units[f[0]], Tier(f[1])
             chosen = device if tier is Tier.DEVICE else host
-            if unit.name not in self.held and unit not in chosen:
+            if unit.name not in self.held and unit not in chosen and not self.updating(unit.name):
                 chosen.append(unit)
         fitting_units = fitting(device, self.room(Tier.DEVICE))
         for u in fitting_units:
@@ -300,11 +351,13 @@ class _Sim:
         for name in self.rec.step_on_host:  # the step's update left them there, newest last
             host.pop(name, None)
             host[name] = _Copy(self.now)
+        self.step()
         stall = 0.0
         pending = []
         for pos, slot in enumerate(self.rec.slots):
             self.pos = pos
             self.held = frozenset(slot.held) | {slot.event.unit}
+            self.advance(self.now)
             for t, b in pending:  # background legs due by now, at their own times
                 if t <= self.now:
                     self.move(t, [(b.leg.src, b.leg.dst, b.leg.nbytes)])
@@ -313,6 +366,9 @@ class _Sim:
             self.plan()
             name = slot.event.unit
             start = self.now
+            if slot.event.phase is FetchPhase.FORWARD and self.updates:
+                self.wait_update(name)
+                self.settle()
             while not self.fetch(name, Tier.DEVICE):  # no room: wait for a copy in flight to land
                 later = [c.ready for t in self.copies.values() for c in t.values() if c.ready > self.now]
                 later += [t for t, _ in self.staging if t > self.now]
@@ -325,7 +381,8 @@ class _Sim:
             self.now = max(self.now, self.copies[Tier.DEVICE][name].ready)
             stall += self.now - start
             pending += [(start + b.offset_s / self.speedup, b) for b in background.get(pos, ())]
-            self.now += slot.compute_s / self.speedup + slot.other_stall_s + slot.update_s
+            self.now += slot.compute_s / self.speedup + slot.other_stall_s + (0.0 if self.updates else slot.update_s)
+        self.advance(float("inf"))
         for t, b in pending:
             self.move(t, [(b.leg.src, b.leg.dst, b.leg.nbytes)])
         return stall
@@ -342,10 +399,19 @@ def simulate(rec: Recording, policy: PrefetchPolicy, model: TierModel, *, worker
         background.setdefault(b.pos, []).append(b)
     stall = 0.0
     for _ in range(iterations):
-        start, disk0, copies0 = sim.now, sim.disk_s, sim.device_copies
+        start, disk0, copies0 = sim.now, len(sim.disk), sim.device_copies
         stall = sim.iteration(background)
-    other = sum(s.other_stall_s + s.update_s for s in rec.slots)
-    return Prediction(stall + other, sim.now - start, sim.disk_s - disk0, sim.device_copies - copies0)
+    other = sum(s.other_stall_s + (0.0 if sim.updates else s.update_s) for s in rec.slots)
+    return Prediction(stall + other, sim.now - start, _union(sim.disk[disk0:]), sim.device_copies - copies0)
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    busy, reach = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > reach:
+            busy += b - max(a, reach)
+            reach = b
+    return busy
 
 
 __all__ = ["TierModel", "Prediction", "simulate", "read_concurrency"]
