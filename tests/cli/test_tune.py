@@ -13,6 +13,7 @@ from tierzero.cli import tune
 from tierzero.config.tiernames import Tier
 from tierzero.prefetch.policies import Adaptive, Fetch, FetchPhase, Lookahead, NoPrefetch, TraceEvent, Unit
 from tierzero.planning.recording import Leg, Recording, Slot, Update
+from tierzero.planning import tier_model
 from tierzero.planning.tier_model import Rate, TierModel, simulate
 
 MS = 1e-3
@@ -89,16 +90,39 @@ def updated(cpu_s: float) -> Recording:
 
 
 def test_the_overlapped_steps_updates_race_the_forward() -> None:
+    def replay(rec: Recording, policy: Any) -> Any:
+        return tier_model._replay(rec, policy, MODEL, rec.workers, 1.0, 3)
+
     # Updates ahead of the forward: only the first block waits, for its reads (3 ms) and
     # update (5 ms); the next update's reads (its read-ahead) overlap it.
-    fast = simulate(updated(5 * MS), NoPrefetch(), MODEL)
-    assert fast.stall_s == pytest.approx(8 * MS + 4 * 0.1 * MS)
-    # Updates of 15 ms against 10 ms of compute: the first waits 18 ms (and its copy), each
-    # next one 5 ms (its copy's 0.1 ms included: the compute before it began that much later).
-    slow = simulate(updated(15 * MS), NoPrefetch(), MODEL)
-    assert slow.stall_s == pytest.approx(18 * MS + 0.1 * MS + 3 * 5 * MS)
+    sim, stall = replay(updated(5 * MS), NoPrefetch())[:2]
+    assert sim.update_wait == pytest.approx(8 * MS) and stall == pytest.approx(8 * MS + 4 * 0.1 * MS)
+    # Updates of 15 ms against 10 ms of compute: the first waits 18 ms, each next one 5 ms less
+    # its copy's 0.1 ms (the compute before it began that much later).
+    sim, stall = replay(updated(15 * MS), NoPrefetch())[:2]
+    assert sim.update_wait == pytest.approx(18 * MS + 3 * 4.9 * MS) and stall == pytest.approx(33.1 * MS)
     # No block is copied to the device before its update ended, whatever the policy asks.
-    assert simulate(updated(15 * MS), Everything(), MODEL).stall_s == pytest.approx(slow.stall_s)
+    assert replay(updated(15 * MS), Everything())[1] == pytest.approx(stall)
+
+
+def test_predicted_update_waits_are_the_recorded_ones_moved_by_the_policys_difference() -> None:
+    rec = updated(15 * MS)
+    rec.slots = [s._replace(update_s=2 * MS) if s.event.phase is FetchPhase.FORWARD else s for s in rec.slots]
+    # On demand, as recorded: the block fetches' copies, plus the recorded waits for the updates.
+    assert simulate(rec, NoPrefetch(), MODEL).stall_s == pytest.approx(4 * 0.1 * MS + 4 * 2 * MS)
+    # A policy reading the updated blocks ahead moves the updates' reads on the disk: its
+    # predicted waits are the recorded ones plus the difference the replay finds.
+    rec.units = {n: u._replace(nvme=True) for n, u in rec.units.items()}
+
+    class ReadAll(NoPrefetch):
+        def plan(self, view):
+            return [Fetch(n, Tier.HOST) for n in view.units]
+
+    sim, stall = tier_model._replay(rec, ReadAll(), MODEL, rec.workers, 1.0, 3)[:2]
+    base = tier_model._replay(rec, NoPrefetch(), MODEL, rec.workers, 1.0, 3)[0].update_wait
+    assert sim.update_wait != pytest.approx(base)
+    assert simulate(rec, ReadAll(), MODEL).stall_s == pytest.approx(
+        stall - sim.update_wait + max(0.0, 4 * 2 * MS + sim.update_wait - base))
 
 
 def test_update_reads_compete_with_the_policys_reads_for_the_disk() -> None:

@@ -116,6 +116,8 @@ class Recording:
     """The overlapped step's block updates before the forward, in order (empty: the step ran
     before the forward, or the trace predates the "updates" track: the fetches' recorded waits
     for them are added as they were)."""
+    update_read_ahead: int = 1
+    """Updates whose reads an update starts once it has its own data (the optimizer's)."""
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "Recording":
@@ -166,7 +168,8 @@ class Recording:
                    info["device_room"], min(p.host_room for p in parts), info["workers"], info["io_threads"],
                    info["io_block_size"], info.get("device_wraps", True), info.get("policy", "?"),
                    [o for p in parts for o in p.miss_overheads], all(p.step_invalidates for p in parts),
-                   frozenset.intersection(*(p.step_on_host for p in parts)), _merge_updates(parts))
+                   frozenset.intersection(*(p.step_on_host for p in parts)), _merge_updates(parts),
+                   int(info.get("update_read_ahead", 1)))
 
     @staticmethod
     def _parts(trace: Mapping[str, Any], last: int | None, where: str) -> tuple[dict, dict[str, Unit], list["_Part"]]:

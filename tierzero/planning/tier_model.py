@@ -33,10 +33,18 @@ The overlapped step (`Recording.updates`) is replayed too, for it races the forw
 update reads its master, moments and gradient from NVMe (the reads start once the update before
 it has its own data, its read-ahead) through the same workers and disk as the policy's reads,
 starts when the one before it ends, and computes its recorded CPU seconds; a forward fetch of
-the block waits for it, and no policy prefetches a block before its update ends. So where the
+the block waits for it, and no policy prefetches a block before its update ends. Where the
 updates pace the forward (350m: ~200 MB read and ~150 MB written per block update against
-~0.2 s of compute), reading ahead competes with them and the replay shows it. A recording
-without the "updates" track (an older trace) adds the fetches' recorded waits for them instead.
+~0.2 s of compute), reading ahead competes with them.
+
+[Note: update waits as a difference] The replayed updates are slower than the real ones by what
+the replay leaves out of them (one update's reads run concurrently, the disk sweep's rate is
+above the rate its busy time gives; measured on 125m: 52 ms replayed against 40 ms for the
+first block), so a candidate's waits for the updates are predicted as the recorded waits plus
+the difference between its replay and the replay of the recorded setting (on demand, the
+recording's workers): what is left out cancels, what the candidate changes (its reads in the
+updates' way, its workers) remains. A recording without the "updates" track (an older trace)
+adds the recorded waits as they were.
 
 [Note: what the replay leaves out] Compute slowed down by copies and updates competing for the
 CPU or memory bandwidth (the update's CPU seconds are the recorded ones, under the recorded
@@ -55,7 +63,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 from tierzero.config import Tier
 from tierzero.planning.recording import Background, Recording
-from tierzero.prefetch import BlockTimes, FetchPhase, PrefetchPolicy, PrefetchView, Unit, fitting, next_use_order
+from tierzero.prefetch import BlockTimes, FetchPhase, NoPrefetch, PrefetchPolicy, PrefetchView, Unit, fitting, next_use_order
 
 CHANNELS = {("nvme", "host"): "read", ("host", "nvme"): "write", ("host", "device"): "h2d",
             ("device", "host"): "d2h"}
@@ -180,12 +188,18 @@ class _Sim:
         self.times = BlockTimes([s.compute_s / speedup for s in rec.slots], fetch)
         self.updates = rec.updates if all(u.block in rec.units for u in rec.updates) else []
         """The overlapped step's updates, replayed (else their recorded waits are added)."""
+        n = len(self.updates)
+        self.reads_at: list[float | None] = [None] * n
+        """Per update: when its reads start (None: not known yet)."""
+        self.read: list[float | None] = [None] * n
+        """Per update: when its reads are done (None: not started yet)."""
         self.updated: dict[str, float] = {}
         """Per block of this iteration's updates: when its update ends, once the replay knows."""
-        self.next_update = len(self.updates)
-        self.reads_from = self.update_from = 0.0
-        """When the next update's reads start (its predecessor has its own data) and when the
-        next update may start (its predecessor ended)."""
+        self.next_update = n
+        self.update_wait = 0.0
+        """This iteration's forward fetches' waits for their updates."""
+        self.update_from = 0.0
+        """When the next update may start (the one before it ended)."""
 
     # ------------------------------------------------------------------------ rooms, views
 
@@ -293,33 +307,46 @@ class _Sim:
         """The optimizer step, now: its updates queued, one after another (`advance`)."""
         self.updated.clear()
         self.next_update = 0
-        self.reads_from = self.update_from = self.now
+        self.update_from = self.now
+        self.reads_at = [self.now] + [None] * (len(self.updates) - 1) if self.updates else []
+        self.read = [None] * len(self.updates)
 
     def advance(self, until: float) -> None:
-        """Replay the updates whose reads start by `until`: an update's reads start once the one
-        before it has its data (its read-ahead) and compete for workers and the disk with
-        everything else; it starts once the one before it ended, computes on the CPU once its
-        data is there (its recorded seconds: compute speedups are the device's)."""
-        while self.next_update < len(self.updates) and self.reads_from <= until:
-            u = self.updates[self.next_update]
-            data = max([self.move(self.reads_from, [("nvme", "host", leg.nbytes)]) for leg in u.reads],
-                       default=self.reads_from)
-            begin = max(self.update_from, data)
-            self.updated[u.block] = self.update_from = begin + u.cpu_s
-            self.reads_from = begin
+        """Replay the updates as far as their reads start by `until`. The first update's reads
+        start with the step; once an update has its data, it starts the reads of the next
+        `update_read_ahead` updates (those not started yet), which compete for workers and the
+        disk with everything else. An update starts once the one before it ended and computes
+        on the CPU once its data is there (its recorded seconds: compute speedups are the
+        device's)."""
+        ahead = max(1, self.rec.update_read_ahead)
+        while True:
+            for j, at in enumerate(self.reads_at):
+                if at is not None and at <= until and self.read[j] is None:
+                    self.read[j] = max([self.move(at, [("nvme", "host", leg.nbytes)]) for leg in self.updates[j].reads],
+                                       default=at)
+            k = self.next_update
+            if k >= len(self.updates) or self.read[k] is None:
+                return
+            data = max(self.update_from, self.read[k])
+            self.updated[self.updates[k].block] = self.update_from = data + self.updates[k].cpu_s
+            for j in range(k + 1, min(k + 1 + ahead, len(self.updates))):
+                if self.reads_at[j] is None:
+                    self.reads_at[j] = data
             self.next_update += 1
 
     def updating(self, name: str) -> bool:
         """The unit's update is queued or running (it is not prefetched yet, as the prefetcher
         does not)."""
-        if not any(u.block == name for u in self.updates[self.next_update:]):
-            return self.updated.get(name, 0.0) > self.now
-        return True
+        if any(u.block == name for u in self.updates[self.next_update:]):
+            return True
+        return self.updated.get(name, 0.0) > self.now
 
     def wait_update(self, name: str) -> None:
         """A forward fetch waits for its block's update."""
         while name not in self.updated and self.next_update < len(self.updates):
-            self.advance(self.reads_from)
+            at = self.reads_at[self.next_update]  # known: the update before it set it
+            assert at is not None
+            self.advance(at)
         self.now = max(self.now, self.updated.get(name, 0.0))
 
     # ----------------------------------------------------------------------------- the step
@@ -352,6 +379,7 @@ class _Sim:
             host.pop(name, None)
             host[name] = _Copy(self.now)
         self.step()
+        self.update_wait = 0.0
         stall = 0.0
         pending = []
         for pos, slot in enumerate(self.rec.slots):
@@ -368,6 +396,7 @@ class _Sim:
             start = self.now
             if slot.event.phase is FetchPhase.FORWARD and self.updates:
                 self.wait_update(name)
+                self.update_wait += self.now - start
                 self.settle()
             while not self.fetch(name, Tier.DEVICE):  # no room: wait for a copy in flight to land
                 later = [c.ready for t in self.copies.values() for c in t.values() if c.ready > self.now]
@@ -393,7 +422,25 @@ def simulate(rec: Recording, policy: PrefetchPolicy, model: TierModel, *, worker
     """Replay `rec` under `policy` (see the module docstring); the last iteration's figures."""
     if speedup <= 0:
         raise ValueError(f"speedup: expected > 0, got {speedup}")
-    sim = _Sim(rec, policy, model, workers or rec.workers, speedup)
+    sim, stall, step, disk, copies = _replay(rec, policy, model, workers or rec.workers, speedup, iterations)
+    other = sum(s.other_stall_s for s in rec.slots)
+    recorded = sum(s.update_s for s in rec.slots)
+    if sim.updates:  # see [Note: update waits as a difference]
+        base = _replay(rec, NoPrefetch(), model, rec.workers, speedup, iterations)[0]
+        waits = max(0.0, recorded + sim.update_wait - base.update_wait)
+        stall += waits - sim.update_wait
+        step += waits - sim.update_wait
+    else:  # the replay's clock went on by them where they were recorded
+        other += recorded
+    return Prediction(stall + other, step, disk, copies)
+
+
+def _replay(rec: Recording, policy: PrefetchPolicy, model: TierModel, workers: int, speedup: float,
+            iterations: int) -> tuple[_Sim, float, float, float, int]:
+    """The last of `iterations` replayed: the replay, its block stall, step, disk busy
+    seconds, device copies (the stall without the recorded other stalls, and without updates
+    to replay, without the recorded waits for them)."""
+    sim = _Sim(rec, policy, model, workers, speedup)
     background: dict[int, list[Background]] = {}
     for b in rec.background:
         background.setdefault(b.pos, []).append(b)
@@ -401,8 +448,7 @@ def simulate(rec: Recording, policy: PrefetchPolicy, model: TierModel, *, worker
     for _ in range(iterations):
         start, disk0, copies0 = sim.now, len(sim.disk), sim.device_copies
         stall = sim.iteration(background)
-    other = sum(s.other_stall_s + (0.0 if sim.updates else s.update_s) for s in rec.slots)
-    return Prediction(stall + other, sim.now - start, _union(sim.disk[disk0:]), sim.device_copies - copies0)
+    return sim, stall, sim.now - start, _union(sim.disk[disk0:]), sim.device_copies - copies0
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:
