@@ -41,9 +41,11 @@ Where the shares are summed:
                           stored gradient, exactly as the flattened `.grad` would be
 
 A share that arrives otherwise (a recompute in backward, no room for the buffer) is added at
-accumulate. The device-to-host copy of a gradient runs on the copy stream: backward goes on at
-once, and the stored gradient's readers wait for the copy's event (PlacementManager.release's
-`written`); its norms are taken on the device before it leaves.
+accumulate; on one rank with nothing captured, each parameter's `.grad` goes straight into its
+slice of the stored gradient, with no flat temporary on the device (`_write_straight`). The
+device-to-host copy of a gradient runs on the copy stream: backward goes on at once, and the
+stored gradient's readers wait for the copy's event (PlacementManager.release's `written`); its
+norms are taken on the device before it leaves.
 """
 
 from __future__ import annotations
