@@ -24,6 +24,8 @@ train. Then, per steady step (the first is left out):
     least/param  the least traffic the placement needs (tierzero.traffic), for reference
     CPU s/core   the process's CPU time per step (every thread, user + sys) over the cores: a
                  second floor, the one a machine whose cores cannot keep up with its drive meets
+    minor faults the process's page faults per step: fresh memory touched (temporaries), which
+                 costs CPU time on the CPU and allocations on a GPU
 
 `--streams async` runs the children on the CPU's asynchronous stream stand-in (copies on their
 own workers, events; `--poison` adds its poisoning), `sync` (the default) copies at once.
@@ -40,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -175,6 +178,7 @@ def child(spec: dict) -> None:
     g = torch.Generator().manual_seed(0)
     for step in range(spec["steps"]):
         x = torch.randint(0, gcfg.vocab_size, (spec["batch"], spec["seq"]), generator=g)
+        faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         marks = [_mark("start", disk)]
         loss = model(x, x).loss
         marks.append(_mark("forward", disk))
@@ -191,6 +195,7 @@ def child(spec: dict) -> None:
         row = {"step": step, "loss": loss.item(), "step_s": t1 - t0, "read_bytes": io1[0] - io0[0],
                "write_bytes": io1[1] - io0[1], "disk_busy_s": None if disk is None else ticks1 - ticks0,
                "stall_s": sum(stats.stall_s.values()), "cpu_s": cpu1 - cpu0,
+               "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0,
                "phases": {b.name: {"s": b.t - a.t, "cpu_s": b.cpu - a.cpu, "read_bytes": b.io[0] - a.io[0],
                                    "write_bytes": b.io[1] - a.io[1]} for a, b in zip(marks, marks[1:])}}
         if hasattr(stats, "nvme_by_kind"):  # tierzero's own counters, where the code has them
@@ -281,6 +286,8 @@ def summarise(run: dict, drive: dict, args: argparse.Namespace) -> dict:
         # can be no shorter than that either, however fast the drive
         "cpu_s": mean("cpu_s") if "cpu_s" in steady[0] else None,
         "cpu_floor_s": mean("cpu_s") / (os.cpu_count() or 1) if "cpu_s" in steady[0] else None,
+        # page faults of fresh memory: what temporaries made per step cost on the CPU
+        "minor_faults": mean("minor_faults") if "minor_faults" in steady[0] else None,
         "phases": None if "phases" not in steady[0] else {
             name: {k: statistics.mean(st["phases"][name][k] for st in steady) for k in steady[0]["phases"][name]}
             for name in steady[0]["phases"]},

@@ -278,3 +278,46 @@ def test_a_parameter_used_in_some_steps_counts_its_own_adamw_steps(tmp_path: Any
             assert torch.equal(sd[name], p), name
     finally:
         runtime.close(model)
+
+
+@pytest.mark.parametrize("grad_dtype", ["float32", "bfloat16"])
+def test_a_refused_capture_sends_each_gradient_to_the_host_with_no_device_temporary(
+        tmp_path: Any, monkeypatch: Any, grad_dtype: str) -> None:
+    """Early capture's device buffer refused (no room in the device budget, here never any):
+    each parameter's `.grad` goes straight to its slice of the stored gradient on the host, by
+    an asynchronous copy, with plain torch's values and norms; no device memory is made outside
+    the device budget (a flat temporary of the block, or a converted one, would be)."""
+    ref = gpt()
+    model = wrapped(tmp_path, ref, grads="host", grad_dtype=grad_dtype, streams="async",
+                    stand_in=tz.StandInConfig(poison=True, delay_seed=3, max_delay_s=0.003))
+    ctx = runtime.state_of(model).ctx
+    monkeypatch.setattr(ctx, "capture_room", lambda nbytes: False)
+    streams = runtime.placement_manager(model).streams
+    made: list[str] = []
+
+    def counted(name: str) -> Any:
+        make = getattr(streams, name)
+        return lambda *a, **kw: (made.append(name), make(*a, **kw))[1]
+
+    for name in ("empty", "to_device"):
+        monkeypatch.setattr(streams, name, counted(name))
+    dtype = getattr(torch, grad_dtype)
+    try:
+        for seed in (0, 1):
+            tz.clip_grad_norm_(model, 1e9)  # clipping on: norms are taken as gradients are written
+            loss_of(model, tokens(seed)).backward()
+            ref.zero_grad(set_to_none=True)
+            loss_of(ref, tokens(seed)).backward()
+            assert made == [] and ctx.captures == 0
+            stored = {n: torch.zeros_like(p) if p.grad is None else p.grad.to(dtype)
+                      for n, p in ref.named_parameters()}
+            norms = [torch.linalg.vector_norm(p.grad.to(dtype).float()) for p in ref.parameters() if p.grad is not None]
+            assert torch.equal(tz.clip_grad_norm_(model, 1e9), torch.linalg.vector_norm(torch.stack(norms)))
+            got = stored_grads(model)
+            for name, g in stored.items():
+                assert torch.equal(got[name], g), name
+            for flat in runtime.state_of(model).flat_params(trainable=True):
+                assert flat.grad is not None
+                flat.grad.clear()
+    finally:
+        runtime.close(model)

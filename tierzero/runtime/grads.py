@@ -41,9 +41,11 @@ Where the shares are summed:
                           stored gradient, exactly as the flattened `.grad` would be
 
 A share that arrives otherwise (a recompute in backward, no room for the buffer) is added at
-accumulate. The device-to-host copy of a gradient runs on the copy stream: backward goes on at
-once, and the stored gradient's readers wait for the copy's event (PlacementManager.release's
-`written`); its norms are taken on the device before it leaves.
+accumulate; on one rank with nothing captured, each parameter's `.grad` goes straight into its
+slice of the stored gradient, with no flat temporary on the device (`_write_straight`). The
+device-to-host copy of a gradient runs on the copy stream: backward goes on at once, and the
+stored gradient's readers wait for the copy's event (PlacementManager.release's `written`); its
+norms are taken on the device before it leaves.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from torch import nn
 
 from tierzero.config import Tier
 from tierzero.layout import FlatLayout
-from tierzero.placement import Kind, TensorHandle
+from tierzero.placement import CopyEvent, Kind, TensorHandle
 from tierzero.runtime.collectives import all_reduce_flat, rank_errors, reduce_scatter_flat
 from tierzero.runtime.step_context import StepContext
 
@@ -139,9 +141,11 @@ class FlatGrad:
         factor: at world size 1 one per parameter, as torch.nn.utils.clip_grad_norm_ computes
         them (the same bits); with several ranks one of the whole shard (padding is zeros)."""
         if self.layout.world_size == 1:
-            return [torch.linalg.vector_norm(self.scaled(g[s.offset:s.offset + s.numel]), norm_type)
-                    for s in self.layout.slots]
-        return [torch.linalg.vector_norm(self.scaled(g), norm_type)]
+            return [self._norm(g[s.offset:s.offset + s.numel], norm_type) for s in self.layout.slots]
+        return [self._norm(g, norm_type)]
+
+    def _norm(self, g: torch.Tensor, norm_type: float) -> torch.Tensor:
+        return torch.linalg.vector_norm(self.scaled(g), norm_type)
 
     def has_norms(self, norm_type: float) -> bool:
         return self._norms is not None and self._norms[0] == norm_type
@@ -269,10 +273,8 @@ class FlatGrad:
         buf = ctx.pm.acquire(h, h.staging, overwrite=self.empty)
         written = None
         try:
-            if self._held is None and self.empty and self.layout.world_size == 1 and streams.is_device(buf):
-                # No collective and no copy between devices: flatten straight into the
-                # gradient, without a block-sized temporary.
-                self._written(self.layout.flatten(grads, dtype=buf.dtype, out=buf))
+            if self._held is None and self.empty and self.layout.world_size == 1:
+                written = self._write_straight(buf, grads)
                 return
             if self._held is not None:
                 self._fold(self._held, grads)
@@ -297,11 +299,48 @@ class FlatGrad:
         finally:
             ctx.pm.release(h, h.staging, dirty=True, lazy=True, written=written)
 
-    def _written(self, buf: torch.Tensor) -> None:
-        """The stored gradient now holds `buf`'s values: no factor pending, norms taken now."""
+    def _write_straight(self, buf: torch.Tensor, grads: list[torch.Tensor | None]) -> CopyEvent | None:
+        """One rank, nothing captured (none taken, or its buffer refused), the stored gradient
+        `buf` written over whole: each parameter's `.grad` straight into its slice, with no flat
+        temporary. A flat one on the device would be device memory outside its budget, taken
+        exactly when early capture found no room in it. To the host, one copy per parameter on
+        the copy stream after compute: what CUDA's copy engine does with a gather list. Where
+        the dtypes differ, CUDA converts each parameter on the device as it copies it (one
+        parameter's temporary at a time, on the copy stream). The norms are taken from the
+        `.grad` on the device before they leave. Returns the event of the last copy: a stream
+        runs its copies in order."""
+        streams = self.ctx.pm.streams
+        if streams.is_device(buf):
+            self._written(self.layout.flatten(grads, dtype=buf.dtype, out=buf))
+            return None
+        pairs = []
+        for slot, g in zip(self.layout.slots, grads, strict=True):
+            view = buf[slot.offset:slot.offset + slot.numel]
+            if g is None:
+                view.zero_()
+            pairs.append((view, g))
+        for lo, hi in self.layout.gaps():
+            buf[lo:hi].zero_()
+        self._written(buf, parts=[v if g is None else g.reshape(-1) for v, g in pairs])
+        after = streams.compute_ready()
+        event = None
+        for view, g in pairs:
+            if g is not None:
+                event = streams.copy(view, g.reshape(-1), after=after)
+        return event
+
+    def _written(self, buf: torch.Tensor, *, parts: list[torch.Tensor] | None = None) -> None:
+        """The stored gradient now holds `buf`'s values (or, at world size 1, is about to hold
+        `parts`, each parameter's values, as they are copied in): no factor pending, norms
+        taken now."""
         self.scale = None
         norm_type = self.ctx.clip_norm_type
-        self._norms = None if norm_type is None else (norm_type, self.norms_of(self._mine(buf), norm_type))
+        if norm_type is None:
+            self._norms = None
+        elif parts is None:
+            self._norms = (norm_type, self.norms_of(self._mine(buf), norm_type))
+        else:
+            self._norms = (norm_type, [self._norm(p.to(buf.dtype), norm_type) for p in parts])
 
     def unreached(self) -> frozenset[int]:
         """Parameters (by index) without a gradient, which torch's optimizers and clipping skip
