@@ -23,7 +23,10 @@ unpack acquires the device copy (waiting if it is not there yet) and each tensor
 view into it with its own strides. A pack is freed (copy released, tensor unregistered) when
 autograd drops its last record, at the block call's post-backward, or at the end of backward,
 whichever comes first; the placement work is done at the next safe point (`collect`), never in
-a finalizer, which may run on any thread at any time.
+a finalizer, which may run on any thread at any time. At the end of backward the tiers' pools
+give back the free buffers they cached for the packs' sizes: nothing asks for those again before
+the next forward's last blocks, and kept they would hold device room (and, with the device on
+the CPU, the process's memory) through the forward.
 
 Tensors saved outside every block (the loss head's), tensors of another device or layout, and
 all of them under activations="device" stay as autograd made them; every one is counted
@@ -496,6 +499,13 @@ class Activations:
                 return
         assert pack.handle is not None
         self.pm.prefetch(pack.handle, Tier.DEVICE)
+
+    def end_backward(self) -> None:
+        """Backward is over: free what is left of its packs and give back the pools' buffers of
+        their sizes (see [Note: placed activations])."""
+        self.collect()
+        if self._sizes:
+            self.pm.trim(set(self._sizes))
 
     def collect(self, *, wait: bool = False) -> None:
         """Undo the placement of freed packs: release device copies, unregister the tensors
