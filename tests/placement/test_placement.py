@@ -178,8 +178,8 @@ def test_trim_gives_back_the_cached_buffers_of_the_sizes_asked_for(tmp_path):
         pm.settle()
         small, big = (pm.device_pool.bucket(n) if pm.device_pool else 0 for n in (4000, 12000))
         assert pm.bytes_used("device") == small + big
-        assert pm.trim([12000, 50_000]) == big and pm.bytes_used("device") == small
-        assert pm.trim([12000]) == 0
+        assert pm.trim("device", [12000, 50_000]) == big and pm.bytes_used("device") == small
+        assert pm.trim("device", [12000]) == 0
 
 
 def test_dirty_release_invalidates_other_copies_and_store_updates_all(tmp_path):

@@ -215,9 +215,9 @@ def test_auto_keeps_what_fits_on_the_device_and_spills_first_what_backward_needs
 
 
 @pytest.mark.parametrize("mode", ["nvme", "auto"])
-def test_backward_leaves_no_buffers_of_the_packs_sizes_cached(tmp_path: Path, mode: str) -> None:
-    """The packs' copies freed in backward go back to the system, not to the pools' caches: the
-    next forward would hold them for nothing (on the CPU, process memory)."""
+def test_backward_leaves_no_device_buffers_of_the_packs_sizes_cached(tmp_path: Path, mode: str) -> None:
+    """The packs' device copies freed in backward go back to the system, not to the device
+    pool's cache: the next forward would hold them for nothing (on the CPU, process memory)."""
     model = tz.wrap(gpt(), config(tmp_path, mode, activations=mode, device_budget="1536KiB"))
     try:
         pm = runtime.placement_manager(model)
@@ -227,7 +227,7 @@ def test_backward_leaves_no_buffers_of_the_packs_sizes_cached(tmp_path: Path, mo
             sizes = {s.args["bytes"] for s in list(pm.telemetry.spans)[start:] if s.track == "activations"
                      and s.name.startswith("fetch")}
             assert len(sizes) == 1, sizes  # the blocks are alike: their packs too
-            assert pm.trim(sizes) == 0
+            assert pm.trim(Tier.DEVICE, sizes) == 0
     finally:
         runtime.close(model)
 

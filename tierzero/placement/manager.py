@@ -458,12 +458,12 @@ class PlacementManager:
         if errors:
             raise errors[0]
 
-    def trim(self, sizes: Collection[int]) -> int:
-        """Give back the free buffers the tiers' pools cache for requests of `sizes` bytes (the
-        device tier on the CPU, and the host tier without CUDA: memory the system gets back) and
-        return their bytes: for sizes a caller knows nobody will ask for soon."""
+    def trim(self, tier: Tier | str, sizes: Collection[int]) -> int:
+        """Give back the free buffers `tier`'s pool caches for requests of `sizes` bytes (a
+        HostPool's: the device tier on the CPU, the host tier without CUDA; memory the system
+        gets back) and return their bytes: for sizes the caller knows nobody asks for soon."""
         with self._cond:
-            freed = sum(store.trim(sizes) for store in self._tiers.values())
+            freed = self._tiers[Tier.parse(tier)].trim(sizes)
             self._cond.notify_all()
         return freed
 
