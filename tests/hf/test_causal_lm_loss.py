@@ -82,6 +82,13 @@ def test_the_models_own_loss_without_its_logits(kind: str) -> None:
     got = model_grads(model, causal_lm_loss(model, x, labels, use_cache=False, chunk=10))
     for g, p, e in zip(got, plain, want):
         assert_as_close_as_plain(g, p, e, kind)
+    # num_items_in_batch: the sum divided by it (what transformers' Trainer passes when it accumulates)
+    n = torch.tensor(101)
+    want = model_grads(exact, exact(input_ids=x, labels=labels, use_cache=False, num_items_in_batch=n).loss)
+    plain = model_grads(model, model(input_ids=x, labels=labels, use_cache=False, num_items_in_batch=n).loss)
+    got = model_grads(model, causal_lm_loss(model, x, labels, use_cache=False, chunk=10, num_items_in_batch=n))
+    for g, p, e in zip(got, plain, want):
+        assert_as_close_as_plain(g, p, e, f"{kind} num_items_in_batch")
     # shift_labels: the target of each position as given (what tierzero's harness passes)
     y = torch.roll(x, -1, dims=1)
     logits = model(input_ids=x, use_cache=False).logits

@@ -15,11 +15,16 @@ pytest.importorskip("accelerate")
 
 import tierzero as tz  # noqa: E402
 from tierzero import runtime
+from tierzero.hf import trainer as trainer_module
+from tierzero.hf.loss import causal_lm_loss
 from tierzero.hf.trainer import TIERZERO_DIR, Trainer
 import builders
 
 STEPS = 8
 TOL = 1e-5
+ROUNDING = 4
+"""How many times plain fp32's distance from float64 the chunked loss's run may be (fp32 sums of
+the same terms in other orders)."""
 
 
 def llama(seed: int = 0) -> Any:
@@ -159,6 +164,35 @@ def test_refusals(wrapped, tmp_path):
     with pytest.raises(ValueError, match="holds no tierzero/ folder"):
         Trainer(model=model, args=training_args(tmp_path), train_dataset=data()).train(
             resume_from_checkpoint=str(tmp_path))
+
+
+def test_chunked_loss_is_the_plain_trainers_within_fp32_rounding(wrapped, tmp_path, monkeypatch):
+    """chunked_loss=True: the logged losses and grad norms of the plain Trainer (the model's own
+    loss over every logit, divided by num_items_in_batch over the 2 batches accumulated) no further
+    from a float64 run of it than ROUNDING x plain fp32's largest distance, or fp32's resolution at
+    their scale where plain happens to be closer (the bound means the same on every CPU)."""
+    over = {"max_steps": 4}
+    runs = {}
+    for name, model in (("exact", llama().double()), ("plain", llama())):
+        trainer = transformers.Trainer(model=model, args=training_args(tmp_path / name, **over), train_dataset=data())
+        trainer.train()
+        runs[name] = logged(trainer)
+    calls = []
+    monkeypatch.setattr(trainer_module, "causal_lm_loss", lambda *a, **kw: calls.append(kw) or causal_lm_loss(*a, **kw))
+    tiered = Trainer(model=wrapped(), args=training_args(tmp_path / "tiered", **over), train_dataset=data(),
+                     chunked_loss=True)
+    tiered.train()
+    runs["chunked"] = logged(tiered)
+    assert len(calls) == 4 * 2 and all(kw["num_items_in_batch"] is not None for kw in calls)
+    for i, what in ((1, "loss"), (2, "grad_norm")):
+        exact = [r[i] for r in runs["exact"]]
+        plain = max(abs(r[i] - e) for r, e in zip(runs["plain"], exact))
+        allowed = ROUNDING * max(plain, torch.finfo(torch.float32).eps * max(abs(e) for e in exact))
+        off = max(abs(r[i] - e) for r, e in zip(runs["chunked"], exact))
+        assert len(runs["chunked"]) == len(exact) == 4 and off <= allowed, \
+            f"{what}: {off:.3e} from float64, plain fp32 {plain:.3e}: {runs}"
+    with pytest.raises(ValueError, match="label smoothing"):
+        Trainer(model=tiered.model, args=training_args(tmp_path, label_smoothing_factor=0.1), chunked_loss=True)
 
 
 def test_from_pretrained_with_placed_activations_trains_as_on_the_device(tmp_path):

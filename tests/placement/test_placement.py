@@ -165,6 +165,23 @@ def test_release_errors_and_drop(tmp_path):
         assert pm.bytes_used("device") - cached() == held - reserved
 
 
+def test_trim_gives_back_the_cached_buffers_of_the_sizes_asked_for(tmp_path):
+    """A dropped device copy's buffer stays cached in the CPU's device pool, counted in the
+    budget; trim gives back those of the sizes asked for and no others (on CUDA the freed bytes
+    left the budget at once: torch's allocator caches them)."""
+    with make(tmp_path) as pm:
+        a, b = pm.register("a", torch.randn(1000), "host"), pm.register("b", torch.randn(3000), "host")
+        for h in (a, b):
+            pm.acquire(h, "device")
+            pm.release(h, "device")
+            pm.drop(h, "device")
+        pm.settle()
+        small, big = (pm.device_pool.bucket(n) if pm.device_pool else 0 for n in (4000, 12000))
+        assert pm.bytes_used("device") == small + big
+        assert pm.trim("device", [12000, 50_000]) == big and pm.bytes_used("device") == small
+        assert pm.trim("device", [12000]) == 0
+
+
 def test_dirty_release_invalidates_other_copies_and_store_updates_all(tmp_path):
     data = torch.arange(1000, dtype=torch.int64)
     with make(tmp_path) as pm:

@@ -89,6 +89,21 @@ def test_host_pool_aligned_reused_and_counted():
     pool.close()
 
 
+def test_host_pool_trims_the_buckets_asked_for():
+    b = Budget(Tier.HOST, 9 * ALIGNMENT)
+    pool = HostPool(b)
+    bufs = [pool.try_alloc(n) for n in (ALIGNMENT, 2 * ALIGNMENT + 7, 2 * ALIGNMENT + 9, ALIGNMENT + 1)]
+    for buf in bufs:
+        pool.free(buf)
+    assert pool.trim([2 * ALIGNMENT + 1, 5 * ALIGNMENT]) == 6 * ALIGNMENT  # both of the 3-page bucket
+    assert b.used == pool.cached_bytes == 3 * ALIGNMENT
+    assert pool.trim([3 * ALIGNMENT]) == 0  # nothing cached of that size now
+    again = pool.try_alloc(ALIGNMENT - 1)
+    assert again.data_ptr() == bufs[0].data_ptr() and pool.cached_bytes == 2 * ALIGNMENT
+    pool.free(again)
+    pool.close()
+
+
 def test_host_pool_close_reports_leaks():
     pool = HostPool(Budget(Tier.HOST, 1 << 20))
     pool.try_alloc(10)

@@ -215,6 +215,24 @@ def test_auto_keeps_what_fits_on_the_device_and_spills_first_what_backward_needs
         runtime.close(model)
 
 
+@pytest.mark.parametrize("mode", ["nvme", "auto"])
+def test_backward_leaves_no_device_buffers_of_the_packs_sizes_cached(tmp_path: Path, mode: str) -> None:
+    """The packs' device copies freed in backward go back to the system, not to the device
+    pool's cache: the next forward would hold them for nothing (on the CPU, process memory)."""
+    model = tz.wrap(gpt(), config(tmp_path, mode, activations=mode, device_budget="1536KiB"))
+    try:
+        pm = runtime.placement_manager(model)
+        for x in batches(257, rows=3):
+            start = len(pm.telemetry.spans)
+            loss_of(model, x).backward()
+            sizes = {s.args["bytes"] for s in list(pm.telemetry.spans)[start:] if s.track == "activations"
+                     and s.name.startswith("fetch")}
+            assert len(sizes) == 1, sizes  # the blocks are alike: their packs too
+            assert pm.trim(Tier.DEVICE, sizes) == 0
+    finally:
+        runtime.close(model)
+
+
 def test_a_graph_dropped_without_backward_leaves_nothing_placed(tmp_path: Path) -> None:
     model = tz.wrap(gpt(), config(tmp_path, "drop", activations="nvme", activation_checkpointing=True))
     try:

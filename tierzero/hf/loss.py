@@ -41,11 +41,14 @@ _CHECKED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                          targets: torch.Tensor, *, ignore_index: int = -100, chunk: int | None = None) -> torch.Tensor:
+                          targets: torch.Tensor, *, ignore_index: int = -100, chunk: int | None = None,
+                          num_items: torch.Tensor | int | None = None) -> torch.Tensor:
     """`F.cross_entropy(F.linear(hidden, weight, bias).float().flatten(0, -2), targets.flatten(),
     ignore_index=ignore_index)` (the mean over the targets that are not `ignore_index`), with the
     logits made `chunk` tokens at a time in forward and again in backward (see [Note: chunked
-    loss]). `hidden`: (..., d); `targets`: its leading shape; `chunk` None: CHUNK_BYTES of logits."""
+    loss]). `hidden`: (..., d); `targets`: its leading shape; `chunk` None: CHUNK_BYTES of logits.
+    `num_items`: the sum over the targets divided by this instead (transformers' loss given
+    `num_items_in_batch`: the targets of every batch a gradient accumulates)."""
     if targets.shape != hidden.shape[:-1]:
         raise ValueError(f"chunked_cross_entropy: targets of shape {tuple(targets.shape)} for hidden states of "
                          f"shape {tuple(hidden.shape)}; give one target per position")
@@ -53,7 +56,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torc
         chunk = max(1, CHUNK_BYTES // (4 * weight.shape[0]))
     if chunk < 1:
         raise ValueError(f"chunked_cross_entropy: chunk={chunk}; give a positive number of tokens")
-    return _ChunkedCrossEntropy.apply(hidden.flatten(0, -2), weight, bias, targets.flatten(), ignore_index, chunk)
+    return _ChunkedCrossEntropy.apply(hidden.flatten(0, -2), weight, bias, targets.flatten(), ignore_index, chunk,
+                                      num_items)
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -66,7 +70,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor, ignore_index: int, chunk: int) -> torch.Tensor:
+                targets: torch.Tensor, ignore_index: int, chunk: int,
+                num_items: torch.Tensor | int | None) -> torch.Tensor:
         valid = targets != ignore_index
         safe = torch.where(valid, targets, 0)
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
@@ -76,7 +81,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             lse[s:s + chunk] = torch.logsumexp(logits, dim=1)
             picked = logits.gather(1, safe[s:s + chunk, None]).squeeze(1)
             total += torch.where(valid[s:s + chunk], lse[s:s + chunk] - picked, 0).sum()
-        count = valid.sum()
+        count = valid.sum() if num_items is None else torch.as_tensor(num_items, device=hidden.device)
         ctx.chunk = chunk
         ctx.save_for_backward(hidden, weight, bias, safe, valid, lse, count)
         return total / count
@@ -106,16 +111,17 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             if grad_b is not None:
                 grad_b += d.sum(0, dtype=acc)
         return (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None,
-                grad_b.to(bias.dtype) if grad_b is not None else None, None, None, None)
+                grad_b.to(bias.dtype) if grad_b is not None else None, None, None, None, None)
 
 
 def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
                    shift_labels: torch.Tensor | None = None, ignore_index: int = -100, chunk: int | None = None,
-                   **kwargs: Any) -> torch.Tensor:
+                   num_items_in_batch: torch.Tensor | int | None = None, **kwargs: Any) -> torch.Tensor:
     """The loss `model(input_ids=input_ids, labels=labels, **kwargs).loss` computes for a
     transformers causal LM (a peft model over one too; tierzero-wrapped or not): labels shifted
-    inside, `ignore_index` ignored, the mean over the rest; or `shift_labels`, the target of each
-    position as given. Without the whole sequence's logits: see [Note: chunked loss].
+    inside, `ignore_index` ignored, the mean over the rest (or, as the model's loss given
+    `num_items_in_batch`, their sum divided by it); or `shift_labels`, the target of each position
+    as given. Without the whole sequence's logits: see [Note: chunked loss].
 
     ValueError for a model whose head is not a linear layer over its decoder's output (e.g. it
     scales or caps the logits), or whose forward takes no `logits_to_keep`."""
@@ -143,7 +149,7 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tens
         h = hidden[-1]
         _check_head(lm, head, h, output.logits)
         output["loss"] = chunked_cross_entropy(h, head.weight, head.bias, shift_labels, ignore_index=ignore_index,
-                                               chunk=chunk)
+                                               chunk=chunk, num_items=num_items_in_batch)
 
     handles = [decoder.register_forward_hook(keep_hidden),
                lm.register_forward_hook(add_loss, prepend=True)]  # before tierzero's, which release the head

@@ -25,6 +25,7 @@ from transformers.training_args import OptimizerNames, ParallelMode
 
 from tierzero import runtime
 from tierzero.checkpoint import load_checkpoint, open_checkpoint, save_checkpoint
+from tierzero.hf.loss import causal_lm_loss
 from tierzero.optim import AdamW, TieredOptimizer, clip_grad_norm_
 
 __all__ = ["Trainer", "TIERZERO_DIR"]
@@ -72,15 +73,21 @@ class Trainer(transformers.Trainer):
     gradients alone): at train begin and after each optimizer step, by a callback
     (`on_train_begin`, `on_step_end`) calling the tz optimizer's zero_grad().
 
+    chunked_loss=True (off by default): the training loss of a causal LM is `causal_lm_loss`,
+    the model's own loss without the whole sequence's logits (see [Note: chunked loss] in
+    tierzero/hf/loss.py), divided by `num_items_in_batch` where the plain Trainer has the model
+    divide by it; evaluation keeps the model's loss and logits (`compute_loss`).
+
     Refused at construction with a ValueError saying what to change: a model not wrapped,
     several processes (tierzero shards across ranks itself; accelerate would add DDP on top),
     fp16 (a GradScaler unscales `p.grad`; use Config(compute_dtype=...)), optimizer_cls_and_kwargs,
-    load_best_model_at_end (it reads full weight files), and an `optim` other than adamw_torch(_fused)
-    when no optimizer is given.
+    load_best_model_at_end (it reads full weight files), an `optim` other than adamw_torch(_fused)
+    when no optimizer is given, and chunked_loss with label smoothing or a compute_loss_func.
     """
 
-    def __init__(self, model: nn.Module | None = None, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, model: nn.Module | None = None, *args: Any, chunked_loss: bool = False, **kwargs: Any) -> None:
         super().__init__(model, *args, **kwargs)
+        self.chunked_loss = chunked_loss
         self._check_args()
         if self.model is not None:
             self._check_model(self.model)
@@ -110,6 +117,9 @@ class Trainer(transformers.Trainer):
         if self.optimizer_cls_and_kwargs is not None:
             raise ValueError(f"{DRIVER}: optimizer_cls_and_kwargs builds a torch optimizer over placeholder "
                              "parameters; pass optimizers=(tz.AdamW(model, ...), None) instead")
+        if self.chunked_loss and (self.label_smoother is not None or self.compute_loss_func is not None):
+            raise ValueError(f"{DRIVER}: chunked_loss=True computes the model's own cross-entropy, not label "
+                             "smoothing (label_smoothing_factor) or a compute_loss_func; drop one or the other")
 
     def _check_model(self, model: nn.Module) -> runtime.TieredState:
         try:
@@ -163,6 +173,21 @@ class Trainer(transformers.Trainer):
         if grad_norm is None:  # max_grad_norm == 0: the norm alone (an infinite max_norm scales by 1)
             grad_norm = clip_grad_norm_(self.model, float("inf"))
         return grad_norm
+
+    # ----------------------------------------------------------------------------------- loss
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None) -> Any:
+        if not self.chunked_loss or return_outputs or not model.training:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        inputs = dict(inputs)
+        ids, labels, shifted = inputs.pop("input_ids"), inputs.pop("labels", None), inputs.pop("shift_labels", None)
+        if labels is None and shifted is None:
+            raise ValueError(f"{DRIVER}: chunked_loss=True needs labels in each batch (the model's loss is over them)")
+        # the plain Trainer hands num_items_in_batch to the model's loss only where its forward takes it
+        items = num_items_in_batch if self.model_accepts_loss_kwargs else None
+        return causal_lm_loss(model, ids, None if shifted is not None else labels, shift_labels=shifted,
+                              num_items_in_batch=items, **inputs)
 
     # ------------------------------------------------------------------------------ placement
 

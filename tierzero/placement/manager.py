@@ -45,7 +45,7 @@ import concurrent.futures as cf
 import os
 import threading
 import time
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Collection, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -457,6 +457,15 @@ class PlacementManager:
             errors, self._table.errors = self._table.errors, []
         if errors:
             raise errors[0]
+
+    def trim(self, tier: Tier | str, sizes: Collection[int]) -> int:
+        """Give back the free buffers `tier`'s pool caches for requests of `sizes` bytes (a
+        HostPool's: the device tier on the CPU, the host tier without CUDA; memory the system
+        gets back) and return their bytes: for sizes the caller knows nobody asks for soon."""
+        with self._cond:
+            freed = self._tiers[Tier.parse(tier)].trim(sizes)
+            self._cond.notify_all()
+        return freed
 
     def set_eviction_policy(self, policy: EvictionPolicy) -> None:
         """Choose victims with `policy.order(candidates)` (handles, least recently used first)."""

@@ -20,7 +20,7 @@ not thread-safe on their own: PlacementManager calls them under its lock.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Protocol, Union
 
 import torch
@@ -65,6 +65,11 @@ class TierStore(Protocol):
 
     def settle(self) -> None:
         """Wait until what was freed is free for real (CUDA: the streams that used it are past it)."""
+        ...
+
+    def trim(self, sizes: Collection[int]) -> int:
+        """Give back the free buffers the store caches for requests of `sizes` bytes (memory
+        no request will ask for soon); returns the bytes given back to the budget."""
         ...
 
     def close(self) -> None:
@@ -130,6 +135,9 @@ class PoolTier:
 
     def settle(self) -> None:
         return None
+
+    def trim(self, sizes: Collection[int]) -> int:
+        return self.pool.trim(sizes)
 
     def close(self) -> None:
         self.pool.close()
@@ -199,6 +207,9 @@ class CudaTier:
     def settle(self) -> None:
         self._reap(wait=True)
 
+    def trim(self, sizes: Collection[int]) -> int:
+        return 0  # a freed buffer left the budget already; torch's caching allocator keeps it
+
     def close(self) -> None:
         self._reap(wait=True)
 
@@ -231,6 +242,9 @@ class NvmeTier:
 
     def settle(self) -> None:
         return None
+
+    def trim(self, sizes: Collection[int]) -> int:
+        return 0  # a freed region is free at once
 
     def close(self) -> None:
         self.swap.close()

@@ -27,7 +27,7 @@ from __future__ import annotations
 import bisect
 import mmap
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Callable
 
 import torch
@@ -187,10 +187,20 @@ class HostPool:
     def victims(self, nbytes: int, candidates: Sequence[torch.Tensor]) -> None:
         """None: any bytes given back serve a request (the memory is not one region)."""
 
-    def trim(self) -> int:
-        """Drop every cached buffer, giving its bytes back to the budget; returns the bytes."""
+    def trim(self, sizes: Collection[int] | None = None) -> int:
+        """Drop every cached buffer (or those of the buckets of `sizes` bytes), giving its bytes
+        back to the budget and its memory to the system; returns the bytes."""
         with self._lock:
-            return self._trim_locked(self._cached_bytes)
+            if sizes is None:
+                return self._trim_locked(self._cached_bytes)
+            freed = 0
+            for size in {self.bucket(n) for n in sizes} & self._free.keys():
+                nbytes = size * len(self._free.pop(size))
+                if nbytes:
+                    self._cached_bytes -= nbytes
+                    self.budget.release(nbytes)
+                    freed += nbytes
+            return freed
 
     def close(self) -> None:
         """Drop the cache; every buffer handed out must have been freed."""
@@ -345,7 +355,8 @@ class PinnedArena:
         assert found is not None
         return sorted(r for _, r in pieces[found[1]: found[2] + 1] if r >= 0)
 
-    def trim(self) -> int:
+    def trim(self, sizes: Collection[int] | None = None) -> int:
+        """Nothing: the arena caches no buffers (its region stays, pinned, the budget's size)."""
         return 0
 
     def close(self) -> None:

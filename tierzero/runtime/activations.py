@@ -23,7 +23,11 @@ unpack acquires the device copy (waiting if it is not there yet) and each tensor
 view into it with its own strides. A pack is freed (copy released, tensor unregistered) when
 autograd drops its last record, at the block call's post-backward, or at the end of backward,
 whichever comes first; the placement work is done at the next safe point (`collect`), never in
-a finalizer, which may run on any thread at any time.
+a finalizer, which may run on any thread at any time. At the end of backward the device tier
+gives back the free buffers it cached for the packs' sizes: nothing asks the device for those
+again before the next forward's last blocks, and kept they would hold device room (and, with the
+device on the CPU, the process's memory) through the forward. (The host tier keeps its own: the
+next forward's packs are written through them.)
 
 Tensors saved outside every block (the loss head's), tensors of another device or layout, and
 all of them under activations="device" stay as autograd made them; every one is counted
@@ -504,6 +508,13 @@ class Activations:
                 return
         assert pack.handle is not None
         self.pm.prefetch(pack.handle, Tier.DEVICE)
+
+    def end_backward(self) -> None:
+        """Backward is over: free what is left of its packs and give back the device's cached
+        buffers of their sizes (see [Note: placed activations])."""
+        self.collect()
+        if self._sizes:
+            self.pm.trim(Tier.DEVICE, set(self._sizes))
 
     def collect(self, *, wait: bool = False) -> None:
         """Undo the placement of freed packs: release device copies, unregister the tensors

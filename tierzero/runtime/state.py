@@ -124,7 +124,7 @@ class TieredState:
         with torch.profiler.record_function("tierzero::end_backward"):
             for block in self.blocks:
                 block.post_backward(None)
-            self.activations.collect()
+            self.activations.end_backward()
             self.ctx.end_iteration()
 
     # --------------------------------------------------------------------------- state dicts
