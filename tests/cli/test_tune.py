@@ -125,6 +125,15 @@ def test_predicted_update_waits_are_the_recorded_ones_moved_by_the_policys_diffe
         stall - sim.update_wait + max(0.0, 4 * 2 * MS + sim.update_wait - base))
 
 
+def test_an_update_that_read_the_blocks_parameters_leaves_them_on_the_host() -> None:
+    rec = updated(5 * MS)
+    rec.units = {n: u._replace(nvme=True) for n, u in rec.units.items()}
+    read = simulate(rec, NoPrefetch(), MODEL)  # the forward reads each block again
+    rec.updates = [u._replace(leaves_on_host=True) for u in rec.updates]
+    kept = simulate(rec, NoPrefetch(), MODEL)
+    assert kept.disk_s == pytest.approx(read.disk_s - 4 * MS) and kept.stall_s < read.stall_s
+
+
 def test_update_reads_compete_with_the_policys_reads_for_the_disk() -> None:
     rec = updated(5 * MS)
     rec.units = {n: u._replace(nvme=True) for n, u in rec.units.items()}

@@ -74,6 +74,9 @@ class Update(NamedTuple):
     reads: tuple[Leg, ...]
     """The NVMe reads of the block's tensors (master, moments, gradient) from the step on: the
     update's own, or its predecessor's read-ahead of them."""
+    leaves_on_host: bool = False
+    """Its reads included the block's parameters (the unit's tensors): the update leaves them in
+    host memory, where the forward copies them from."""
 
 
 class Background(NamedTuple):
@@ -232,8 +235,8 @@ def _merge_updates(parts: list[_Part]) -> list[Update]:
     blocks = [u.block for u in parts[-1].updates]
     if not blocks or any([u.block for u in p.updates] != blocks for p in parts):
         return []
-    return [Update(b, statistics.median(p.updates[k].cpu_s for p in parts), parts[-1].updates[k].reads)
-            for k, b in enumerate(blocks)]
+    return [parts[-1].updates[k]._replace(cpu_s=statistics.median(p.updates[k].cpu_s for p in parts))
+            for k in range(len(blocks))]
 
 
 def _iteration(spans: list[dict], before: list[dict], after: list[dict], moves: list[dict],
@@ -257,7 +260,7 @@ def _iteration(spans: list[dict], before: list[dict], after: list[dict], moves: 
                           max(0.0, span - a["stall_s"] - other), a["stall_s"], other, update, a.get("host_room")))
     start, end = this[0]["ts"], first_next["ts"]
     since = max(e["ts"] + e["dur"] for e in before)  # the step before this forward began after it
-    updates, theirs = _updates(update_spans, moves, tracks, since, this)
+    updates, theirs = _updates(update_spans, moves, tracks, since, this, units)
     fetch_tensors = {t for u in units.values() for t in u.tensors}
     starts = [e["ts"] for e in this]
     legs, background = [], []
@@ -278,7 +281,7 @@ def _iteration(spans: list[dict], before: list[dict], after: list[dict], moves: 
 
 
 def _updates(spans: list[dict], moves: list[dict], tracks: dict[int, str], since: float,
-             this: list[dict]) -> tuple[list[Update], set[int]]:
+             this: list[dict], units: Mapping[str, Unit]) -> tuple[list[Update], set[int]]:
     """The overlapped step's updates between the previous iteration's last fetch and this
     iteration's backward, with their reads (the NVMe reads of a tensor of the block, "BLOCK.x",
     from the step until the last update ended); and the ids of those read events."""
@@ -295,10 +298,14 @@ def _updates(spans: list[dict], moves: list[dict], tracks: dict[int, str], since
             owner = m["name"].rpartition(".")[0]
             if owner in blocks:
                 reads.setdefault(owner, []).append(m)
-    out = [Update(e["args"]["block"], max(0.0, e["dur"] / 1e6 - e["args"].get("wait_s", 0.0)),
-                  tuple(Leg("nvme", "host", m["args"]["bytes"], m["dur"] / 1e6)
-                        for m in reads.get(e["args"]["block"], ())))
-           for e in ours]
+    def of(e: dict) -> Update:
+        block = e["args"]["block"]
+        mine = reads.get(block, [])
+        unit = units.get(block)
+        return Update(block, max(0.0, e["dur"] / 1e6 - e["args"].get("wait_s", 0.0)),
+                      tuple(Leg("nvme", "host", m["args"]["bytes"], m["dur"] / 1e6) for m in mine),
+                      unit is not None and any(m["name"] in unit.tensors for m in mine))
+    out = [of(e) for e in ours]
     return out, {id(m) for ms in reads.values() for m in ms}
 
 

@@ -328,7 +328,11 @@ class _Sim:
             if k >= len(self.updates) or self.read[k] is None:
                 return
             data = max(self.update_from, self.read[k])
-            self.updated[self.updates[k].block] = self.update_from = data + self.updates[k].cpu_s
+            block = self.updates[k].block
+            self.updated[block] = self.update_from = data + self.updates[k].cpu_s
+            if block in self.rec.step_on_host or self.updates[k].leaves_on_host:  # it rewrote its host copy
+                self.copies[Tier.HOST].pop(block, None)
+                self.copies[Tier.HOST][block] = _Copy(self.update_from)
             for j in range(k + 1, min(k + 1 + ahead, len(self.updates))):
                 if self.reads_at[j] is None:
                     self.reads_at[j] = data
@@ -377,7 +381,8 @@ class _Sim:
         host = self.copies[Tier.HOST]
         for name in self.rec.step_on_host:  # the step's update left them there, newest last
             host.pop(name, None)
-            host[name] = _Copy(self.now)
+            if not any(u.block == name for u in self.updates):  # else when its update ends (`advance`)
+                host[name] = _Copy(self.now)
         self.step()
         self.update_wait = 0.0
         stall = 0.0
