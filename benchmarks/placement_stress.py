@@ -39,16 +39,7 @@ from tierzero.config import format_size, parse_size
 from tierzero.placement.handles import Kind
 from tierzero.placement.manager import PlacementManager
 from tierzero.config.tiernames import Tier
-
-
-def busy_seconds(spans: list[tuple[float, float]]) -> float:
-    """Length of the union of [start, end) intervals: time at least one of them was running."""
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(spans):
-        if e > end:
-            total += e - max(s, end)
-            end = e
-    return total
+from tierzero.planning.recording import busy_seconds
 
 
 def phase(moves, t0: float, t1: float) -> dict:

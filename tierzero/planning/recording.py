@@ -347,16 +347,18 @@ def _busy(moves: list[dict], tracks: dict[int, str]) -> dict[tuple[str, str], tu
     for e in moves:
         src, _, dst = tracks[e["tid"]].partition(" -> ")
         intervals.setdefault((src, dst), []).append((e["ts"], e["ts"] + e["dur"], e["args"]["bytes"]))
-    out = {}
-    for leg, ivs in intervals.items():
-        ivs.sort()
-        busy, reach = 0.0, float("-inf")
-        for a, b, _ in ivs:
-            if b > reach:
-                busy += b - max(a, reach)
-                reach = b
-        out[leg] = (sum(n for _, _, n in ivs), busy / 1e6)
-    return out
+    return {leg: (sum(n for _, _, n in ivs), busy_seconds([(a, b) for a, b, _ in ivs]) / 1e6)
+            for leg, ivs in intervals.items()}
+
+
+def busy_seconds(intervals: Sequence[tuple[float, float]]) -> float:
+    """The length of the union of [start, end) intervals: the time at least one ran."""
+    busy, reach = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > reach:
+            busy += b - max(a, reach)
+            reach = b
+    return busy
 
 
 def _miss_overheads(slots: list[dict], moves: list[dict], tracks: dict[int, str],

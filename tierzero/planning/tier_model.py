@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple, Sequence
 
 from tierzero.config import Tier
-from tierzero.planning.recording import Background, Recording
+from tierzero.planning.recording import Background, Recording, busy_seconds
 from tierzero.prefetch import BlockTimes, FetchPhase, NoPrefetch, PrefetchPolicy, PrefetchView, Unit, fitting, next_use_order
 
 CHANNELS = {("nvme", "host"): "read", ("host", "nvme"): "write", ("host", "device"): "h2d",
@@ -453,16 +453,7 @@ def _replay(rec: Recording, policy: PrefetchPolicy, model: TierModel, workers: i
     for _ in range(iterations):
         start, disk0, copies0 = sim.now, len(sim.disk), sim.device_copies
         stall = sim.iteration(background)
-    return sim, stall, sim.now - start, _union(sim.disk[disk0:]), sim.device_copies - copies0
-
-
-def _union(intervals: list[tuple[float, float]]) -> float:
-    busy, reach = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b > reach:
-            busy += b - max(a, reach)
-            reach = b
-    return busy
+    return sim, stall, sim.now - start, busy_seconds(sim.disk[disk0:]), sim.device_copies - copies0
 
 
 __all__ = ["TierModel", "Prediction", "simulate", "read_concurrency"]
