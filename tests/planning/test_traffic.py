@@ -94,7 +94,11 @@ def test_step_traffic_by_kind(tmp_path: Any, step_in_backward: bool, host: str, 
         assert stats.nvme_read_bytes == sum(v["read"] for v in by_kind.values())
         assert stats.nvme_write_bytes == sum(v["write"] for v in by_kind.values())
         moments = io[Kind.EXP_AVG] + io[Kind.EXP_AVG_SQ]
-        assert by_kind["moments"]["write"] == moments and by_kind["moments"]["read"] <= moments
+        # The step reads the block after next ahead speculatively; on a loaded machine the
+        # update before it can push that copy out first, and it is read again: one block's
+        # moments at most (measured: 1 run in 10 under two CPU hogs, on main before this bound too).
+        block_moments = 2 * max(pm.io_bytes(h) for h in pm.handles if h.kind is Kind.EXP_AVG)
+        assert by_kind["moments"]["write"] == moments and by_kind["moments"]["read"] <= moments + block_moments
         assert by_kind["params"]["write"] == io[Kind.PARAM]  # the updated parameters (= master weights), once
         assert by_kind["params"]["read"] <= 3 * io[Kind.PARAM]  # forward, backward, the step at most
         grads = by_kind["grads"]
