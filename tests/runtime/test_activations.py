@@ -7,9 +7,7 @@ left registered, and clear errors."""
 
 from __future__ import annotations
 
-import copy
 import gc
-import warnings
 import time
 from pathlib import Path
 from typing import Any, Callable

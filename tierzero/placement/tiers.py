@@ -191,16 +191,7 @@ class HostPool:
         """Drop every cached buffer (or those of the buckets of `sizes` bytes), giving its bytes
         back to the budget and its memory to the system; returns the bytes."""
         with self._lock:
-            if sizes is None:
-                return self._trim_locked(self._cached_bytes)
-            freed = 0
-            for size in {self.bucket(n) for n in sizes} & self._free.keys():
-                nbytes = size * len(self._free.pop(size))
-                if nbytes:
-                    self._cached_bytes -= nbytes
-                    self.budget.release(nbytes)
-                    freed += nbytes
-            return freed
+            return self._trim_locked(self._cached_bytes, None if sizes is None else {self.bucket(n) for n in sizes})
 
     def close(self) -> None:
         """Drop the cache; every buffer handed out must have been freed."""
@@ -209,9 +200,11 @@ class HostPool:
             raise RuntimeError(f"HostPool closed with {len(self._in_use)} buffers "
                                f"({sum(self._in_use.values())} bytes) still in use")
 
-    def _trim_locked(self, want: int) -> int:
+    def _trim_locked(self, want: int, buckets: set[int] | None = None) -> int:
+        """Drop cached buffers, largest first (of `buckets` only, if given), until `want` bytes
+        are given back or none is left; returns the bytes."""
         freed = 0
-        for size in sorted(self._free, reverse=True):
+        for size in sorted(self._free.keys() if buckets is None else self._free.keys() & buckets, reverse=True):
             bufs = self._free[size]
             while bufs and freed < want:
                 bufs.pop()

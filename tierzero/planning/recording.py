@@ -231,7 +231,7 @@ class _Part(NamedTuple):
 
 def _merge_updates(parts: list[_Part]) -> list[Update]:
     """Per update, the median CPU seconds; the reads of the latest iteration (as its background).
-    None if the iterations' steps updated different blocks."""
+    None (an empty list) if the iterations' steps updated different blocks."""
     blocks = [u.block for u in parts[-1].updates]
     if not blocks or any([u.block for u in p.updates] != blocks for p in parts):
         return []
@@ -298,14 +298,14 @@ def _updates(spans: list[dict], moves: list[dict], tracks: dict[int, str], since
             owner = m["name"].rpartition(".")[0]
             if owner in blocks:
                 reads.setdefault(owner, []).append(m)
-    def of(e: dict) -> Update:
+    out = []
+    for e in ours:
         block = e["args"]["block"]
         mine = reads.get(block, [])
-        unit = units.get(block)
-        return Update(block, max(0.0, e["dur"] / 1e6 - e["args"].get("wait_s", 0.0)),
-                      tuple(Leg("nvme", "host", m["args"]["bytes"], m["dur"] / 1e6) for m in mine),
-                      unit is not None and any(m["name"] in unit.tensors for m in mine))
-    out = [of(e) for e in ours]
+        tensors = units[block].tensors if block in units else ()
+        out.append(Update(block, max(0.0, e["dur"] / 1e6 - e["args"].get("wait_s", 0.0)),
+                          tuple(Leg("nvme", "host", m["args"]["bytes"], m["dur"] / 1e6) for m in mine),
+                          any(m["name"] in tensors for m in mine)))
     return out, {id(m) for ms in reads.values() for m in ms}
 
 

@@ -188,6 +188,7 @@ class _Sim:
         self.times = BlockTimes([s.compute_s / speedup for s in rec.slots], fetch)
         self.updates = rec.updates if all(u.block in rec.units for u in rec.updates) else []
         """The overlapped step's updates, replayed (else their recorded waits are added)."""
+        self.update_of = {u.block: k for k, u in enumerate(self.updates)}
         n = len(self.updates)
         self.reads_at: list[float | None] = [None] * n
         """Per update: when its reads start (None: not known yet)."""
@@ -197,7 +198,7 @@ class _Sim:
         """Per block of this iteration's updates: when its update ends, once the replay knows."""
         self.next_update = n
         self.update_wait = 0.0
-        """This iteration's forward fetches' waits for their updates."""
+        """This iteration's forward fetches' waits for their updates (since `step`)."""
         self.update_from = 0.0
         """When the next update may start (the one before it ended)."""
 
@@ -306,6 +307,7 @@ class _Sim:
     def step(self) -> None:
         """The optimizer step, now: its updates queued, one after another (`advance`)."""
         self.updated.clear()
+        self.update_wait = 0.0
         self.next_update = 0
         self.update_from = self.now
         self.reads_at = [self.now] + [None] * (len(self.updates) - 1) if self.updates else []
@@ -341,9 +343,8 @@ class _Sim:
     def updating(self, name: str) -> bool:
         """The unit's update is queued or running (it is not prefetched yet, as the prefetcher
         does not)."""
-        if any(u.block == name for u in self.updates[self.next_update:]):
-            return True
-        return self.updated.get(name, 0.0) > self.now
+        k = self.update_of.get(name)
+        return k is not None and (k >= self.next_update or self.updated[name] > self.now)
 
     def wait_update(self, name: str) -> None:
         """A forward fetch waits for its block's update."""
@@ -381,10 +382,9 @@ class _Sim:
         host = self.copies[Tier.HOST]
         for name in self.rec.step_on_host:  # the step's update left them there, newest last
             host.pop(name, None)
-            if not any(u.block == name for u in self.updates):  # else when its update ends (`advance`)
+            if name not in self.update_of:  # else when its update ends (`advance`)
                 host[name] = _Copy(self.now)
         self.step()
-        self.update_wait = 0.0
         stall = 0.0
         pending = []
         for pos, slot in enumerate(self.rec.slots):

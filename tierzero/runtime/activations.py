@@ -482,7 +482,7 @@ class Activations:
         host memory. Not during the forward: the packs written so far are the ones backward
         needs last, so reading them then only took the disk from the overlapped step's updates
         and host room from the blocks, and pushed out, they were read again (built-in 350m,
-        nvme_depth 8: 1.4x the packs' bytes read back, the updates 2-3x slower)."""
+        nvme_depth 8: 2.9x the packs' bytes read back, the updates 2-3x slower)."""
         names = {u.name for u in units}
         room = self.ctx.device_room() - sum(u.nbytes for u in units if u.name not in self.ctx.held)
         ahead = []
