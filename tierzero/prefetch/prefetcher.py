@@ -22,7 +22,8 @@ Phases of one iteration (a forward and its backward):
 
 Eviction: the prefetcher is also the placement manager's eviction policy. Tensors of no unit go
 first; units follow in the policy's `victims` order (by default the copy whose next use in the
-trace is farthest away: Belady's rule).
+trace is farthest away: Belady's rule). Whatever this order, the placement manager offers a
+prefetched copy not used yet last (eviction.py).
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ class Prefetcher:
             units={u.name: {"bytes": u.nbytes, "nvme": u.nvme, "tensors": [t.name for t in u.tensors]} for u in units},
             policy=describe(policy),
             device_room=device_room(), device_wraps=device_wraps, workers=max(2, cfg.prefetch.nvme_depth),
-            io_threads=cfg.io.threads, io_block_size=cfg.io.block_size)
+            io_threads=cfg.io.threads, io_block_size=cfg.io.block_size, nvme_depth=cfg.prefetch.nvme_depth)
 
     # --------------------------------------------------------------------- iteration lifecycle
 
