@@ -161,11 +161,13 @@ class Prediction(NamedTuple):
 
 
 class _Copy:
-    __slots__ = ("ready", "pins")
+    __slots__ = ("ready", "pins", "used")
 
-    def __init__(self, ready: float) -> None:
+    def __init__(self, ready: float, used: bool = False) -> None:
         self.ready = ready
         self.pins = 0
+        self.used = used
+        """Fetched for, or read by, a block's compute (a speculative fetch evicts only these)."""
 
 
 class _Sim:
@@ -268,13 +270,14 @@ class _Sim:
         heapq.heappush(pool, done)
         return done
 
-    def make_room(self, tier: Tier, nbytes: int, exclude: str, *, over: bool = False) -> bool:
+    def make_room(self, tier: Tier, nbytes: int, exclude: str, *, over: bool = False,
+                  speculative: bool = False) -> bool:
         cap = self.cap(tier)
         if over or self.used(tier) + nbytes <= cap:
             return True
         copies = self.copies[tier]
         candidates = [n for n, c in copies.items() if n != exclude and c.pins == 0 and c.ready <= self.now
-                      and n not in (self.held if tier is Tier.DEVICE else ())]
+                      and n not in (self.held if tier is Tier.DEVICE else ()) and (c.used or not speculative)]
         victims = getattr(self.policy, "victims", None)
         order = list(victims(self.view(), candidates) if callable(victims) else next_use_order(self.view(), candidates))
         order += [n for n in candidates if n not in order]
@@ -285,25 +288,26 @@ class _Sim:
                     return True
         return False
 
-    def fetch(self, name: str, tier: Tier, *, over: bool = False) -> bool:
-        """Start a copy of the unit toward `tier` now if there is room (`over`: regardless);
-        True if it is there or on its way."""
+    def fetch(self, name: str, tier: Tier, *, over: bool = False, speculative: bool = False) -> bool:
+        """Start a copy of the unit toward `tier` now if there is room (`over`: regardless;
+        `speculative`: evicting only copies used already); True if it is there or on its way."""
         unit = self.rec.units[name]
         copies = self.copies[tier]
         if name in copies:
             copies.move_to_end(name)
             return True
-        if not self.make_room(tier, unit.nbytes, name, over=over):
+        if not self.make_room(tier, unit.nbytes, name, over=over, speculative=speculative):
             return False
         host = self.copies[Tier.HOST].get(name)
         if tier is Tier.HOST:
             done = self.move(self.now, [("nvme", "host", unit.nbytes)])
         elif host is not None:
             host.pins += 1
+            host.used = True
             done = self.move(max(self.now, host.ready), [("host", "device", unit.nbytes)])
             self.unpins.append((done, host))
         elif unit.nvme:  # through a host staging buffer, reserved as a copy's room is
-            if not self.make_room(Tier.HOST, unit.nbytes, name, over=over):
+            if not self.make_room(Tier.HOST, unit.nbytes, name, over=over, speculative=speculative):
                 return False
             done = self.move(self.now, [("nvme", "host", unit.nbytes), ("host", "device", unit.nbytes)])
             self.staging.append((done, unit.nbytes))
@@ -401,7 +405,7 @@ class _Sim:
             self.updated[block] = self.update_from = data + self.updates[k].cpu_s
             if block in self.rec.step_on_host or self.updates[k].leaves_on_host:  # it rewrote its host copy
                 self.copies[Tier.HOST].pop(block, None)
-                self.copies[Tier.HOST][block] = _Copy(self.update_from)
+                self.copies[Tier.HOST][block] = _Copy(self.update_from, used=True)
             for j in range(k + 1, min(k + 1 + ahead, len(self.updates))):
                 if self.reads_at[j] is None:
                     self.reads_at[j] = data
@@ -432,17 +436,17 @@ class _Sim:
             if unit.name not in self.held and unit not in chosen and not self.updating(unit.name):
                 chosen.append(unit)
         fitting_units = fitting(device, self.room(Tier.DEVICE))
-        for u in fitting_units:
-            self.fetch(u.name, Tier.DEVICE)
+        for i, u in enumerate(fitting_units):  # the first for sure, the rest speculatively, as the prefetcher
+            self.fetch(u.name, Tier.DEVICE, speculative=i > 0)
         if self.backward and self.packs:
             self.plan_packs(fitting_units)
         host = [u for u in host if u.nvme and (u not in fitting_units or Tier.HOST in self.where(u.name))]
         room = self.room(Tier.HOST)  # free bytes and the units' host copies, as the prefetcher counts
-        for u in host:
+        for k, u in enumerate(host):
             if u.nbytes > room:
                 break
             room -= u.nbytes
-            self.fetch(u.name, Tier.HOST)
+            self.fetch(u.name, Tier.HOST, speculative=k > 0)
 
     def iteration(self, background: dict[int, list[Background]]) -> float:
         """One iteration from now; its block stall seconds."""
@@ -452,7 +456,7 @@ class _Sim:
         for name in self.rec.step_on_host:  # the step's update left them there, newest last
             host.pop(name, None)
             if name not in self.update_of:  # else when its update ends (`advance`)
-                host[name] = _Copy(self.now)
+                host[name] = _Copy(self.now, used=True)
         self.step()
         self.backward = False
         self.pack_done.clear()
@@ -487,6 +491,7 @@ class _Sim:
                 self.now = min(later)
                 self.settle()
             self.now = max(self.now, self.copies[Tier.DEVICE][name].ready)
+            self.copies[Tier.DEVICE][name].used = True
             if self.backward and name in self.packs:  # its pack, for backward's compute
                 pack = self.fetch_pack(name, Tier.DEVICE, need=True)
                 assert pack is not None
