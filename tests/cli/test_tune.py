@@ -325,3 +325,47 @@ def test_one_io_thread_count_needs_no_sweep(tmp_path: Any, capsys: Any, monkeypa
     assert tune.main(tiny_args(tmp_path, "--policies", "none", "--nvme-depths", "2", "--io-threads", "2",
                                "--simulate", "--json")) == 0
     assert json.loads(capsys.readouterr().out)["candidates"][0]["model"]["disk_rate_from"] == "the recording"
+
+
+def test_backwards_packs_on_nvme_ride_with_the_block_fetches_ahead() -> None:
+    """Activation packs homed on NVMe: backward waits for each block's pack. On demand every
+    pack is read and copied when backward reaches it; a policy fetching blocks ahead brings
+    their packs along, and read-ahead (nvme_depth) brings the next packs into host memory. A
+    recording without packs adds their recorded waits as they were."""
+    rec = recording(device_blocks=4)
+    rec.slots = [s._replace(pack_s=2 * MS) if s.event.phase is FetchPhase.BACKWARD else s for s in rec.slots]
+    as_recorded = simulate(rec, NoPrefetch(), MODEL).stall_s
+    rec.packs = {n: BLOCK for n in rec.units}
+    sim, blocks = tier_model._replay(rec, NoPrefetch(), MODEL, rec.workers, 1.0, 3)[:2]
+    rec.packs = {}
+    no_packs = tier_model._replay(rec, NoPrefetch(), MODEL, rec.workers, 1.0, 3)[1]
+    assert as_recorded == pytest.approx(no_packs + 4 * 2 * MS)  # the recorded waits, as they were
+    rec.packs = {n: BLOCK for n in rec.units}
+    # On demand: each of the four packs is read (1 ms) and copied (0.1 ms) when backward needs it.
+    assert blocks == pytest.approx(no_packs + 4 * 1.1 * MS)
+    assert simulate(rec, NoPrefetch(), MODEL).stall_s == pytest.approx(blocks)
+    # Blocks fetched one ahead bring their packs: only the first block of backward waits for its
+    # own, read behind the pack of the block after it (fetched ahead first, as the runtime does).
+    assert simulate(rec, Lookahead(1, nvme_depth=0), MODEL).stall_s == pytest.approx(2.1 * MS)
+    # Packs read ahead into host memory wait only for their copies, but for the first.
+    assert simulate(rec, NoPrefetch(), MODEL, nvme_depth=2).stall_s == pytest.approx(no_packs + 1.1 * MS + 3 * 0.1 * MS)
+
+
+def test_a_recording_of_placed_activations_names_the_packs_backward_read_back(tmp_path: Any, capsys: Any) -> None:
+    run = tmp_path / "run"
+    assert train.main(["--model", "tiny", "--steps", "4", "--batch", "2", "--seq", "32", "--device-budget", "2MiB",
+                       "--host-budget", "64MiB", "--nvme-dir", str(tmp_path / "nvme"), "--run-dir", str(run),
+                       "--activations", "nvme", "--no-progress"]) == 0
+    capsys.readouterr()
+    trace = json.loads((run / "trace.json").read_text())
+    rec = Recording.from_trace(trace)
+    assert rec.packs and set(rec.packs) <= set(rec.units) and all(n > 0 for n in rec.packs.values())
+    fetches = [e for e in trace["traceEvents"] if e.get("cat") == "activations" and e["name"].startswith("fetch ")]
+    assert {e["name"].removeprefix("fetch ") for e in fetches if e["args"]["tier"] == "nvme"} >= set(rec.packs)
+    # their waits are the slots' pack_s, not their other stalls, and only backward has them
+    assert all(s.pack_s == 0 for s in rec.slots if s.event.phase is FetchPhase.FORWARD)
+    # the packs' reads and copies to the device are the replay's, not background
+    sizes = set(rec.packs.values())
+    assert not any(b.leg.nbytes in sizes and b.leg.dst in ("host", "device") for b in rec.background)
+    assert any(b.leg.nbytes in sizes and b.leg.dst == "nvme" for b in rec.background)  # their writes are
+    assert simulate(rec, Lookahead(1, nvme_depth=2), TierModel.calibrate(rec), nvme_depth=2).stall_s >= 0

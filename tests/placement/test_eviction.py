@@ -35,3 +35,38 @@ def test_a_fragmented_arena_evicts_only_the_window_it_needs(tmp_path) -> None:
         for i in (2, 3, 4, 5):
             assert torch.equal(pm.acquire(t[i], "host"), torch.full((page,), float(i)))
             pm.release(t[i], "host")
+
+
+def test_a_prefetched_copy_not_used_yet_is_evicted_last_whatever_the_policy_ranks_first(tmp_path) -> None:
+    """The runtime's policy ranks by next use in its block trace, and puts the tensors of no
+    block (activation packs, optimizer states read ahead) first; a read just made must still go
+    last, or the packs read ahead for backward are pushed out and read again. A host copy that
+    a move to the device read has served its read."""
+    n = 1024
+    cfg = Config(device_budget=4 * n * 4, host_budget=3 * n * 4, nvme_dir=str(tmp_path / "nvme"), nvme_budget="1MiB")
+    with PlacementManager(cfg, wait_timeout_s=5) as pm:
+        t = {name: pm.register(name, torch.full((n,), float(i)), "nvme") for i, name in enumerate("abcde")}
+        pm.flush()
+
+        class NamesFirst:  # like the prefetcher: some tensors first whatever their use
+            def order(self, candidates):
+                return sorted(candidates, key=lambda h: h.name)
+
+        pm.set_eviction_policy(NamesFirst())
+        assert pm.prefetch(t["a"], "host")  # read ahead, not used yet
+        pm.acquire(t["b"], "host")  # used
+        pm.release(t["b"], "host")
+        assert pm.prefetch(t["c"], "host")  # read ahead, then read by the move to the device
+        pm.flush()
+        pm.acquire(t["c"], "device")
+        pm.release(t["c"], "device")
+        host = lambda: {k: pm.record(h).residency[Tier.HOST] is Residency.RESIDENT for k, h in t.items()}
+        assert host() == {"a": True, "b": True, "c": True, "d": False, "e": False}
+        pm.acquire(t["d"], "host")  # room for one: the policy ranks a first, but a is unused
+        pm.release(t["d"], "host")
+        assert host() == {"a": True, "b": False, "c": True, "d": True, "e": False}
+        pm.acquire(t["e"], "host")  # c served its move: used, evicted before a
+        pm.release(t["e"], "host")
+        assert host() == {"a": True, "b": False, "c": False, "d": True, "e": True}
+        assert torch.equal(pm.acquire(t["a"], "host"), torch.zeros(n))
+        pm.release(t["a"], "host")

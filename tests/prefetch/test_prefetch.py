@@ -49,14 +49,17 @@ class FakePM:
 
     def __init__(self, host_free: int = 10_000) -> None:
         self.calls: list[tuple[str, Tier]] = []
+        self.speculative: list[tuple[str, Tier]] = []
         self.telemetry = Telemetry()
         self.config = tz.Config()
         self.streams = CopyStreams(torch.device("cpu"))
         self.host_free = host_free
         self.records: dict[str, FakeRecord] = {}
 
-    def prefetch(self, h: FakeHandle, tier: Tier) -> bool:
+    def prefetch(self, h: FakeHandle, tier: Tier, *, speculative: bool = False) -> bool:
         self.calls.append((h.name, tier))
+        if speculative:
+            self.speculative.append((h.name, tier))
         if tier is not h.home:
             self.record(h).residency[tier] = Residency.FETCHING
         return True
@@ -185,6 +188,9 @@ def test_first_iteration_records_later_ones_prefetch_ahead_cyclically() -> None:
     p.begin("train")
     p.on_fetch(TraceEvent(FetchPhase.FORWARD, "b0"), held=[])
     assert pm.calls == [("b1.param", D), ("b2.param", D)]
+    # the next block for sure, the one after it only into free room ([Note: read further ahead
+    # only into free room])
+    assert pm.speculative == [("b2.param", D)]
     pm.calls.clear()
     for name in order[1:]:
         p.on_fetch(TraceEvent(FetchPhase.FORWARD, name), held=["b0"])

@@ -361,7 +361,8 @@ def _predict(c: Candidate, recording: Recording, bench: dict | None, args: argpa
     workers = max(2, c.nvme_depth)
     model = TierModel.calibrate(recording, bench, io_threads=c.io_threads, workers=workers)
     cfg = c.config(trainer.base if trainer else tz.Config(device_budget=recording.device_room))
-    pred = simulate(recording, policy_from_config(cfg), model, workers=workers, speedup=args.compute_speedup)
+    pred = simulate(recording, policy_from_config(cfg), model, workers=workers, speedup=args.compute_speedup,
+                    nvme_depth=c.nvme_depth)
     return {"predicted_stall_s": round(pred.stall_s, 5), "predicted_step_s": round(pred.step_s, 5),
             "predicted_disk_busy_s": round(pred.disk_s, 5), "predicted_device_copies": pred.copies,
             "model": {"disk_read_gbps": _gbps(model, ("nvme", "host")), "h2d_gbps": _gbps(model, ("host", "device")),

@@ -12,7 +12,8 @@ Room keeps no residency: PlacementManager tells it which copies exist (`cached`,
 `forget`) and lends it callbacks: `evictable(handle, tier)`, `evict(handle, tier)` (its drop
 transition), `clean(tier, nbytes)`, called when a need falls short, which starts writing
 back dirty cached copies there (lazy releases) so they become evictable once written, and
-`unused(handle, tier)`: a prefetched copy not used yet, offered to the policy after the others;
+`unused(handle, tier)`: a prefetched copy not used yet (no acquire, no move has read it),
+evicted after the others whatever the policy's order;
 `buffer(handle, tier)`: a cached copy's buffer, for a store whose memory is one region to pick,
 among the policy's victims, those that open a window of the size needed ([Note: arena windows]
 in tiers.py). Not thread-safe on its own; used under the manager's lock.
@@ -164,12 +165,17 @@ class Room:
         if buf is not None:
             return buf
         candidates = [h for (h, t) in self._lru if t is tier and h is not exclude and self._evictable(h, tier)]
-        # prefetched copies nobody has used yet go last: evicting one wastes the read just made
-        candidates.sort(key=lambda h: self._unused(h, tier))
         if speculative:
             candidates = [h for h in candidates if not self._unused(h, tier)]
         allowed = set(candidates)
         victims = [h for h in self.policy.order(candidates) if h in allowed]
+        # prefetched copies nobody has used yet go last, whatever the policy's order: evicting
+        # one wastes the read just made. The prefetcher ranks tensors of no block first (its
+        # trace knows only blocks), so the packs and optimizer states read ahead were pushed
+        # out by the blocks' read-ahead and read again (built-in 350m, activations on NVMe:
+        # packs read back 1.5-1.8x, copied to the device 1.6x; prefetching stalled more than
+        # fetching on demand)
+        victims.sort(key=lambda h: self._unused(h, tier))
         picks = store.victims(nbytes, [self._buffer(h, tier) for h in victims])
         if picks is not None:  # memory in one region: only a window of it serves
             victims = [victims[i] for i in picks]

@@ -411,6 +411,7 @@ class ResidencyTable:
         """ABSENT -> FETCHING: submit the copy into the reserved buffers."""
         assert_in_states(rec, plan.dst, Residency.ABSENT)
         plan.source.pins += 1  # keeps the source from being evicted while the move reads it
+        plan.source.used = True  # a prefetched copy that a move reads has served its read
         rec._copies[plan.dst] = plan.copy
         self.room.cached(rec.handle, plan.dst)
         self._submit(plan, plan.src, plan.dst, run_fetch, self._finish_fetch, key=plan.dst)

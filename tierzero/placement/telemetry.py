@@ -31,6 +31,9 @@ an NVMe read ("read"), a copy between memories ("copy")."""
 UPDATES_TRACK = "updates"
 """The trace track of the optimizer's block updates on their own thread (span args: block,
 wait_s, overlapped: the overlapped step's, else step_in_backward's)."""
+ACTIVATIONS_TRACK = "activations"
+"""The trace track of placed activations (runtime/activations.py): "save BLOCK@N" spans of the
+forward's writes, "fetch BLOCK" spans of backward's acquires (args: bytes, stall_s, tier, ahead)."""
 MAX_EVENTS = 1_000_000
 """Moves and timeline points kept per run (the oldest are dropped past this)."""
 

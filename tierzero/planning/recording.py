@@ -9,7 +9,9 @@ followed by another, which closes its last fetch's compute: the optimizer step) 
 
     slots       per fetch: event, units held, compute seconds (its span less the stalls in
                 it), its own stall (and of it the wait for its block's update by the
-                overlapped step), the other stalls (the optimizer waiting for its states)
+                overlapped step), backward's wait for the block's activation pack from NVMe,
+                the other stalls (the optimizer waiting for its states)
+    packs       per block, the bytes of its activation pack homed on NVMe (Config.activations)
     background  move legs no policy decides (stores, write-backs, optimizer state reads),
                 each placed by the fetch it followed and the seconds after it
     busy        per leg kind, bytes moved and seconds such legs ran (overlaps counted once)
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Sequence
 
-from tierzero.placement import UPDATES_TRACK
+from tierzero.placement import ACTIVATIONS_TRACK, UPDATES_TRACK, Kind
 from tierzero.prefetch import FetchPhase, TraceEvent, Unit
 
 TRAINING_KEY = repr((True, True))
@@ -47,7 +49,8 @@ class Slot(NamedTuple):
     stall_s: float
     """The fetch's own stall, its wait for the block's update (`update_s`) included."""
     other_stall_s: float
-    """Stalls after the fetch that were not this block's (the optimizer's)."""
+    """Stalls after the fetch that were not this block's (the optimizer's), its pack's wait
+    (`pack_s`) left out."""
     update_s: float = 0.0
     """Of `stall_s`, the wait for the overlapped step's update of the block: what no prefetch
     policy changes (the tier model adds it as recorded)."""
@@ -55,6 +58,9 @@ class Slot(NamedTuple):
     """Host bytes for unit copies when the fetch was asked for: the rest of the host budget
     holds the step's gradients and optimizer states, which come and go over the iteration
     (None: not recorded, the recording's `host_room` holds throughout)."""
+    pack_s: float = 0.0
+    """Backward's wait for the block's activation pack homed on NVMe (`Recording.packs`): the
+    tier model replays it."""
 
 
 class Leg(NamedTuple):
@@ -121,6 +127,12 @@ class Recording:
     for them are added as they were)."""
     update_read_ahead: int = 1
     """Updates whose reads an update starts once it has its own data (the optimizer's)."""
+    packs: dict[str, int] = field(default_factory=dict)
+    """Per block, the bytes of the activation pack backward read back from its NVMe home (the
+    trace's "activations" track): their reads and copies are not background, the tier model
+    replays them with the block fetches they ride along."""
+    nvme_depth: int = 0
+    """Packs read ahead into host memory at each fetch of backward (Config.prefetch.nvme_depth)."""
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "Recording":
@@ -160,7 +172,8 @@ class Recording:
             raise ValueError("the recordings differ in their block order; record the same model and settings")
         slots = [Slot(ss[0].event, ss[0].held, *(statistics.median(getattr(s, f) for s in ss)
                                                   for f in ("compute_s", "stall_s", "other_stall_s", "update_s")),
-                      min(s.host_room for s in ss) if all(s.host_room is not None for s in ss) else None)
+                      min(s.host_room for s in ss) if all(s.host_room is not None for s in ss) else None,
+                      statistics.median(s.pack_s for s in ss))
                  for ss in zip(*(p.slots for p in parts))]
         busy: dict[tuple[str, str], tuple[int, float]] = {}
         for p in parts:
@@ -172,7 +185,7 @@ class Recording:
                    info["io_block_size"], info.get("device_wraps", True), info.get("policy", "?"),
                    [o for p in parts for o in p.miss_overheads], all(p.step_invalidates for p in parts),
                    frozenset.intersection(*(p.step_on_host for p in parts)), _merge_updates(parts),
-                   int(info.get("update_read_ahead", 1)))
+                   int(info.get("update_read_ahead", 1)), parts[-1].packs, int(info.get("nvme_depth", 0)))
 
     @staticmethod
     def _parts(trace: Mapping[str, Any], last: int | None, where: str) -> tuple[dict, dict[str, Unit], list["_Part"]]:
@@ -197,7 +210,9 @@ class Recording:
         tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
         moves = [e for e in events if e.get("ph") == "X" and e.get("cat") == "move"]
         updates = [e for e in events if e.get("ph") == "X" and e.get("cat") == UPDATES_TRACK]
-        return info, units, [_iteration(by_it[i], by_it[i - 1], by_it[i + 1], moves, tracks, units, updates)
+        fetches = [e for e in events if e.get("ph") == "X" and e.get("cat") == ACTIVATIONS_TRACK
+                   and e["name"].startswith("fetch ")]
+        return info, units, [_iteration(by_it[i], by_it[i - 1], by_it[i + 1], moves, tracks, units, updates, fetches)
                                     for i in full[-(last or len(full)):]]
 
     @property
@@ -209,6 +224,7 @@ class Recording:
                 "stall_s": round(sum(s.stall_s for s in self.slots), 4),
                 "update_stall_s": round(sum(s.update_s for s in self.slots), 4),
                 "other_stall_s": round(sum(s.other_stall_s for s in self.slots), 4),
+                "pack_stall_s": round(sum(s.pack_s for s in self.slots), 4),
                 "background_moves": len(self.background), "policy": self.policy, "workers": self.workers,
                 "io_threads": self.io_threads, "device_room": self.device_room, "host_room": self.host_room}
 
@@ -227,6 +243,7 @@ class _Part(NamedTuple):
     step_invalidates: bool
     step_on_host: frozenset[str]
     updates: list[Update]
+    packs: dict[str, int]
 
 
 def _merge_updates(parts: list[_Part]) -> list[Update]:
@@ -240,13 +257,23 @@ def _merge_updates(parts: list[_Part]) -> list[Update]:
 
 
 def _iteration(spans: list[dict], before: list[dict], after: list[dict], moves: list[dict],
-               tracks: dict[int, str], units: Mapping[str, Unit], update_spans: list[dict]) -> _Part:
+               tracks: dict[int, str], units: Mapping[str, Unit], update_spans: list[dict],
+               pack_fetches: list[dict]) -> _Part:
     """One iteration's fetch spans (and the next's, which closes its last compute) as slots, its
     move legs, the background ones placed by the fetch they followed, its channels' busy time,
-    the updates of the overlapped step before it. Background: every leg but the copies of
-    units' tensors to the host or the device (what a policy decides) and the updates' reads."""
+    the updates of the overlapped step before it, the activation packs backward read back from
+    NVMe. Background: every leg but the copies of units' tensors to the host or the device
+    (what a policy decides), the updates' reads and the NVMe packs' reads and copies to the
+    device (they go with the block fetches)."""
     this = sorted(spans, key=lambda e: e["args"]["pos"])
     first_next = min(after, key=lambda e: e["args"]["pos"])
+    starts = [e["ts"] for e in this]
+    packs: dict[str, int] = {}
+    pack_s = [0.0] * len(this)
+    for e in pack_fetches:  # backward's acquires of packs homed on NVMe, by the fetch they followed
+        if e["args"].get("tier") == "nvme" and starts[0] <= e["ts"] < first_next["ts"]:
+            packs[e["name"].removeprefix("fetch ")] = e["args"]["bytes"]
+            pack_s[max(i for i, s in enumerate(starts) if s <= e["ts"])] += e["args"].get("stall_s", 0.0)
     slots = []
     for i, e in enumerate(this):
         a = e["args"]
@@ -256,20 +283,22 @@ def _iteration(spans: list[dict], before: list[dict], after: list[dict], moves: 
             span += (first_next["ts"] - e["ts"] - e["dur"]) / 1e6
             other += first_next["args"].get("gap_stall_s", 0.0)
         update = min(a["stall_s"], a.get("stall_by_source", {}).get("update", 0.0))
+        other = max(0.0, other - pack_s[i])
         slots.append(Slot(TraceEvent(FetchPhase(a["phase"]), a["unit"]), tuple(a["held"]),
-                          max(0.0, span - a["stall_s"] - other), a["stall_s"], other, update, a.get("host_room")))
+                          max(0.0, span - a["stall_s"] - other - pack_s[i]), a["stall_s"], other, update,
+                          a.get("host_room"), pack_s[i]))
     start, end = this[0]["ts"], first_next["ts"]
     since = max(e["ts"] + e["dur"] for e in before)  # the step before this forward began after it
     updates, theirs = _updates(update_spans, moves, tracks, since, this, units)
     fetch_tensors = {t for u in units.values() for t in u.tensors}
-    starts = [e["ts"] for e in this]
     legs, background = [], []
     inside = [m for m in moves if start <= m["ts"] < end and _between_tiers(tracks[m["tid"]])]
     for m in inside:
         src, _, dst = tracks[m["tid"]].partition(" -> ")
         leg = Leg(src, dst, m["args"]["bytes"], m["dur"] / 1e6)
         legs.append(leg)
-        if not (m["name"] in fetch_tensors and dst in ("host", "device")) and id(m) not in theirs:
+        if not (m["name"] in fetch_tensors and dst in ("host", "device")) and id(m) not in theirs \
+                and not (pack_block(m["name"]) in packs and dst in ("host", "device")):
             pos = max(i for i, s in enumerate(starts) if s <= m["ts"])
             background.append(Background(pos, (m["ts"] - starts[pos]) / 1e6, leg))
     forward = {s.event.unit for s in slots if s.event.phase is FetchPhase.FORWARD}
@@ -277,7 +306,7 @@ def _iteration(spans: list[dict], before: list[dict], after: list[dict], moves: 
     invalidates = bool(forward) and all(t in copied for u in forward for t in units[u].tensors)
     return _Part(slots, legs, background, _busy(inside, tracks), this[0]["args"]["host_room"],
                  _miss_overheads(this, moves, tracks, units), invalidates,
-                 _step_on_host(forward, [m for m in moves if m["ts"] >= since], end, tracks, units), updates)
+                 _step_on_host(forward, [m for m in moves if m["ts"] >= since], end, tracks, units), updates, packs)
 
 
 def _updates(spans: list[dict], moves: list[dict], tracks: dict[int, str], since: float,
@@ -333,6 +362,14 @@ def _step_on_host(forward: set[str], moves: list[dict], end: float, tracks: dict
         if not any(abs(done - m["ts"]) < STAGED_GAP_US for m in firsts for done in reads.get(m["name"], ())):
             out.add(name)
     return frozenset(out)
+
+
+def pack_block(tensor: str) -> str | None:
+    """The block whose activation pack a moved tensor is ("BLOCK@N.activation", see
+    runtime/activations.py), else None."""
+    owner, _, kind = tensor.rpartition(".")
+    block, at, _ = owner.rpartition("@")
+    return block if kind == Kind.ACTIVATION.value and at else None
 
 
 def _between_tiers(track: str) -> bool:

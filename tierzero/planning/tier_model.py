@@ -37,6 +37,16 @@ the block waits for it, and no policy prefetches a block before its update ends.
 updates pace the forward (350m: ~200 MB read and ~150 MB written per block update against
 ~0.2 s of compute), reading ahead competes with them.
 
+Activation packs homed on NVMe (`Recording.packs`) are replayed in backward as the runtime's
+activations store moves them: a block fetched ahead toward the device brings its pack where the
+device room left beside the blocks allows, the next `nvme_depth` packs are read into host
+memory where it is free, and backward waits for each block's pack before its compute (on
+demand: its read and copy then). Their reads share the disk and workers with the blocks', their
+host copies and staging buffers the host room (a recording of on-demand fetching has none read
+ahead in its recorded room). On 350m with activations
+on NVMe this is most of what prefetching hides (fetching on demand: 1.0-1.2 s of pack waits per
+step; one block ahead: 0.1-0.4 s), so a recording's pack waits cannot be added as recorded.
+
 [Note: update waits as a difference] The replayed updates are slower than the real ones by what
 the replay leaves out of them (one update's reads run concurrently, the disk sweep's rate is
 above the rate its busy time gives; measured on 125m: 52 ms replayed against 40 ms for the
@@ -151,17 +161,20 @@ class Prediction(NamedTuple):
 
 
 class _Copy:
-    __slots__ = ("ready", "pins")
+    __slots__ = ("ready", "pins", "used")
 
-    def __init__(self, ready: float) -> None:
+    def __init__(self, ready: float, used: bool = False) -> None:
         self.ready = ready
         self.pins = 0
+        self.used = used
+        """Fetched for, or read by, a block's compute (a speculative fetch evicts only these)."""
 
 
 class _Sim:
     """The state of one replay: copies per tier, workers, channels, clock."""
 
-    def __init__(self, rec: Recording, policy: PrefetchPolicy, model: TierModel, workers: int, speedup: float) -> None:
+    def __init__(self, rec: Recording, policy: PrefetchPolicy, model: TierModel, workers: int, speedup: float,
+                 nvme_depth: int) -> None:
         self.rec, self.policy, self.model, self.speedup = rec, policy, model, speedup
         self.trace = tuple(s.event for s in rec.slots)
         self.uses: dict[str, list[int]] = {}
@@ -201,6 +214,15 @@ class _Sim:
         """This iteration's forward fetches' waits for their updates (since `step`)."""
         self.update_from = 0.0
         """When the next update may start (the one before it ended)."""
+        self.packs = rec.packs if all(b in rec.units for b in rec.packs) else {}
+        """Per block, its activation pack's bytes on NVMe, replayed (else their recorded waits are added)."""
+        self.pack_order = [s.event.unit for s in rec.slots
+                           if s.event.phase is FetchPhase.BACKWARD and s.event.unit in self.packs]
+        self.nvme_depth = nvme_depth
+        self.pack_copies: dict[Tier, dict[str, _Copy]] = {Tier.DEVICE: {}, Tier.HOST: {}}
+        self.pack_done: set[str] = set()
+        """This backward's packs acquired so far."""
+        self.backward = False
 
     # ------------------------------------------------------------------------ rooms, views
 
@@ -212,13 +234,16 @@ class _Sim:
 
     def used(self, tier: Tier) -> int:
         n = sum(self.rec.units[u].nbytes for u in self.copies[tier])
+        packs = self.pack_copies[tier]  # not evicted: on their way to backward
+        n += sum(self.packs[b] for b in packs)
         if tier is Tier.HOST:
             n += sum(b for t, b in self.staging if t > self.now)
         return n
 
     def room(self, tier: Tier) -> int:
-        if tier is Tier.DEVICE:
-            return self.rec.device_room - sum(self.rec.units[u].nbytes for u in self.held)
+        if tier is Tier.DEVICE:  # beside the held blocks and the pack in use, as the runtime counts
+            return self.rec.device_room - sum(self.rec.units[u].nbytes for u in self.held) - sum(
+                self.packs[b] for b in self.pack_copies[Tier.DEVICE] if b in self.pack_done)
         return self.cap(Tier.HOST) - sum(b for t, b in self.staging if t > self.now)
 
     def where(self, name: str) -> frozenset[Tier]:
@@ -245,13 +270,14 @@ class _Sim:
         heapq.heappush(pool, done)
         return done
 
-    def make_room(self, tier: Tier, nbytes: int, exclude: str, *, over: bool = False) -> bool:
+    def make_room(self, tier: Tier, nbytes: int, exclude: str, *, over: bool = False,
+                  speculative: bool = False) -> bool:
         cap = self.cap(tier)
         if over or self.used(tier) + nbytes <= cap:
             return True
         copies = self.copies[tier]
         candidates = [n for n, c in copies.items() if n != exclude and c.pins == 0 and c.ready <= self.now
-                      and n not in (self.held if tier is Tier.DEVICE else ())]
+                      and n not in (self.held if tier is Tier.DEVICE else ()) and (c.used or not speculative)]
         victims = getattr(self.policy, "victims", None)
         order = list(victims(self.view(), candidates) if callable(victims) else next_use_order(self.view(), candidates))
         order += [n for n in candidates if n not in order]
@@ -262,25 +288,26 @@ class _Sim:
                     return True
         return False
 
-    def fetch(self, name: str, tier: Tier, *, over: bool = False) -> bool:
-        """Start a copy of the unit toward `tier` now if there is room (`over`: regardless);
-        True if it is there or on its way."""
+    def fetch(self, name: str, tier: Tier, *, over: bool = False, speculative: bool = False) -> bool:
+        """Start a copy of the unit toward `tier` now if there is room (`over`: regardless;
+        `speculative`: evicting only copies used already); True if it is there or on its way."""
         unit = self.rec.units[name]
         copies = self.copies[tier]
         if name in copies:
             copies.move_to_end(name)
             return True
-        if not self.make_room(tier, unit.nbytes, name, over=over):
+        if not self.make_room(tier, unit.nbytes, name, over=over, speculative=speculative):
             return False
         host = self.copies[Tier.HOST].get(name)
         if tier is Tier.HOST:
             done = self.move(self.now, [("nvme", "host", unit.nbytes)])
         elif host is not None:
             host.pins += 1
+            host.used = True
             done = self.move(max(self.now, host.ready), [("host", "device", unit.nbytes)])
             self.unpins.append((done, host))
         elif unit.nvme:  # through a host staging buffer, reserved as a copy's room is
-            if not self.make_room(Tier.HOST, unit.nbytes, name, over=over):
+            if not self.make_room(Tier.HOST, unit.nbytes, name, over=over, speculative=speculative):
                 return False
             done = self.move(self.now, [("nvme", "host", unit.nbytes), ("host", "device", unit.nbytes)])
             self.staging.append((done, unit.nbytes))
@@ -301,6 +328,50 @@ class _Sim:
                 keep.append((t, copy))
         self.unpins = keep
         self.staging = [(t, b) for t, b in self.staging if t > self.now]
+
+    # -------------------------------------------------------------------- activation packs
+
+    def plan_packs(self, units: Sequence[Unit]) -> None:
+        """Backward's packs, as the runtime's activations store moves them when blocks are
+        fetched ahead: the packs of those blocks toward the device where the room left beside
+        them allows, the next `nvme_depth` others read into host memory."""
+        names = {u.name for u in units}
+        room = self.room(Tier.DEVICE) - sum(u.nbytes for u in units)
+        ahead = 0
+        for block in self.pack_order:
+            if block in self.pack_done:
+                continue
+            if block in names and self.packs[block] <= room:
+                self.fetch_pack(block, Tier.DEVICE)
+                room -= self.packs[block]
+            elif ahead < self.nvme_depth and block not in self.pack_copies[Tier.DEVICE]:
+                ahead += 1
+                self.fetch_pack(block, Tier.HOST)
+
+    def fetch_pack(self, block: str, tier: Tier, *, need: bool = False) -> _Copy | None:
+        """Start a copy of the block's pack toward `tier` unless one is there or on its way (that
+        copy; None: no room): to the host, an NVMe read into free host room (speculative: it
+        evicts nothing); to the device, a copy from its host copy, else a read staged through
+        host room, made as a block fetch makes it (`need`, backward's own acquire: regardless)."""
+        nbytes = self.packs[block]
+        device, host = self.pack_copies[Tier.DEVICE], self.pack_copies[Tier.HOST]
+        if block in device or tier is Tier.HOST and block in host:
+            return device.get(block) or host[block]
+        if tier is Tier.HOST:
+            if self.used(Tier.HOST) + nbytes > self.cap(Tier.HOST):
+                return None
+            host[block] = _Copy(self.move(self.now, [("nvme", "host", nbytes)]))
+            return host[block]
+        there = host.pop(block, None)
+        if there is not None:
+            done = self.move(max(self.now, there.ready), [("host", "device", nbytes)])
+        elif self.make_room(Tier.HOST, nbytes, block, over=need):
+            done = self.move(self.now, [("nvme", "host", nbytes), ("host", "device", nbytes)])
+            self.staging.append((done, nbytes))
+        else:
+            return None
+        device[block] = _Copy(done)
+        return device[block]
 
     # --------------------------------------------------------------- the overlapped step
 
@@ -334,7 +405,7 @@ class _Sim:
             self.updated[block] = self.update_from = data + self.updates[k].cpu_s
             if block in self.rec.step_on_host or self.updates[k].leaves_on_host:  # it rewrote its host copy
                 self.copies[Tier.HOST].pop(block, None)
-                self.copies[Tier.HOST][block] = _Copy(self.update_from)
+                self.copies[Tier.HOST][block] = _Copy(self.update_from, used=True)
             for j in range(k + 1, min(k + 1 + ahead, len(self.updates))):
                 if self.reads_at[j] is None:
                     self.reads_at[j] = data
@@ -365,15 +436,17 @@ class _Sim:
             if unit.name not in self.held and unit not in chosen and not self.updating(unit.name):
                 chosen.append(unit)
         fitting_units = fitting(device, self.room(Tier.DEVICE))
-        for u in fitting_units:
-            self.fetch(u.name, Tier.DEVICE)
+        for i, u in enumerate(fitting_units):  # the first for sure, the rest speculatively, as the prefetcher
+            self.fetch(u.name, Tier.DEVICE, speculative=i > 0)
+        if self.backward and self.packs:
+            self.plan_packs(fitting_units)
         host = [u for u in host if u.nvme and (u not in fitting_units or Tier.HOST in self.where(u.name))]
         room = self.room(Tier.HOST)  # free bytes and the units' host copies, as the prefetcher counts
-        for u in host:
+        for k, u in enumerate(host):
             if u.nbytes > room:
                 break
             room -= u.nbytes
-            self.fetch(u.name, Tier.HOST)
+            self.fetch(u.name, Tier.HOST, speculative=k > 0)
 
     def iteration(self, background: dict[int, list[Background]]) -> float:
         """One iteration from now; its block stall seconds."""
@@ -383,12 +456,17 @@ class _Sim:
         for name in self.rec.step_on_host:  # the step's update left them there, newest last
             host.pop(name, None)
             if name not in self.update_of:  # else when its update ends (`advance`)
-                host[name] = _Copy(self.now)
+                host[name] = _Copy(self.now, used=True)
         self.step()
+        self.backward = False
+        self.pack_done.clear()
+        for copies in self.pack_copies.values():
+            copies.clear()
         stall = 0.0
         pending = []
         for pos, slot in enumerate(self.rec.slots):
             self.pos = pos
+            self.backward = self.backward or slot.event.phase is FetchPhase.BACKWARD
             self.held = frozenset(slot.held) | {slot.event.unit}
             self.advance(self.now)
             for t, b in pending:  # background legs due by now, at their own times
@@ -413,9 +491,17 @@ class _Sim:
                 self.now = min(later)
                 self.settle()
             self.now = max(self.now, self.copies[Tier.DEVICE][name].ready)
+            self.copies[Tier.DEVICE][name].used = True
+            if self.backward and name in self.packs:  # its pack, for backward's compute
+                pack = self.fetch_pack(name, Tier.DEVICE, need=True)
+                assert pack is not None
+                self.now = max(self.now, pack.ready)
+                self.pack_done.add(name)
             stall += self.now - start
             pending += [(start + b.offset_s / self.speedup, b) for b in background.get(pos, ())]
-            self.now += slot.compute_s / self.speedup + slot.other_stall_s + (0.0 if self.updates else slot.update_s)
+            self.now += (slot.compute_s / self.speedup + slot.other_stall_s + (0.0 if self.updates else slot.update_s)
+                         + (0.0 if self.packs else slot.pack_s))
+            self.pack_copies[Tier.DEVICE].pop(name, None)  # freed after the block's backward
         self.advance(float("inf"))
         for t, b in pending:
             self.move(t, [(b.leg.src, b.leg.dst, b.leg.nbytes)])
@@ -423,15 +509,17 @@ class _Sim:
 
 
 def simulate(rec: Recording, policy: PrefetchPolicy, model: TierModel, *, workers: int | None = None,
-             speedup: float = 1.0, iterations: int = 3) -> Prediction:
-    """Replay `rec` under `policy` (see the module docstring); the last iteration's figures."""
+             speedup: float = 1.0, iterations: int = 3, nvme_depth: int | None = None) -> Prediction:
+    """Replay `rec` under `policy` (see the module docstring); the last iteration's figures.
+    `nvme_depth`: packs read ahead at each fetch of backward (None: the recording's)."""
     if speedup <= 0:
         raise ValueError(f"speedup: expected > 0, got {speedup}")
-    sim, stall, step, disk, copies = _replay(rec, policy, model, workers or rec.workers, speedup, iterations)
-    other = sum(s.other_stall_s for s in rec.slots)
+    depth = rec.nvme_depth if nvme_depth is None else nvme_depth
+    sim, stall, step, disk, copies = _replay(rec, policy, model, workers or rec.workers, speedup, iterations, depth)
+    other = sum(s.other_stall_s + (0.0 if sim.packs else s.pack_s) for s in rec.slots)
     recorded = sum(s.update_s for s in rec.slots)
     if sim.updates:  # see [Note: update waits as a difference]
-        base = _replay(rec, NoPrefetch(), model, rec.workers, speedup, iterations)[0]
+        base = _replay(rec, NoPrefetch(), model, rec.workers, speedup, iterations, rec.nvme_depth)[0]
         waits = max(0.0, recorded + sim.update_wait - base.update_wait)
         stall += waits - sim.update_wait
         step += waits - sim.update_wait
@@ -441,11 +529,12 @@ def simulate(rec: Recording, policy: PrefetchPolicy, model: TierModel, *, worker
 
 
 def _replay(rec: Recording, policy: PrefetchPolicy, model: TierModel, workers: int, speedup: float,
-            iterations: int) -> tuple[_Sim, float, float, float, int]:
-    """The last of `iterations` replayed: the replay, its block stall, step, disk busy
-    seconds, device copies (the stall without the recorded other stalls, and without updates
-    to replay, without the recorded waits for them)."""
-    sim = _Sim(rec, policy, model, workers, speedup)
+            iterations: int, nvme_depth: int = 0) -> tuple[_Sim, float, float, float, int]:
+    """The last of `iterations` replayed: the replay, its block stall (backward's waits for
+    the packs it replays included), step, disk busy seconds, device copies (the stall without
+    the recorded other stalls, and without updates to replay, without the recorded waits for
+    them)."""
+    sim = _Sim(rec, policy, model, workers, speedup, nvme_depth)
     background: dict[int, list[Background]] = {}
     for b in rec.background:
         background.setdefault(b.pos, []).append(b)

@@ -49,7 +49,7 @@ import torch
 
 from tierzero.config import Config, Tier, format_size
 from tierzero.layout import ROOT, PackLayout, SavedSpan, saved_span
-from tierzero.placement import Kind, Residency, TensorHandle
+from tierzero.placement import ACTIVATIONS_TRACK, Kind, Residency, TensorHandle
 from tierzero.prefetch import Unit
 from tierzero.runtime.step_context import StepContext
 
@@ -57,8 +57,9 @@ MAX_UNWRITTEN = 2
 """Sealed packs the writer may be behind by before a forward waits for it (their device
 tensors stay alive until written)."""
 
-TRACK = "activations"
-"""The Chrome trace track of activation writes and of waits for activations."""
+TRACK = ACTIVATIONS_TRACK
+"""The Chrome trace track of activation writes and of waits for activations (the tier model
+reads backward's "fetch" spans: planning/recording.py)."""
 
 
 class SlotOwner(Protocol):
@@ -493,8 +494,9 @@ class Activations:
             if pack.block in names and pack.handle.home is not Tier.DEVICE and pack.nbytes <= room:
                 self._to_device(pack)
                 room -= pack.nbytes
-            elif self._backward and pack.handle.home is Tier.NVME and _written(pack) and len(ahead) < self.nvme_depth:
-                ahead.append(pack.handle)
+            elif (self._backward and pack.handle.home is Tier.NVME and _written(pack) and len(ahead) < self.nvme_depth
+                  and self.pm.record(pack.handle).residency[Tier.DEVICE] is Residency.ABSENT):
+                ahead.append(pack.handle)  # (one on its way to the device was read once: not again)
         for handle in ahead:
             self.pm.prefetch(handle, Tier.HOST, speculative=True)
 

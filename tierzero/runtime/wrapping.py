@@ -177,8 +177,8 @@ def _start(model: nn.Module, config: Config, ctx: StepContext, blocks: list[Bloc
         if ctx.zero.gathers:
             gather_units(units)
         else:
-            for unit in units:
-                prefetch_unit(pm, unit, Tier.DEVICE)
+            for i, unit in enumerate(units):  # the first for sure, the rest speculatively (prefetcher.py)
+                prefetch_unit(pm, unit, Tier.DEVICE, speculative=i > 0)
         activations.prefetch(units)
 
     fetch_ahead = fetch_units if activations.placed else gather_units if ctx.zero.gathers else None
