@@ -21,8 +21,9 @@ How a policy is replayed (`simulate`): the recorded fetches in order, three iter
 last one is measured, caches warm), the policy asked at every fetch with the same
 `PrefetchView` a real run gives it (rooms and cached tiers from the model; times: the model's),
 its plan clipped to the rooms as the prefetcher does, room taken before a move starts and made
-by evicting unpinned cached copies in the policy's `victims` order; the background moves
-submitted when they happened. The host room at each fetch is the one recorded there (the rest
+by evicting unpinned cached copies in the policy's `victims` order (for the units after a
+plan's first, only copies a block used already, as the prefetcher's speculative fetches); the
+background moves submitted when they happened. The host room at each fetch is the one recorded there (the rest
 of the host budget holds the step's gradients and optimizer states, which come and go over the
 iteration). At each step the device copies are dropped when the recorded step rewrote the
 parameters, and the units the step left on the host (`Recording.step_on_host`) are put there.
