@@ -23,6 +23,7 @@ bytes and seconds summed, the background of the latest.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import statistics
@@ -267,13 +268,18 @@ def _iteration(spans: list[dict], before: list[dict], after: list[dict], moves: 
     device (they go with the block fetches)."""
     this = sorted(spans, key=lambda e: e["args"]["pos"])
     first_next = min(after, key=lambda e: e["args"]["pos"])
-    starts = [e["ts"] for e in this]
+    starts = [e["ts"] for e in this]  # in order
+
+    def slot_at(ts: float) -> int:
+        """The fetch a moment at `ts` (not before the first) followed."""
+        return bisect.bisect_right(starts, ts) - 1
+
     packs: dict[str, int] = {}
     pack_s = [0.0] * len(this)
     for e in pack_fetches:  # backward's acquires of packs homed on NVMe, by the fetch they followed
         if e["args"].get("tier") == "nvme" and starts[0] <= e["ts"] < first_next["ts"]:
             packs[e["name"].removeprefix("fetch ")] = e["args"]["bytes"]
-            pack_s[max(i for i, s in enumerate(starts) if s <= e["ts"])] += e["args"].get("stall_s", 0.0)
+            pack_s[slot_at(e["ts"])] += e["args"].get("stall_s", 0.0)
     slots = []
     for i, e in enumerate(this):
         a = e["args"]
@@ -299,7 +305,7 @@ def _iteration(spans: list[dict], before: list[dict], after: list[dict], moves: 
         legs.append(leg)
         if not (m["name"] in fetch_tensors and dst in ("host", "device")) and id(m) not in theirs \
                 and not (pack_block(m["name"]) in packs and dst in ("host", "device")):
-            pos = max(i for i, s in enumerate(starts) if s <= m["ts"])
+            pos = slot_at(m["ts"])
             background.append(Background(pos, (m["ts"] - starts[pos]) / 1e6, leg))
     forward = {s.event.unit for s in slots if s.event.phase is FetchPhase.FORWARD}
     copied = {m["name"] for m in inside if tracks[m["tid"]].endswith("-> device")}

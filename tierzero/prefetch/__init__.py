@@ -7,8 +7,8 @@
 from tierzero.prefetch.policies import (Adaptive, BlockTimes, BytesAhead, Fetch, FetchPhase, Lookahead,
                                         NoPrefetch, PrefetchPolicy, PrefetchView, TraceEvent, Unit, describe,
                                         fitting, next_use_order, policy_from_config)
-from tierzero.prefetch.prefetcher import Prefetcher, prefetch_unit
+from tierzero.prefetch.prefetcher import Prefetcher, prefetch_unit, prefetch_units
 
 __all__ = ["PrefetchPolicy", "PrefetchView", "Fetch", "FetchPhase", "TraceEvent", "Unit", "BlockTimes",
            "NoPrefetch", "Lookahead", "BytesAhead", "Adaptive", "describe", "fitting", "next_use_order",
-           "policy_from_config", "Prefetcher", "prefetch_unit"]
+           "policy_from_config", "Prefetcher", "prefetch_unit", "prefetch_units"]

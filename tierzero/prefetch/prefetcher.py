@@ -46,7 +46,7 @@ from tierzero.placement import PlacementManager, Residency, TensorHandle
 from tierzero.prefetch.policies import (BlockTimes, FetchPhase, PrefetchPolicy, PrefetchView, TraceEvent,
                                         Unit, describe, fitting, next_use_order, policy_from_config)
 
-__all__ = ["FetchPhase", "Prefetcher", "TraceEvent", "Unit", "policy_from_config", "prefetch_unit"]
+__all__ = ["FetchPhase", "Prefetcher", "TraceEvent", "Unit", "policy_from_config", "prefetch_unit", "prefetch_units"]
 
 _clock = time.perf_counter
 """The prefetcher's clock (tests replace it)."""
@@ -60,6 +60,13 @@ def prefetch_unit(pm: PlacementManager, unit: Unit, tier: Tier, *, speculative: 
     `speculative`: only into room that pushes out no copy still to be used and waits for no
     write-back (PlacementManager.prefetch)."""
     return all([pm.prefetch(handle, tier, speculative=speculative) for handle in unit.tensors])
+
+
+def prefetch_units(pm: PlacementManager, units: Sequence[Unit], tier: Tier) -> None:
+    """Start bringing `units` toward `tier`: the first for sure, the ones after it speculatively
+    (see [Note: read further ahead only into free room])."""
+    for i, unit in enumerate(units):
+        prefetch_unit(pm, unit, tier, speculative=i > 0)
 
 
 class _Mark(NamedTuple):
@@ -116,11 +123,9 @@ class Prefetcher:
         self.policy = policy
         self.device_room = device_room
         """Bytes of the device budget not taken by homes and held units."""
-        self.fetch_ahead = fetch_ahead or (lambda units: [prefetch_unit(pm, u, Tier.DEVICE, speculative=i > 0)
-                                                          for i, u in enumerate(units)])
+        self.fetch_ahead = fetch_ahead or (lambda units: prefetch_units(pm, units, Tier.DEVICE))
         """Starts bringing the units the policy chose to the device (the runtime's block
-        prefetch: copies, or all-gathers across ranks): the first for sure, the ones after it
-        speculatively (see [Note: read further ahead only into free room])."""
+        prefetch: `prefetch_units`, or all-gathers across ranks)."""
         self.device_wraps = device_wraps
         """Device prefetches look past the end of an iteration into the next one (False where
         what they bring cannot outlive the optimizer step: blocks all-gathered across ranks)."""
@@ -308,8 +313,8 @@ class Prefetcher:
         self.fetch_ahead(device)
         # A read of a unit the device copy above reads itself would read it twice.
         host = [u for u in host if u.nvme and (u not in device or Tier.HOST in self._where(u.name))]
-        for k, unit in enumerate(fitting(host, self._room(Tier.HOST)) if host else ()):
-            prefetch_unit(self.pm, unit, Tier.HOST, speculative=k > 0)
+        if host:
+            prefetch_units(self.pm, fitting(host, self._room(Tier.HOST)), Tier.HOST)
 
     def _check(self, f: Any) -> tuple[Unit, Tier]:
         """A Fetch from the policy, checked: a unit of the trace toward the device or host."""

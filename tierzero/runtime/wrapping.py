@@ -63,7 +63,7 @@ from tierzero.formats import LoadedShard, check_buffers, init_buffers, init_para
 from tierzero.layout import (ROOT, BlockSpec, FlatLayout, ZeroStage, assign_params, block_fetch_bytes,
                              block_specs, fetched_bytes, flat_groups, group_modules)
 from tierzero.placement import PlacementManager
-from tierzero.prefetch import Prefetcher, Unit, policy_from_config, prefetch_unit
+from tierzero.prefetch import Prefetcher, Unit, policy_from_config, prefetch_units
 from tierzero.runtime.activations import Activations
 from tierzero.runtime.blocks import Block
 from tierzero.runtime.collectives import broadcast_from_first_, rank_errors, world
@@ -177,8 +177,7 @@ def _start(model: nn.Module, config: Config, ctx: StepContext, blocks: list[Bloc
         if ctx.zero.gathers:
             gather_units(units)
         else:
-            for i, unit in enumerate(units):  # the first for sure, the rest speculatively (prefetcher.py)
-                prefetch_unit(pm, unit, Tier.DEVICE, speculative=i > 0)
+            prefetch_units(pm, units, Tier.DEVICE)
         activations.prefetch(units)
 
     fetch_ahead = fetch_units if activations.placed else gather_units if ctx.zero.gathers else None
