@@ -63,6 +63,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    "state and staging, b: 4 GiB)")
     p.add_argument("--nvme-dir", default="runs/gpu-step")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--timeout", type=float, default=None, help="seconds one configuration may run "
+                   "(default: no limit); one that runs longer is reported as timed out")
+    p.add_argument("--log-dir", default=None, help="keep each configuration's stdout and stderr here")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -154,13 +157,15 @@ def child(spec: dict) -> None:
     model = _model(spec)
     n_params = sum(p.numel() for p in model.parameters())
     pm = None
+    t0 = time.perf_counter()
     if which in ("a", "b"):
         model, opt, pm = _tierzero(model, spec, nvme=which == "b")
     else:
         model, opt = _baseline(model, spec, which)
+    print(f"set up in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     autocast = torch.autocast(spec["device"], dtype=torch.bfloat16, enabled=which in ("d", "e"))
     g = torch.Generator().manual_seed(1)
-    steps, stalls, compute = [], [], []
+    steps, stalls, compute, sources = [], [], [], []
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         getattr(torch.cuda, "reset_peak_host_memory_stats", lambda: None)()
@@ -181,12 +186,15 @@ def child(spec: dict) -> None:
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
+        print(f"step {step}: {wall:.3f} s", file=sys.stderr, flush=True)  # progress, in the log
         if step >= spec["warmup"]:
             steps.append(wall)
             if cuda:
                 compute.append(start.elapsed_time(end) / 1e3)
             if pm is not None:
-                stalls.append(sum(runtime.step_stats(model).stall_s.values()))
+                stats = runtime.step_stats(model)
+                stalls.append(sum(stats.stall_s.values()))
+                sources.append(stats.stall_s_by_source)
         elif pm is not None:
             runtime.step_stats(model)
     pinned = _pinned_peak()
@@ -196,6 +204,8 @@ def child(spec: dict) -> None:
         "config": which, "params": n_params, "step_s": statistics.median(steps), "steps_s": steps,
         "fwd_bwd_gpu_s": statistics.median(compute) if compute else None,
         "stall_s": statistics.median(stalls) if stalls else None,
+        "stall_s_by_source": {k: statistics.median(d.get(k, 0.0) for d in sources)
+                              for k in sorted({k for d in sources for k in d})},
         "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else None, "peak_pinned_bytes": pinned,
         "streams": None if pm is None else pm.streams.mode}), flush=True)
     if pm is not None:
@@ -211,12 +221,23 @@ def run(args: argparse.Namespace, which: str) -> dict:
             "host_budget": args.host_budget, "nvme_dir": str(nvme)}
     if which == "b":
         nvme.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
-                          capture_output=True, text=True)
-    shutil.rmtree(nvme, ignore_errors=True)
+    try:
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
+                              capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired as e:
+        proc = subprocess.CompletedProcess(e.cmd, -9, _text(e.stdout), _text(e.stderr) + f"\ntimed out after {args.timeout:g} s")
+    finally:
+        shutil.rmtree(nvme, ignore_errors=True)
+    if args.log_dir:
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+        Path(args.log_dir, f"gpu_step_{which}.log").write_text(proc.stdout + "\n--- stderr\n" + proc.stderr)
     if proc.returncode != 0:
         return {"config": which, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _text(out: bytes | str | None) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
 
 
 def skipped(args: argparse.Namespace, which: str) -> str | None:

@@ -177,7 +177,7 @@ def child(spec: dict) -> None:
     print(json.dumps({"params": n_params, "wrap_s": time.perf_counter() - t0}), flush=True)
     g = torch.Generator().manual_seed(0)
     for step in range(spec["steps"]):
-        x = torch.randint(0, gcfg.vocab_size, (spec["batch"], spec["seq"]), generator=g)
+        x = torch.randint(0, gcfg.vocab_size, (spec["batch"], spec["seq"]), generator=g).to(model.wte.weight.device)
         faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         marks = [_mark("start", disk)]
         loss = model(x, x).loss

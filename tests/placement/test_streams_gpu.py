@@ -142,14 +142,11 @@ def test_placement_pipeline_with_prefetch_and_eviction_on_cuda(tmp_path):
 
 
 def _spin(seconds: float) -> None:
-    """Keep the current stream busy for about `seconds` (torch.cuda._sleep spins in cycles)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(1_000_000)
-    end.record()
-    end.synchronize()
-    per_cycle_ms = start.elapsed_time(end) / 1_000_000
-    torch.cuda._sleep(int(seconds * 1e3 / per_cycle_ms))
+    """Keep the current stream busy for at least `seconds`: torch.cuda._sleep spins in clock
+    cycles, and 2 GHz bounds the SM clock of the GPUs this runs on (an H100 boosts to 1.98 GHz).
+    Timing a calibration spin instead does not hold: it runs at the idle clock (345 MHz seen on an
+    H100) and the spin after it at the boost clock, 5-12x shorter than asked."""
+    torch.cuda._sleep(int(seconds * 2.0e9))
 
 
 def test_copy_events_block_the_waiting_thread_instead_of_spinning():

@@ -31,9 +31,10 @@ def _global_norm(shard_norms: list[torch.Tensor], norm_type: float, ctx: StepCon
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ over a wrapped model's flat gradients: returns the total
-    norm (fp32) and scales the gradients by min(1, max_norm / (norm + 1e-6)) (applied lazily,
-    when the optimizer or the next backward reads them). With several ranks the norm is the
-    global one over every rank's gradient shard (a collective: every rank calls it).
+    norm (fp32) on the model's compute device, where torch returns it for a model on that device,
+    and scales the gradients by min(1, max_norm / (norm + 1e-6)) (applied lazily, when the
+    optimizer or the next backward reads them). With several ranks the norm is the global one
+    over every rank's gradient shard (a collective: every rank calls it).
 
     From the first call on, backward computes each block's norms as it writes the gradient, so
     later calls read no gradient (a different norm_type than the last call's reads once)."""
@@ -47,7 +48,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     ctx = state.ctx
     ctx.clips_with(float(norm_type))
     if not flats:
-        return torch.tensor(0.0)
+        return torch.tensor(0.0, device=ctx.device)
     norms: dict[tuple[FlatParam, int], torch.Tensor] = {}
     for i, flat in enumerate(flats):
         if i + 1 < len(flats) and not flat_grad(flats[i + 1]).has_norms(float(norm_type)):
@@ -65,7 +66,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     if error_if_nonfinite and (total.isnan() or total.isinf()):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite "
                            f"({total.item()}); pass error_if_nonfinite=False to clip anyway")
-    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    # The factor is kept on the CPU: a 0-dim CPU tensor scales gradients on either tier, a
+    # device one would refuse the host tier's gradients on CUDA.
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0).cpu()
     for flat in flats:
         flat_grad(flat).scale_by(coef)
-    return total
+    return total.to(ctx.device)
