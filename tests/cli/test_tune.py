@@ -351,6 +351,25 @@ def test_backwards_packs_on_nvme_ride_with_the_block_fetches_ahead() -> None:
     assert simulate(rec, NoPrefetch(), MODEL, nvme_depth=2).stall_s == pytest.approx(no_packs + 1.1 * MS + 3 * 0.1 * MS)
 
 
+def test_the_device_room_early_capture_took_at_a_fetch_is_not_the_replays_to_give_packs() -> None:
+    """A recording names, per fetch, the device bytes early capture's buffers (and activations
+    homed on the device) took then (`Slot.device_beside`): the replay's device room is the
+    recording's less those. Beside a block and its pack in use, with two blocks' worth taken, a
+    block fetched ahead brings no pack, and every pack waits as when fetching on demand."""
+    rec = recording(device_blocks=4)
+    rec.packs = {n: BLOCK for n in rec.units}
+    free = simulate(rec, Lookahead(1, nvme_depth=0), MODEL).stall_s
+    on_demand = simulate(rec, NoPrefetch(), MODEL).stall_s
+    assert free == pytest.approx(2.1 * MS) and on_demand == pytest.approx(4 * 1.1 * MS)
+    stalls = []
+    for beside in (BLOCK, 2 * BLOCK):
+        rec.slots = [s._replace(device_beside=beside) if s.event.phase is FetchPhase.BACKWARD else s
+                     for s in rec.slots]
+        stalls.append(simulate(rec, Lookahead(1, nvme_depth=0), MODEL).stall_s)
+        assert simulate(rec, NoPrefetch(), MODEL).stall_s == pytest.approx(on_demand)
+    assert free < stalls[0] < on_demand and stalls[1] == pytest.approx(on_demand)
+
+
 def test_a_recording_of_placed_activations_names_the_packs_backward_read_back(tmp_path: Any, capsys: Any) -> None:
     run = tmp_path / "run"
     assert train.main(["--model", "tiny", "--steps", "4", "--batch", "2", "--seq", "32", "--device-budget", "2MiB",
@@ -369,3 +388,5 @@ def test_a_recording_of_placed_activations_names_the_packs_backward_read_back(tm
     assert not any(b.leg.nbytes in sizes and b.leg.dst in ("host", "device") for b in rec.background)
     assert any(b.leg.nbytes in sizes and b.leg.dst == "nvme" for b in rec.background)  # their writes are
     assert simulate(rec, Lookahead(1, nvme_depth=2), TierModel.calibrate(rec), nvme_depth=2).stall_s >= 0
+    spans = [e for e in trace["traceEvents"] if e.get("cat") == "blocks"]
+    assert spans and all(isinstance(e["args"]["device_beside"], int) for e in spans)

@@ -62,6 +62,9 @@ class Slot(NamedTuple):
     pack_s: float = 0.0
     """Backward's wait for the block's activation pack homed on NVMe (`Recording.packs`): the
     tier model replays it."""
+    device_beside: int = 0
+    """Device bytes early capture's buffers and activations homed on the device took when the
+    fetch was asked for: the device room the replay has is the recording's less these."""
 
 
 class Leg(NamedTuple):
@@ -174,7 +177,7 @@ class Recording:
         slots = [Slot(ss[0].event, ss[0].held, *(statistics.median(getattr(s, f) for s in ss)
                                                   for f in ("compute_s", "stall_s", "other_stall_s", "update_s")),
                       min(s.host_room for s in ss) if all(s.host_room is not None for s in ss) else None,
-                      statistics.median(s.pack_s for s in ss))
+                      statistics.median(s.pack_s for s in ss), max(s.device_beside for s in ss))
                  for ss in zip(*(p.slots for p in parts))]
         busy: dict[tuple[str, str], tuple[int, float]] = {}
         for p in parts:
@@ -292,7 +295,7 @@ def _iteration(spans: list[dict], before: list[dict], after: list[dict], moves: 
         other = max(0.0, other - pack_s[i])
         slots.append(Slot(TraceEvent(FetchPhase(a["phase"]), a["unit"]), tuple(a["held"]),
                           max(0.0, span - a["stall_s"] - other - pack_s[i]), a["stall_s"], other, update,
-                          a.get("host_room"), pack_s[i]))
+                          a.get("host_room"), pack_s[i], a.get("device_beside", 0)))
     start, end = this[0]["ts"], first_next["ts"]
     since = max(e["ts"] + e["dur"] for e in before)  # the step before this forward began after it
     updates, theirs = _updates(update_spans, moves, tracks, since, this, units)

@@ -25,7 +25,8 @@ by evicting unpinned cached copies in the policy's `victims` order (for the unit
 plan's first, only copies a block used already, as the prefetcher's speculative fetches); the
 background moves submitted when they happened. The host room at each fetch is the one recorded there (the rest
 of the host budget holds the step's gradients and optimizer states, which come and go over the
-iteration). At each step the device copies are dropped when the recorded step rewrote the
+iteration), and so is the device room: the recording's less what early capture's buffers and
+activations homed on the device took then (`Slot.device_beside`). At each step the device copies are dropped when the recorded step rewrote the
 parameters, and the units the step left on the host (`Recording.step_on_host`) are put there.
 A fetch whose copy is not there waits: that wait is the predicted stall. Stalls the recording
 saw outside block fetches are added as they were (no policy changes them).
@@ -40,7 +41,7 @@ updates pace the forward (350m: ~200 MB read and ~150 MB written per block updat
 
 Activation packs homed on NVMe (`Recording.packs`) are replayed in backward as the runtime's
 activations store moves them: a block fetched ahead toward the device brings its pack where the
-device room left beside the blocks allows, the next `nvme_depth` packs are read into host
+device room left beside the blocks and the packs brought before allows, the next `nvme_depth` packs are read into host
 memory where it is free, and backward waits for each block's pack before its compute (on
 demand: its read and copy then). Their reads share the disk and workers with the blocks', their
 host copies and staging buffers the host room (a recording of on-demand fetching has none read
@@ -228,9 +229,10 @@ class _Sim:
     # ------------------------------------------------------------------------ rooms, views
 
     def cap(self, tier: Tier) -> int:
-        if tier is Tier.DEVICE:
-            return self.rec.device_room
-        room = self.rec.slots[max(0, self.pos)].host_room
+        slot = self.rec.slots[max(0, self.pos)]
+        if tier is Tier.DEVICE:  # less what early capture and device-homed activations took then
+            return self.rec.device_room - slot.device_beside
+        room = slot.host_room
         return self.rec.host_room if room is None else room
 
     def used(self, tier: Tier) -> int:
@@ -243,7 +245,7 @@ class _Sim:
 
     def room(self, tier: Tier) -> int:
         if tier is Tier.DEVICE:  # beside the held blocks and the pack in use, as the runtime counts
-            return self.rec.device_room - sum(self.rec.units[u].nbytes for u in self.held) - sum(
+            return self.cap(Tier.DEVICE) - sum(self.rec.units[u].nbytes for u in self.held) - sum(
                 self.packs[b] for b in self.pack_copies[Tier.DEVICE] if b in self.pack_done)
         return self.cap(Tier.HOST) - sum(b for t, b in self.staging if t > self.now)
 
@@ -337,12 +339,14 @@ class _Sim:
         fetched ahead: the packs of those blocks toward the device where the room left beside
         them allows, the next `nvme_depth` others read into host memory."""
         names = {u.name for u in units}
-        room = self.room(Tier.DEVICE) - sum(u.nbytes for u in units)
+        device = self.pack_copies[Tier.DEVICE]
+        room = self.room(Tier.DEVICE) - sum(u.nbytes for u in units) - sum(
+            self.packs[b] for b in device if b not in self.pack_done)  # brought earlier: their room is taken
         ahead = 0
         for block in self.pack_order:
             if block in self.pack_done:
                 continue
-            if block in names and self.packs[block] <= room:
+            if block in names and block not in device and self.packs[block] <= room:
                 self.fetch_pack(block, Tier.DEVICE)
                 room -= self.packs[block]
             elif ahead < self.nvme_depth and block not in self.pack_copies[Tier.DEVICE]:

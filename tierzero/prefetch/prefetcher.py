@@ -82,6 +82,8 @@ class _Mark(NamedTuple):
     sources1: dict[str, float] | None = None
     host_room: int = 0
     """Host bytes for unit copies when it was asked for (see Prefetcher._room)."""
+    device_beside: int = 0
+    """Device bytes taken beside homes, held units and acquired packs then (Prefetcher.device_beside)."""
     begun: Any = None
     """CUDA: a timing event on the compute stream before the fetch (None on the CPU)."""
     ready: Any = None
@@ -117,7 +119,8 @@ class Prefetcher:
 
     def __init__(self, pm: PlacementManager, units: Sequence[Unit], policy: PrefetchPolicy, *,
                  device_room: Callable[[], int], fetch_ahead: Callable[[list[Unit]], object] | None = None,
-                 device_wraps: bool = True, busy: Callable[[Unit], bool] | None = None) -> None:
+                 device_wraps: bool = True, busy: Callable[[Unit], bool] | None = None,
+                 device_beside: Callable[[], int] | None = None) -> None:
         self.pm = pm
         self.units = {u.name: u for u in units}
         self.policy = policy
@@ -132,6 +135,10 @@ class Prefetcher:
         self.busy = busy or (lambda unit: False)
         """Whether a unit's values are still being written (the overlapped step's update,
         tierzero/runtime/step_queue.py): it is not prefetched until they are done."""
+        self.device_beside = device_beside or (lambda: 0)
+        """Device bytes taken beside the homes, held units and backward's acquired activations
+        (early capture's buffers, activations homed on the device): recorded at each fetch for
+        the tier model."""
         self._unit_of = {t: u.name for u in units for t in u.tensors}
         self._unit_of_name = {t.name: u.name for u in units for t in u.tensors}
         self._traces: dict[Hashable, tuple[TraceEvent, ...]] = {}
@@ -170,7 +177,7 @@ class Prefetcher:
             it.gap_stall = stall - self._ended[1] if self._ended is not None else 0.0
         it.marks.append(_Mark(event, now, stall, None, tuple(sorted(held - {event.unit})),
                               self.pm.telemetry.stall_by_source(), host_room=self._room(Tier.HOST),
-                              begun=self._stamp()))
+                              device_beside=self.device_beside(), begun=self._stamp()))
         it.recording.append(event)
         if it.trace is None or it.deviated:
             return
@@ -260,6 +267,7 @@ class Prefetcher:
                 "stall_by_source": {k: round(v - m.sources0[k], 6) for k, v in (m.sources1 or m.sources0).items()
                                     if v - m.sources0[k] > 0},
                 "other_stall_s": stall_end - m.stall0 - own, "host_room": m.host_room,
+                "device_beside": m.device_beside,
                 **({"gap_stall_s": it.gap_stall} if i == 0 else {})})
         self._pending = None
         if tuple(it.recording) != self._traces.get(it.key):

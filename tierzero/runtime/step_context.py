@@ -132,6 +132,8 @@ class StepContext:
     _activation_bytes: int = field(default=0, init=False)
     """Device bytes of placed activations kept for backward: packs homed on the device, and
     device copies acquired for a block's backward (tierzero/runtime/activations.py)."""
+    _activation_home_bytes: int = field(default=0, init=False)
+    """Of `_activation_bytes`, the packs homed on the device (the rest: acquired copies)."""
     _end_backward: Callable[[], None] | None = field(default=None, init=False)
     _callback_queued: bool = field(default=False, init=False)
     _grads_final: Callable[[FlatRef], None] | None = field(default=None, init=False)
@@ -305,9 +307,19 @@ class StepContext:
         """Bytes of the tensors registered with a device home (not activations)."""
         return self._device_home_bytes
 
-    def add_activation_bytes(self, nbytes: int) -> None:
-        """Placed activations took (or, negative, gave back) device bytes."""
+    def add_activation_bytes(self, nbytes: int, *, home: bool = False) -> None:
+        """Placed activations took (or, negative, gave back) device bytes; `home`: packs homed
+        on the device, else device copies of packs homed elsewhere, acquired for backward."""
         self._activation_bytes += nbytes
+        if home:
+            self._activation_home_bytes += nbytes
+
+    def device_beside(self) -> int:
+        """Device bytes neither held blocks nor packs acquired for backward take out of the room
+        `device_room` leaves beside the homes: early capture's buffers and packs homed on the
+        device. They come and go over an iteration; the tier model replays the room they left
+        at each fetch (tierzero/planning/tier_model.py)."""
+        return self._capture_bytes + self._activation_home_bytes
 
     def capture_room(self, nbytes: int) -> bool:
         """Take `nbytes` of device room for early capture if the largest block still fits beside

@@ -183,7 +183,8 @@ def _start(model: nn.Module, config: Config, ctx: StepContext, blocks: list[Bloc
     fetch_ahead = fetch_units if activations.placed else gather_units if ctx.zero.gathers else None
     prefetcher = Prefetcher(pm, [b.unit for b in blocks if b.flats], policy_from_config(config),
                             device_room=ctx.device_room, fetch_ahead=fetch_ahead,
-                            device_wraps=not ctx.zero.gathers, busy=lambda unit: ctx.updating(unit.tensors))
+                            device_wraps=not ctx.zero.gathers, busy=lambda unit: ctx.updating(unit.tensors),
+                            device_beside=ctx.device_beside)
     ctx.attach(prefetcher, state.end_backward, max((b.nbytes for b in blocks if b.flats), default=0))
     pm.set_eviction_policy(prefetcher)
     state.register_hooks()
