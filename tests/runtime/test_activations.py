@@ -351,11 +351,12 @@ def test_packs_brought_ahead_count_against_the_device_room_so_none_is_pushed_out
     again (here 6 of 11 packs copied to the device two or three times a step; built-in 350m: 16
     of 24 packs read from NVMe again, 1.0 s of waits a step). Each pack now comes once.
 
-    Under the asynchronous stand-in, 3 of the 11 packs still come twice a step (before the fix:
-    6, two of them three times). Early capture's device buffers are held there until their
-    copies to the host land. Early capture takes room that counts the packs brought ahead as
-    free, and pushes them out. A GPU would do the same; that is left open (noted on issue 30),
-    so only the synchronous run asserts the outcome."""
+    The policy's device plans are clipped to the room beside those packs too, so the blocks'
+    own fetches do not push them out (without that, under the asynchronous stand-in 3 of the 11
+    packs still came twice). Under the stand-in one pack still comes twice a step: at the
+    forward's end the packs of blocks that backward reaches late are brought first (they are
+    written first), and the pack of a nearer block, acquired on demand, pushes one out. So only
+    the synchronous run asserts the outcome."""
     cfg = config(tmp_path, "bytes", activations="nvme", host_budget="4MiB",
                  prefetch=tz.PrefetchConfig(policy="bytes", reserve="1200KiB", nvme_depth=2))
     model = tz.wrap(builders.gpt(seq=64, layers=12), cfg)

@@ -244,9 +244,9 @@ class _Sim:
         return n
 
     def room(self, tier: Tier) -> int:
-        if tier is Tier.DEVICE:  # beside the held blocks and the pack in use, as the runtime counts
+        if tier is Tier.DEVICE:  # beside the held blocks, the pack in use and those brought ahead, as the runtime counts
             return self.cap(Tier.DEVICE) - sum(self.rec.units[u].nbytes for u in self.held) - sum(
-                self.packs[b] for b in self.pack_copies[Tier.DEVICE] if b in self.pack_done)
+                self.packs[b] for b in self.pack_copies[Tier.DEVICE])
         return self.cap(Tier.HOST) - sum(b for t, b in self.staging if t > self.now)
 
     def where(self, name: str) -> frozenset[Tier]:
@@ -340,8 +340,7 @@ class _Sim:
         them allows, the next `nvme_depth` others read into host memory."""
         names = {u.name for u in units}
         device = self.pack_copies[Tier.DEVICE]
-        room = self.room(Tier.DEVICE) - sum(u.nbytes for u in units) - sum(
-            self.packs[b] for b in device if b not in self.pack_done)  # brought earlier: their room is taken
+        room = self.room(Tier.DEVICE) - sum(u.nbytes for u in units)  # (beside the packs brought earlier)
         ahead = 0
         for block in self.pack_order:
             if block in self.pack_done:

@@ -490,7 +490,7 @@ class Activations:
         # brought more, and the blocks' fetches pushed them out again before backward reached
         # them (built-in 350m, bytes policy: 16 of 24 packs copied to the device, pushed out and
         # read from NVMe again when backward needed them, 1.0 s of waits a step).
-        room -= sum(p.nbytes for p in self._pending if not p.acquired and self._coming(p))
+        room -= self.ahead_bytes()
         ahead = []
         for pack in reversed(self._pending):
             if pack.acquired:
@@ -505,6 +505,10 @@ class Activations:
                 ahead.append(pack.handle)  # (one on its way to the device was read once: not again)
         for handle in ahead:
             self.pm.prefetch(handle, Tier.HOST, speculative=True)
+
+    def ahead_bytes(self) -> int:
+        """Device bytes of the packs brought (or coming) ahead of backward and not used yet."""
+        return sum(p.nbytes for p in list(self._pending) if not p.acquired and self._coming(p))
 
     def _coming(self, pack: ActivationPack) -> bool:
         """A device copy of the pack (homed elsewhere) is there, on its way, or asked for once
