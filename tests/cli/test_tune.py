@@ -191,6 +191,34 @@ def test_tune_runs_candidates_and_picks_the_least_stall(tmp_path: Any, capsys: A
     assert report["best"] == equivalent[0]  # the simplest of them (none first)
     assert 'policy = "' + report["best"]["policy"] + '"' in report["snippets"]["toml"]
     assert report["wall_s"] > 0 and report["peak_rss_bytes"] > 0
+    for r in rows:  # each measured candidate predicted again at the disk rates of its own run
+        if "measured_disk_gbps" in r:
+            assert r["measured_disk_gbps"]["read"] > 0 and r["predicted_stall_at_its_disk_rate_s"] >= 0
+
+
+def test_a_candidate_is_predicted_again_at_the_disk_rate_its_own_run_had(tmp_path: Any, capsys: Any) -> None:
+    """A shared disk's rate drifts: a candidate measured while the disk ran at half the recording's
+    rate is predicted again at that rate, so the model's own error shows apart from the drift.
+    The rates come from the candidate's trace as the tier model calibrates them."""
+    run = tmp_path / "run"
+    assert train.main(["--model", "tiny", "--steps", "4", "--batch", "2", "--seq", "32", "--device-budget", "4MiB",
+                       "--host-budget", "8MiB", "--nvme-dir", str(tmp_path / "nvme"), "--run-dir", str(run),
+                       "--no-progress"]) == 0
+    capsys.readouterr()
+    trace = json.loads((run / "trace.json").read_text())
+    rec = Recording.from_trace(trace)
+    rates = tune.disk_rates(trace)
+    assert set(rates) == {("nvme", "host"), ("host", "nvme")}
+    assert rates[("nvme", "host")] == Rate(rec.busy[("nvme", "host")][1] / rec.busy[("nvme", "host")][0])
+    assert tune.disk_rates({"traceEvents": []}) == {}  # nothing to calibrate from: no figure
+    c = tune.Candidate("none", None, 0, 2)
+    args = tune.parser().parse_args(["--trace", str(run / "trace.json")])
+    at_recording = tune._predict(c, rec, None, args, None, tune.disk_rates(trace))
+    assert at_recording["predicted_stall_at_its_disk_rate_s"] == pytest.approx(at_recording["predicted_stall_s"])
+    slower = {leg: Rate(r.seconds_per_byte * 2) for leg, r in rates.items()}
+    at_half = tune._predict(c, rec, None, args, None, slower)
+    assert at_half["predicted_stall_s"] == at_recording["predicted_stall_s"]
+    assert at_half["predicted_stall_at_its_disk_rate_s"] > at_recording["predicted_stall_s"]
 
 
 def test_simulate_replays_a_run_folders_trace(tmp_path: Any, capsys: Any) -> None:

@@ -21,6 +21,9 @@ config snippets (TOML and Python), or with `--json` one object: {"candidates": [
 
 `--compute-speedup F` divides the recorded compute times by F in the predictions, so on a slow
 machine the tuner answers what a GPU F times faster would need from the same disk.
+Each measured candidate is also predicted at the disk's rates its own run had
+(`predicted_stall_at_its_disk_rate_s`, and `measured_disk_gbps`): a shared disk's rate drifts
+between runs, and that prediction tells the model's own error apart from the drift.
 How the disk's rate changes with io threads the model learns from a short read sweep of the
 NVMe folder at each `--io-threads` count, run after the first recording (a few seconds), or from
 `--bench-io FILE` (the output of `tierzero bench-io --json`) instead.
@@ -50,6 +53,7 @@ from tierzero.config import format_size
 from tierzero.formats import corpus as tzdata
 from tierzero.models import CONFIGS
 from tierzero.planning import Measured, Option, Recording, TierModel, choose, explain, simplicity, simulate
+from tierzero.planning.tier_model import CHANNELS, Rate
 from tierzero.prefetch import policy_from_config
 from tierzero.runtime import close, placement_manager, step_stats
 
@@ -269,12 +273,13 @@ def tune(args: argparse.Namespace) -> dict[str, Any]:
             ranked = sorted(range(len(cands)), key=lambda i: (rows[i]["predicted_stall_s"],
                                                               simplicity(_option(cands[i], rows[i], True))))
             top = ranked[:args.measure_top] if args.measure_top else ranked
-            _measure(trainer, args, [(cands[i], rows[i]) for i in sorted(top)], bar)
+            rates: dict[int, dict[tuple[str, str], Rate]] = {}
+            _measure(trainer, args, [(cands[i], rows[i]) for i in sorted(top)], bar, rates)
             if not args.trace:  # before and after the candidates: drift of the machine evens out
                 traces.append(_record(trainer, args, bar, "after"))
                 recording = Recording.from_traces(traces, where="the recordings")
-                for c, row in zip(cands, rows):
-                    row.update(_predict(c, recording, bench, args, trainer))
+            for c, row in zip(cands, rows):
+                row.update(_predict(c, recording, bench, args, trainer, rates.get(id(row))))
     key = "predicted_stall_s" if args.simulate else "stall_s"
     options = [(i, _option(c, row, args.simulate)) for i, (c, row) in enumerate(zip(cands, rows))
                if row[key] is not None]
@@ -333,14 +338,15 @@ def _disk_sweep(args: argparse.Namespace, trainer: Trainer | None) -> dict | Non
 
 
 def _measure(trainer: Trainer | None, args: argparse.Namespace, todo: list[tuple[Candidate, dict]],
-             bar: Progress) -> None:
-    """Each candidate's real steps into its row: medians, ranges, stall by source."""
+             bar: Progress, rates: dict[int, dict[tuple[str, str], Rate]]) -> None:
+    """Each candidate's real steps into its row: medians, ranges, stall by source; the disk's
+    rates its run had into `rates` (by id of the row)."""
     assert trainer is not None
     for i, (c, row) in enumerate(todo):
         label = f"{i + 1}/{len(todo)} {c.policy} {c.label()}"
         try:
-            measured, _ = trainer.run(c.config(trainer.base), args.warmup + args.steps, lambda k, stall, step:
-                                      bar.advance(f"{label} step {k + 1}: stall {stall:.4f} s step {step:.3f} s"))
+            measured, trace = trainer.run(c.config(trainer.base), args.warmup + args.steps, lambda k, stall, step:
+                                          bar.advance(f"{label} step {k + 1}: stall {stall:.4f} s step {step:.3f} s"))
         except ValueError as e:  # a setting this model or budget refuses (a reserve too large)
             row["error"] = str(e)
             for _ in range(args.warmup + args.steps):
@@ -354,16 +360,45 @@ def _measure(trainer: Trainer | None, args: argparse.Namespace, todo: list[tuple
         row["stall_s_each"] = [round(s, 5) for s in stalls]
         row["step_s_each"] = [round(t, 4) for t in steps]
         row["stall_by_source"] = {k: round(statistics.median(src[k] for _, _, src in kept), 5) for k in kept[0][2]}
+        disk = disk_rates(trace)
+        if disk:
+            rates[id(row)] = disk
+            row["measured_disk_gbps"] = {CHANNELS[leg]: round(1 / r.seconds_per_byte / 1e9, 3)
+                                         for leg, r in disk.items() if r.seconds_per_byte}
+
+
+def disk_rates(trace: dict) -> dict[tuple[str, str], Rate]:
+    """The disk's read and write rates over a run's replayable steps, as the tier model
+    calibrates them (bytes over the time such legs ran), or {} where the trace has none. On a
+    shared machine the disk's rate drifts: on the built-in 350m it halved from one step to the
+    next with the same bytes moved, which doubled the overlapped step's waits. A prediction at
+    the rate the candidate's own run had tells the model's error apart from that drift."""
+    try:
+        rec = Recording.from_trace(trace)
+    except ValueError:
+        return {}
+    out = {}
+    for leg in (("nvme", "host"), ("host", "nvme")):
+        nbytes, busy = rec.busy.get(leg, (0, 0.0))
+        if nbytes and busy:
+            out[leg] = Rate(busy / nbytes)
+    return out
 
 
 def _predict(c: Candidate, recording: Recording, bench: dict | None, args: argparse.Namespace,
-             trainer: Trainer | None) -> dict[str, Any]:
+             trainer: Trainer | None, disk: dict[tuple[str, str], Rate] | None = None) -> dict[str, Any]:
     workers = max(2, c.nvme_depth)
     model = TierModel.calibrate(recording, bench, io_threads=c.io_threads, workers=workers)
     cfg = c.config(trainer.base if trainer else tz.Config(device_budget=recording.device_room))
     pred = simulate(recording, policy_from_config(cfg), model, workers=workers, speedup=args.compute_speedup,
                     nvme_depth=c.nvme_depth)
-    return {"predicted_stall_s": round(pred.stall_s, 5), "predicted_step_s": round(pred.step_s, 5),
+    out = {}
+    if disk:  # the same replay at the disk's rates in the candidate's own run
+        at = dataclasses.replace(model, rates={**model.rates, **disk}, source="the candidate's own run")
+        again = simulate(recording, policy_from_config(cfg), at, workers=workers, speedup=args.compute_speedup,
+                         nvme_depth=c.nvme_depth)
+        out["predicted_stall_at_its_disk_rate_s"] = round(again.stall_s, 5)
+    return out | {"predicted_stall_s": round(pred.stall_s, 5), "predicted_step_s": round(pred.step_s, 5),
             "predicted_disk_busy_s": round(pred.disk_s, 5), "predicted_device_copies": pred.copies,
             "model": {"disk_read_gbps": _gbps(model, ("nvme", "host")), "h2d_gbps": _gbps(model, ("host", "device")),
                       "move_overhead_s": round(model.overhead_s, 6), "disk_rate_from": model.source}}
@@ -405,7 +440,7 @@ def format_table(report: dict[str, Any]) -> str:
                 + " / ".join(f"{x:.4f}" for x in rec["stall_s_each_recording"]) + " s"
                 if "stall_s_each_recording" in rec else ""),
              f"{'policy':<10} {'settings':<34} {'stall s [min-max]':>22} {'step s':>8} {'pred stall s':>12} "
-             f"{'pred step s':>11} {'disk busy s':>11}"]
+             f"{'pred step s':>11} {'disk busy s':>11} {'pred at its disk':>16}"]
     for i, r in enumerate(report["candidates"]):
         settings = " ".join(f"{k}={format_size(v) if k == 'reserve' else v}" for k, v in r["settings"].items())
         if r.get("error"):
@@ -417,8 +452,10 @@ def format_table(report: dict[str, Any]) -> str:
             stall = f"{r['stall_s']:.4f} [{lo:.4f}-{hi:.4f}]"
         step = "-" if r["step_s"] is None else f"{r['step_s']:.3f}"
         mark = "  <- chosen" if i == report["best_index"] else "  = (within noise)" if r.get("equivalent_to_best") else ""
+        again = r.get("predicted_stall_at_its_disk_rate_s")
+        again = "-" if again is None else f"{again:.4f}"
         lines.append(f"{r['policy']:<10} {settings:<34} {stall:>22} {step:>8} {r['predicted_stall_s']:>12.4f} "
-                     f"{r['predicted_step_s']:>11.3f} {r['predicted_disk_busy_s']:>11.3f}{mark}")
+                     f"{r['predicted_step_s']:>11.3f} {r['predicted_disk_busy_s']:>11.3f} {again:>16}{mark}")
     how = ("of the candidates within noise of the least measured stall, the simplest and least memory-hungry"
            if report["chosen_by"] == "stall_s" else "the least predicted stall (the simplest of equal ones)")
     lines += [f"refused: {r['policy']} {' '.join(f'{k}={v}' for k, v in r['settings'].items())}: {r['error']}"
