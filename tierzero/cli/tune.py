@@ -52,8 +52,8 @@ from tierzero.cli.harness import batch_loss, check_room, corpus, meta_model, pea
 from tierzero.config import format_size
 from tierzero.formats import corpus as tzdata
 from tierzero.models import CONFIGS
-from tierzero.planning import Measured, Option, Recording, TierModel, choose, explain, simplicity, simulate
-from tierzero.planning.tier_model import CHANNELS, Rate
+from tierzero.planning import (CHANNELS, Measured, Option, Rate, Recording, TierModel, choose, explain, simplicity,
+                               simulate)
 from tierzero.prefetch import policy_from_config
 from tierzero.runtime import close, placement_manager, step_stats
 

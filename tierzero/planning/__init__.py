@@ -14,12 +14,13 @@ from tierzero.planning.activations import (PLACEMENTS, ActivationBytes, Activati
                                            measure_activations)
 from tierzero.planning.estimates import Estimate, estimate, largest_trainable, placements
 from tierzero.planning.recording import Recording
-from tierzero.planning.tier_model import TierModel, simulate
+from tierzero.planning.tier_model import CHANNELS, Rate, TierModel, simulate
 from tierzero.planning.tuning import SIMPLICITY, Measured, Option, choose, equivalent, explain, simplicity
 from tierzero.planning.traffic import DriveRates, Traffic, rates_from_bench, step_traffic
 from tierzero.planning.zero_model import StateSizes, ZeroModel, param_counts
 
 __all__ = ["Estimate", "estimate", "largest_trainable", "placements", "Recording", "TierModel", "simulate",
+           "CHANNELS", "Rate",
            "DriveRates", "Traffic", "rates_from_bench", "step_traffic", "StateSizes", "ZeroModel", "param_counts",
            "ActivationBytes", "ActivationModel", "activation_model", "measure_activations", "PLACEMENTS",
            "SIMPLICITY", "Measured", "Option", "choose", "equivalent", "explain", "simplicity"]
