@@ -273,13 +273,13 @@ def tune(args: argparse.Namespace) -> dict[str, Any]:
             ranked = sorted(range(len(cands)), key=lambda i: (rows[i]["predicted_stall_s"],
                                                               simplicity(_option(cands[i], rows[i], True))))
             top = ranked[:args.measure_top] if args.measure_top else ranked
-            rates: dict[int, dict[tuple[str, str], Rate]] = {}
-            _measure(trainer, args, [(cands[i], rows[i]) for i in sorted(top)], bar, rates)
+            rates = _measure(trainer, args, [(cands[i], rows[i]) for i in sorted(top)], bar)
             if not args.trace:  # before and after the candidates: drift of the machine evens out
                 traces.append(_record(trainer, args, bar, "after"))
                 recording = Recording.from_traces(traces, where="the recordings")
-            for c, row in zip(cands, rows):
-                row.update(_predict(c, recording, bench, args, trainer, rates.get(id(row))))
+            for c, row in zip(cands, rows):  # (a read trace is the same recording: only the measured again)
+                if not args.trace or id(row) in rates:
+                    row.update(_predict(c, recording, bench, args, trainer, rates.get(id(row))))
     key = "predicted_stall_s" if args.simulate else "stall_s"
     options = [(i, _option(c, row, args.simulate)) for i, (c, row) in enumerate(zip(cands, rows))
                if row[key] is not None]
@@ -338,10 +338,11 @@ def _disk_sweep(args: argparse.Namespace, trainer: Trainer | None) -> dict | Non
 
 
 def _measure(trainer: Trainer | None, args: argparse.Namespace, todo: list[tuple[Candidate, dict]],
-             bar: Progress, rates: dict[int, dict[tuple[str, str], Rate]]) -> None:
-    """Each candidate's real steps into its row: medians, ranges, stall by source; the disk's
-    rates its run had into `rates` (by id of the row)."""
+             bar: Progress) -> dict[int, dict[tuple[str, str], Rate]]:
+    """Each candidate's real steps into its row: medians, ranges, stall by source; returns the
+    disk's rates each run had, by id of its row."""
     assert trainer is not None
+    rates = {}
     for i, (c, row) in enumerate(todo):
         label = f"{i + 1}/{len(todo)} {c.policy} {c.label()}"
         try:
@@ -365,6 +366,7 @@ def _measure(trainer: Trainer | None, args: argparse.Namespace, todo: list[tuple
             rates[id(row)] = disk
             row["measured_disk_gbps"] = {CHANNELS[leg]: round(1 / r.seconds_per_byte / 1e9, 3)
                                          for leg, r in disk.items() if r.seconds_per_byte}
+    return rates
 
 
 def disk_rates(trace: dict) -> dict[tuple[str, str], Rate]:

@@ -21,10 +21,10 @@ def _global_norm(shard_norms: list[torch.Tensor], norm_type: float, ctx: StepCon
     with rank_errors(ctx.rank, ctx.world_size, "all-reduce of the gradient norm"):
         if math.isinf(norm_type):
             return all_reduce_(streams.to_device(local.max()), ctx.group, ctx.world_size, streams, op="max",
-                               comm=ctx.comm).cpu()
+                               comm=ctx.comm)
         powered = all_reduce_(streams.to_device(local.pow(norm_type).sum()), ctx.group, ctx.world_size, streams,
                               comm=ctx.comm)
-    return powered.pow(1.0 / norm_type).cpu()
+    return powered.pow(1.0 / norm_type)
 
 
 @torch.no_grad()

@@ -244,7 +244,7 @@ class _Sim:
         return n
 
     def room(self, tier: Tier) -> int:
-        if tier is Tier.DEVICE:  # beside the held blocks, the pack in use and those brought ahead, as the runtime counts
+        if tier is Tier.DEVICE:  # beside the held blocks and every pack there, as the runtime counts
             return self.cap(Tier.DEVICE) - sum(self.rec.units[u].nbytes for u in self.held) - sum(
                 self.packs[b] for b in self.pack_copies[Tier.DEVICE])
         return self.cap(Tier.HOST) - sum(b for t, b in self.staging if t > self.now)
@@ -348,7 +348,7 @@ class _Sim:
             if block in names and block not in device and self.packs[block] <= room:
                 self.fetch_pack(block, Tier.DEVICE)
                 room -= self.packs[block]
-            elif ahead < self.nvme_depth and block not in self.pack_copies[Tier.DEVICE]:
+            elif ahead < self.nvme_depth and block not in device:
                 ahead += 1
                 self.fetch_pack(block, Tier.HOST)
 

@@ -485,12 +485,7 @@ class Activations:
         and host room from the blocks, and pushed out, they were read again (built-in 350m,
         nvme_depth 8: 2.9x the packs' bytes read back, the updates 2-3x slower)."""
         names = {u.name for u in units}
-        room = self.ctx.device_room() - sum(u.nbytes for u in units if u.name not in self.ctx.held)
-        # Packs brought earlier and not used yet take their room too: counted as free, each call
-        # brought more, and the blocks' fetches pushed them out again before backward reached
-        # them (built-in 350m, bytes policy: 16 of 24 packs copied to the device, pushed out and
-        # read from NVMe again when backward needed them, 1.0 s of waits a step).
-        room -= self.ahead_bytes()
+        room = self.device_room() - sum(u.nbytes for u in units if u.name not in self.ctx.held)
         ahead = []
         for pack in reversed(self._pending):
             if pack.acquired:
@@ -501,14 +496,20 @@ class Activations:
                 self._to_device(pack)
                 room -= pack.nbytes
             elif (self._backward and pack.handle.home is Tier.NVME and _written(pack) and len(ahead) < self.nvme_depth
-                  and self.pm.record(pack.handle).residency[Tier.DEVICE] is Residency.ABSENT):
+                  and not self._coming(pack)):
                 ahead.append(pack.handle)  # (one on its way to the device was read once: not again)
         for handle in ahead:
             self.pm.prefetch(handle, Tier.HOST, speculative=True)
 
-    def ahead_bytes(self) -> int:
-        """Device bytes of the packs brought (or coming) ahead of backward and not used yet."""
-        return sum(p.nbytes for p in list(self._pending) if not p.acquired and self._coming(p))
+    def device_room(self) -> int:
+        """The device room beside the packs brought (or coming) ahead of backward and not used
+        yet, as well as what `StepContext.device_room` leaves out. Counted as free, each fetch
+        brought more packs, and the blocks' fetches pushed them out again before backward
+        reached them (built-in 350m, bytes policy: 16 of 24 packs copied to the device, pushed
+        out and read from NVMe again when backward needed them, 1.0 s of waits a step); so the
+        policy's device plans are clipped to this room too (runtime/wrapping.py)."""
+        ahead = sum(p.nbytes for p in list(self._pending) if not p.acquired and self._coming(p))
+        return self.ctx.device_room() - ahead
 
     def _coming(self, pack: ActivationPack) -> bool:
         """A device copy of the pack (homed elsewhere) is there, on its way, or asked for once

@@ -180,14 +180,10 @@ def _start(model: nn.Module, config: Config, ctx: StepContext, blocks: list[Bloc
             prefetch_units(pm, units, Tier.DEVICE)
         activations.prefetch(units)
 
-    def device_room() -> int:
-        """The room the policy's device plans are clipped to: beside the packs brought ahead of
-        backward too, which the blocks' fetches would otherwise push out before their use."""
-        return ctx.device_room() - activations.ahead_bytes()
-
     fetch_ahead = fetch_units if activations.placed else gather_units if ctx.zero.gathers else None
     prefetcher = Prefetcher(pm, [b.unit for b in blocks if b.flats], policy_from_config(config),
-                            device_room=device_room if activations.placed else ctx.device_room, fetch_ahead=fetch_ahead,
+                            device_room=activations.device_room if activations.placed else ctx.device_room,
+                            fetch_ahead=fetch_ahead,
                             device_wraps=not ctx.zero.gathers, busy=lambda unit: ctx.updating(unit.tensors),
                             device_beside=ctx.device_beside)
     ctx.attach(prefetcher, state.end_backward, max((b.nbytes for b in blocks if b.flats), default=0))
