@@ -6,6 +6,9 @@ Configurations (each in a child process of its own, the same batches):
     a  tierzero, parameters, gradients and optimizer states on the pinned host tier, a device
        budget of a quarter of the bf16 parameters
     b  the same with parameters, gradients and optimizer states on NVMe (--nvme-dir)
+    f  tierzero, parameters and gradients on the pinned host tier, optimizer states (fp32
+       master weights and moments) on NVMe: state split over host and disk, for a model whose
+       training state is larger than the GPU (`--size 5b --device-budget 16GiB`)
     c  FSDP2, fully_shard(offload_policy=CPUOffloadPolicy()) on one rank, bf16 mixed precision
     d  torchao's CPUOffloadOptimizer (AdamW), when torchao imports
     e  plain PyTorch on the GPU: fp32 parameters and AdamW(fused=True), bf16 autocast
@@ -42,10 +45,14 @@ SIZES = {
     # TinyLlama-1.1B's shape: 1.10 B parameters
     "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                num_attention_heads=32, num_key_value_heads=4),
+    # a 5.11 B Llama (Llama-2-7B's widths, 24 layers): 92 GB of training state at 18 B/param,
+    # more than an H100's 80 GB
+    "5b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=24,
+               num_attention_heads=32, num_key_value_heads=32),
     "tiny": dict(vocab_size=1024, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2),
 }
-NAMES = {"a": "tierzero host", "b": "tierzero NVMe", "c": "FSDP2 CPUOffloadPolicy", "d": "torchao CPUOffloadOptimizer",
+NAMES = {"a": "tierzero host", "b": "tierzero NVMe", "f": "tierzero host + NVMe states", "c": "FSDP2 CPUOffloadPolicy", "d": "torchao CPUOffloadOptimizer",
          "e": "plain PyTorch"}
 
 
@@ -60,7 +67,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="timed steps, after --warmup")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--host-budget", default=None, help="tierzero's host budget (default: a: the whole "
-                   "state and staging, b: 4 GiB)")
+                   "state and staging, b: 4 GiB, f: the parameters and gradients and staging)")
+    p.add_argument("--device-budget", default=None, help="tierzero's device budget (default: a quarter of "
+                   "the bf16 parameters, or the root block and two of the largest where that is more)")
     p.add_argument("--nvme-dir", default="runs/gpu-step")
     p.add_argument("--json", action="store_true")
     p.add_argument("--timeout", type=float, default=None, help="seconds one configuration may run "
@@ -92,6 +101,13 @@ def _pinned_peak() -> int | None:
     return next((v for k, v in stats().items() if "allocated_bytes" in k and k.endswith("peak")), None)
 
 
+def _peak_rss() -> int:
+    """This process's peak resident bytes."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def _device_budget(model: Any, n: int) -> int:
     """A quarter of the bf16 parameters, or the root block and two of the largest where that is
     more (a small model's embeddings)."""
@@ -105,17 +121,20 @@ def _device_budget(model: Any, n: int) -> int:
     return max(2 * n // 4, root + 2 * max(sizes.values()))
 
 
-def _tierzero(model: Any, spec: dict, nvme: bool) -> tuple[Any, Any, Any]:
+def _tierzero(model: Any, spec: dict, which: str) -> tuple[Any, Any, Any]:
     import tierzero as tz
     from tierzero import runtime
 
     n = sum(p.numel() for p in model.parameters())
     state = 2 * n + 4 * n + 12 * n  # bf16 params, fp32 grads, fp32 master weights and moments
-    host = spec["host_budget"] or (4 << 30 if nvme else int(state * 1.25) + (256 << 20))
-    tier = "nvme" if nvme else "host"
-    cfg = tz.Config(device_budget=_device_budget(model, n), host_budget=host, params=tier, grads=tier,
-                    optimizer_states=tier, compute_dtype="bfloat16", device=spec["device"], streams=spec["streams"],
-                    nvme_dir=spec["nvme_dir"] if nvme else None, nvme_budget=int(state * 1.2) + (1 << 30))
+    host = spec["host_budget"] or {"a": int(state * 1.25) + (256 << 20), "b": 4 << 30,
+                                   "f": int(6 * n * 1.25) + (2 << 30)}[which]
+    tier = {"a": "host", "b": "nvme", "f": "host"}[which]
+    on_nvme = (12 if which == "f" else 0 if which == "a" else 18) * n
+    cfg = tz.Config(device_budget=spec["device_budget"] or _device_budget(model, n), host_budget=host, params=tier,
+                    grads=tier, optimizer_states="nvme" if which == "f" else tier, compute_dtype="bfloat16",
+                    device=spec["device"], streams=spec["streams"], nvme_dir=spec["nvme_dir"] if on_nvme else None,
+                    nvme_budget=int(on_nvme * 1.05) + (1 << 30))
     tz.wrap(model, cfg)
     return model, tz.AdamW(model, lr=1e-4), runtime.placement_manager(model)
 
@@ -158,14 +177,14 @@ def child(spec: dict) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     pm = None
     t0 = time.perf_counter()
-    if which in ("a", "b"):
-        model, opt, pm = _tierzero(model, spec, nvme=which == "b")
+    if which in ("a", "b", "f"):
+        model, opt, pm = _tierzero(model, spec, which)
     else:
         model, opt = _baseline(model, spec, which)
     print(f"set up in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     autocast = torch.autocast(spec["device"], dtype=torch.bfloat16, enabled=which in ("d", "e"))
     g = torch.Generator().manual_seed(1)
-    steps, stalls, compute, sources = [], [], [], []
+    steps, stalls, compute, sources, moved = [], [], [], [], []
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         getattr(torch.cuda, "reset_peak_host_memory_stats", lambda: None)()
@@ -195,6 +214,8 @@ def child(spec: dict) -> None:
                 stats = runtime.step_stats(model)
                 stalls.append(sum(stats.stall_s.values()))
                 sources.append(stats.stall_s_by_source)
+                moved.append({**{f"to_{t}": b for t, b in stats.bytes_moved.items()},
+                              "nvme_read": stats.nvme_read_bytes, "nvme_write": stats.nvme_write_bytes})
         elif pm is not None:
             runtime.step_stats(model)
     pinned = _pinned_peak()
@@ -206,7 +227,9 @@ def child(spec: dict) -> None:
         "stall_s": statistics.median(stalls) if stalls else None,
         "stall_s_by_source": {k: statistics.median(d.get(k, 0.0) for d in sources)
                               for k in sorted({k for d in sources for k in d})},
+        "bytes_per_step": {k: statistics.median(d[k] for d in moved) for k in moved[0]} if moved else None,
         "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else None, "peak_pinned_bytes": pinned,
+        "peak_rss_bytes": _peak_rss(),
         "streams": None if pm is None else pm.streams.mode}), flush=True)
     if pm is not None:
         runtime.close(model)
@@ -218,8 +241,8 @@ def run(args: argparse.Namespace, which: str) -> dict:
     nvme = Path(args.nvme_dir).resolve() / which
     spec = {"config": which, "size": args.size, "seq": args.seq, "batch": args.batch, "steps": args.steps,
             "warmup": args.warmup, "device": args.device, "streams": args.streams,
-            "host_budget": args.host_budget, "nvme_dir": str(nvme)}
-    if which == "b":
+            "host_budget": args.host_budget, "device_budget": args.device_budget, "nvme_dir": str(nvme)}
+    if which in ("b", "f"):
         nvme.mkdir(parents=True, exist_ok=True)
     try:
         proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
@@ -293,6 +316,11 @@ def main(argv: list[str] | None = None) -> int:
         stall = "-" if r["stall_s"] is None else f"{r['stall_s']:.3f}"
         print(f"{r['config']:>2} {name:>28} {r['tokens_per_s']:>9.0f} {r['step_s']:>7.3f} {busy:>8} {stall:>7} "
               f"{gib(r['peak_gpu_bytes']):>9} {gib(r['peak_pinned_bytes']):>9}")
+    for r in results:
+        if r.get("bytes_per_step"):
+            b = r["bytes_per_step"]
+            print(f"{r['config']:>2} bytes a step: " + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in b.items())
+                  + f"; steps {', '.join(f'{s:.2f}' for s in r['steps_s'])} s; peak RSS {gib(r['peak_rss_bytes'])}")
     if report["note"]:
         print(report["note"])
     return 0
