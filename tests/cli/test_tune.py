@@ -194,6 +194,22 @@ def test_tune_runs_candidates_and_picks_the_least_stall(tmp_path: Any, capsys: A
     for r in rows:  # each measured candidate predicted again at the disk rates of its own run
         if "measured_disk_gbps" in r:
             assert r["measured_disk_gbps"]["read"] > 0 and r["predicted_stall_at_its_disk_rate_s"] >= 0
+            assert len(r["measured_disk_gbps_each"]) == len(r["predicted_stall_at_its_disk_rate_each_s"]) >= 1
+
+
+def test_kept_traces_are_the_recordings_and_each_measured_candidates_and_replay(tmp_path: Any, capsys: Any) -> None:
+    keep = tmp_path / "traces"
+    assert tune.main(tiny_args(tmp_path, "--steps", "2", "--policies", "none,lookahead:1", "--nvme-depths", "0",
+                               "--io-threads", "2", "--measure-top", "1", "--keep-traces", str(keep), "--json")) == 0
+    report = json.loads(capsys.readouterr().out)
+    measured = [r for r in report["candidates"] if r["stall_s"] is not None]
+    names = sorted(p.name for p in keep.iterdir())
+    assert len(measured) == 1 and len(names) == 3
+    assert names[1:] == ["recording-after.json", "recording-before.json"]
+    assert names[0].startswith(f"candidate-{measured[0]['policy']}-")
+    assert tune.main(["--simulate", "--trace", str(keep / "recording-before.json"), "--policies", "none",
+                      "--nvme-depths", "0", "--io-threads", "2", "--no-progress", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["candidates"][0]["predicted_stall_s"] >= 0
 
 
 def test_a_candidate_is_predicted_again_at_the_disk_rate_its_own_run_had(tmp_path: Any, capsys: Any) -> None:
@@ -207,18 +223,30 @@ def test_a_candidate_is_predicted_again_at_the_disk_rate_its_own_run_had(tmp_pat
     capsys.readouterr()
     trace = json.loads((run / "trace.json").read_text())
     rec = Recording.from_trace(trace)
-    rates = tune.disk_rates(trace)
-    assert set(rates) == {("nvme", "host"), ("host", "nvme")}
-    assert rates[("nvme", "host")] == Rate(rec.busy[("nvme", "host")][1] / rec.busy[("nvme", "host")][0])
-    assert tune.disk_rates({"traceEvents": []}) == {}  # nothing to calibrate from: no figure
+    each = tune.disk_rates(trace)
+    assert [step for step, _ in each] == [1, 2]  # of 4 steps, those with a step before and after
+    busy = Recording.disk_rates_each(trace)
+    for step, rates in each:  # iterations are numbered from 1
+        assert set(rates) == {("nvme", "host"), ("host", "nvme")}
+        nbytes, seconds = busy[step + 1][("nvme", "host")]
+        assert rates[("nvme", "host")] == Rate(seconds / nbytes)
+    assert tune.disk_rates(trace, since_step=2) == each[1:]  # the measured steps only
+    assert tune.disk_rates({"traceEvents": []}) == []  # nothing to calibrate from: no figure
     c = tune.Candidate("none", None, 0, 2)
     args = tune.parser().parse_args(["--trace", str(run / "trace.json")])
-    at_recording = tune._predict(c, rec, None, args, None, tune.disk_rates(trace))
+    recorded = {leg: Rate(rec.busy[leg][1] / rec.busy[leg][0]) for leg in (("nvme", "host"), ("host", "nvme"))}
+    at_recording = tune._predict(c, rec, None, args, None, [recorded])
     assert at_recording["predicted_stall_at_its_disk_rate_s"] == pytest.approx(at_recording["predicted_stall_s"])
-    slower = {leg: Rate(r.seconds_per_byte * 2) for leg, r in rates.items()}
-    at_half = tune._predict(c, rec, None, args, None, slower)
+    slower = {leg: Rate(r.seconds_per_byte * 2) for leg, r in recorded.items()}
+    at_half = tune._predict(c, rec, None, args, None, [slower])
     assert at_half["predicted_stall_s"] == at_recording["predicted_stall_s"]
     assert at_half["predicted_stall_at_its_disk_rate_s"] > at_recording["predicted_stall_s"]
+    # one step at each rate: a prediction per step, and their median
+    both = tune._predict(c, rec, None, args, None, [recorded, slower])
+    assert both["predicted_stall_at_its_disk_rate_each_s"] == [at_recording["predicted_stall_at_its_disk_rate_s"],
+                                                               at_half["predicted_stall_at_its_disk_rate_s"]]
+    assert both["predicted_stall_at_its_disk_rate_s"] == pytest.approx(
+        statistics.mean(both["predicted_stall_at_its_disk_rate_each_s"]), abs=1e-5)
 
 
 def test_simulate_replays_a_run_folders_trace(tmp_path: Any, capsys: Any) -> None:
@@ -248,6 +276,8 @@ def test_simulate_replays_a_run_folders_trace(tmp_path: Any, capsys: Any) -> Non
     (["--model", "tiny", "--warmup", "1"], "--warmup: expected >= 2"),
     (["--model", "tiny", "--compute-speedup", "0"], "--compute-speedup: expected a number > 0"),
     (["--simulate", "--trace", "no/such/run"], "expected a trace.json or a run folder"),
+    (["--model", "tiny", "--keep-traces", "tests"], "expected a new or empty folder"),
+    (["--model", "tiny", "--keep-traces", "no/such/parent/traces"], "its parent folder does not exist"),
 ])
 def test_bad_flags_are_refused(argv: list[str], match: str, capsys: Any) -> None:
     assert tune.main(argv + ["--no-progress"]) == 2
@@ -302,6 +332,56 @@ def test_blocks_the_step_left_on_the_host_are_copied_without_a_read() -> None:
     warm = simulate(rec, NoPrefetch(), MODEL)
     assert warm.disk_s == 0 < cold.disk_s
     assert warm.copies == cold.copies and warm.stall_s == pytest.approx(warm.copies * 0.1 * MS)
+
+
+def test_host_copies_the_step_left_are_given_up_where_backwards_gradients_take_the_host_room() -> None:
+    """The step leaves every block's parameters in host memory; in backward the gradients take
+    the host room (recorded at each fetch), and the runtime's placement manager evicts those
+    cached copies for them, so the last blocks of backward are read from NVMe again."""
+    rec = recording()
+    rec.step_invalidates = True
+    rec.step_on_host = frozenset(rec.units)
+    roomy = simulate(rec, NoPrefetch(), MODEL)
+    assert roomy.disk_s == 0  # backward copies b1 and b0 from their host copies
+    rec.slots = [s._replace(host_room=0) if s.event.phase is FetchPhase.BACKWARD else s for s in rec.slots]
+    full = simulate(rec, NoPrefetch(), MODEL)
+    # b3 and b2 are still on the device (two blocks of room); b1 and b0 are read, 1 ms each
+    assert full.disk_s == pytest.approx(2 * MS)
+    assert full.stall_s == pytest.approx(roomy.stall_s + 2 * MS)
+    # In the forward the copies the step rewrote are not the host room's: the recorded room
+    # counts clean cached copies only, and a dirty one is not evicted before it is written home.
+    rec.slots = [s._replace(host_room=0) for s in rec.slots]
+    assert simulate(rec, NoPrefetch(), MODEL).stall_s == pytest.approx(full.stall_s)
+
+
+def test_a_fetch_with_no_room_anywhere_waits_what_the_recording_waited_for_room() -> None:
+    """No copy of the replay's own is in flight to free host room for a read's staging: the
+    step's own buffers hold it, and the fetch waits the recorded wait for room (gradients going
+    home). Where the replay has room, the recorded wait does not apply."""
+    rec = recording()
+    rec.slots = [s._replace(host_room=0, room_s=5 * MS) if s.event.phase is FetchPhase.BACKWARD else s
+                 for s in rec.slots]
+    waited = simulate(rec, NoPrefetch(), MODEL)
+    rec.slots = [s._replace(room_s=0.0) for s in rec.slots]
+    assert waited.stall_s == pytest.approx(simulate(rec, NoPrefetch(), MODEL).stall_s + 2 * 5 * MS)
+    rec.slots = [s._replace(host_room=None, room_s=5 * MS) for s in rec.slots]
+    assert simulate(rec, NoPrefetch(), MODEL).stall_s == pytest.approx(waited.stall_s - 2 * 5 * MS)
+
+
+def test_update_waits_at_a_slower_disk_are_moved_from_the_recordings_own_replay() -> None:
+    """The recorded waits for the updates happened at the recording's disk rate; a candidate
+    predicted at the slower disk its own run had waits longer by what the replay at that rate
+    adds over the replay at the recorded rate (with one model for both, the drift cancels)."""
+    rec = updated(5 * MS)
+    rec.slots = [s._replace(update_s=2 * MS) if s.event.phase is FetchPhase.FORWARD else s for s in rec.slots]
+    slow = TierModel({**MODEL.rates, ("nvme", "host"): Rate(4 * MS / BLOCK)}, overhead_s=0.0, source="test")
+    same = simulate(rec, NoPrefetch(), slow)
+    moved = simulate(rec, NoPrefetch(), slow, recorded_model=MODEL)
+    at_slow = tier_model._replay(rec, NoPrefetch(), slow, rec.workers, 1.0, 3)[0].update_wait
+    at_recorded = tier_model._replay(rec, NoPrefetch(), MODEL, rec.workers, 1.0, 3)[0].update_wait
+    assert at_slow > at_recorded
+    assert same.stall_s == pytest.approx(4 * 0.1 * MS + 4 * 2 * MS)  # the recorded waits, as recorded
+    assert moved.stall_s == pytest.approx(same.stall_s + at_slow - at_recorded)
 
 
 def test_tune_places_activations_as_train_does(tmp_path: Any, capsys: Any) -> None:

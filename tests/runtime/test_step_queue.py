@@ -17,6 +17,8 @@ from tierzero import optim
 from tierzero import runtime
 from tierzero.models import GPT
 from tierzero.runtime.step_queue import StepFailed
+from tierzero.config import Tier
+from tierzero.placement import Residency
 from builders import tier_config
 import builders
 
@@ -170,3 +172,50 @@ def test_a_failed_update_is_raised_by_the_next_forward_and_a_checkpoint_restores
         runtime.close(twin)
     left = [p for d in ("a", "b") for p in (tmp_path / d).rglob("*") if p.is_file()]
     assert not left, left  # no swap file left behind
+
+
+def test_a_block_whose_update_ends_while_the_one_before_it_computes_is_fetched_ahead_then(
+        tmp_path: Any, monkeypatch: Any) -> None:
+    """The prefetcher does not bring a block still being updated; it plans again as each update
+    ends (StepContext.update_done), so a block whose update ends while the block before it
+    computes is on its way before its own fetch, not copied on demand then."""
+    model, ref, opt, ropt = pair(tmp_path, prefetch=tz.PrefetchConfig(policy="lookahead", depth=1))
+    pm = runtime.placement_manager(model)
+    flats = {f.name: f for f in runtime.state_of(model).flat_params(trainable=True)}
+    blocks1 = flats["blocks.1"].param
+    gate = Gate(monkeypatch, "blocks.1")
+    seen: list[bool] = []
+
+    def during_blocks0(module: Any, args: Any) -> None:  # after tierzero's own pre-hook fetched it
+        ctx = runtime.state_of(model).ctx
+        if not gate.open.is_set() and ctx.updating((blocks1,)):
+            gate.open.set()
+            deadline = time.monotonic() + 10
+            while ctx.updating((blocks1,)) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            # the update rewrote the parameters, so no device copy was left valid: a copy
+            # there now was started after the update ended
+            while pm.record(blocks1).residency[Tier.DEVICE] is Residency.ABSENT and time.monotonic() < deadline:
+                time.sleep(0.001)
+            seen.append(pm.record(blocks1).residency[Tier.DEVICE] is not Residency.ABSENT)
+
+    hook = model.blocks[0].register_forward_pre_hook(during_blocks0)
+    try:
+        gate.open.set()
+        forward_backward(model, ref, 0)  # the prefetcher records the block order
+        gate.open.clear()
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
+        forward_backward(model, ref, 1)  # blocks.1's update is held until blocks.0 computes
+        assert seen == [True]
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
+        sd = model.state_dict()
+        for k, v in ref.state_dict().items():
+            assert torch.equal(sd[k], v), k
+    finally:
+        hook.remove()
+        gate.open.set()
+        runtime.close(model)

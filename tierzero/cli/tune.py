@@ -21,9 +21,11 @@ config snippets (TOML and Python), or with `--json` one object: {"candidates": [
 
 `--compute-speedup F` divides the recorded compute times by F in the predictions, so on a slow
 machine the tuner answers what a GPU F times faster would need from the same disk.
-Each measured candidate is also predicted at the disk's rates its own run had
-(`predicted_stall_at_its_disk_rate_s`, and `measured_disk_gbps`): a shared disk's rate drifts
-between runs, and that prediction tells the model's own error apart from the drift.
+Each measured candidate is also predicted at the disk's rates each of its measured steps had
+(`predicted_stall_at_its_disk_rate_each_s` beside `measured_disk_gbps_each`, and their median
+`predicted_stall_at_its_disk_rate_s`): a shared disk's rate drifts within and between runs, and
+those predictions tell the model's own error apart from the drift. `--keep-traces DIR` keeps the
+recordings' and the measured candidates' traces, for `--simulate --trace` later.
 How the disk's rate changes with io threads the model learns from a short read sweep of the
 NVMe folder at each `--io-threads` count, run after the first recording (a few seconds), or from
 `--bench-io FILE` (the output of `tierzero bench-io --json`) instead.
@@ -165,6 +167,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--simulate", action="store_true", help="predict only, from the recording: no candidate runs")
     p.add_argument("--trace", default=None, help="replay this run folder's trace.json (or a trace.json) instead "
                    "of recording steps (with --simulate, --model is then not needed)")
+    p.add_argument("--keep-traces", default=None, metavar="DIR", help="write the recordings' and each "
+                   "measured candidate's Chrome traces into DIR (a new or empty folder), to replay later "
+                   "with --trace or open in a trace viewer")
     p.add_argument("--compute-speedup", type=float, default=1.0, metavar="F",
                    help="predict for compute F times faster than recorded (e.g. 50: a GPU)")
     p.add_argument("--bench-io", default=None, metavar="FILE", help="`tierzero bench-io --json` output: the "
@@ -193,6 +198,20 @@ def _check(args: argparse.Namespace) -> None:
                          f"is the first to prefetch), got {args.warmup}")
     if args.compute_speedup <= 0:
         raise ValueError(f"--compute-speedup: expected a number > 0, got {args.compute_speedup}")
+    if args.keep_traces is not None:
+        keep = Path(args.keep_traces)
+        if keep.exists() and (not keep.is_dir() or any(keep.iterdir())):
+            raise ValueError(f"--keep-traces {args.keep_traces!r}: expected a new or empty folder (tune writes "
+                             "its traces there and overwrites nothing)")
+        if not keep.parent.is_dir():
+            raise ValueError(f"--keep-traces {args.keep_traces!r}: its parent folder does not exist")
+
+
+def _keep(args: argparse.Namespace, name: str, trace: dict) -> None:
+    """Write a Chrome trace into --keep-traces (if given)."""
+    if args.keep_traces is not None:
+        Path(args.keep_traces).mkdir(exist_ok=True)
+        (Path(args.keep_traces) / f"{name}.json").write_text(json.dumps(trace))
 
 
 # ------------------------------------------------------------------------------ real steps
@@ -322,6 +341,7 @@ def _record(trainer: Trainer | None, args: argparse.Namespace, bar: Progress, wh
     base = Candidate("none", None, 0, args.io_threads[0])
     _, trace = trainer.run(base.config(trainer.base), RECORD_STEPS,
                            lambda i, stall, step: bar.advance(f"recording ({when}) step {i + 1}: step {step:.3f} s"))
+    _keep(args, f"recording-{when}", trace)
     return trace
 
 
@@ -338,9 +358,9 @@ def _disk_sweep(args: argparse.Namespace, trainer: Trainer | None) -> dict | Non
 
 
 def _measure(trainer: Trainer | None, args: argparse.Namespace, todo: list[tuple[Candidate, dict]],
-             bar: Progress) -> dict[int, dict[tuple[str, str], Rate]]:
+             bar: Progress) -> dict[int, list[dict[tuple[str, str], Rate]]]:
     """Each candidate's real steps into its row: medians, ranges, stall by source; returns the
-    disk's rates each run had, by id of its row."""
+    disk's rates at each of its measured steps that can be replayed, by id of its row."""
     assert trainer is not None
     rates = {}
     for i, (c, row) in enumerate(todo):
@@ -353,6 +373,7 @@ def _measure(trainer: Trainer | None, args: argparse.Namespace, todo: list[tuple
             for _ in range(args.warmup + args.steps):
                 bar.advance(f"{label}: refused")
             continue
+        _keep(args, f"candidate-{c.policy}-{c.label()}".replace(" ", "-").replace("/", "-"), trace)
         kept = measured[args.warmup:]
         stalls, steps = [s for s, _, _ in kept], [t for _, t, _ in kept]
         row["stall_s"] = statistics.median(stalls)
@@ -361,45 +382,52 @@ def _measure(trainer: Trainer | None, args: argparse.Namespace, todo: list[tuple
         row["stall_s_each"] = [round(s, 5) for s in stalls]
         row["step_s_each"] = [round(t, 4) for t in steps]
         row["stall_by_source"] = {k: round(statistics.median(src[k] for _, _, src in kept), 5) for k in kept[0][2]}
-        disk = disk_rates(trace)
-        if disk:
-            rates[id(row)] = disk
-            row["measured_disk_gbps"] = {CHANNELS[leg]: round(1 / r.seconds_per_byte / 1e9, 3)
-                                         for leg, r in disk.items() if r.seconds_per_byte}
+        each = disk_rates(trace, since_step=args.warmup)
+        if each:
+            rates[id(row)] = [rate for _, rate in each]
+            row["measured_disk_gbps_each"] = [{CHANNELS[leg]: round(1 / r.seconds_per_byte / 1e9, 3)
+                                               for leg, r in rate.items() if r.seconds_per_byte} for _, rate in each]
+            row["measured_disk_gbps"] = {ch: statistics.median(d[ch] for d in row["measured_disk_gbps_each"] if ch in d)
+                                         for ch in ("read", "write")
+                                         if any(ch in d for d in row["measured_disk_gbps_each"])}
     return rates
 
 
-def disk_rates(trace: dict) -> dict[tuple[str, str], Rate]:
-    """The disk's read and write rates over a run's replayable steps, as the tier model
-    calibrates them (bytes over the time such legs ran), or {} where the trace has none. On a
-    shared machine the disk's rate drifts: on the built-in 350m it halved from one step to the
-    next with the same bytes moved, which doubled the overlapped step's waits. A prediction at
-    the rate the candidate's own run had tells the model's error apart from that drift."""
+def disk_rates(trace: dict, *, since_step: int = 0) -> list[tuple[int, dict[tuple[str, str], Rate]]]:
+    """The disk's read and write rates at each of a run's replayable steps from `since_step`
+    (0-based) on, as the tier model calibrates them (bytes over the time such legs ran): (step,
+    rates) pairs, none where the trace has no such step. On a shared machine the disk's rate
+    drifts: on the built-in 350m it fell from 1.2-1.3 to 0.8 GB/s from one step to the next
+    with the same bytes moved, and the overlapped step's waits rose from 0.2 to 2.3 s. Predicted
+    at the rate each step had, the model's error shows apart from that drift (350m, lookahead 1:
+    2.31 s predicted against 2.66 s measured at 0.79 GB/s, 0.40 against 0.37 at 1.30)."""
     try:
-        rec = Recording.from_trace(trace)
+        each = Recording.disk_rates_each(trace)
     except ValueError:
-        return {}
-    out = {}
-    for leg in (("nvme", "host"), ("host", "nvme")):
-        nbytes, busy = rec.busy.get(leg, (0, 0.0))
-        if nbytes and busy:
-            out[leg] = Rate(busy / nbytes)
+        return []
+    out = []
+    for iteration, busy in sorted(each.items()):
+        rates = {leg: Rate(sec / nbytes) for leg, (nbytes, sec) in busy.items() if nbytes and sec}
+        if iteration - 1 >= since_step and rates:
+            out.append((iteration - 1, rates))
     return out
 
 
 def _predict(c: Candidate, recording: Recording, bench: dict | None, args: argparse.Namespace,
-             trainer: Trainer | None, disk: dict[tuple[str, str], Rate] | None = None) -> dict[str, Any]:
+             trainer: Trainer | None, disk: list[dict[tuple[str, str], Rate]] | None = None) -> dict[str, Any]:
     workers = max(2, c.nvme_depth)
     model = TierModel.calibrate(recording, bench, io_threads=c.io_threads, workers=workers)
     cfg = c.config(trainer.base if trainer else tz.Config(device_budget=recording.device_room))
     pred = simulate(recording, policy_from_config(cfg), model, workers=workers, speedup=args.compute_speedup,
                     nvme_depth=c.nvme_depth)
     out = {}
-    if disk:  # the same replay at the disk's rates in the candidate's own run
-        at = dataclasses.replace(model, rates={**model.rates, **disk}, source="the candidate's own run")
-        again = simulate(recording, policy_from_config(cfg), at, workers=workers, speedup=args.compute_speedup,
-                         nvme_depth=c.nvme_depth)
-        out["predicted_stall_at_its_disk_rate_s"] = round(again.stall_s, 5)
+    if disk:  # the same replay at the disk's rates of each step of the candidate's own run
+        each = [simulate(recording, policy_from_config(cfg),
+                         dataclasses.replace(model, rates={**model.rates, **rates}, source="the candidate's own run"),
+                         workers=workers, speedup=args.compute_speedup, nvme_depth=c.nvme_depth,
+                         recorded_model=model).stall_s for rates in disk]
+        out["predicted_stall_at_its_disk_rate_s"] = round(statistics.median(each), 5)
+        out["predicted_stall_at_its_disk_rate_each_s"] = [round(p, 5) for p in each]
     return out | {"predicted_stall_s": round(pred.stall_s, 5), "predicted_step_s": round(pred.step_s, 5),
             "predicted_disk_busy_s": round(pred.disk_s, 5), "predicted_device_copies": pred.copies,
             "model": {"disk_read_gbps": _gbps(model, ("nvme", "host")), "h2d_gbps": _gbps(model, ("host", "device")),

@@ -147,7 +147,8 @@ class TieredOptimizer(torch.optim.Optimizer):
         # collectives are handed back to the thread that drives the model's (StepQueue), and
         # their device work is ordered against compute by the copy streams' events.
         if config.overlap_step and not config.step_in_backward:
-            self._queue = StepQueue(on_wait=lambda s: ctx.pm.telemetry.record_stall(Tier.HOST, s, {"update": s}))
+            self._queue = StepQueue(on_wait=lambda s: ctx.pm.telemetry.record_stall(Tier.HOST, s, {"update": s}),
+                                    on_done=ctx.update_done)
             ctx.pm.telemetry.info["update_read_ahead"] = READ_AHEAD  # the tier model replays the updates
             ctx.overlap_step(self._queue)
             weakref.finalize(self, self._queue.close)

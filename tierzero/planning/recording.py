@@ -65,6 +65,10 @@ class Slot(NamedTuple):
     device_beside: int = 0
     """Device bytes early capture's buffers and activations homed on the device took when the
     fetch was asked for: the device room the replay has is the recording's less these."""
+    room_s: float = 0.0
+    """Of `stall_s`, the wait for room on a tier: where the replay finds none either and no copy
+    of its own is in flight to free some, the step's own buffers held it (gradients on their
+    way home), and the replay waits as long."""
 
 
 class Leg(NamedTuple):
@@ -177,7 +181,8 @@ class Recording:
         slots = [Slot(ss[0].event, ss[0].held, *(statistics.median(getattr(s, f) for s in ss)
                                                   for f in ("compute_s", "stall_s", "other_stall_s", "update_s")),
                       min(s.host_room for s in ss) if all(s.host_room is not None for s in ss) else None,
-                      statistics.median(s.pack_s for s in ss), max(s.device_beside for s in ss))
+                      statistics.median(s.pack_s for s in ss), max(s.device_beside for s in ss),
+                      statistics.median(s.room_s for s in ss))
                  for ss in zip(*(p.slots for p in parts))]
         busy: dict[tuple[str, str], tuple[int, float]] = {}
         for p in parts:
@@ -219,6 +224,14 @@ class Recording:
         return info, units, [_iteration(by_it[i], by_it[i - 1], by_it[i + 1], moves, tracks, units, updates, fetches)
                                     for i in full[-(last or len(full)):]]
 
+    @classmethod
+    def disk_rates_each(cls, trace: Mapping[str, Any]) -> dict[int, dict[tuple[str, str], tuple[int, float]]]:
+        """Per replayable iteration of the trace (by its number), the disk's bytes and busy
+        seconds of reads ("nvme", "host") and writes ("host", "nvme"): the rates it ran at."""
+        _, _, parts = cls._parts(trace, None, "the trace")
+        return {p.iteration: {leg: p.busy[leg] for leg in (("nvme", "host"), ("host", "nvme")) if leg in p.busy}
+                for p in parts}
+
     @property
     def compute_s(self) -> float:
         return sum(s.compute_s for s in self.slots)
@@ -248,6 +261,8 @@ class _Part(NamedTuple):
     step_on_host: frozenset[str]
     updates: list[Update]
     packs: dict[str, int]
+    iteration: int = 0
+    """The iteration's number in the trace (the run's first training step is 1)."""
 
 
 def _merge_updates(parts: list[_Part]) -> list[Update]:
@@ -295,7 +310,8 @@ def _iteration(spans: list[dict], before: list[dict], after: list[dict], moves: 
         other = max(0.0, other - pack_s[i])
         slots.append(Slot(TraceEvent(FetchPhase(a["phase"]), a["unit"]), tuple(a["held"]),
                           max(0.0, span - a["stall_s"] - other - pack_s[i]), a["stall_s"], other, update,
-                          a.get("host_room"), pack_s[i], a.get("device_beside", 0)))
+                          a.get("host_room"), pack_s[i], a.get("device_beside", 0),
+                          min(a["stall_s"], a.get("stall_by_source", {}).get("room", 0.0))))
     start, end = this[0]["ts"], first_next["ts"]
     since = max(e["ts"] + e["dur"] for e in before)  # the step before this forward began after it
     updates, theirs = _updates(update_spans, moves, tracks, since, this, units)
@@ -315,7 +331,8 @@ def _iteration(spans: list[dict], before: list[dict], after: list[dict], moves: 
     invalidates = bool(forward) and all(t in copied for u in forward for t in units[u].tensors)
     return _Part(slots, legs, background, _busy(inside, tracks), this[0]["args"]["host_room"],
                  _miss_overheads(this, moves, tracks, units), invalidates,
-                 _step_on_host(forward, [m for m in moves if m["ts"] >= since], end, tracks, units), updates, packs)
+                 _step_on_host(forward, [m for m in moves if m["ts"] >= since], end, tracks, units), updates, packs,
+                 this[0]["args"]["iteration"])
 
 
 def _updates(spans: list[dict], moves: list[dict], tracks: dict[int, str], since: float,

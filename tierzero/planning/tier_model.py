@@ -35,7 +35,8 @@ The overlapped step (`Recording.updates`) is replayed too, for it races the forw
 update reads its master, moments and gradient from NVMe (the reads start once the update before
 it has its own data, its read-ahead) through the same workers and disk as the policy's reads,
 starts when the one before it ends, and computes its recorded CPU seconds; a forward fetch of
-the block waits for it, and no policy prefetches a block before its update ends. Where the
+the block waits for it, and no policy prefetches a block before its update ends: the policy
+is asked again as each update ends, as the runtime asks it (StepContext.update_done). Where the
 updates pace the forward (350m: ~200 MB read and ~150 MB written per block update against
 ~0.2 s of compute), reading ahead competes with them.
 
@@ -55,8 +56,27 @@ above the rate its busy time gives; measured on 125m: 52 ms replayed against 40 
 first block), so a candidate's waits for the updates are predicted as the recorded waits plus
 the difference between its replay and the replay of the recorded setting (on demand, the
 recording's workers): what is left out cancels, what the candidate changes (its reads in the
-updates' way, its workers) remains. A recording without the "updates" track (an older trace)
-adds the recorded waits as they were.
+updates' way, its workers) remains. Predicted at rates other than the recording's (a candidate's
+own run, where the shared disk slowed down), the recorded setting's replay stays at the
+recording's rates (`recorded_model`): the waits then move by what the slower disk adds to the
+updates (on 350m the disk fell from 1.2 to 0.7 GB/s within one run and the updates' waits rose
+from 0.2 to 2.3 s a step); with one model for both replays that drift would cancel. A
+recording without the "updates" track (an older trace) adds the recorded waits as they were.
+
+[Note: dirty host copies] The recorded host room at a fetch is the budget less what is used,
+plus the units' clean cached copies (the prefetcher's own count). The copies the step rewrote
+in host memory (`Recording.step_on_host`, an update that read the block's parameters) are dirty
+until written home: outside that room and not evictable. The replay holds them apart from the
+room until backward begins (the write-backs run beside the forward), and from then on counts
+them as cached copies: at each fetch it evicts cached copies, in the policy's victims order,
+while they exceed the room recorded there. In backward the gradients fill the host budget (on
+350m with activation checkpointing the room fell from ~1 GiB to 14 MB over the last ten
+fetches), the recorded run's placement manager evicted the cached copies for them, and the last
+blocks were read from NVMe again; a replay that kept them predicted none of those reads (0.23 s
+predicted against 0.40 s measured for lookahead 1; 0.54 s against 0.89 s on demand). Where a
+fetch then finds no host room for its read's staging and no copy of the replay's is in flight to
+free some, the step's own buffers hold it: the fetch waits the wait for room the recording had
+there (`Slot.room_s`).
 
 [Note: what the replay leaves out] Compute slowed down by copies and updates competing for the
 CPU or memory bandwidth (the update's CPU seconds are the recorded ones, under the recorded
@@ -163,13 +183,16 @@ class Prediction(NamedTuple):
 
 
 class _Copy:
-    __slots__ = ("ready", "pins", "used")
+    __slots__ = ("ready", "pins", "used", "dirty")
 
-    def __init__(self, ready: float, used: bool = False) -> None:
+    def __init__(self, ready: float, used: bool = False, dirty: bool = False) -> None:
         self.ready = ready
         self.pins = 0
         self.used = used
         """Fetched for, or read by, a block's compute (a speculative fetch evicts only these)."""
+        self.dirty = dirty
+        """A host copy the step rewrote, not written home yet: outside the recorded host room
+        (which counts only clean cached copies) and not evictable. See [Note: dirty host copies]."""
 
 
 class _Sim:
@@ -236,7 +259,7 @@ class _Sim:
         return self.rec.host_room if room is None else room
 
     def used(self, tier: Tier) -> int:
-        n = sum(self.rec.units[u].nbytes for u in self.copies[tier])
+        n = sum(self.rec.units[u].nbytes for u, c in self.copies[tier].items() if not c.dirty)
         packs = self.pack_copies[tier]  # not evicted: on their way to backward
         n += sum(self.packs[b] for b in packs)
         if tier is Tier.HOST:
@@ -280,7 +303,8 @@ class _Sim:
             return True
         copies = self.copies[tier]
         candidates = [n for n, c in copies.items() if n != exclude and c.pins == 0 and c.ready <= self.now
-                      and n not in (self.held if tier is Tier.DEVICE else ()) and (c.used or not speculative)]
+                      and not c.dirty and n not in (self.held if tier is Tier.DEVICE else ())
+                      and (c.used or not speculative)]
         victims = getattr(self.policy, "victims", None)
         order = list(victims(self.view(), candidates) if callable(victims) else next_use_order(self.view(), candidates))
         order += [n for n in candidates if n not in order]
@@ -331,6 +355,13 @@ class _Sim:
                 keep.append((t, copy))
         self.unpins = keep
         self.staging = [(t, b) for t, b in self.staging if t > self.now]
+
+    def fit_host(self) -> None:
+        """Evict clean host copies (in the policy's victims order) while they exceed the host room
+        recorded now: the room the step's gradients and states took from cached copies in the
+        recorded run, as its placement manager evicted them (see [Note: dirty host copies])."""
+        if self.used(Tier.HOST) > self.cap(Tier.HOST):
+            self.make_room(Tier.HOST, 0, "")
 
     # -------------------------------------------------------------------- activation packs
 
@@ -409,7 +440,7 @@ class _Sim:
             self.updated[block] = self.update_from = data + self.updates[k].cpu_s
             if block in self.rec.step_on_host or self.updates[k].leaves_on_host:  # it rewrote its host copy
                 self.copies[Tier.HOST].pop(block, None)
-                self.copies[Tier.HOST][block] = _Copy(self.update_from, used=True)
+                self.copies[Tier.HOST][block] = _Copy(self.update_from, used=True, dirty=True)
             for j in range(k + 1, min(k + 1 + ahead, len(self.updates))):
                 if self.reads_at[j] is None:
                     self.reads_at[j] = data
@@ -420,6 +451,18 @@ class _Sim:
         does not)."""
         k = self.update_of.get(name)
         return k is not None and (k >= self.next_update or self.updated[name] > self.now)
+
+    def replan_at_update_ends(self, end: float) -> None:
+        """The policy asked again as each update ends before `end` (the runtime's
+        StepContext.update_done): a block of the plan that was updating at the fetch is brought
+        then."""
+        if not self.updates or self.backward:
+            return
+        self.advance(end)
+        for t in sorted(t for t in self.updated.values() if self.now < t < end):
+            self.now = t
+            self.settle()
+            self.plan()
 
     def wait_update(self, name: str) -> None:
         """A forward fetch waits for its block's update."""
@@ -460,7 +503,7 @@ class _Sim:
         for name in self.rec.step_on_host:  # the step's update left them there, newest last
             host.pop(name, None)
             if name not in self.update_of:  # else when its update ends (`advance`)
-                host[name] = _Copy(self.now, used=True)
+                host[name] = _Copy(self.now, used=True, dirty=True)
         self.step()
         self.backward = False
         self.pack_done.clear()
@@ -470,7 +513,10 @@ class _Sim:
         pending = []
         for pos, slot in enumerate(self.rec.slots):
             self.pos = pos
-            self.backward = self.backward or slot.event.phase is FetchPhase.BACKWARD
+            if not self.backward and slot.event.phase is FetchPhase.BACKWARD:
+                self.backward = True
+                for copy in self.copies[Tier.HOST].values():  # written home by now
+                    copy.dirty = False
             self.held = frozenset(slot.held) | {slot.event.unit}
             self.advance(self.now)
             for t, b in pending:  # background legs due by now, at their own times
@@ -478,6 +524,7 @@ class _Sim:
                     self.move(t, [(b.leg.src, b.leg.dst, b.leg.nbytes)])
             pending = [(t, b) for t, b in pending if t > self.now]
             self.settle()
+            self.fit_host()
             self.plan()
             name = slot.event.unit
             start = self.now
@@ -489,7 +536,9 @@ class _Sim:
                 later = [c.ready for t in self.copies.values() for c in t.values() if c.ready > self.now]
                 later += [t for t, _ in self.staging if t > self.now]
                 if not later:  # the room is held by the step's own buffers, not by copies: the
-                    # recorded run found it when they went, at a wait its recorded stalls hold
+                    # recorded run found it when they went, after its recorded wait for room
+                    self.now += slot.room_s
+                    self.settle()
                     self.fetch(name, Tier.DEVICE, over=True)
                     break
                 self.now = min(later)
@@ -503,8 +552,10 @@ class _Sim:
                 self.pack_done.add(name)
             stall += self.now - start
             pending += [(start + b.offset_s / self.speedup, b) for b in background.get(pos, ())]
-            self.now += (slot.compute_s / self.speedup + slot.other_stall_s + (0.0 if self.updates else slot.update_s)
-                         + (0.0 if self.packs else slot.pack_s))
+            end = self.now + (slot.compute_s / self.speedup + slot.other_stall_s
+                              + (0.0 if self.updates else slot.update_s) + (0.0 if self.packs else slot.pack_s))
+            self.replan_at_update_ends(end)
+            self.now = end
             self.pack_copies[Tier.DEVICE].pop(name, None)  # freed after the block's backward
         self.advance(float("inf"))
         for t, b in pending:
@@ -513,9 +564,12 @@ class _Sim:
 
 
 def simulate(rec: Recording, policy: PrefetchPolicy, model: TierModel, *, workers: int | None = None,
-             speedup: float = 1.0, iterations: int = 3, nvme_depth: int | None = None) -> Prediction:
+             speedup: float = 1.0, iterations: int = 3, nvme_depth: int | None = None,
+             recorded_model: TierModel | None = None) -> Prediction:
     """Replay `rec` under `policy` (see the module docstring); the last iteration's figures.
-    `nvme_depth`: packs read ahead at each fetch of backward (None: the recording's)."""
+    `nvme_depth`: packs read ahead at each fetch of backward (None: the recording's).
+    `recorded_model`: the rates the recording ran at, where `model` has others (a disk that
+    slowed down): the recorded setting's replay for the update waits is made at those."""
     if speedup <= 0:
         raise ValueError(f"speedup: expected > 0, got {speedup}")
     depth = rec.nvme_depth if nvme_depth is None else nvme_depth
@@ -523,7 +577,7 @@ def simulate(rec: Recording, policy: PrefetchPolicy, model: TierModel, *, worker
     other = sum(s.other_stall_s + (0.0 if sim.packs else s.pack_s) for s in rec.slots)
     recorded = sum(s.update_s for s in rec.slots)
     if sim.updates:  # see [Note: update waits as a difference]
-        base = _replay(rec, NoPrefetch(), model, rec.workers, speedup, iterations, rec.nvme_depth)[0]
+        base = _replay(rec, NoPrefetch(), recorded_model or model, rec.workers, speedup, iterations, rec.nvme_depth)[0]
         waits = max(0.0, recorded + sim.update_wait - base.update_wait)
         stall += waits - sim.update_wait
         step += waits - sim.update_wait

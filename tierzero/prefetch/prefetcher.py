@@ -36,6 +36,7 @@ prefetched copy not used yet last (eviction.py).
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -102,6 +103,8 @@ class _Iteration:
     start: float = field(default_factory=lambda: _clock())
     gap_stall: float = 0.0
     """Stall seconds between the previous iteration's end and this one's first fetch."""
+    held: set[str] | None = None
+    """The units held at the last fetch the trace followed (what `reissue` plans beside)."""
 
 
 class _Pending(NamedTuple):
@@ -139,6 +142,9 @@ class Prefetcher:
         """Device bytes taken beside the homes, held units and backward's acquired activations
         (early capture's buffers, activations homed on the device): recorded at each fetch for
         the tier model."""
+        self._lock = threading.Lock()
+        """Plans are made one at a time: at each fetch (the training loop) and at each update's
+        end (the overlapped step's thread, `reissue`)."""
         self._unit_of = {t: u.name for u in units for t in u.tensors}
         self._unit_of_name = {t.name: u.name for u in units for t in u.tensors}
         self._traces: dict[Hashable, tuple[TraceEvent, ...]] = {}
@@ -186,7 +192,20 @@ class Prefetcher:
                               f"got {event}")
             return
         it.pos += 1
-        self._issue(it, held)
+        it.held = held
+        with self._lock:
+            self._issue(it, held, self.fetch_ahead)
+
+    def reissue(self) -> None:
+        """Plan again from the fetch the iteration is at (thread-safe): an update of the
+        overlapped step ended, and a unit it was writing may be brought now. Copies only
+        (`prefetch_units`, no all-gathers or activation packs): this runs off the training
+        loop's thread."""
+        it = self._it
+        if it is None or it.trace is None or it.deviated or it.held is None:
+            return
+        with self._lock:
+            self._issue(it, it.held, lambda units: prefetch_units(self.pm, units, Tier.DEVICE))
 
     def fetched(self) -> None:
         """The block of the last on_fetch is on the device (its stall is over)."""
@@ -308,7 +327,7 @@ class Prefetcher:
         return PrefetchView(it.trace, it.pos - 1, self.units, held, self.device_wraps, times,
                             self._room, self._where, self._uses.get(it.key, {}))
 
-    def _issue(self, it: _Iteration, held: set[str]) -> None:
+    def _issue(self, it: _Iteration, held: set[str], fetch_ahead: Callable[[list[Unit]], object]) -> None:
         view = self._view(it)
         device: list[Unit] = []
         host: list[Unit] = []
@@ -318,7 +337,7 @@ class Prefetcher:
             if unit.name not in held and unit not in chosen and not self.busy(unit):
                 chosen.append(unit)
         device = fitting(device, self.device_room())
-        self.fetch_ahead(device)
+        fetch_ahead(device)
         # A read of a unit the device copy above reads itself would read it twice.
         host = [u for u in host if u.nvme and (u not in device or Tier.HOST in self._where(u.name))]
         if host:

@@ -13,7 +13,8 @@ Who waits, and for what (the queue is FIFO on one thread, so updates finish in s
 
     a block's fetch            its flats' updates (Block.hold; the wait counts as a host stall)
     a prefetch                 none: a unit whose update is queued is not prefetched yet; the
-                               prefetcher asks again at the next block
+                               prefetcher plans again as each update ends (`on_done`), so the
+                               block is brought while the one before it computes
     zero_grad                  none: a flat whose update is queued clears its gradient right
                                after the update (`clear_after`)
     backward, clipping, the    every update (`drain`): their reads span all blocks, and a flat
@@ -54,7 +55,8 @@ class StepFailed(RuntimeError):
 class StepQueue:
     """The FIFO of block updates of the current step, keyed by each flat's parameter handle."""
 
-    def __init__(self, on_wait: Callable[[float], None] | None = None) -> None:
+    def __init__(self, on_wait: Callable[[float], None] | None = None,
+                 on_done: Callable[[], None] | None = None) -> None:
         self._worker: int | None = None
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierzero-step", initializer=self._started)
         self._lock = threading.Lock()
@@ -67,6 +69,9 @@ class StepQueue:
         self._failed: StepFailed | None = None
         self._on_wait = on_wait
         """Told the seconds a fetch waited for updates (the telemetry's host stall)."""
+        self._on_done = on_done
+        """Called on the update thread after each update that ended well, once its flat is no
+        longer busy (the prefetcher plans again: StepContext.update_done)."""
         self._closed = False
 
     def __repr__(self) -> str:
@@ -90,8 +95,10 @@ class StepQueue:
                 clear = self._clear.pop(key, None)
                 if clear is None:
                     del self._pending[key]
-                    return
+                    break
             self._attempt(name, clear, after_failure=True)  # a gradient is dead data either way
+        if self._on_done is not None and self._failed is None:
+            self._attempt(name, self._on_done)
 
     def _attempt(self, name: str, work: Callable[[], Collectives], *, after_failure: bool = False) -> Collectives:
         if self._failed is not None and not after_failure:
