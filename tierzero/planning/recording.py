@@ -66,9 +66,8 @@ class Slot(NamedTuple):
     """Device bytes early capture's buffers and activations homed on the device took when the
     fetch was asked for: the device room the replay has is the recording's less these."""
     room_s: float = 0.0
-    """Of `stall_s`, the wait for room on a tier: where the replay finds none either and no copy
-    of its own is in flight to free some, the step's own buffers held it (gradients on their
-    way home), and the replay waits as long."""
+    """Of `stall_s`, the wait for room on a tier: for the step's own buffers to go (gradients on
+    their way home), which no prefetch schedule removes (the tier model adds it as recorded)."""
 
 
 class Leg(NamedTuple):
