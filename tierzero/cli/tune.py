@@ -67,6 +67,10 @@ DISK_SWEEP_REPEAT = 3
 RECORD_STEPS = 6
 """Steps of the recording run: the first records the block order, the last closes the
 iterations replayed (the four between, merged: see Recording.from_trace)."""
+CLOSING_STEPS = 1
+"""Steps a candidate runs after its measured ones, not measured: an iteration is replayed up to
+the next one's first fetch, so this makes the last measured step one the tier model can be
+checked against at its own disk rate (predicted_stall_at_its_disk_rate_each_s)."""
 
 
 @dataclass(frozen=True)
@@ -321,7 +325,7 @@ def tune(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _total_steps(args: argparse.Namespace, n: int) -> int:
-    measured = 0 if args.simulate else min(n, args.measure_top or n) * (args.warmup + args.steps)
+    measured = 0 if args.simulate else min(n, args.measure_top or n) * (args.warmup + args.steps + CLOSING_STEPS)
     recordings = 0 if args.trace else 1 if args.simulate else 2
     return measured + recordings * RECORD_STEPS
 
@@ -366,15 +370,16 @@ def _measure(trainer: Trainer | None, args: argparse.Namespace, todo: list[tuple
     for i, (c, row) in enumerate(todo):
         label = f"{i + 1}/{len(todo)} {c.policy} {c.label()}"
         try:
-            measured, trace = trainer.run(c.config(trainer.base), args.warmup + args.steps, lambda k, stall, step:
+            measured, trace = trainer.run(c.config(trainer.base), args.warmup + args.steps + CLOSING_STEPS,
+                                          lambda k, stall, step:
                                           bar.advance(f"{label} step {k + 1}: stall {stall:.4f} s step {step:.3f} s"))
         except ValueError as e:  # a setting this model or budget refuses (a reserve too large)
             row["error"] = str(e)
-            for _ in range(args.warmup + args.steps):
+            for _ in range(args.warmup + args.steps + CLOSING_STEPS):
                 bar.advance(f"{label}: refused")
             continue
         _keep(args, f"candidate-{c.policy}-{c.label()}".replace(" ", "-").replace("/", "-"), trace)
-        kept = measured[args.warmup:]
+        kept = measured[args.warmup:args.warmup + args.steps]
         stalls, steps = [s for s, _, _ in kept], [t for _, t, _ in kept]
         row["stall_s"] = statistics.median(stalls)
         row["stall_range_s"] = [round(min(stalls), 5), round(max(stalls), 5)]
