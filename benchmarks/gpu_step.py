@@ -52,8 +52,12 @@ SIZES = {
     "tiny": dict(vocab_size=1024, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2),
 }
-NAMES = {"a": "tierzero host", "b": "tierzero NVMe", "f": "tierzero host + NVMe states", "c": "FSDP2 CPUOffloadPolicy", "d": "torchao CPUOffloadOptimizer",
-         "e": "plain PyTorch"}
+NAMES = {"a": "tierzero host", "b": "tierzero NVMe", "f": "tierzero host + NVMe states", "c": "FSDP2 CPUOffloadPolicy",
+         "d": "torchao CPUOffloadOptimizer", "e": "plain PyTorch"}
+PLACEMENT = {"a": ("host", "host", "host"), "b": ("nvme", "nvme", "nvme"), "f": ("host", "host", "nvme")}
+"""tierzero's configurations: the tiers of the parameters, gradients and optimizer states."""
+STATE_BYTES = (2, 4, 12)
+"""Bytes per parameter of each: bf16 parameters, fp32 gradients, fp32 master weights and moments."""
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -126,15 +130,14 @@ def _tierzero(model: Any, spec: dict, which: str) -> tuple[Any, Any, Any]:
     from tierzero import runtime
 
     n = sum(p.numel() for p in model.parameters())
-    state = 2 * n + 4 * n + 12 * n  # bf16 params, fp32 grads, fp32 master weights and moments
-    host = spec["host_budget"] or {"a": int(state * 1.25) + (256 << 20), "b": 4 << 30,
-                                   "f": int(6 * n * 1.25) + (2 << 30)}[which]
-    tier = {"a": "host", "b": "nvme", "f": "host"}[which]
-    on_nvme = (12 if which == "f" else 0 if which == "a" else 18) * n
-    cfg = tz.Config(device_budget=spec["device_budget"] or _device_budget(model, n), host_budget=host, params=tier,
-                    grads=tier, optimizer_states="nvme" if which == "f" else tier, compute_dtype="bfloat16",
-                    device=spec["device"], streams=spec["streams"], nvme_dir=spec["nvme_dir"] if on_nvme else None,
-                    nvme_budget=int(on_nvme * 1.05) + (1 << 30))
+    tiers = PLACEMENT[which]  # of the bf16 params, fp32 grads, fp32 master weights and moments
+    on = {t: n * sum(b for b, at in zip(STATE_BYTES, tiers) if at == t) for t in ("host", "nvme")}
+    host = spec["host_budget"] or {"a": int(on["host"] * 1.25) + (256 << 20), "b": 4 << 30,
+                                   "f": int(on["host"] * 1.25) + (2 << 30)}[which]
+    cfg = tz.Config(device_budget=spec["device_budget"] or _device_budget(model, n), host_budget=host,
+                    params=tiers[0], grads=tiers[1], optimizer_states=tiers[2], compute_dtype="bfloat16",
+                    device=spec["device"], streams=spec["streams"],
+                    nvme_dir=spec["nvme_dir"] if on["nvme"] else None, nvme_budget=int(on["nvme"] * 1.05) + (1 << 30))
     tz.wrap(model, cfg)
     return model, tz.AdamW(model, lr=1e-4), runtime.placement_manager(model)
 

@@ -23,11 +23,12 @@ last one is measured, caches warm), the policy asked at every fetch with the sam
 its plan clipped to the rooms as the prefetcher does, room taken before a move starts and made
 by evicting unpinned cached copies in the policy's `victims` order (for the units after a
 plan's first, only copies a block used already, as the prefetcher's speculative fetches); the
-background moves submitted when they happened. The host room at each fetch is the one recorded there (the rest
-of the host budget holds the step's gradients and optimizer states, which come and go over the
-iteration), and so is the device room: the recording's less what early capture's buffers and
-activations homed on the device took then (`Slot.device_beside`). At each step the device copies are dropped when the recorded step rewrote the
-parameters, and the units the step left on the host (`Recording.step_on_host`) are put there.
+background moves submitted when they happened. The host room at each fetch is the one recorded
+there (the rest of the host budget holds the step's gradients and optimizer states, which come
+and go over the iteration), and so is the device room: the recording's less what early
+capture's buffers and activations homed on the device took then (`Slot.device_beside`). At each
+step the device copies are dropped when the recorded step rewrote the parameters, and the units
+the step left on the host (`Recording.step_on_host`) are put there.
 A fetch whose copy is not there waits: that wait is the predicted stall. Stalls the recording
 saw outside block fetches are added as they were (no policy changes them).
 
@@ -42,13 +43,13 @@ updates pace the forward (350m: ~200 MB read and ~150 MB written per block updat
 
 Activation packs homed on NVMe (`Recording.packs`) are replayed in backward as the runtime's
 activations store moves them: a block fetched ahead toward the device brings its pack where the
-device room left beside the blocks and the packs brought before allows, the next `nvme_depth` packs are read into host
-memory where it is free, and backward waits for each block's pack before its compute (on
-demand: its read and copy then). Their reads share the disk and workers with the blocks', their
-host copies and staging buffers the host room (a recording of on-demand fetching has none read
-ahead in its recorded room). On 350m with activations
-on NVMe this is most of what prefetching hides (fetching on demand: 1.0-1.2 s of pack waits per
-step; one block ahead: 0.1-0.4 s), so a recording's pack waits cannot be added as recorded.
+device room left beside the blocks and the packs brought before allows, the next `nvme_depth`
+packs are read into host memory where it is free, and backward waits for each block's pack
+before its compute (on demand: its read and copy then). Their reads share the disk and workers
+with the blocks', their host copies and staging buffers the host room (a recording of on-demand
+fetching has none read ahead in its recorded room). On 350m with activations on NVMe this is
+most of what prefetching hides (fetching on demand: 1.0-1.2 s of pack waits per step; one block
+ahead: 0.1-0.4 s), so a recording's pack waits cannot be added as recorded.
 
 [Note: update waits as a difference] The replayed updates are slower than the real ones by what
 the replay leaves out of them (one update's reads run concurrently, the disk sweep's rate is
