@@ -70,3 +70,35 @@ def test_a_prefetched_copy_not_used_yet_is_evicted_last_whatever_the_policy_rank
         assert host() == {"a": True, "b": False, "c": False, "d": True, "e": True}
         assert torch.equal(pm.acquire(t["a"], "host"), torch.zeros(n))
         pm.release(t["a"], "host")
+
+
+def test_a_fragmented_arena_writes_back_only_the_dirty_copies_of_one_window(tmp_path) -> None:
+    """A shortfall on a host tier of one region writes home the dirty copies of one window,
+    not the least recently used ones until enough bytes are coming: those need not lie
+    together, and each write-back that opens no window is a gradient written and read again."""
+    cfg = Config(device_budget="64KiB", host_budget=6 * ALIGNMENT, nvme_dir=str(tmp_path / "nvme"),
+                 nvme_budget="1MiB", streams="async", stand_in=StandInConfig(delay_seed=3))
+    page = ALIGNMENT // 4
+    with PlacementManager(cfg, wait_timeout_s=5) as pm:
+        assert isinstance(pm.pool, PinnedArena)
+        t = [pm.register(f"t{i}", torch.zeros(page), "nvme") for i in range(6)]
+        big = pm.register("big", torch.arange(2.0 * page), "nvme")
+        pm.flush()
+        for i in range(6):  # pages 0-5, in address order
+            pm.acquire(t[i], "host")
+            pm.release(t[i], "host")
+        for i in (0, 2, 4, 1, 3, 5):  # written lazily in this order: all dirty, t0 least recent
+            pm.acquire(t[i], "host", overwrite=True).fill_(float(i + 1))
+            pm.release(t[i], "host", dirty=True, lazy=True)
+        pm.telemetry.reset_step()
+        assert torch.equal(pm.acquire(big, "host"), torch.arange(2.0 * page))
+        pm.release(big, "host")
+        written = pm.telemetry.reset_step().nvme_write_bytes
+        # t0 and t1 (pages 0-1) are written home and evicted; LRU alone would have written t0
+        # and t2, found no window when they landed, then t4 and t1: four pages, not two
+        assert written == 2 * ALIGNMENT
+        held = {h.name: pm.record(h).residency[Tier.HOST] is Residency.RESIDENT for h in t}
+        assert held == {"t0": False, "t1": False, "t2": True, "t3": True, "t4": True, "t5": True}
+        for i in range(6):
+            assert torch.equal(pm.acquire(t[i], "host"), torch.full((page,), float(i + 1)))
+            pm.release(t[i], "host")

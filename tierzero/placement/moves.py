@@ -144,15 +144,26 @@ class Span(NamedTuple):
     end: float
 
 
+class Landing(NamedTuple):
+    """The last copy of a body, queued on a copy stream and not waited for: the move commits
+    once its event completes, and its leg (`src` -> `dst`, from `start`) ends then."""
+
+    src: Tier
+    dst: Tier
+    start: float
+
+
 class Done(NamedTuple):
-    """A body finished: the event of its last copy (complete once it returns), its legs, the
-    time it first waited for earlier moves of the tensor writing what it reads, and then for the
-    fetch still filling its source (each (start, end))."""
+    """A body finished: the event of its last copy (complete once it returns, unless `landing`
+    says the commit waits for it), its legs, the time it first waited for earlier moves of the
+    tensor writing what it reads, and then for the fetch still filling its source (each
+    (start, end))."""
 
     event: CopyEvent
     spans: list[Span]
     waited: tuple[float, float] | None = None
     source_read: tuple[float, float] | None = None
+    landing: Landing | None = None
 
     def legs(self) -> list[Leg]:
         """Where the body's time went, as stall sources."""
@@ -254,11 +265,14 @@ def run_fetch(plan: FetchPlan, io: MoveIO) -> Done:
             t0 = time.perf_counter()
         copy_src = plan.source.tensor if plan.staging is None else typed(plan.staging, h)
         event = io.streams.copy(plan.copy.tensor, copy_src, after=plan.ready)
-        if plan.dst is Tier.DEVICE and io.streams.asynchronous:
-            plan.issued.set_result(event)
-        # The source and staging are freed at commit: they must outlive the copy.
-        event.synchronize()
-        spans.append(Span(plan.src if plan.staging is None else Tier.HOST, plan.dst, t0, time.perf_counter()))
+        src = plan.src if plan.staging is None else Tier.HOST
+        if io.streams.asynchronous:
+            if plan.dst is Tier.DEVICE:
+                plan.issued.set_result(event)
+            # The source and staging are freed at commit, after the copy: the commit waits for
+            # it, not this worker, which goes on to its next NVMe read (ResidencyTable._land).
+            return Done(event, spans, (waited, waited_until), (waited_until, read_until), Landing(src, plan.dst, t0))
+        spans.append(Span(src, plan.dst, t0, time.perf_counter()))
     return Done(event, spans, (waited, waited_until), (waited_until, read_until))
 
 
