@@ -4,6 +4,8 @@ checks of what asynchrony alone does not show, each failing on an instance plant
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -162,3 +164,32 @@ def test_store_writes_device_copies_on_the_copy_stream_or_drops_them(tmp_path, m
         assert torch.equal(pm.acquire(homed, "device"), torch.full((3000,), 2.0))
         pm.release(cached, "device")
         pm.release(homed, "device")
+
+
+def test_a_fetch_whose_copy_has_not_landed_holds_no_nvme_worker(tmp_path) -> None:
+    """NVMe -> device fetches whose copies wait on the copy stream commit once the copies land,
+    on a waiter: the NVMe workers go on reading meanwhile (before, each slept on its copy's
+    event, and with every worker asleep no read could start)."""
+    import threading
+
+    from tierzero.config import PrefetchConfig
+
+    gate = threading.Event()
+    with manager(tmp_path, StandInConfig(poison=True), prefetch=PrefetchConfig(nvme_depth=2)) as pm:
+        data = [torch.randn(1000) for _ in range(3)]
+        handles = [pm.register(f"p{i}", d, "nvme", kind=Kind.PARAM) for i, d in enumerate(data)]
+        pm.flush()
+        pm.streams.h2d.submit(gate.wait)  # the copy stream is busy until the gate opens
+        try:
+            assert pm.prefetch(handles[0], "device") and pm.prefetch(handles[1], "device")  # two workers
+            assert pm.prefetch(handles[2], "host")
+            deadline = time.monotonic() + 5
+            while pm.record(handles[2]).residency[Tier.HOST] is not Residency.RESIDENT:
+                assert time.monotonic() < deadline, "the NVMe read waited for the copies of the fetches before it"
+                time.sleep(0.01)
+            assert all(pm.record(h).residency[Tier.DEVICE] is Residency.FETCHING for h in handles[:2])
+        finally:
+            gate.set()
+        for h, d in zip(handles, data):
+            assert torch.equal(pm.acquire(h, "device"), d)
+            pm.release(h, "device")

@@ -18,8 +18,10 @@ least-recently-used order until one opens up gives back far more than the reques
 slice may sit between slices that stay), and a copy given back is usually read again. So the
 arena picks its victims itself (`victims`): the window of the request's size, made of free
 extents and slices offered for eviction, whose most recent victim is least recent (what LRU
-alone would reach at best), and of those the one that gives back the fewest bytes. A HostPool
-has no windows: any bytes given back serve.
+alone would reach at best), and of those the one that gives back the fewest bytes. When no
+window opens without dirty copies, those of one window are written home, the same way
+(ResidencyTable._clean_window), not the least recently used ones. A HostPool has no windows:
+any bytes given back serve.
 """
 
 from __future__ import annotations
