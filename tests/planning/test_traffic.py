@@ -174,8 +174,11 @@ def test_train_summary_holds_step_over_floor(tmp_path: Any) -> None:
     for r in rows:
         assert r["nvme_read_bytes"] == sum(v["read"] for v in r["nvme_bytes"].values())
         assert r["nvme_write_bytes"] == sum(v["write"] for v in r["nvme_bytes"].values())
-        assert r["nvme_write_bytes"] > 0 and r["nvme_busy_s"] > 0  # 13 MB of state, 12 MiB of budgets
-    # busy time is counted between two rows' resets, a little more than a step: bound the sum
+        assert r["nvme_read_bytes"] > 0 and r["nvme_busy_s"] > 0  # 13 MB of state, 12 MiB of budgets
+    # the overlapped step's updates write beside the next step; the wrap's writes are no row's
+    assert all(r["nvme_write_bytes"] > 0 for r in rows[1:])
+    # busy time is counted between two rows' resets, from the first step's start: within the
+    # run's wall time on any machine (the wrap's writes, slower under load, are not counted)
     assert sum(r["nvme_busy_s"] for r in rows) <= summary["wall_s"]
     assert nvme["steps_measured"] == 2
     assert nvme["read_bytes"] == pytest.approx((rows[1]["nvme_read_bytes"] + rows[2]["nvme_read_bytes"]) / 2)

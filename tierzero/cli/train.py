@@ -372,6 +372,10 @@ def _train(r: _Run, start: int, outcome: _Outcome) -> float:
     in stop.py); the last step's loss."""
     args = r.args
     last_loss = float("nan")
+    # Each row counts its own step: the wrap's and the optimizer's first writes (and a resumed
+    # checkpoint's reads) are not the first step's traffic, nor within the run's wall time.
+    step_stats(r.model)
+    step_comm_bytes(r.model)
     with Progress(args.steps, enabled=not args.no_progress and r.rank == 0, initial=start) as progress, \
             _metrics_file(r, start) as metrics:
         for step in range(start, args.steps):

@@ -20,6 +20,7 @@ Everyone else reads the `residency`, `pins` and `in_flight` views that
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import threading
 import time
 from enum import Enum
@@ -157,9 +158,8 @@ class ResidencyTable:
         # With asynchronous copies, a move whose last copy is queued commits once the copy's
         # event completes, and a write-back starts once the copy into its source landed: these
         # threads wait for the events, so that no worker above sleeps on a copy stream. A worker
-        # that did held an NVMe read slot idle: on the CPU's stream stand-in (one worker per
-        # copy stream, 1.3 B model, 4 workers) the NVMe workers slept 2 s a step on copies and
-        # the optimizer's reads of the moments waited behind them.
+        # that did held an NVMe read slot idle: on the CPU's stream stand-in (1.3 B model, 4
+        # workers) the NVMe workers slept 7.2 s in 57 waits over 3 steps.
         self._waiter = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"tierzero-land-r{rank}")
 
     def get(self, handle: TensorHandle) -> TensorRecord | None:
@@ -505,8 +505,7 @@ class ResidencyTable:
         legs: list[Leg] = []
         submitted = time.perf_counter()
         pool = self._executor if Tier.NVME in (src, dst) else self._copier
-        future: cf.Future[None] = cf.Future()
-        """Done at the commit (the body's worker may hand the commit to a waiter)."""
+        future: cf.Future[None] = cf.Future()  # done at the commit, which a waiter may make
         source = plan.copy.event if isinstance(plan, WritebackPlan) else DONE
         if source.query():
             pool.submit(self._run, plan, body, finish, legs, submitted, future)
@@ -526,10 +525,8 @@ class ResidencyTable:
     def _after(self, event: CopyEvent, pool: cf.ThreadPoolExecutor, *args: object) -> None:
         """(On a waiter) submit a move's body to `pool` once `event` completed; an error of the
         copy is left for the body's own wait to raise."""
-        try:
+        with contextlib.suppress(Exception):
             event.synchronize()
-        except BaseException:
-            pass
         self._hand(pool, self._run, *args)
 
     def _run(self, plan: _P, body: Callable[[_P, MoveIO], Done], finish: Callable[[_P, Outcome], None],
@@ -645,20 +642,22 @@ class ResidencyTable:
         clean (cannot open one: the room would have evicted them), being written back, then
         dirty, each group least recently used first: the window with the least recent latest
         member, so the fewest and oldest dirty copies are written."""
-        groups: tuple[list[TensorHandle], list[TensorHandle], list[TensorHandle]] = ([], [], [])
+        clean: list[TensorHandle] = []
+        writing: list[TensorHandle] = []
+        dirty: list[TensorHandle] = []
         for h in self.room.cached_on(tier):
             rec = self._records[h]
             copy, state = rec._copies[tier], rec._residency[tier]
             if state is Residency.WRITING_BACK:
-                groups[1].append(h)
+                writing.append(h)
             elif state is Residency.RESIDENT and copy.pins == 0:
-                groups[2 if copy.dirty else 0].append(h)
-        order = [h for group in groups for h in group]
+                (dirty if copy.dirty else clean).append(h)
+        order = clean + writing + dirty
         picks = self.stores[tier].victims(nbytes, [self._records[h]._copies[tier].buffer for h in order])
         if not picks:  # None: any bytes serve; []: pinned copies block every window
             return False
         chosen = [order[i] for i in picks]
-        if not any(h in groups[1] or h in groups[2] for h in chosen):
+        if max(picks) < len(clean):
             return False  # clean copies alone open it: not what a shortfall asks here
         for h in chosen:
             self.write_back_dirty(self._records[h], tier)
