@@ -4,12 +4,13 @@ checks of what asynchrony alone does not show, each failing on an instance plant
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 import torch
 
-from tierzero.config import Config, StandInConfig
+from tierzero.config import Config, PrefetchConfig, StandInConfig
 from tierzero.config.stand_in import stream_settings
 from tierzero.config.tiernames import Tier
 from tierzero.placement import Kind, PlacementManager, Residency
@@ -170,10 +171,6 @@ def test_a_fetch_whose_copy_has_not_landed_holds_no_nvme_worker(tmp_path) -> Non
     """NVMe -> device fetches whose copies wait on the copy stream commit once the copies land,
     on a waiter: the NVMe workers go on reading meanwhile (before, each slept on its copy's
     event, and with every worker asleep no read could start)."""
-    import threading
-
-    from tierzero.config import PrefetchConfig
-
     gate = threading.Event()
     with manager(tmp_path, StandInConfig(poison=True), prefetch=PrefetchConfig(nvme_depth=2)) as pm:
         data = [torch.randn(1000) for _ in range(3)]
