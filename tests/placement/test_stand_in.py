@@ -190,3 +190,31 @@ def test_a_fetch_whose_copy_has_not_landed_holds_no_nvme_worker(tmp_path) -> Non
         for h, d in zip(handles, data):
             assert torch.equal(pm.acquire(h, "device"), d)
             pm.release(h, "device")
+
+
+def test_a_device_buffer_freed_under_a_queued_copy_is_given_back_once_the_copy_ran(tmp_path) -> None:
+    """Freeing a device buffer whose device-to-host copy is still queued returns at once, as
+    CUDA's caching allocator holds such a block back without blocking the host (the stand-in
+    waited there, under the placement lock): its bytes stay in the budget until the copy ran,
+    and the copy reads its values, not the free's poison."""
+    gate = threading.Event()
+    with manager(tmp_path) as pm:
+        dev, host = pm.reserve_scratch(4096, "device", what="d"), pm.reserve_scratch(4096, "host", what="h")
+        dev.fill_(7)
+        pm.streams.d2h.submit(gate.wait)  # the copy stream is busy until the gate opens
+        event = pm.streams.copy(host, dev, after=pm.streams.compute_ready())
+        free = threading.Thread(target=pm.free_scratch, args=(dev, "device"))
+        free.start()
+        free.join(timeout=2)
+        try:
+            assert not free.is_alive(), "the free waited for the copy"
+            assert pm.bytes_used("device") == 4096 and pm.device_pool.cached_bytes == 0
+        finally:
+            gate.set()
+        free.join()
+        event.synchronize()
+        assert torch.all(host == 7)
+        pm.settle()
+        assert pm.device_pool.cached_bytes == 4096  # given back once the copy ran
+        assert torch.all(dev == 0xFF)  # and poisoned then
+        pm.free_scratch(host, "host")

@@ -245,11 +245,13 @@ class CopyStreams:
             "first (CopyStreams.to_device)")
 
     def freeing(self, buf: torch.Tensor) -> list[Any]:
-        """A device tier buffer is about to be given back. The stand-in waits for copies still
-        queued on it (as the caching allocator does), checks that compute recorded a lent
-        buffer's use (RuntimeError after the free), and poisons it. CUDA: the events, one per
-        stream that used it, after which its memory is really free (its budget is released
-        then)."""
+        """A device tier buffer is about to be given back: the events after which its memory is
+        really free, none if it is free now. The caller keeps the buffer (and its budget) until
+        they completed, then calls `freed`; nobody waits at the free, as the caching allocator
+        holds a block back from reuse without blocking the host. CUDA: one event per stream
+        other than h2d that used it. The stand-in: the copies still queued on it (a
+        device-to-host copy out of a gradient buffer freed right after it was queued); whether
+        compute recorded a lent buffer's use is asked of `unrecorded`."""
         if self.cuda:
             streams = self._uses.pop(buf.untyped_storage().data_ptr(), set())
             events = []
@@ -259,11 +261,14 @@ class CopyStreams:
                 events.append(event)
             return events
         if self.ledger is not None:
-            for event in self.ledger.in_flight(buf):
-                event.synchronize()
-            if self._poison:
-                poison(buf)
+            return list(self.ledger.in_flight(buf))
         return []
+
+    def freed(self, buf: torch.Tensor) -> None:
+        """(After `freeing`'s events) the buffer's memory goes back for reuse: the stand-in
+        poisons it, so a read after the free gives wrong values."""
+        if self._poison:
+            poison(buf)
 
     def unrecorded(self, buf: torch.Tensor) -> str | None:
         """(Stand-in, after `freeing`) what a lent buffer freed without compute's record was."""

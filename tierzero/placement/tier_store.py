@@ -9,7 +9,8 @@ there (`reserved`: buffers are rounded up). The stores, one per tier:
             are past it (when the allocator may hand it out again). Without CUDA the device
             tier is CPU memory with the device budget: a PoolTier over its own HostPool, whose
             buffers are reused the way CUDA's caching allocator reuses device blocks rather
-            than page-faulting fresh memory on every copy.
+            than page-faulting fresh memory on every copy (and, in the stream stand-in, held
+            back after a free until the copies queued on them ran, as CUDA's are).
     HOST    PoolTier over the host pool (tiers.py: a PinnedArena with CUDA and in the stream
             stand-in, a HostPool otherwise; page-aligned always).
     NVME    NvmeTier: regions of this rank's swap files. It holds bytes, not tensors.
@@ -20,8 +21,9 @@ not thread-safe on their own: PlacementManager calls them under its lock.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Collection, Sequence
-from typing import Any, Protocol, Union
+from typing import Any, Callable, Protocol, Union
 
 import torch
 
@@ -94,6 +96,36 @@ def region(buffer: Buffer) -> SwapRegion:
     return buffer
 
 
+class HeldFrees:
+    """Frees held back until the streams that used the memory are past it (`CudaTier`, and a
+    `PoolTier` of the stream stand-in): each is given back once all its events completed, as
+    torch's caching allocator holds a block back from reuse without blocking the host."""
+
+    def __init__(self, give_back: Callable[[Any], None]) -> None:
+        self._give_back = give_back
+        self._held: list[tuple[Any, list[Any]]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._held)
+
+    def hold(self, what: Any, events: list[Any]) -> None:
+        self._held.append((what, events))
+
+    def reap(self, *, wait: bool) -> None:
+        """Give back what its streams are past (wait: all of it, once they are)."""
+        keep = []
+        for what, events in self._held:
+            if wait:
+                for e in events:
+                    with contextlib.suppress(Exception):  # a copy's error surfaces at its own event
+                        e.synchronize()
+            if wait or all(e.query() for e in events):
+                self._give_back(what)
+            else:
+                keep.append((what, events))
+        self._held = keep
+
+
 class PoolTier:
     """A tier whose memory comes from a host pool: the host tier, and the device tier on the
     CPU (see the module docstring), whose buffers `streams` registers and announces freed."""
@@ -103,9 +135,17 @@ class PoolTier:
         self.pool = pool
         self.budget = pool.budget
         self.streams = streams
+        self._held = HeldFrees(self._give_back)
+        """Device buffers freed while copies queued on them had not run (the stream stand-in):
+        the pool's and the budget's until the copies ran. Waiting at the free instead held the
+        placement lock for a whole copy, where CUDA's host goes on."""
 
     def alloc(self, nbytes: int, *, home: bool = False) -> torch.Tensor | None:
+        self._held.reap(wait=False)
         buf = self.pool.try_alloc(nbytes, home=home)
+        if buf is None and self._held:
+            self._held.reap(wait=True)  # the room is short: wait for the copies on the freed buffers
+            buf = self.pool.try_alloc(nbytes, home=home)
         if buf is not None and self.streams is not None:
             self.streams.register(buf)
         return buf
@@ -115,9 +155,12 @@ class PoolTier:
         if self.streams is None:
             self.pool.free(buf)
             return
-        self.streams.freeing(buf)
+        events = self.streams.freeing(buf)
         unrecorded = self.streams.unrecorded(buf)
-        self.pool.free(buf)
+        if events:
+            self._held.hold(buf, events)
+        else:
+            self._give_back(buf)
         if unrecorded is not None:
             raise RuntimeError(
                 f"tierzero (stream stand-in): the device buffer {unrecorded!r} was handed to compute and "
@@ -133,13 +176,20 @@ class PoolTier:
     def view(self, buffer: Buffer, handle: TensorHandle) -> torch.Tensor:
         return typed(flat(buffer), handle)
 
+    def _give_back(self, buf: torch.Tensor) -> None:
+        assert self.streams is not None
+        self.streams.freed(buf)
+        self.pool.free(buf)
+
     def settle(self) -> None:
-        return None
+        self._held.reap(wait=True)
 
     def trim(self, sizes: Collection[int]) -> int:
+        self._held.reap(wait=False)
         return self.pool.trim(sizes)
 
     def close(self) -> None:
+        self._held.reap(wait=True)
         self.pool.close()
 
     def __repr__(self) -> str:
@@ -155,15 +205,15 @@ class CudaTier:
         self.tier = Tier.DEVICE
         self.budget = budget
         self.streams = streams
-        self._pending: list[tuple[list[Any], int]] = []
-        """(events, bytes) of freed buffers whose streams may still use them."""
+        self._held = HeldFrees(self.budget.release)
+        """The bytes of freed buffers whose streams may still use them."""
 
     def alloc(self, nbytes: int, *, home: bool = False) -> torch.Tensor | None:
-        self._reap(wait=False)
+        self._held.reap(wait=False)
         if not self.budget.try_reserve(nbytes):
-            if not self._pending:
+            if not self._held:
                 return None
-            self._reap(wait=True)  # the room is short: wait for the streams to pass the freed buffers
+            self._held.reap(wait=True)  # the room is short: wait for the streams to pass the freed buffers
             if not self.budget.try_reserve(nbytes):
                 return None
         try:
@@ -179,21 +229,9 @@ class CudaTier:
         buf = flat(buffer)
         events = self.streams.freeing(buf)
         if events:
-            self._pending.append((events, buf.numel()))
+            self._held.hold(buf.numel(), events)
         else:
             self.budget.release(buf.numel())
-
-    def _reap(self, *, wait: bool) -> None:
-        keep = []
-        for events, nbytes in self._pending:
-            if wait:
-                for e in events:
-                    e.synchronize()
-            if wait or all(e.query() for e in events):
-                self.budget.release(nbytes)
-            else:
-                keep.append((events, nbytes))
-        self._pending = keep
 
     def reserved(self, nbytes: int) -> int:
         return nbytes
@@ -205,13 +243,13 @@ class CudaTier:
         return typed(flat(buffer), handle)
 
     def settle(self) -> None:
-        self._reap(wait=True)
+        self._held.reap(wait=True)
 
     def trim(self, sizes: Collection[int]) -> int:
         return 0  # a freed buffer left the budget already; torch's caching allocator keeps it
 
     def close(self) -> None:
-        self._reap(wait=True)
+        self._held.reap(wait=True)
 
     def __repr__(self) -> str:
         return f"CudaTier({self.streams.device}, {self.budget!r})"
