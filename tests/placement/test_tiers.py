@@ -1,10 +1,11 @@
+import os
 import threading
 import time
 
 import pytest
 import torch
 
-from tierzero.placement.tiers import ALIGNMENT, Budget, HostPool, PinnedArena, round_up
+from tierzero.placement.tiers import ALIGNMENT, HUGE_PAGE, Budget, HostPool, PinnedArena, round_up
 from tierzero.config.tiernames import Tier
 
 
@@ -127,6 +128,33 @@ def test_pinned_arena_is_its_budget_sliced_best_fit_and_merged():
     for t in (x[0], small, x[2], home):
         arena.free(t)
     assert b.used == 0 and arena.try_alloc(10 * ALIGNMENT) is not None  # merged back into one extent
+
+
+def _advised_huge(addr: int) -> bool:
+    """Whether the mapping holding `addr` was advised to use huge pages (its VmFlags has "hg")."""
+    mapping = None
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            mapping = lo <= addr < hi
+        elif mapping and line.startswith("VmFlags:"):
+            return "hg" in line.split()[1:]
+    raise AssertionError(f"no mapping of {addr:#x} with VmFlags in /proc/self/smaps")
+
+
+def _no_thp() -> bool:
+    switch = "/sys/kernel/mm/transparent_hugepage/enabled"
+    return not os.path.exists("/proc/self/smaps") or not os.path.exists(switch) or "[never]" in open(switch).read()
+
+
+@pytest.mark.skipif(_no_thp(), reason="this kernel gives no transparent huge pages")
+def test_pinned_arena_asks_for_huge_pages():
+    """The arena's region starts on a huge page and asks the kernel for them: with 4 KiB pages
+    the copies and updates over it cost a fifth more CPU (benchmarks/RESULTS.md)."""
+    arena = PinnedArena(Budget(Tier.HOST, 8 << 20), pin=False)
+    assert arena.base % HUGE_PAGE == 0 and _advised_huge(arena.base)
+    arena.close()
 
 
 def test_pinned_arena_fragmented_is_no_room_and_close_reports_leaks():
