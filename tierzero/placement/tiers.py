@@ -11,8 +11,8 @@ can use O_DIRECT) and comes from one of two pools with the same interface:
     PinnedArena  one region the size of the budget, pinned once with CUDA (exactly its pages,
                  where torch's pinned allocator rounds each allocation up to a power of two),
                  handed out in 4 KiB-aligned slices, in huge pages where the kernel gives
-                 them; the host tier with CUDA (host-to-device
-                 copies from it run asynchronously) and in the stream stand-in
+                 them; the host tier with CUDA (host-to-device copies from it run
+                 asynchronously) and in the stream stand-in
 
 [Note: arena windows] A slice needs one free extent, not just budget: freeing cached copies in
 least-recently-used order until one opens up gives back far more than the request (each freed
