@@ -117,7 +117,7 @@ class HeldFrees:
         for what, events in self._held:
             if wait:
                 for e in events:
-                    with contextlib.suppress(Exception):  # a copy's error surfaces at its own event
+                    with contextlib.suppress(Exception):  # an error surfaces where its own event is awaited
                         e.synchronize()
             if wait or all(e.query() for e in events):
                 self._give_back(what)

@@ -28,6 +28,7 @@ any bytes given back serve.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import mmap
 import threading
 from collections.abc import Collection, Sequence
@@ -257,7 +258,8 @@ class PinnedArena:
         # buffers, a HostPool's, get huge pages the same way.
         self._map = mmap.mmap(-1, max(self.size, ALIGNMENT) + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if hasattr(mmap, "MADV_HUGEPAGE"):
-            self._map.madvise(mmap.MADV_HUGEPAGE)
+            with contextlib.suppress(OSError):  # a kernel built without them refuses (EINVAL)
+                self._map.madvise(mmap.MADV_HUGEPAGE)
         whole = torch.frombuffer(self._map, dtype=torch.uint8)
         skip = -whole.data_ptr() % HUGE_PAGE
         self.region = whole[skip: skip + self.size]
