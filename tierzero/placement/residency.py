@@ -656,11 +656,10 @@ class ResidencyTable:
         picks = self.stores[tier].victims(nbytes, [self._records[h]._copies[tier].buffer for h in order])
         if not picks:  # None: any bytes serve; []: pinned copies block every window
             return False
-        chosen = [order[i] for i in picks]
         if max(picks) < len(clean):
             return False  # clean copies alone open it: not what a shortfall asks here
-        for h in chosen:
-            self.write_back_dirty(self._records[h], tier)
+        for i in picks:
+            self.write_back_dirty(self._records[order[i]], tier)
         return True
 
     def write_back_dirty(self, rec: TensorRecord, tier: Tier) -> bool:

@@ -261,7 +261,7 @@ class CopyStreams:
                 events.append(event)
             return events
         if self.ledger is not None:
-            return list(self.ledger.in_flight(buf))
+            return self.ledger.in_flight(buf)
         return []
 
     def freed(self, buf: torch.Tensor) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Collection, Sequence
-from typing import Any, Callable, Protocol, Union
+from typing import Any, Callable, Protocol, TypeVar, Union
 
 import torch
 
@@ -32,6 +32,8 @@ from tierzero.placement.handles import TensorHandle
 from tierzero.placement.nvme import SwapRegion, SwapSpace
 from tierzero.placement.streams import CopyStreams
 from tierzero.placement.tiers import Budget, HostPool, PinnedArena, round_up
+
+T = TypeVar("T")
 
 Buffer = Union[torch.Tensor, SwapRegion]
 """What holds one copy's reservation: a flat uint8 tensor (device or host) or an NVMe region."""
@@ -105,14 +107,24 @@ class HeldFrees:
         self._give_back = give_back
         self._held: list[tuple[Any, list[Any]]] = []
 
-    def __bool__(self) -> bool:
-        return bool(self._held)
-
     def hold(self, what: Any, events: list[Any]) -> None:
         self._held.append((what, events))
 
+    def take(self, attempt: Callable[[], T]) -> T:
+        """`attempt()` (a reservation: None or False when there is no room) after giving back
+        what the streams are past; where it finds no room and frees are held, again once they
+        are all given back (the room is short: wait for the streams to pass the freed memory)."""
+        self.reap(wait=False)
+        got = attempt()
+        if (got is None or got is False) and self._held:
+            self.reap(wait=True)
+            got = attempt()
+        return got
+
     def reap(self, *, wait: bool) -> None:
         """Give back what its streams are past (wait: all of it, once they are)."""
+        if not self._held:
+            return
         keep = []
         for what, events in self._held:
             if wait:
@@ -141,11 +153,7 @@ class PoolTier:
         placement lock for a whole copy, where CUDA's host goes on."""
 
     def alloc(self, nbytes: int, *, home: bool = False) -> torch.Tensor | None:
-        self._held.reap(wait=False)
-        buf = self.pool.try_alloc(nbytes, home=home)
-        if buf is None and self._held:
-            self._held.reap(wait=True)  # the room is short: wait for the copies on the freed buffers
-            buf = self.pool.try_alloc(nbytes, home=home)
+        buf = self._held.take(lambda: self.pool.try_alloc(nbytes, home=home))
         if buf is not None and self.streams is not None:
             self.streams.register(buf)
         return buf
@@ -209,13 +217,8 @@ class CudaTier:
         """The bytes of freed buffers whose streams may still use them."""
 
     def alloc(self, nbytes: int, *, home: bool = False) -> torch.Tensor | None:
-        self._held.reap(wait=False)
-        if not self.budget.try_reserve(nbytes):
-            if not self._held:
-                return None
-            self._held.reap(wait=True)  # the room is short: wait for the streams to pass the freed buffers
-            if not self.budget.try_reserve(nbytes):
-                return None
+        if not self._held.take(lambda: self.budget.try_reserve(nbytes)):
+            return None
         try:
             with self.streams.alloc_context():
                 buf = torch.empty(nbytes, dtype=torch.uint8, device=self.streams.device)
