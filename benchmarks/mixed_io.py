@@ -21,10 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from io_engine import IOEngine
-from io_engine.buffers import aligned_empty
-from io_engine.files import PreallocatedFile
-from io_engine.sizes import parse_size
+from io_engine import IOEngine, PreallocatedFile, aligned_empty, parse_size
 
 
 def mixed_gbps(src: PreallocatedFile, dst: PreallocatedFile, bufs: list, size: int, request: int,

@@ -84,9 +84,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def measure_drive(nvme_dir: Path, nbytes: int, reps: int = 3) -> dict:
     """Sequential O_DIRECT write then read of one file with io_engine at tierzero's default IO
     settings (those the runs use); the median GB/s of `reps` rounds each."""
-    from io_engine.bench import engine_gbps
-    from io_engine.buffers import aligned_empty
-    from io_engine.files import PreallocatedFile
+    from io_engine import PreallocatedFile, aligned_empty, bench
     from tierzero.config.config import IOConfig
 
     io = IOConfig()
@@ -96,10 +94,10 @@ def measure_drive(nvme_dir: Path, nbytes: int, reps: int = 3) -> dict:
     buf[:] = 7
     out: dict[str, list[float]] = {"write": [], "read": []}
     with PreallocatedFile(str(path), nbytes) as f:
-        engine_gbps(f, buf, "write", threads=io.threads, block_size=io.block_size, direct=True)  # allocate
+        bench.engine_gbps(f, buf, "write", threads=io.threads, block_size=io.block_size, direct=True)  # allocate
         for _ in range(reps):
             for op in ("write", "read"):
-                out[op].append(engine_gbps(f, buf, op, threads=io.threads, block_size=io.block_size, direct=True))
+                out[op].append(bench.engine_gbps(f, buf, op, threads=io.threads, block_size=io.block_size, direct=True))
     path.unlink()
     return {"write_gbps": statistics.median(out["write"]), "read_gbps": statistics.median(out["read"]),
             "runs": {k: [round(x, 3) for x in v] for k, v in out.items()}, "threads": io.threads,

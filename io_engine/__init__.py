@@ -2,6 +2,9 @@
 
 No torch at its core: buffers are anything with the buffer protocol (numpy arrays, memoryview,
 bytearray, mmap; for a CPU torch tensor pass `t.numpy()` / `t.view(torch.uint8).numpy()`).
+
+Import its names from here (`from io_engine import IOEngine`), never from its modules; the one
+module imported by name is the benchmark behind `tierzero bench-io`: `from io_engine import bench`.
 """
 
 from .buffers import PAGE, aligned_empty
@@ -10,7 +13,10 @@ from .engine import IOEngine
 from .errors import IOEngineError
 from .files import PreallocatedFile, ReadOnlyFile, free_disk_bytes
 from .future import IOFuture
+from .owners import owner_gone, pid_alive, read_pid, temp_name
+from .progress import Progress
 from .sizes import exact_size, format_size, parse_size
 
 __all__ = ["IOEngine", "IOFuture", "IOEngineError", "PreallocatedFile", "ReadOnlyFile", "aligned_empty", "checksum",
-           "free_disk_bytes", "parse_size", "format_size", "exact_size", "PAGE"]
+           "free_disk_bytes", "parse_size", "format_size", "exact_size", "PAGE", "owner_gone", "pid_alive",
+           "read_pid", "temp_name", "Progress"]

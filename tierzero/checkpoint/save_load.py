@@ -40,8 +40,7 @@ import torch.distributed as dist
 import xxhash
 from torch import nn
 
-from io_engine import PAGE
-from io_engine.owners import owner_gone, temp_name
+from io_engine import PAGE, owner_gone, temp_name
 from tierzero import runtime
 from tierzero.checkpoint.chunk_io import Reader, Source, double_buffered, open_engine, write_rank_files
 from tierzero.checkpoint.format import (CHUNK_BYTES, EXTRA_FILES, MANIFEST, PREFIX, TMP_PREFIX, TRASH_PREFIX,

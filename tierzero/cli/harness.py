@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 import tierzero as tz
-from io_engine.files import free_disk_bytes
+from io_engine import free_disk_bytes
 from tierzero import formats as tzdata
 from tierzero import hf
 from tierzero.config import TIER_NAMES, format_size

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import IO, Callable
 
-from io_engine.files import free_disk_bytes
+from io_engine import free_disk_bytes
 from tierzero.config import format_size
 
 LOCK = ".lock"

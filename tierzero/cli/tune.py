@@ -46,9 +46,7 @@ from typing import Any, Callable
 import torch
 
 import tierzero as tz
-from io_engine.bench import measure, to_json
-from io_engine.progress import Progress
-from io_engine.sizes import parse_size
+from io_engine import Progress, bench, parse_size
 from tierzero.cli.flags import activations_from_flags, add_activation_flags, add_placement_flags, placement_from_flags
 from tierzero.cli.harness import batch_loss, check_room, corpus, meta_model, peak_rss, release_memory
 from tierzero.config import format_size
@@ -355,10 +353,10 @@ def _disk_sweep(args: argparse.Namespace, trainer: Trainer | None) -> dict | Non
     disk rate. None when the candidates use one count or nothing is on NVMe."""
     if trainer is None or args.nvme_dir is None or len(set(args.io_threads)) < 2:
         return None
-    report = measure(args.nvme_dir, DISK_SWEEP_BYTES, block_sizes=(trainer.base.io.block_size,),
-                     threads=tuple(sorted(set(args.io_threads))), fio_grid=(), repeat=DISK_SWEEP_REPEAT,
-                     use_fio=False, checksum_reps=0, progress=False)
-    return to_json(report)
+    report = bench.measure(args.nvme_dir, DISK_SWEEP_BYTES, block_sizes=(trainer.base.io.block_size,),
+                           threads=tuple(sorted(set(args.io_threads))), fio_grid=(), repeat=DISK_SWEEP_REPEAT,
+                           use_fio=False, checksum_reps=0, progress=False)
+    return bench.to_json(report)
 
 
 def _measure(trainer: Trainer | None, args: argparse.Namespace, todo: list[tuple[Candidate, dict]],

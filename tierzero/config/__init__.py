@@ -10,7 +10,7 @@ No torch at import time (`import tierzero.config` stays light for tools and the 
     stand_in.py      how the CPU's copy streams run: at once, or the asynchronous stand-in
 """
 
-from io_engine.sizes import format_size, parse_size
+from io_engine import format_size, parse_size
 from tierzero.config.config import (DTYPE_BYTES, MASTER_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, Config,
                                     IOConfig, PrefetchConfig, StateBytes)
 from tierzero.config.stand_in import StandInConfig, StreamSettings

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping, NamedTuple
 
-from io_engine.sizes import format_size, parse_size
+from io_engine import format_size, parse_size
 from tierzero.config.machine import has_cuda, machine_budgets
 from tierzero.config.policy_names import check_policy
 from tierzero.config.stand_in import STREAM_MODES, StandInConfig, StreamSettings, stream_settings

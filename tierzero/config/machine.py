@@ -9,7 +9,7 @@ psutil are imported when asked, so that importing the config stays light.
 
 from __future__ import annotations
 
-from io_engine.files import free_disk_bytes
+from io_engine import free_disk_bytes
 
 DEVICE_SHARE_OF_RAM = 0.25
 """Without CUDA: the share of available RAM standing in for device memory."""
