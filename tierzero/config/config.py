@@ -152,11 +152,11 @@ class Config:
     halves their memory and reduce traffic; the optimizer still updates fp32 master weights
     (each chunk of gradient is widened to fp32 for the update and the norm)."""
     zero_stage: Literal[1, 2, 3] = 3
-    """What is partitioned across data-parallel ranks (the ZeRO paper's stages; README "ZeRO
-    stages"): 3 = parameters, gradients and optimizer states (blocks are all-gathered to
-    compute); 2 = gradients and optimizer states (each rank keeps the full parameters; updated
-    ones are all-gathered after the step); 1 = optimizer states only (gradients all-reduced
-    and kept whole). The same code path at every stage; at world size 1 they coincide."""
+    """What is partitioned across data-parallel ranks (the ZeRO paper's stages; docs/zero.md):
+    3 = parameters, gradients and optimizer states (blocks are all-gathered to compute);
+    2 = gradients and optimizer states (each rank keeps the full parameters; updated ones are
+    all-gathered after the step); 1 = optimizer states only (gradients all-reduced and kept
+    whole). The same code path at every stage; at world size 1 they coincide."""
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     """Prefetch policy (see PrefetchConfig); a policy object here stands for
     PrefetchConfig(policy=that object)."""
