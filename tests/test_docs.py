@@ -79,7 +79,8 @@ def test_every_link_reaches_its_file_and_heading() -> None:
 
 
 def test_the_anchors_follow_githubs_rules() -> None:
-    text = "# A b\n## Disks, and the disk's `limit`\n```\n# not a heading\n```\n## A b\n### trace.json — in Perfetto\n"
+    text = ("# A b\n## Disks, and the disk's `limit`\n```\n# not a heading\n```\n## A b\n"
+            "### trace.json — in Perfetto\n")
     assert anchors(text) == {"a-b", "disks-and-the-disks-limit", "a-b-1", "tracejson--in-perfetto"}
 
 
@@ -129,7 +130,8 @@ def test_every_flag_the_docs_write_is_one_of_its_commands(capsys: pytest.Capture
 
 
 def test_a_wrong_flag_or_link_is_found(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    written = commands_written("run `tierzero train --stepz 3` and\n```sh\ntierzero tune --model m \\\n  --simulat\n```\n")
+    text = "run `tierzero train --stepz 3` and\n```sh\ntierzero tune --model m \\\n  --simulat\n```\n"
+    written = commands_written(text)
     assert sorted((c, f) for c, f, _ in written) == [("train", "--stepz"), ("tune", "--model"), ("tune", "--simulat")]
     assert "--steps" in flags_of("train", capsys) and "--stepz" not in flags_of("train", capsys)
     (tmp_path / "docs").mkdir()

@@ -1,13 +1,5 @@
-"""SIGTERM and SIGINT during `tierzero train`.
-
-[Note: stopping at a step boundary] Schedulers preempt a job with SIGTERM and a grace period.
-When the run checkpoints (--checkpoint-every K), the first SIGTERM or SIGINT asks it to stop at
-the end of the step under way: it saves a checkpoint there, removes its swap files and exits
-143 (SIGTERM) or 130 (SIGINT), so that `--resume` continues exactly where it stopped. With
-several ranks they agree at every step boundary (an all-reduce of one flag), so all save the
-same step. A second signal, or the first when the run does not checkpoint, stops the run at
-once: an exception that unwinds it (swap files removed, summary.json written), as Ctrl-C does.
-"""
+"""SIGTERM and SIGINT during `tierzero train`: stop at the next step boundary, or at once
+(see [Note: stopping at a step boundary])."""
 
 from __future__ import annotations
 
@@ -34,8 +26,16 @@ class Stopped(BaseException):
         return 128 + self.signum
 
 
+# [Note: stopping at a step boundary]
+# Schedulers preempt a job with SIGTERM and a grace period. When the run checkpoints
+# (--checkpoint-every K), the first SIGTERM or SIGINT asks it to stop at the end of the step under
+# way: it saves a checkpoint there, removes its swap files and exits 143 (SIGTERM) or 130 (SIGINT),
+# so that `--resume` continues exactly where it stopped. With several ranks they agree at every
+# step boundary (an all-reduce of one flag), so all save the same step. A second signal, or the
+# first when the run does not checkpoint, stops the run at once: an exception that unwinds it
+# (swap files removed, summary.json written), as Ctrl-C does.
 class StopSignals:
-    """Handlers for SIGTERM and SIGINT while a run trains (see the module docstring)."""
+    """Handlers for SIGTERM and SIGINT while a run trains (see [Note: stopping at a step boundary])."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

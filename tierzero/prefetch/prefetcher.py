@@ -20,13 +20,7 @@ Phases of one iteration (a forward and its backward):
    telemetry's moves). A fetch that deviates from the trace (dynamic control
    flow) warns once and turns this iteration into on-demand fetching.
 
-[Note: read further ahead only into free room] Of the units a plan brings toward a tier, the
-first is fetched for sure and the ones after it speculatively: into room that pushes out no copy
-still to be used and starts no write-back. The first is what the next fetch needs; the others
-would take room the overlapped step's updates need for their state (they read and write ~200 MB
-a block on the built-in 350m, beside a host room of ~60 MiB for blocks) and wait for its
-write-backs: measured there with lookahead depth 4, the forward waited 1.4 s a step for the
-updates, against 0.2 s one block ahead.
+Speculative reads past the first unit of a plan: [Note: read further ahead only into free room].
 
 Eviction: the prefetcher is also the placement manager's eviction policy. Tensors of no unit go
 first; units follow in the policy's `victims` order (by default the copy whose next use in the
@@ -63,6 +57,13 @@ def prefetch_unit(pm: PlacementManager, unit: Unit, tier: Tier, *, speculative: 
     return all([pm.prefetch(handle, tier, speculative=speculative) for handle in unit.tensors])
 
 
+# [Note: read further ahead only into free room]
+# Of the units a plan brings toward a tier, the first is fetched for sure and the ones after it
+# speculatively: into room that pushes out no copy still to be used and starts no write-back.
+# The first is what the next fetch needs; the others would take room the overlapped step's
+# updates need for their state (they read and write ~200 MB a block on the built-in 350m, beside
+# a host room of ~60 MiB for blocks) and wait for its write-backs: measured there with lookahead
+# depth 4, the forward waited 1.4 s a step for the updates, against 0.2 s one block ahead.
 def prefetch_units(pm: PlacementManager, units: Sequence[Unit], tier: Tier) -> None:
     """Start bringing `units` toward `tier`: the first for sure, the ones after it speculatively
     (see [Note: read further ahead only into free room])."""
