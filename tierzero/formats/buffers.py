@@ -157,7 +157,7 @@ def load_buffers(model: nn.Module, plan: WeightPlan, device: torch.device) -> No
         prefix = f"{fqn}." if fqn else ""
         for k, b in module._buffers.items():
             name = prefix + k
-            if b is None or name not in plan.keys or k in module._non_persistent_buffers_set:
+            if b is None or not plan.gives(name) or k in module._non_persistent_buffers_set:
                 continue
             value = plan.read_buffer(name, b)
             if b.is_meta:
