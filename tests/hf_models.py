@@ -84,3 +84,10 @@ def moe(kind: str) -> tuple[str, Any]:
     return "Qwen2MoeForCausalLM", transformers.Qwen2MoeConfig(num_experts=3, moe_intermediate_size=28,
                                                               shared_expert_intermediate_size=36,
                                                               decoder_sparse_step=1, **common)
+
+
+def t5(tie: bool = True) -> Any:
+    """A tiny T5 (encoder-decoder, relative position biases, the embedding shared by encoder,
+    decoder and, tied, the LM head); uneven vocabulary, no dropout."""
+    return hf().T5Config(vocab_size=97, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=4,
+                         dropout_rate=0.0, tie_word_embeddings=tie, decoder_start_token_id=0, pad_token_id=0)
