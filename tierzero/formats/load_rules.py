@@ -167,15 +167,16 @@ def plan_weights(model: nn.Module, source: WeightSource, *, strict: bool = False
                       converted={n: k for n, k in given.items() if isinstance(k, Converted)})
 
 
-def _plan_conversions(model: nn.Module, source: WeightSource, rename: _Renamer, groups: dict[str, list[tuple[str, str]]],
-                      names_of: dict[str, list[str]], found: dict[str, str | Converted],
-                      unexpected: list[str]) -> list[str]:
+def _plan_conversions(model: nn.Module, source: WeightSource, rename: _Renamer,
+                      groups: dict[str, list[tuple[str, str]]], names_of: dict[str, list[str]],
+                      found: dict[str, str | Converted], unexpected: list[str]) -> list[str]:
     """Each group of keys a transformers converter takes (see [Note: streamed conversions]), run
     on meta tensors: its outputs the model has go into `found`, its keys into `unexpected` when
     it has none. Returns the conversions that failed, as messages."""
     failed = []
     for target, sources in groups.items():
-        conversion = Conversion(rename.converter_of[sources[0][0]], target, tuple(sources), getattr(model, "config", None))
+        converter = rename.converter_of[sources[0][0]]
+        conversion = Conversion(converter, target, tuple(sources), getattr(model, "config", None))
         try:
             outputs = meta_run(conversion, lambda k: (source.info(k).shape, source.torch_dtype(k)))
         except Exception as e:  # the converter's own error: too few experts, shapes that do not stack
