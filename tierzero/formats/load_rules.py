@@ -94,14 +94,17 @@ class _Renamer:
     def __call__(self, key: str) -> tuple[str, str | None]:
         """(the model's name for `key`, the converter source pattern it matched, if any: then the
         name is the conversion's, whose outputs are fitted with `fit_prefix`)."""
-        pattern = None
+        original, pattern = key, None
         for legacy, replacement in self.legacy.items():
             key, n = re.subn(legacy, replacement, key)
             if n:
                 break
         if self._rename is not None:
             key, pattern = self._rename(key, self.renamings, self.converters)
-        return self.fit_prefix(key), pattern
+        name = self.fit_prefix(key)
+        if name not in self.expected and self.fit_prefix(original) in self.expected:
+            return self.fit_prefix(original), None  # transformers' rule: a key the model has is not renamed
+        return name, pattern
 
     def fit_prefix(self, key: str) -> str:
         p = self.prefix
