@@ -1,7 +1,8 @@
 """transformers' weight conversions in a streamed load and save, against plain transformers on
 tiny Mixtral and Qwen2-MoE folders saved both ways (per-expert keys, transformers' default
 "original format", and its fused layout): the same parameters and logits after load, an export
-in the layout plain save_pretrained writes, which plain from_pretrained loads to the same model."""
+(tz.save_pretrained, and `tierzero export` of a checkpoint) in the layout plain save_pretrained
+writes, which plain from_pretrained loads to the same model."""
 
 from __future__ import annotations
 
@@ -50,6 +51,11 @@ def test_moe_folders_load_and_export_as_transformers(tmp_path: Path, kind: str, 
         assert any(".experts.0." in k for k in saved_keys(out))
         again = transformers.AutoModelForCausalLM.from_pretrained(out)
         assert_state_equal(again.state_dict(), ref.state_dict(), "export loaded by transformers")
+        tz.save_checkpoint(tmp_path / "ckpt", model)  # `tierzero export CKPT --to DIR`: the same layout
+        exported = tz.export_checkpoint(tmp_path / "ckpt", tmp_path / "from-ckpt")
+        assert saved_keys(exported) == saved_keys(tmp_path / "ref-export")
+        assert_state_equal(transformers.AutoModelForCausalLM.from_pretrained(exported).state_dict(),
+                           ref.state_dict(), "checkpoint export loaded by transformers")
         fused = tz.save_pretrained(model, tmp_path / "fused", save_original_format=False)
         assert not any(".experts.0." in k for k in saved_keys(fused))
         assert_state_equal(transformers.AutoModelForCausalLM.from_pretrained(fused).state_dict(), ref.state_dict(),

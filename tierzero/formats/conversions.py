@@ -18,6 +18,8 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import nn
 
+from tierzero.formats.safetensors_file import TensorSpec
+
 # [Note: streamed conversions]
 # transformers' own objects do the work: `get_model_conversion_mapping(model)` gives the class's
 # converters, `rename_source_key` names each checkpoint key, a deep copy of the converter collects
@@ -115,6 +117,34 @@ def original_format(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[
         return tensors
     out = revert_weight_conversion(model, dict(tensors))
     return {k: v[0] if isinstance(v, list) else v for k, v in out.items()}
+
+
+def original_format_specs(model: nn.Module, chunks: list[list[TensorSpec]]) -> list[TensorSpec]:
+    """The tensors of `chunks` (each a flat tensor's, in write order) as transformers' original
+    format names them: a chunk that no conversion touches as it is (each tensor produced when
+    written), another one reverted whole when its first tensor is written, the previous
+    chunk's values dropped first (see [Note: streamed conversions])."""
+    metas = [{s.name: torch.empty(s.shape, dtype=s.dtype, device="meta") for s in chunk} for chunk in chunks]
+    parts = chunked_original_format(model, metas)
+    current: list[Any] = [None, None]
+    """[index, values] of the chunk reverted last."""
+
+    def values(i: int) -> dict[str, torch.Tensor]:
+        if current[0] != i:
+            current[:] = [None, None]
+            current[:] = [i, original_format(model, {s.name: s.produce() for s in chunks[i]})]
+        return current[1]
+
+    out: list[TensorSpec] = []
+    for i, (chunk, part) in enumerate(zip(chunks, parts)):
+        same = [(s.name, tuple(s.shape), s.dtype) for s in chunk] == [(k, tuple(v.shape), v.dtype)
+                                                                    for k, v in part.items()]
+        if same:
+            out += chunk
+        else:
+            out += [TensorSpec(k, tuple(v.shape), v.dtype, functools.partial(lambda i, k: values(i)[k], i, k))
+                    for k, v in part.items()]
+    return out
 
 
 def chunked_original_format(model: nn.Module, chunks: list[dict[str, torch.Tensor]]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,9 +30,8 @@ from torch import nn
 
 from tierzero import runtime
 from tierzero.config import Config, parse_size
-from tierzero.formats import (TensorSpec, adapter_params, base_model, chunked_original_format, kept_names, meta_model,
-                              original_format, peft_base_name, persistent_buffers, saved_dtype, write_config_files,
-                              write_weights_folder)
+from tierzero.formats import (TensorSpec, adapter_params, base_model, kept_names, meta_model, original_format_specs,
+                              peft_base_name, persistent_buffers, saved_dtype, write_config_files, write_weights_folder)
 from tierzero.runtime import FlatParam, model_dtype
 
 
@@ -201,32 +200,6 @@ class Specs(list):
     values: _FlatValues
 
 
-class _Entry(NamedTuple):
-    """One tensor of the model as saved under its own name: its shape, dtype and value's reader."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    read: Callable[[], torch.Tensor]
-
-
-class _Chunks:
-    """The saved tensors of one chunk (a flat tensor's parameters, or the buffers) at a time, in
-    the layout written (`original_format`: transformers' conversions reverted, see [Note:
-    streamed conversions]); the previous chunk's are dropped first."""
-
-    def __init__(self, model: nn.Module, revert: bool) -> None:
-        self.model, self.revert = model, revert
-        self._current: tuple[int, dict[str, torch.Tensor]] | None = None
-
-    def get(self, index: int, entries: list[_Entry]) -> dict[str, torch.Tensor]:
-        if self._current is None or self._current[0] != index:
-            self._current = None
-            tensors = {e.name: e.read() for e in entries}
-            self._current = (index, original_format(self.model, tensors) if self.revert else tensors)
-        return self._current[1]
-
-
 def model_specs(state: runtime.TieredState, dtype: torch.dtype | None, merge: _Merge | None = None, *,
                 save_original_format: bool = True) -> Specs:
     """The saved tensors of a wrapped model in read order: each parameter once (under the name
@@ -241,23 +214,16 @@ def model_specs(state: runtime.TieredState, dtype: torch.dtype | None, merge: _M
              if id(p) not in skip and (merge is None or ".original_module." not in names[id(p)])]
     specs = Specs()
     specs.values = values = _FlatValues(list(dict.fromkeys(flat for flat, _, _ in saved)), merge)
-    chunks: dict[Any, list[_Entry]] = {}
+    chunks: dict[Any, list[TensorSpec]] = {}
     for flat, i, name in saved:
         out = saved_dtype(flat.orig_dtypes[i], dtype)
-        chunks.setdefault(flat, []).append(_Entry(rename(name), tuple(flat.layout.slots[i].shape), out,
-                                                  lambda f=flat, i=i, d=out: values.get(f)[i].to(d)))
+        chunks.setdefault(flat, []).append(TensorSpec(rename(name), tuple(flat.layout.slots[i].shape), out,
+                                                      lambda f=flat, i=i, d=out: values.get(f)[i].to(d)))
     for name, buf in persistent_buffers(state.model).items():
         out = saved_dtype(buf.dtype, dtype)
-        chunks.setdefault(None, []).append(_Entry(rename(name), tuple(buf.shape), out,
-                                                  lambda b=buf, d=out: b.detach().to("cpu", d)))
-    groups = list(chunks.values())
-    metas = [{e.name: torch.empty(e.shape, dtype=e.dtype, device="meta") for e in group} for group in groups]
+        chunks.setdefault(None, []).append(TensorSpec(rename(name), tuple(buf.shape), out,
+                                                      lambda b=buf, d=out: b.detach().to("cpu", d)))
     target = base_model(state.model) if merge is not None else state.model
-    if save_original_format:
-        metas = chunked_original_format(target, metas)
-    reader = _Chunks(target, save_original_format)
-    for index, (group, meta) in enumerate(zip(groups, metas)):
-        for name, t in meta.items():
-            specs.append(TensorSpec(name, tuple(t.shape), t.dtype,
-                                    lambda n=name, i=index, g=group: reader.get(i, g)[n]))
+    specs += (original_format_specs(target, list(chunks.values())) if save_original_format
+              else [s for chunk in chunks.values() for s in chunk])
     return specs
