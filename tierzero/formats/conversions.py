@@ -27,10 +27,11 @@ from tierzero.formats.safetensors_file import TensorSpec
 # operations. A copy is used once (`materialize_tensors` pops what it collected), so a
 # `Conversion` keeps the recipe and runs a fresh copy each time. Planning runs it on meta tensors
 # (names and shapes, no data); a block's read runs it on that block's tensors only: memory holds
-# one converted parameter and its sources, never the model. On save, transformers'
-# `revert_weight_conversion` takes one flat tensor's values at a time (as its own save does per
-# shard for offloaded models); a meta run over the whole model first checks that no reverted
-# tensor needs values from two flat tensors.
+# one converted parameter and its sources, never the model. On save (tz.save_pretrained,
+# `tierzero export`), transformers' `revert_weight_conversion` takes one flat tensor's values at
+# a time (as its own save does per shard for offloaded models); a meta run over the whole model
+# first checks that no reverted tensor needs values from two flat tensors, and a flat tensor no
+# conversion touches is written tensor by tensor as before.
 
 
 class Conversion(NamedTuple):

@@ -8,7 +8,9 @@ Phases of `tz.wrap(model, config, weights=PATH)` (and of `tz.load_weights(model,
    file that is not a safetensors file, is a ValueError naming it.
 2. resolve (load_rules.py, `plan_weights`): each checkpoint key is mapped to the model's
    state-dict names by transformers' rules for the model's class (renamings, base-model prefix,
-   ignored keys; peft's names mapped to its base model's); keys the model lacks are reported,
+   ignored keys; peft's names mapped to its base model's; keys its converters merge or split,
+   such as a MoE's per-expert tensors, converted when their block is read, see conversions.py);
+   keys the model lacks are reported,
    parameters the checkpoint lacks are initialised as transformers initialises new modules.
 3. buffers and missing parameters (buffers.py): non-persistent buffers still on the meta device
    (rotary `inv_freq`, computed in `__init__` and in no checkpoint) are made real and computed
