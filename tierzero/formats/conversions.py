@@ -24,7 +24,8 @@ from tierzero.formats.safetensors_file import TensorSpec
 # transformers' own objects do the work: `get_model_conversion_mapping(model)` gives the class's
 # converters, `rename_source_key` names each checkpoint key, a deep copy of the converter collects
 # the keys of one target (transformers deep-copies one per target too) and its `convert` runs the
-# operations. A copy is used once (`materialize_tensors` pops what it collected), so a
+# operations. Only the loop around them is ours (load_rules.plan_weights): transformers' own,
+# `convert_and_load_state_dict_in_model`, loads a whole state dict into a real model at once. A copy is used once (`materialize_tensors` pops what it collected), so a
 # `Conversion` keeps the recipe and runs a fresh copy each time. Planning runs it on meta tensors
 # (names and shapes, no data); a block's read runs it on that block's tensors only: memory holds
 # one converted parameter and its sources, never the model. On save (tz.save_pretrained,
