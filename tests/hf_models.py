@@ -70,3 +70,24 @@ def token_batches(vocab: int, n: int = 10, seq: int = 12, rows: int = 2) -> list
     """`n` batches of `rows` x `seq` token ids below `vocab`, the same every call."""
     g = torch.Generator().manual_seed(3)
     return [torch.randint(0, vocab, (rows, seq), generator=g) for _ in range(n)]
+
+
+def moe(kind: str) -> tuple[str, Any]:
+    """A tiny mixture-of-experts causal LM (class name, config): "mixtral" (per-expert w1/w2/w3,
+    `block_sparse_moe` in its checkpoints) or "qwen2_moe" (per-expert gate/up/down projections and
+    a shared expert); uneven widths, 3 experts. transformers fuses the experts on load."""
+    transformers = hf()
+    common = dict(vocab_size=131, hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=2, tie_word_embeddings=False)
+    if kind == "mixtral":
+        return "MixtralForCausalLM", transformers.MixtralConfig(num_local_experts=3, **common)
+    return "Qwen2MoeForCausalLM", transformers.Qwen2MoeConfig(num_experts=3, moe_intermediate_size=28,
+                                                              shared_expert_intermediate_size=36,
+                                                              decoder_sparse_step=1, **common)
+
+
+def t5(tie: bool = True) -> Any:
+    """A tiny T5 (encoder-decoder, relative position biases, the embedding shared by encoder,
+    decoder and, tied, the LM head); uneven vocabulary, no dropout."""
+    return hf().T5Config(vocab_size=97, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=4,
+                         dropout_rate=0.0, tie_word_embeddings=tie, decoder_start_token_id=0, pad_token_id=0)

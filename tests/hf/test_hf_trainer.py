@@ -121,7 +121,21 @@ def test_save_and_resume(wrapped, tmp_path):
     ckpt = out / "checkpoint-4"
     assert (ckpt / TIERZERO_DIR).is_dir() and (ckpt / "trainer_state.json").is_file()
     assert (ckpt / "scheduler.pt").is_file() and (ckpt / "rng_state.pth").is_file()
-    assert not (ckpt / "model.safetensors").exists() and not (ckpt / "optimizer.pt").exists()
+    assert not (ckpt / "optimizer.pt").exists()  # the optimizer's state is in tierzero/
+    # what the plain Trainer's checkpoint holds, loadable by the same tool: the same bits as the
+    # tiered state of that step (exported from tierzero/), the names of plain's checkpoint
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
+    tz.export_checkpoint(ckpt / TIERZERO_DIR, tmp_path / "exported")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    builders.assert_state_equal(loaded.state_dict(), exported.state_dict(), "checkpoint-4's model.safetensors")
+    plain = transformers.Trainer(model=llama(), args=training_args(tmp_path / "plain", save_strategy="steps",
+                                                                    save_steps=4), train_dataset=data())
+    plain.train()
+    plain_ckpt = tmp_path / "plain" / "checkpoint-4"
+    assert {f.name for f in plain_ckpt.iterdir()} - {f.name for f in ckpt.iterdir()} == {"optimizer.pt"}
+    want_sd = transformers.AutoModelForCausalLM.from_pretrained(plain_ckpt).state_dict()
+    assert loaded.state_dict().keys() == want_sd.keys()
+    assert max((v - want_sd[k]).abs().max().item() for k, v in loaded.state_dict().items()) <= TOL
 
     # a fresh model (another init) and Trainer continue from step 4 to the same losses
     resumed = Trainer(model=wrapped(seed=3), args=args, train_dataset=data())

@@ -1,6 +1,7 @@
 """LoRA (peft) over a tiered base, in every natural order, against plain peft on the same model:
 (a) tz.from_pretrained, then get_peft_model, then tz.AdamW or a torch optimizer on the adapters;
-(b) a meta base, get_peft_model, then tz.wrap(peft_model, weights=folder); (c) tierzero.hf.Trainer
+(b) a meta base, get_peft_model(low_cpu_mem_usage=True), then tz.wrap(peft_model, weights=folder),
+the adapters drawn as plain peft draws them from the same seed (each init_lora_weights); (c) tierzero.hf.Trainer
 on either; (d) the adapters saved by peft byte for byte as plain peft's; (e) a merged model
 exported by tz.save_pretrained(merge_adapters=True), loaded by transformers. And the frozen base,
 on NVMe in its checkpoint's files, never written."""
@@ -57,13 +58,12 @@ def order_a(folder: Path, cfg: tz.Config, dtype: torch.dtype | None = torch.floa
     return peft.get_peft_model(tz.from_pretrained(folder, cfg, dtype=dtype), lora_config())
 
 
-def order_b(folder: Path, cfg: tz.Config, ref: Any, dtype: torch.dtype | None = torch.float32) -> Any:
+def order_b(folder: Path, cfg: tz.Config, dtype: torch.dtype | None = torch.float32) -> Any:
+    """The adapters drawn as plain peft draws them from the same seed: peft builds them on meta
+    (low_cpu_mem_usage=True), wrap draws them ([Note: adapters drawn as peft draws them])."""
+    torch.manual_seed(SEED)  # as in plain(): nothing below draws before the adapters
     base = meta_model(folder, dtype=dtype)  # built from the folder's config.json, on meta
-    model = tz.wrap(peft.get_peft_model(base, lora_config()), cfg, weights=folder)
-    # peft initialised the adapters at wrap from another point of the random stream: the same
-    # model as plain peft's is theirs
-    peft.set_peft_model_state_dict(model, peft.get_peft_model_state_dict(ref))
-    return model
+    return tz.wrap(peft.get_peft_model(base, lora_config(), low_cpu_mem_usage=True), cfg, weights=folder)
 
 
 def train(model: Any, opt: torch.optim.Optimizer, clip: Callable[[], Any]) -> list[float]:
@@ -95,8 +95,10 @@ def train_tiered(model: Any, optimizer: str) -> list[float]:
 def test_orders_train_as_plain_peft_and_save_the_same_adapters(folder: Path, tmp_path: Path, order: str,
                                                                optimizer: str) -> None:
     ref = plain(folder)
-    model = order_a(folder, config(tmp_path)) if order == "a" else order_b(folder, config(tmp_path), ref)
+    model = order_a(folder, config(tmp_path)) if order == "a" else order_b(folder, config(tmp_path))
     try:
+        start, want_start = peft.get_peft_model_state_dict(model), peft.get_peft_model_state_dict(ref)
+        assert start.keys() == want_start.keys() and all(torch.equal(start[k], want_start[k]) for k in start)
         want, got = train_plain(ref), train_tiered(model, optimizer)
         assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-6, (got, want)
         ref.save_pretrained(tmp_path / "plain")  # (d): peft's save, on each
@@ -108,6 +110,32 @@ def test_orders_train_as_plain_peft_and_save_the_same_adapters(folder: Path, tmp
             merged = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged")
             x = token_batches(211, 1, seq=9)[0]
             assert torch.equal(merged(input_ids=x).logits, ref.merge_and_unload()(input_ids=x).logits)
+    finally:
+        runtime.close(model)
+
+
+@pytest.mark.parametrize("init", [True, "gaussian", False])
+def test_order_b_draws_the_adapters_as_plain_peft(folder: Path, tmp_path: Path, init: Any) -> None:
+    """Linear and embedding adapters, each init_lora_weights: the values plain peft draws from the
+    same seed, and the random stream after them where plain peft leaves it. init=False keeps what
+    building drew, which peft dropped for an embedding adapter (drawn aside: other values)."""
+    def lora() -> Any:
+        return peft.LoraConfig(r=3, lora_alpha=8, target_modules=[*LINEARS, "embed_tokens"], init_lora_weights=init)
+
+    base = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    torch.manual_seed(SEED)
+    want = peft.get_peft_model_state_dict(peft.get_peft_model(base, lora()))
+    want_next = torch.rand(3)
+    torch.manual_seed(SEED)
+    model = tz.wrap(peft.get_peft_model(meta_model(folder, dtype=torch.float32), lora(), low_cpu_mem_usage=True),
+                    config(tmp_path), weights=folder)
+    try:
+        assert torch.equal(torch.rand(3), want_next)
+        got = peft.get_peft_model_state_dict(model)
+        differ = sorted(k for k in want if not torch.equal(got[k], want[k]))
+        assert got.keys() == want.keys() and sum("lora_" in k for k in want) == 2 + 2 * len(LINEARS) * 3
+        assert differ == ([] if init else ["base_model.model.model.embed_tokens.lora_embedding_A",
+                                           "base_model.model.model.embed_tokens.lora_embedding_B"])
     finally:
         runtime.close(model)
 
@@ -134,7 +162,9 @@ def test_merged_export_and_refusals(folder: Path, tmp_path: Path) -> None:
 
 
 def test_trainer_on_a_peft_model_matches_the_plain_trainer(folder: Path, tmp_path: Path) -> None:
-    """(c): tierzero.hf.Trainer on order (a) (with weight decay: transformers' groups)."""
+    """(c): tierzero.hf.Trainer on order (a) (with weight decay: transformers' groups); its
+    checkpoint holds peft's adapter files, as the plain Trainer's does, which
+    PeftModel.from_pretrained loads (the adapters as trained), beside tierzero/."""
     from tierzero.hf import Trainer
 
     rows = token_batches(211, 8, seq=10)
@@ -143,7 +173,8 @@ def test_trainer_on_a_peft_model_matches_the_plain_trainer(folder: Path, tmp_pat
     def args(out: Path) -> Any:
         return transformers.TrainingArguments(
             output_dir=str(out), max_steps=4, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-            learning_rate=1e-2, weight_decay=0.1, max_grad_norm=0.5, logging_steps=1, save_strategy="no",
+            learning_rate=1e-2, weight_decay=0.1, max_grad_norm=0.5, logging_steps=1, save_strategy="steps",
+            save_steps=4,
             report_to=[], use_cpu=True, seed=7, disable_tqdm=True)
 
     ref = transformers.Trainer(model=plain(folder), args=args(tmp_path / "plain"), train_dataset=data)
@@ -156,6 +187,14 @@ def test_trainer_on_a_peft_model_matches_the_plain_trainer(folder: Path, tmp_pat
         want = [(h["loss"], h["grad_norm"]) for h in ref.state.log_history if "loss" in h]
         assert len(got) == 4 and all(abs(a - b) <= 1e-6 and abs(c - d) <= 1e-5 for (a, c), (b, d) in zip(got, want)), (
             got, want)
+        ckpt, plain_ckpt = tmp_path / "ours" / "checkpoint-4", tmp_path / "plain" / "checkpoint-4"
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= {f.name for f in plain_ckpt.iterdir()}
+        assert {f.name for f in plain_ckpt.iterdir()} - {f.name for f in ckpt.iterdir()} == {"optimizer.pt"}
+        assert (ckpt / "tierzero").is_dir() and not (ckpt / "model.safetensors").exists()
+        base = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        loaded = peft.get_peft_model_state_dict(peft.PeftModel.from_pretrained(base, ckpt))
+        trained = peft.get_peft_model_state_dict(model)
+        assert loaded.keys() == trained.keys() and all(torch.equal(loaded[k], trained[k]) for k in loaded)
     finally:
         runtime.close(model)
 
@@ -168,8 +207,7 @@ def test_the_base_on_nvme_is_never_written(folder: Path, tmp_path: Path, order: 
     (Config.frozen) and the adapters on the host: no NVMe write at all."""
     cfg = tier_config(tmp_path / "nvme", tier="host", compute_dtype="bfloat16", optimizer_states="host",
                       **({"params": "nvme"} if order == "a" else {"params": "host", "frozen": "nvme"}))
-    ref = plain(folder)
-    model = order_a(folder, cfg, None) if order == "a" else order_b(folder, cfg, ref, None)  # the folder's bf16
+    model = order_a(folder, cfg, None) if order == "a" else order_b(folder, cfg, None)  # the folder's bf16
     files = {f: f.read_bytes() for f in folder.glob("*.safetensors")}
     try:
         opt = tz.AdamW(model, lr=1e-2)

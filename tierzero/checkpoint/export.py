@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,8 +33,8 @@ from tierzero.checkpoint.format import (VALUES, CheckpointError, FlatEntry, Mani
                                         round_up, torch_dtype)
 from tierzero.checkpoint.reshard import range_ops
 from tierzero.config import IOConfig, parse_size
-from tierzero.formats import (CONFIG_FILE, CONFIG_FILES, TensorSpec, load_buffers, load_safetensors,
-                              open_weights, saved_dtype, write_safetensors, write_synced,
+from tierzero.formats import (CONFIG_FILE, CONFIG_FILES, TensorSpec, load_buffers, load_safetensors, meta_model,
+                              open_weights, original_format_specs, saved_dtype, write_safetensors, write_synced,
                               write_weights_folder)
 
 
@@ -64,16 +65,35 @@ def export_checkpoint(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], 
     with open_engine(io_config or IOConfig()) as engine:
         reader = Reader(folder, manifest, engine)
         reader.check_files()
-        specs = _checkpoint_specs(reader, manifest, dtype, aliases=not as_folder)
+        chunks = _checkpoint_specs(reader, manifest, dtype, aliases=not as_folder)
         if not as_folder:
-            return write_safetensors(to, specs, {"format": "pt", "tierzero_checkpoint": str(folder)})
+            return write_safetensors(to, [s for chunk in chunks for s in chunk],
+                                     {"format": "pt", "tierzero_checkpoint": str(folder)})
+        specs = _original_format(folder, chunks)
         return write_weights_folder(to, specs, limit, lambda tmp: _copy_configs(folder, tmp, dtype))
 
 
+def _original_format(folder: Path, chunks: list[list[TensorSpec]]) -> list[TensorSpec]:
+    """The folder's tensors as transformers' save_pretrained writes them by default (its
+    conversions reverted, a mixture-of-experts model's experts one tensor each: see [Note:
+    streamed conversions]), asked of the model class config.json names, built on the meta
+    device; the model's own names without transformers installed or for a class it lacks."""
+    try:
+        import transformers  # optional dependency
+    except ImportError:
+        return [s for chunk in chunks for s in chunk]
+    arch = (json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8")).get("architectures") or [None])[0]
+    model_cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
+    if model_cls is None:
+        return [s for chunk in chunks for s in chunk]
+    return original_format_specs(meta_model(folder, model_cls=model_cls), chunks)
+
+
 def _checkpoint_specs(reader: Reader, manifest: Manifest, dtype: torch.dtype | None, *,
-                      aliases: bool) -> list[TensorSpec]:
+                      aliases: bool) -> list[list[TensorSpec]]:
     """Every parameter (block by block in the saved order, then, with `aliases`, tied
-    parameters' other names) and the persistent buffers from rank 0's state file."""
+    parameters' other names) and the persistent buffers from rank 0's state file, a list per
+    flat tensor (the aliases and the buffers one more each)."""
     buffers = reader.read_state(0)["buffers"]
     cache: dict[str, torch.Tensor] = {}
 
@@ -88,18 +108,20 @@ def _checkpoint_specs(reader: Reader, manifest: Manifest, dtype: torch.dtype | N
             cache[entry.name] = torch.from_numpy(dst[:layout.numel * stored.itemsize]).view(stored)
         return cache[entry.name]
 
-    specs, where = [], {}
+    chunks: dict[Any, list[TensorSpec]] = {}
+    where = {}
     for entry in manifest.flats:
         for slot, dt in zip(entry.layout.slots, entry.dtypes):
             where[slot.fqn] = (entry, slot, saved_dtype(torch_dtype(dt), dtype))
     for name in [*where, *(manifest.aliases if aliases else ())]:
         entry, slot, out = where[manifest.aliases.get(name, name)]
-        specs.append(TensorSpec(name, tuple(slot.shape), out, lambda e=entry, s=slot, d=out:
-                                full(e)[s.offset:s.offset + s.numel].to(d).view(s.shape)))
+        chunks.setdefault(entry.name if name in where else "aliases", []).append(
+            TensorSpec(name, tuple(slot.shape), out, lambda e=entry, s=slot, d=out:
+                       full(e)[s.offset:s.offset + s.numel].to(d).view(s.shape)))
     for k, v in buffers.items():
         out = saved_dtype(v.dtype, dtype)
-        specs.append(TensorSpec(k, tuple(v.shape), out, lambda v=v, d=out: v.to(d)))
-    return specs
+        chunks.setdefault(None, []).append(TensorSpec(k, tuple(v.shape), out, lambda v=v, d=out: v.to(d)))
+    return list(chunks.values())
 
 
 def _copy_configs(ckpt: Path, folder: Path, dtype: torch.dtype | None) -> None:

@@ -69,13 +69,15 @@ def meta_model(args: argparse.Namespace) -> tuple[torch.nn.Module, tzdata.Tokeni
 
 def with_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
     """`model` (on the meta device) with LoRA adapters of `rank` on every linear layer but the
-    head (peft's "all-linear"), the rest frozen: wrap streams the base and peft initialises them."""
+    head (peft's "all-linear"), the rest frozen: wrap streams the base and draws the adapters as
+    plain peft would from the run's seed (peft builds them on meta: [Note: adapters drawn as peft
+    draws them] in tierzero/formats/buffers.py)."""
     try:
         import peft  # optional dependency: the lora extra
     except ImportError as e:
         raise ValueError(f"--lora needs the peft package ({e}); install it with: pip install 'tierzero[lora]'") from None
     config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0)
-    return peft.get_peft_model(model, config)
+    return peft.get_peft_model(model, config, low_cpu_mem_usage=True)
 
 
 def heads(model: torch.nn.Module) -> str:

@@ -10,7 +10,7 @@ adapters by their layer's `reset_lora_parameters`; other modules by their `reset
 from __future__ import annotations
 
 import sys
-from typing import Callable, Hashable, NamedTuple
+from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -37,20 +37,21 @@ class _Init(NamedTuple):
     run: Callable[[], None]
 
 
-def _initializer(model: nn.Module, fqn: str, module: nn.Module) -> _Init | None:
-    """How the module's tensors are computed: peft's initialisation of the adapter it belongs to,
-    the nearest transformers model's `_init_weights(module)`, else the module's own
-    `reset_parameters()`."""
+def _initializer(model: nn.Module, fqn: str, module: nn.Module, params: Sequence[str] = ()) -> _Init | None:
+    """How the module's tensors (`params` of them, when known) are computed: peft's
+    initialisation of the adapter they belong to, the nearest transformers model's
+    `_init_weights(module)`, else the module's own `reset_parameters()`."""
     path = _ancestors(model, fqn)
     for i in range(len(path) - 1, -1, -1):  # the tuner layer the module is an adapter of
         layer = path[i]
-        if callable(getattr(layer, "reset_lora_parameters", None)) and i + 2 < len(path):
-            names = fqn.split(".")[i:]
-            if names[0] in getattr(layer, "adapter_layer_names", ()):
-                adapter = names[1]
+        # an adapter module (lora_A.<adapter>), or an adapter's tensor in a ParameterDict (lora_embedding_A)
+        within = fqn.split(".")[i:] + (list(params[:1]) if isinstance(module, nn.ParameterDict) else [])
+        if callable(getattr(layer, "reset_lora_parameters", None)) and len(within) >= 2:
+            if within[0] in getattr(layer, "adapter_layer_names", ()):
+                adapter = within[1]
                 config = getattr(model, "peft_config", {}).get(adapter)
                 init = getattr(config, "init_lora_weights", True)
-                return _Init((id(layer), adapter), lambda: layer.reset_lora_parameters(adapter, init))
+                return _Init((id(layer), adapter), lambda: _init_adapter(layer, adapter, init))
     transformers = sys.modules.get("transformers")
     if transformers is not None:
         nearest = next((m for m in reversed(path) if isinstance(m, transformers.PreTrainedModel)), None)
@@ -58,6 +59,38 @@ def _initializer(model: nn.Module, fqn: str, module: nn.Module) -> _Init | None:
             return _Init(id(module), lambda: nearest._init_weights(module))
     reset = getattr(module, "reset_parameters", None)
     return _Init(id(module), reset) if callable(reset) else None
+
+
+def _init_adapter(layer: nn.Module, adapter: str, init: Any) -> None:
+    """Draw `adapter`'s tensors in `layer` as peft's update_layer draws them on a real device. See
+    [Note: adapters drawn as peft draws them]."""
+    for attr in getattr(layer, "adapter_layer_names", ()):
+        part = getattr(layer, attr, None)
+        if not isinstance(part, (nn.ModuleDict, nn.ParameterDict)) or adapter not in part:
+            continue
+        built = part[adapter]
+        if isinstance(built, nn.Parameter):
+            if not init:  # peft's torch.randn, whose values it dropped: drawn aside, the stream left as peft's
+                with torch.random.fork_rng(devices=[]):
+                    built.normal_()
+        elif callable(getattr(built, "reset_parameters", None)):
+            built.reset_parameters()
+    if init:
+        layer.reset_lora_parameters(adapter, init)
+
+
+# [Note: adapters drawn as peft draws them]
+# peft's update_layer draws an adapter twice: building it (an nn.Linear's reset_parameters(), an
+# embedding adapter's torch.randn) and then its reset_lora_parameters(). Over a base on the meta
+# device, get_peft_model(..., low_cpu_mem_usage=True) builds the Linear adapters on meta (no
+# draws) but still draws the embedding adapters' randn on the CPU; without it, it draws all of
+# them on the CPU and then moves them to the base's meta device, dropping the values. tz.wrap
+# draws what get_peft_model(low_cpu_mem_usage=True) did not, layer by layer in peft's order, so
+# that from the seed plain peft starts from the random stream gives the same values (tested
+# against plain peft in tests/hf/test_lora.py). Without low_cpu_mem_usage, the values peft drew
+# are gone and wrap draws later in the stream: other values. init_lora_weights=False keeps what
+# building drew; an embedding adapter's, dropped by peft, is drawn aside (other values, the
+# stream after it as plain peft's).
 
 
 def _ancestors(model: nn.Module, fqn: str) -> list[nn.Module]:
@@ -82,7 +115,7 @@ def check_buffers(model: nn.Module, plan: WeightPlan) -> None:
              "(parameters stay untouched: they are loaded afterwards), or build those modules on a real device "
              "(e.g. move them with to_empty() and compute the buffers) before tz.wrap")):
         bad = [f"{fqn + '.' if fqn else ''}{k} ({type(m).__name__})"
-               for fqn, m, names in found if _initializer(model, fqn, m) is None for k in names]
+               for fqn, m, names in found if _initializer(model, fqn, m, names) is None for k in names]
         if bad:
             raise ValueError(f"weights {str(plan.source.path)!r}: {type(model).__name__} has {what}: {few(bad)}; "
                              f"{fix}")
@@ -135,7 +168,7 @@ def init_params(model: nn.Module, plan: WeightPlan) -> None:
             torch.utils.swap_tensors(p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad))
     done = set()
     for fqn, module, names in todo:
-        init = _initializer(model, fqn, module)
+        init = _initializer(model, fqn, module, names)
         assert init is not None, fqn  # check_buffers ran first
         if init.covers in done:
             continue  # peft initialises an adapter's A and B together
@@ -157,7 +190,7 @@ def load_buffers(model: nn.Module, plan: WeightPlan, device: torch.device) -> No
         prefix = f"{fqn}." if fqn else ""
         for k, b in module._buffers.items():
             name = prefix + k
-            if b is None or name not in plan.keys or k in module._non_persistent_buffers_set:
+            if b is None or not plan.gives(name) or k in module._non_persistent_buffers_set:
                 continue
             value = plan.read_buffer(name, b)
             if b.is_meta:

@@ -59,17 +59,30 @@ def require_transformers() -> Any:
 # ------------------------------------------------------------------------------ in
 
 
-def meta_model(path: str | os.PathLike[str], *, dtype: torch.dtype | None = None, model_cls: Any = None,
-               **model_kwargs: Any) -> nn.Module:
+def meta_model(path: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None, model_cls: Any = None,
+               **kwargs: Any) -> nn.Module:
     """The model of the local folder `path`, built on the meta device from its config.json (no
-    memory, no weights yet): what from_pretrained wraps, and what `tierzero train` sizes first."""
+    memory, no weights yet): what from_pretrained wraps, and what `tierzero train` sizes first.
+
+    `kwargs` are taken as transformers' from_pretrained takes them: those naming a config
+    attribute (num_labels, id2label, ...) change the config, attn_implementation and
+    experts_implementation set the config's choice, `torch_dtype` is the older name of `dtype`
+    ("auto" or None: the config's), and the rest go to the model's constructor."""
     transformers = require_transformers()
     folder = Path(path)
     if not (folder / CONFIG_FILE).is_file():
         raise ValueError(f"from_pretrained: {str(folder)!r} holds no {CONFIG_FILE}; give a local folder "
                          "written by save_pretrained (download a hub model first, e.g. with "
                          "`huggingface-cli download`)")
-    hf_config = transformers.AutoConfig.from_pretrained(folder)
+    torch_dtype = kwargs.pop("torch_dtype", None)
+    dtype = _as_dtype(dtype if dtype is not None else torch_dtype)
+    config_cls = getattr(model_cls, "config_class", None) or transformers.AutoConfig
+    hf_config, model_kwargs = config_cls.from_pretrained(folder, return_unused_kwargs=True, **kwargs)
+    for name in ("attn_implementation", "experts_implementation"):  # as from_pretrained sets them
+        if name in kwargs:
+            model_kwargs.pop(name, None)
+            setattr(hf_config, f"_{name}", kwargs[name])
+    hf_config.name_or_path = str(path)  # as from_pretrained records it
     dtype = dtype or config_dtype(hf_config) or torch.float32
     set_config_dtype(hf_config, dtype)
     with torch.device("meta"), _default_dtype(dtype):
@@ -82,6 +95,17 @@ def meta_model(path: str | os.PathLike[str], *, dtype: torch.dtype | None = None
     if (folder / GENERATION_CONFIG_FILE).is_file() and hasattr(model, "generation_config"):
         model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
     return model
+
+
+def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A dtype given as transformers takes it: a torch dtype, its name ("bfloat16"), or "auto"."""
+    if dtype is None or isinstance(dtype, torch.dtype) or dtype == "auto":
+        return None if dtype == "auto" else dtype
+    value = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"from_pretrained: dtype {dtype!r} is not a torch dtype; give one such as torch.bfloat16, "
+                         "'bfloat16', or 'auto' (the folder's config.json)")
+    return value
 
 
 def require_causal_lm(path: str | os.PathLike[str]) -> None:

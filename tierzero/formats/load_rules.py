@@ -12,21 +12,24 @@ state-dict names, which keys are ignored, and what the load leaves to initialise
 - reported: keys the model does not use and names the checkpoint does not give (newly
   initialised, but those `_keys_to_ignore_on_load_missing` lists and peft's adapters), in one
   warning, as transformers' load report; with `strict=True` they are a ValueError instead.
-  Mis-shaped keys and keys transformers converts (merges, splits) are always an error. All of
-  it is decided before the model changes.
+  Mis-shaped keys and conversions that fail are always an error. All of it is decided before
+  the model changes.
+- converted: keys a transformers converter takes (per-expert MoE tensors merged into one fused
+  tensor, ...) give the model's tensors its outputs name, run block by block at read time
+  ([Note: streamed conversions] in conversions.py).
 """
 
 from __future__ import annotations
 
 import os
 import re
-import sys
 import warnings
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
 
+from tierzero.formats.conversions import Conversion, Converted, conversion_rules, meta_run, natural_order
 from tierzero.formats.weights import WeightPlan, WeightSource, few
 
 PEFT_PREFIX = "base_model.model."
@@ -83,37 +86,33 @@ class _Renamer:
         self.prefix = prefix if isinstance(prefix, str) else ""
         mapping = getattr(type(model), "_checkpoint_conversion_mapping", None)
         self.legacy = dict(mapping) if isinstance(mapping, dict) else {}
-        self.renamings: list[Any] = []
-        self.converters: list[Any] = []
-        self._rename: Callable[..., Any] | None = None
-        transformers = sys.modules.get("transformers")
-        if not self.legacy and transformers is not None and isinstance(model, transformers.PreTrainedModel):
-            try:
-                from transformers.conversion_mapping import get_model_conversion_mapping
-                from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-            except ImportError:  # a transformers without the registry: prefixes only
-                return
-            conversions = get_model_conversion_mapping(model)
-            self.renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
-            self.converters = [c for c in conversions if isinstance(c, WeightConverter)]
-            self._rename = rename_source_key
+        self.renamings, converters, self._rename = conversion_rules(model) if not self.legacy else ([], [], None)
+        self.converters = converters
+        self.converter_of = {p: c for c in converters for p in c.source_patterns}
+        """A converter's source pattern -> the converter (transformers' `pattern_to_converter`)."""
 
-    def __call__(self, key: str) -> tuple[str, bool]:
-        """(the model's name for `key`, whether the key needs a tensor conversion, not a rename)."""
-        converted = False
-        for pattern, replacement in self.legacy.items():
-            key, n = re.subn(pattern, replacement, key)
+    def __call__(self, key: str) -> tuple[str, str | None]:
+        """(the model's name for `key`, the converter source pattern it matched, if any: then the
+        name is the conversion's, whose outputs are fitted with `fit_prefix`)."""
+        original, pattern = key, None
+        for legacy, replacement in self.legacy.items():
+            key, n = re.subn(legacy, replacement, key)
             if n:
                 break
         if self._rename is not None:
             key, pattern = self._rename(key, self.renamings, self.converters)
-            converted = pattern is not None
+        name = self.fit_prefix(key)
+        if name not in self.expected and self.fit_prefix(original) in self.expected:
+            return self.fit_prefix(original), None  # transformers' rule: a key the model has is not renamed
+        return name, pattern
+
+    def fit_prefix(self, key: str) -> str:
         p = self.prefix
         if p and key.startswith(p + ".") and key[len(p) + 1:] in self.expected:
-            key = key[len(p) + 1:]
-        elif p and f"{p}.{key}" in self.expected:
-            key = f"{p}.{key}"
-        return key, converted
+            return key[len(p) + 1:]
+        if p and f"{p}.{key}" in self.expected:
+            return f"{p}.{key}"
+        return key
 
 
 def plan_weights(model: nn.Module, source: WeightSource, *, strict: bool = False) -> WeightPlan:
@@ -128,43 +127,88 @@ def plan_weights(model: nn.Module, source: WeightSource, *, strict: bool = False
     for name in expected:
         names_of.setdefault(cname(name), []).append(name)
     rename = _Renamer(base, set(names_of))
-    found: dict[str, str] = {}
-    unexpected, converted, head = [], [], []
+    found: dict[str, str | Converted] = {}
+    unexpected, head = [], []
+    groups: dict[str, list[tuple[str, str]]] = {}
+    """A conversion's name -> its (source pattern, checkpoint key) pairs, in transformers' order."""
     stripped = False
     ignored = _patterns(base, "_keys_to_ignore_on_load_unexpected") + _generic_ignores(model)
-    for key in source.keys():
-        name, needs_conversion = rename(key)
+    for key in natural_order(source.keys()):
+        name, pattern = rename(key)
         p = rename.prefix
         stripped |= bool(p) and key.startswith(p + ".") and not name.startswith(p + ".")
-        if needs_conversion:
-            converted.append(key)
+        if pattern is not None:
+            groups.setdefault(name, []).append((pattern, key))
         elif name in names_of and name not in found:
             found[name] = key
-        elif not any(re.search(pattern, name) for pattern in ignored):
+        elif not any(re.search(ig, name) for ig in ignored):
             unexpected.append(key)
+    failed = _plan_conversions(base, source, rename, groups, names_of, found, unexpected)
     if stripped:  # a checkpoint of a model with a head, loaded into its base model: the head is not used
         head = [k for k in unexpected if not k.startswith(rename.prefix + ".")]
         unexpected = [k for k in unexpected if k not in head]
-    keys = {n: found[c] for c, ns in names_of.items() if c in found for n in ns}
+    given = {n: found[c] for c, ns in names_of.items() if c in found for n in ns}
     for names in _tied_names(model, expected).values():  # any one name of a tied parameter gives it
-        given = next((n for n in names if n in keys), None)
-        if given is not None:
+        first = next((n for n in names if n in given), None)
+        if first is not None:
             for n in names:
-                keys.setdefault(n, keys[given])
-    absent = [n for n in expected if n not in keys]
+                given.setdefault(n, given[first])
+    absent = [n for n in expected if n not in given]
     adapters = adapter_params(model)
     ignore_missing = _patterns(base, "_keys_to_ignore_on_load_missing")
     new = [n for n in absent if id(expected[n]) not in adapters and not any(re.search(p, n) for p in ignore_missing)]
-    misshaped = [f"{keys[n]!r}: {source.info(keys[n]).shape} in {source.info(keys[n]).file.name}, model "
-                 f"{tuple(t.shape)}" for n, t in expected.items()
-                 if n in keys and tuple(source.info(keys[n]).shape) != tuple(t.shape)]
-    if misshaped or converted or (strict and (new or unexpected)):
-        _mismatch(model, source, new if strict else [], unexpected if strict else [], misshaped, converted)
+    misshaped = [f"{_where(given[n])}: {shape} in {_file(source, given[n])}, model {tuple(t.shape)}"
+                 for n, t in expected.items() if n in given
+                 for shape in [_shape(source, given[n])] if shape != tuple(t.shape)]
+    if misshaped or failed or (strict and (new or unexpected)):
+        _mismatch(model, source, new if strict else [], unexpected if strict else [], misshaped, failed)
     if new or unexpected or head:
         _report(model, source, new, unexpected, head)
-    return WeightPlan(source, keys,
+    return WeightPlan(source, {n: k for n, k in given.items() if isinstance(k, str)},
                       init_buffers=frozenset(n for n in absent if not isinstance(expected[n], nn.Parameter)),
-                      init_params=frozenset(n for n in absent if isinstance(expected[n], nn.Parameter)))
+                      init_params=frozenset(n for n in absent if isinstance(expected[n], nn.Parameter)),
+                      converted={n: k for n, k in given.items() if isinstance(k, Converted)})
+
+
+def _plan_conversions(model: nn.Module, source: WeightSource, rename: _Renamer,
+                      groups: dict[str, list[tuple[str, str]]], names_of: dict[str, list[str]],
+                      found: dict[str, str | Converted], unexpected: list[str]) -> list[str]:
+    """Each group of keys a transformers converter takes (see [Note: streamed conversions]), run
+    on meta tensors: its outputs the model has go into `found`, its keys into `unexpected` when
+    it has none. Returns the conversions that failed, as messages."""
+    failed = []
+    for target, sources in groups.items():
+        converter = rename.converter_of[sources[0][0]]
+        conversion = Conversion(converter, target, tuple(sources), getattr(model, "config", None))
+        try:
+            outputs = meta_run(conversion, lambda k: (source.info(k).shape, source.torch_dtype(k)))
+        except Exception as e:  # the converter's own error: too few experts, shapes that do not stack
+            failed.append(f"{target!r} from {few([k for _, k in sources], 2)}: {type(e).__name__}: {e}")
+            continue
+        used = False
+        for out, (shape, _) in outputs.items():
+            name = rename.fit_prefix(out)
+            if name in names_of and name not in found:
+                found[name] = Converted(conversion, out, shape)
+                used = True
+        if not used:
+            unexpected.extend(k for _, k in sources)
+    return failed
+
+
+def _shape(source: WeightSource, given: str | Converted) -> tuple[int, ...]:
+    return given.shape if isinstance(given, Converted) else tuple(source.info(given).shape)
+
+
+def _where(given: str | Converted) -> str:
+    if isinstance(given, Converted):
+        return f"{given.name!r} (converted by transformers from {len(given.conversion.sources)} key(s))"
+    return repr(given)
+
+
+def _file(source: WeightSource, given: str | Converted) -> str:
+    key = given.conversion.sources[0][1] if isinstance(given, Converted) else given
+    return source.info(key).file.name
 
 
 def _generic_ignores(model: nn.Module) -> list[str]:
@@ -196,7 +240,7 @@ def _report(model: nn.Module, source: WeightSource, new: list[str], unused: list
 
 
 def _mismatch(model: nn.Module, source: WeightSource, missing: list[str], unexpected: list[str],
-              misshaped: list[str], converted: list[str]) -> None:
+              misshaped: list[str], failed: list[str]) -> None:
     def where(ks: list[str]) -> str:
         return few(sorted({source.info(k).file.name for k in ks}), 3)
 
@@ -207,11 +251,8 @@ def _mismatch(model: nn.Module, source: WeightSource, missing: list[str], unexpe
         parts.append(f"{len(unexpected)} unexpected key(s): {few(unexpected)} (in {where(unexpected)})")
     if misshaped:
         parts.append(f"{len(misshaped)} key(s) with the wrong shape: {few(misshaped, 3)}")
-    if converted:
-        parts.append(f"{len(converted)} key(s) that transformers converts (merges or splits) on load, which a "
-                     f"streaming load does not do: {few(converted, 3)} (in {where(converted)}); load it "
-                     "once with transformers' from_pretrained and save it in the converted layout "
-                     "(save_pretrained(folder, save_original_format=False))")
+    if failed:
+        parts.append(f"{len(failed)} conversion(s) transformers registers for the class failed: {few(failed, 2)}")
     raise ValueError(f"weights {str(source.path)!r} ({len(source.files)} safetensors file(s)) do not match "
                      f"{type(model).__name__}: {'; '.join(parts)}. Give the checkpoint of this model class and "
                      "config, or build the model from the checkpoint's config")

@@ -8,7 +8,9 @@ Phases of `tz.wrap(model, config, weights=PATH)` (and of `tz.load_weights(model,
    file that is not a safetensors file, is a ValueError naming it.
 2. resolve (load_rules.py, `plan_weights`): each checkpoint key is mapped to the model's
    state-dict names by transformers' rules for the model's class (renamings, base-model prefix,
-   ignored keys; peft's names mapped to its base model's); keys the model lacks are reported,
+   ignored keys; peft's names mapped to its base model's; keys its converters merge or split,
+   such as a MoE's per-expert tensors, converted when their block is read, see conversions.py);
+   keys the model lacks are reported,
    parameters the checkpoint lacks are initialised as transformers initialises new modules.
 3. buffers and missing parameters (buffers.py): non-persistent buffers still on the meta device
    (rotary `inv_freq`, computed in `__init__` and in no checkpoint) are made real and computed
@@ -45,6 +47,7 @@ from typing import Any, Iterable, Iterator, NamedTuple
 import torch
 from safetensors import safe_open
 
+from tierzero.formats.conversions import Converted
 from tierzero.formats.safetensors_file import DTYPES, read_header
 from tierzero.layout import FlatLayout
 from tierzero.placement import CheckpointHome, Segment, SwapSpace
@@ -156,6 +159,10 @@ class WeightSource:
     def info(self, key: str) -> TensorInfo:
         return self._info[key]
 
+    def torch_dtype(self, key: str) -> torch.dtype:
+        """The torch dtype of tensor `key` in its file."""
+        return _DTYPES.get(self._info[key].dtype, torch.float32)
+
     def read(self, key: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Elements [start, stop) of the tensor `key` flattened, as a 1-D CPU tensor in the file's
         dtype, reading only the rows (first dimension) that hold them. The tensor views the
@@ -262,6 +269,26 @@ class WeightPlan:
     own: dict[str, torch.Tensor] = field(default_factory=dict)
     """Values of the parameters the checkpoint does not give (initialised, or the model's own
     when they were real), by name: filled by buffers.init_params, read instead of the files."""
+    converted: dict[str, Converted] = field(default_factory=dict)
+    """Model state-dict names given by a transformers conversion of checkpoint keys (run at read
+    time: [Note: streamed conversions])."""
+    _made: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)
+    """The outputs of the conversions run for the shard being read, by id(conversion): a
+    conversion with several outputs runs once per shard. Emptied after each shard."""
+
+    def gives(self, name: str) -> bool:
+        """Whether the checkpoint gives `name` (as a key or through a conversion)."""
+        return name in self.keys or name in self.converted
+
+    def _read(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of the checkpoint's tensor for `name`, flattened."""
+        given = self.converted.get(name)
+        if given is None:
+            return self.source.read(self.keys[name], start, stop)
+        made = self._made.get(id(given.conversion))
+        if made is None:
+            made = self._made[id(given.conversion)] = given.conversion.run(self.source.read_full)
+        return made[given.name].reshape(-1)[start:stop]
 
     def read_shard(self, request: ShardRequest, *, rank: int, swap: SwapSpace | None = None) -> LoadedShard:
         """This rank's shard of a flat tensor of `request.layout` (the parameters' values cast to
@@ -282,9 +309,10 @@ class WeightPlan:
             if a < b and slot.fqn in self.own:
                 out[a - lo:b - lo].copy_(self.own[slot.fqn].reshape(-1)[a - slot.offset:b - slot.offset].to(dtype))
             elif a < b:
-                values = self.source.read(self.keys[slot.fqn], a - slot.offset, b - slot.offset)
+                values = self._read(slot.fqn, a - slot.offset, b - slot.offset)
                 out[a - lo:b - lo].copy_(values.to(dtype))
                 del values
+        self._made.clear()
         self.source.release()  # the pages of this block's rows leave memory with the maps
         return LoadedShard(out, None)
 
@@ -294,7 +322,8 @@ class WeightPlan:
         parameter and every tensor the shard covers in the file have the shard's dtype. None
         otherwise (a conversion)."""
         dtype, layout = request.out_dtype, request.layout
-        if any(d != dtype for d in request.dtypes) or any(s.fqn in self.own for s in layout.slots):
+        if any(d != dtype for d in request.dtypes) or any(s.fqn in self.own or s.fqn in self.converted
+                                                          for s in layout.slots):
             return None
         lo, hi = layout.shard_range(rank)
         out = []
@@ -331,4 +360,4 @@ class WeightPlan:
     def read_buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """The checkpoint's value of persistent buffer `name`, in `like`'s dtype, on the CPU (may
         view the file's map: copy it to keep it)."""
-        return self.source.read_full(self.keys[name]).to(like.dtype)
+        return self._read(name, 0, like.numel()).reshape(like.shape).to(like.dtype)

@@ -30,13 +30,13 @@ from torch import nn
 
 from tierzero import runtime
 from tierzero.config import Config, parse_size
-from tierzero.formats import (TensorSpec, adapter_params, base_model, kept_names, meta_model, peft_base_name,
-                              persistent_buffers, saved_dtype, write_config_files, write_weights_folder)
+from tierzero.formats import (TensorSpec, adapter_params, base_model, kept_names, meta_model, original_format_specs,
+                              peft_base_name, persistent_buffers, saved_dtype, write_config_files, write_weights_folder)
 from tierzero.runtime import FlatParam, model_dtype
 
 
-def from_pretrained(path: str | os.PathLike[str], config: Config, *, dtype: torch.dtype | None = None,
-                    model_cls: Any = None, strict: bool = False, **model_kwargs: Any) -> nn.Module:
+def from_pretrained(path: str | os.PathLike[str], config: Config, *, dtype: torch.dtype | str | None = None,
+                    model_cls: Any = None, strict: bool = False, **kwargs: Any) -> nn.Module:
     """A transformers model from the local folder `path` (a causal LM, or `model_cls`: an
     encoder, a classifier, ...), wrapped by tierzero with its weights streamed in: the folder's
     config.json is read, the model is built on the meta device (no memory), then
@@ -45,19 +45,22 @@ def from_pretrained(path: str | os.PathLike[str], config: Config, *, dtype: torc
     checkpoint) is initialised by the model's own `_init_weights` and named in one warning,
     checkpoint keys the model does not use are ignored (strict=True: both are errors).
 
-    dtype: the dtype of the parameters' values (None: the folder's config `dtype` /
-    `torch_dtype`, else float32); tierzero computes in `config.compute_dtype`. model_cls: a
-    model class to build instead of AutoModelForCausalLM (its `_from_config`, else
-    `model_cls(hf_config)`); model_kwargs go to that construction (e.g. attn_implementation).
+    dtype (or torch_dtype, its older name): the dtype of the parameters' values (None or "auto":
+    the folder's config `dtype` / `torch_dtype`, else float32); tierzero computes in
+    `config.compute_dtype`. model_cls: a model class to build instead of AutoModelForCausalLM
+    (its `_from_config`, else `model_cls(hf_config)`). kwargs are transformers' from_pretrained
+    keywords, taken as it takes them: config attributes (num_labels, id2label, ...) change the
+    config, attn_implementation chooses the attention, the others go to the model's constructor.
     The folder's generation_config.json, when there is one, becomes `model.generation_config`.
     """
-    model = runtime.wrap(meta_model(path, dtype=dtype, model_cls=model_cls, **model_kwargs), config, weights=path,
+    model = runtime.wrap(meta_model(path, dtype=dtype, model_cls=model_cls, **kwargs), config, weights=path,
                          strict=strict)
     return model.eval()  # as transformers' from_pretrained returns it; training sets train()
 
 
 def save_pretrained(model: nn.Module, out_dir: str | os.PathLike[str], *, dtype: torch.dtype | None = None,
-                    max_shard_size: int | str = "5GB", merge_adapters: bool = False) -> Path:
+                    max_shard_size: int | str = "5GB", merge_adapters: bool = False,
+                    save_original_format: bool = True) -> Path:
     """Write the wrapped transformers model as a folder `transformers.AutoModelForCausalLM.
     from_pretrained(out_dir)` loads (see the module docstring), one block's values in memory at
     a time; returns `out_dir`.
@@ -65,7 +68,10 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike[str], *, dtype:
     dtype: the saved values' dtype for floating tensors (None: the parameters' original dtypes);
     config.json records it. max_shard_size: bytes per file, an int or "5GB" / "2GiB" (a larger
     tensor gets a file of its own). With several ranks every rank must call it (the values are
-    gathered); rank 0 writes.
+    gathered); rank 0 writes. save_original_format (True, transformers' default): the tensors
+    transformers converts on load (a MoE's fused experts, ...) are written as its save_pretrained
+    writes them, one tensor per expert (its `revert_weight_conversion`, one flat tensor at a
+    time); False: under the model's own names, as `save_pretrained(save_original_format=False)`.
 
     The folder appears whole or not at all: it is written as `.tmp-<name>-<pid>/` next to
     `out_dir`, fsynced, then renamed. An existing `out_dir` (a model folder, or empty: anything
@@ -95,7 +101,8 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike[str], *, dtype:
         raise ValueError(f"save_pretrained: {type(model).__name__} has no transformers `config`; save a "
                          "transformers model, or use tz.save_safetensors(tz.full_state_dict(model), path)")
     limit = parse_size(max_shard_size, what="save_pretrained: max_shard_size")
-    specs = model_specs(state, dtype, _Merge(model, state) if merge_adapters else None)
+    specs = model_specs(state, dtype, _Merge(model, state) if merge_adapters else None,
+                        save_original_format=save_original_format)
     saved = dtype or model_dtype(state)
     out = Path(out_dir)
     failure: Exception | None = None
@@ -193,11 +200,13 @@ class Specs(list):
     values: _FlatValues
 
 
-def model_specs(state: runtime.TieredState, dtype: torch.dtype | None, merge: _Merge | None = None) -> Specs:
+def model_specs(state: runtime.TieredState, dtype: torch.dtype | None, merge: _Merge | None = None, *,
+                save_original_format: bool = True) -> Specs:
     """The saved tensors of a wrapped model in read order: each parameter once (under the name
-    `kept_names` picks), flat tensor by flat tensor, then the persistent buffers. With a `merge`:
-    the base model of a peft model, under its own names, without the adapters (and without
-    peft's copy of a module to save as it was), the adapters merged in."""
+    `kept_names` picks), flat tensor by flat tensor, then the persistent buffers; with
+    `save_original_format`, each flat tensor's in transformers' original format (conversions
+    reverted). With a `merge`: the base model of a peft model, under its own names, without the
+    adapters (and without peft's copy of a module to save as it was), the adapters merged in."""
     names = kept_names(state.model)
     rename = (lambda name: name) if merge is None else peft_base_name
     skip = set() if merge is None else adapter_params(state.model)
@@ -205,11 +214,16 @@ def model_specs(state: runtime.TieredState, dtype: torch.dtype | None, merge: _M
              if id(p) not in skip and (merge is None or ".original_module." not in names[id(p)])]
     specs = Specs()
     specs.values = values = _FlatValues(list(dict.fromkeys(flat for flat, _, _ in saved)), merge)
+    chunks: dict[Any, list[TensorSpec]] = {}
     for flat, i, name in saved:
         out = saved_dtype(flat.orig_dtypes[i], dtype)
-        specs.append(TensorSpec(rename(name), tuple(flat.layout.slots[i].shape), out,
-                                lambda f=flat, i=i, d=out: values.get(f)[i].to(d)))
+        chunks.setdefault(flat, []).append(TensorSpec(rename(name), tuple(flat.layout.slots[i].shape), out,
+                                                      lambda f=flat, i=i, d=out: values.get(f)[i].to(d)))
     for name, buf in persistent_buffers(state.model).items():
         out = saved_dtype(buf.dtype, dtype)
-        specs.append(TensorSpec(rename(name), tuple(buf.shape), out, lambda b=buf, d=out: b.detach().to("cpu", d)))
+        chunks.setdefault(None, []).append(TensorSpec(rename(name), tuple(buf.shape), out,
+                                                      lambda b=buf, d=out: b.detach().to("cpu", d)))
+    target = base_model(state.model) if merge is not None else state.model
+    specs += (original_format_specs(target, list(chunks.values())) if save_original_format
+              else [s for chunk in chunks.values() for s in chunk])
     return specs

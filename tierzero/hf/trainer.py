@@ -25,7 +25,9 @@ from transformers.training_args import OptimizerNames, ParallelMode
 
 from tierzero import runtime
 from tierzero.checkpoint import load_checkpoint, open_checkpoint, save_checkpoint
+from tierzero.formats import is_peft
 from tierzero.hf.loss import causal_lm_loss
+from tierzero.hf.pretrained import save_pretrained
 from tierzero.optim import AdamW, TieredOptimizer, clip_grad_norm_
 
 __all__ = ["Trainer", "TIERZERO_DIR"]
@@ -60,11 +62,16 @@ class Trainer(transformers.Trainer):
       device, wrap moved the buffers), and `model.to(other_device)` would copy every zero-stride
       placeholder into a full-size tensor.
     - `_save_checkpoint` / `save_model` / `_save_optimizer_and_scheduler`: a Trainer checkpoint
-      (`output_dir/checkpoint-N/`) holds the model's and optimizer's state as a tz.save_checkpoint
-      folder `tierzero/` (streamed from the tiers, no full state dict in RAM; the optimizer left
-      out with save_only_model), beside the Trainer's own config.json, training_args.bin,
-      scheduler.pt, rng_state.pth and trainer_state.json. `save_model` outside a checkpoint (the
-      user's export) is the plain Trainer's.
+      (`output_dir/checkpoint-N/`) holds what the plain Trainer's holds for other tools (a peft
+      model's adapter_config.json and adapter_model.safetensors, which PeftModel.from_pretrained
+      loads; else the model as a transformers folder, config.json and model.safetensors streamed
+      out by tz.save_pretrained, which from_pretrained loads), and, for an exact resume, the
+      model's and optimizer's state as a tz.save_checkpoint folder `tierzero/` (streamed from
+      the tiers, no full state dict in RAM; the optimizer left out with save_only_model), beside
+      the Trainer's own training_args.bin, scheduler.pt, rng_state.pth and trainer_state.json.
+      export_weights=False leaves the weights out (a model too large to write twice a
+      checkpoint: `tierzero export output_dir/checkpoint-N/tierzero --to DIR` writes the same
+      folder later). `save_model` outside a checkpoint (the user's export) is the plain Trainer's.
     - `_load_from_checkpoint` / `_load_optimizer_and_scheduler`: resuming loads that folder with
       tz.load_checkpoint once the optimizer exists (the second method; the first only checks the
       folder is a tierzero one), then the scheduler.
@@ -85,9 +92,11 @@ class Trainer(transformers.Trainer):
     when no optimizer is given, and chunked_loss with label smoothing or a compute_loss_func.
     """
 
-    def __init__(self, model: nn.Module | None = None, *args: Any, chunked_loss: bool = False, **kwargs: Any) -> None:
+    def __init__(self, model: nn.Module | None = None, *args: Any, chunked_loss: bool = False,
+                 export_weights: bool = True, **kwargs: Any) -> None:
         super().__init__(model, *args, **kwargs)
         self.chunked_loss = chunked_loss
+        self.export_weights = export_weights
         self._check_args()
         if self.model is not None:
             self._check_model(self.model)
@@ -210,15 +219,29 @@ class Trainer(transformers.Trainer):
         if not self._saving_checkpoint:
             return super().save_model(output_dir, _internal_call)
         assert output_dir is not None
+        saved = self.args.should_save and self.export_weights and self._save_loadable(output_dir)
         optimizer = None if self.args.save_only_model else self.tiered_optimizer
         save_checkpoint(Path(output_dir) / TIERZERO_DIR, self.model, optimizer)
         if self.args.should_save:
             config = getattr(self.model, "config", None)
-            if config is not None and hasattr(config, "save_pretrained"):
+            if not saved and not is_peft(self.model) and hasattr(config, "save_pretrained"):
                 config.save_pretrained(output_dir)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def _save_loadable(self, output_dir: str) -> bool:
+        """What the plain Trainer's checkpoint holds for other tools, written before the tiered
+        state: a peft model's adapter files (peft's save_pretrained), else a transformers model
+        as its folder (tz.save_pretrained, streamed; it replaces the folder whole, so it goes
+        first). False for a model that is neither (its weights are in tierzero/ only)."""
+        if is_peft(self.model):
+            self.model.save_pretrained(output_dir)
+            return True
+        if not callable(getattr(getattr(self.model, "config", None), "save_pretrained", None)):
+            return False
+        save_pretrained(self.model, output_dir)
+        return True
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         # the optimizer's state went into tierzero/ with the model's (save_model)
