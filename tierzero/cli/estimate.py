@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from tierzero import formats, hf
+from tierzero import formats
 from tierzero.cli.flags import (add_activation_flags, add_placement_flags, add_rate_flags, add_zero_flags,
                                 activations_from_flags, placement_from_flags, rates_from_flags, zero_from_flags)
-from tierzero.cli.harness import batch_loss
+from tierzero.cli.harness import batch_loss, with_lora
 from tierzero.config import TIER_NAMES, Config, format_size, machine_budgets, parse_size
 from tierzero.formats import meta_model
 from tierzero.models import CONFIGS, build
@@ -54,8 +54,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--batch", type=int, default=None, help="with --seq: measure the activations of a step")
     p.add_argument("--seq", type=int, default=None, help="with --batch: measure the activations of a step")
     add_activation_flags(p)
+    p.add_argument("--lora", type=int, default=0, metavar="R",
+                   help="LoRA adapters of rank R on every linear layer of a transformers folder's model, the base "
+                        "frozen (on --frozen's tier), as `tierzero train --lora R` trains them")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.lora < 0 or (args.lora and args.model in CONFIGS):
+        p.error(f"--lora: expected a rank >= 1 with a transformers model folder, got --lora {args.lora} "
+                f"--model {args.model}")
     if args.world_size < 1:
         p.error(f"--world-size: expected an int >= 1, got {args.world_size}")
     if (args.batch is None) != (args.seq is None) or min(args.batch or 1, args.seq or 1) < 1:
@@ -76,6 +82,8 @@ def main(argv: list[str]) -> int:
                  **placement_from_flags(args), **zero_from_flags(args), **activations_from_flags(args))
     try:
         model = _meta_model(args.model)
+        if args.lora:
+            model = with_lora(model, args.lora)
     except (ValueError, ImportError) as e:
         p.error(str(e))
     est = estimate(model, cfg, args.world_size)
@@ -99,7 +107,7 @@ def main(argv: list[str]) -> int:
     }
     acts = None
     if args.batch is not None:
-        acts = _activations(args, cfg)
+        acts = _activations(args, cfg, model)
         result["activations"] = _activations_json(acts, est, cfg, budgets)
     if args.json:
         print(json.dumps(result))
@@ -132,13 +140,12 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _activations(args: argparse.Namespace, cfg: Config) -> ActivationModel:
+def _activations(args: argparse.Namespace, cfg: Config, model: torch.nn.Module) -> ActivationModel:
     """The activations of a step of the model as `tierzero train` runs it (a built-in GPT on
-    bytes of text), measured at --seq and twice it."""
+    bytes of text; a transformers folder's `model`, with its adapters under --lora), measured
+    at --seq and twice it."""
     if args.model in CONFIGS:
         model = build(args.model, device="meta", vocab_size=formats.VOCAB_SIZE, seq_len=2 * args.seq)
-    else:
-        model = hf.meta_model(args.model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     loss = functools.partial(measured_loss, chunked=args.chunked_loss)
     return activation_model(model, cfg, loss, batch=args.batch, seq=args.seq, device=device)
