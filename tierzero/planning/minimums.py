@@ -23,14 +23,19 @@ Measured against bisection on tiny transformers folders (tests/planning/test_est
 a run trains at these budgets and is refused at 0.9x of any one of them.
 
 [Note: expected NVMe bytes]
-`step_traffic` is the traffic with nothing cached. A step reads less where the host has room
-beyond its least budget: blocks sweep forward then backward, so what stays cached from one pass
-is used first by the next, and each pass reads what does not fit. With R bytes of NVMe-homed
-parameters read twice a step (forward, backward) and C bytes of host room to cache in, each pass
-reads max(0, R - C): the parameters are cached first (read twice), then the optimizer states
-and gradients (read once) from what room is left. Writes are not cached away: every updated
-tensor goes home once a step. Device copies cache too and are not counted, so at a small host
-room the figure errs high (measured in docs/estimate.md).
+`step_traffic` is the traffic with nothing cached. A step moves less where memory keeps copies:
+blocks sweep forward then backward, so what stays cached from one pass is used first by the
+next. At the least budgets (the most a step reads) a frozen base's root block stays on the
+device and the block backward starts with is the one forward ended with: each pass reads the
+base less those (trainable parameters are rewritten by each step, so their reads stay as
+step_traffic counts them). Room beyond the least budgets caches more, how much depends on the
+prefetch policy and on compute against the disk (Adaptive reads far ahead into host memory
+where compute is slow; with fast compute it fetches two blocks ahead and the spare room caches
+little): the fewest reads count every spare byte of the host and the device as cache, the
+parameters first (read twice), then the optimizer states and gradients (read once, host room
+only). Writes are not cached away: every updated tensor goes home once a step. Measured (tests/
+planning/test_estimate_measured.py, docs/estimate.md): within 10 % of the most at the least
+budgets, between the two elsewhere.
 """
 
 from __future__ import annotations
@@ -120,20 +125,25 @@ def _read_staging(tensors: list[FlatTensor]) -> int:
                default=0)
 
 
-def expected_traffic(least: Traffic, tensors: list[FlatTensor], spare: dict[str, int]) -> Traffic:
-    """`least` (step_traffic: nothing cached) less the reads that `spare` bytes of each tier
-    beyond its least budget save (see [Note: expected NVMe bytes])."""
+def expected_traffic(least: Traffic, tensors: list[FlatTensor], spare: dict[str, int]) -> tuple[Traffic, Traffic]:
+    """The NVMe bytes a step is expected to move, (fewest, most): `least` (step_traffic:
+    nothing cached) where what the least budgets keep cached is taken off (the most), and less
+    what `spare` bytes of each tier beyond its least budget can cache (the fewest); see
+    [Note: expected NVMe bytes]."""
+    most = Traffic({k: dict(v) for k, v in least.by_kind.items()})
+    frozen = [t for t in tensors if t.kind == "frozen" and t.home == "nvme"]
+    if frozen and most.by_kind["frozen"]["read"]:
+        # the root stays on the device (nothing rewrites it) and the turning block serves both passes
+        blocks = [t.nbytes for t in frozen if t.block != ROOT]
+        most.by_kind["frozen"]["read"] = 2 * max(0, sum(blocks) - max(blocks, default=0))
+    fewest = Traffic({k: dict(v) for k, v in most.by_kind.items()})
     host = max(0, spare.get("host", 0))
     room = host + max(0, spare.get("device", 0))  # parameters are cached on either
-    out = Traffic({k: dict(v) for k, v in least.by_kind.items()})
     for kinds, passes in ((("params", "frozen"), 2), (("master", "moments", "grads"), 1)):
         for kind in kinds:
-            nvme = sum(t.nbytes for t in tensors if t.kind == kind and t.home == "nvme")
-            read = out.by_kind[kind]["read"]
-            if not nvme or not read:
-                continue
-            cached = min(room, nvme)
-            out.by_kind[kind]["read"] = max(0, read - passes * cached)
+            read = fewest.by_kind[kind]["read"]
+            cached = min(room, read // passes)
+            fewest.by_kind[kind]["read"] = read - passes * cached
             room -= cached
         room = min(room, host)  # what is left of the host's room (the device caches no states)
-    return out
+    return fewest, most
