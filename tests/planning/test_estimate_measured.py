@@ -1,7 +1,7 @@
 """The estimate against measured runs on tiny transformers folders (issue 43): each tier's least
 budget is one a run trains in and 0.9x of it is refused; at those budgets the tiers' peaks are
-within 10 % of it and a step's NVMe reads within 10 % of the most the estimate expects (the
-README's LoRA placement among the configurations); `tierzero estimate` on a folder with
+within 10 % of it and a step's NVMe reads within the range the estimate expects, within 10 % of
+its most for the README's LoRA placement (a frozen base on NVMe); `tierzero estimate` on a folder with
 --batch/--seq and --lora reports every tier's least budget at once."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from tierzero import runtime
 from tierzero.cli import main
 from tierzero.hf import meta_model
 from tierzero.planning import expected_traffic, flat_tensors, least_budgets, param_counts, step_traffic
+from tierzero.planning.minimums import round_up
 import builders
 
 pytest.importorskip("transformers")
@@ -89,11 +90,16 @@ def test_least_budgets_train_and_nine_tenths_are_refused(folder: Path, tmp_path:
     peaks, reads = train(folder, lora, cfg)
     for t in ("device", "host"):  # the run filled what the estimate said it needs, no more
         assert 0.9 * least[t] <= peaks[t] <= least[t], (t, peaks, least)
-    counts = param_counts(model, cfg)
-    _, most = expected_traffic(step_traffic(counts.params, cfg, trainable=counts.trainable),
-                               flat_tensors(model, cfg), dict.fromkeys(("device", "host"), 0))
+    counts, tensors = param_counts(model, cfg), flat_tensors(model, cfg)
+    traffic = step_traffic(counts.params, cfg, trainable=counts.trainable)
+    _, most = expected_traffic(traffic, tensors, dict.fromkeys(("device", "host"), 0))
+    # the working sets' room caches too while they are not in use, timing decides how much
+    working = {t: least[t] - sum(round_up(x.nbytes) for x in tensors if x.home == t) for t in ("device", "host")}
+    fewest, _ = expected_traffic(traffic, tensors, working)
     for got in reads[1:]:  # the first step also reads what the load left on NVMe
-        assert abs(got - most.read) <= 0.1 * most.read, (reads, most.to_json())
+        assert fewest.read <= got <= 1.1 * most.read, (reads, fewest.read, most.read)
+        if lora:  # a frozen base is never rewritten: the least budgets read the most, as predicted
+            assert abs(got - most.read) <= 0.1 * most.read, (reads, most.read)
     for t in ("device", "host"):
         with pytest.raises((ValueError, RuntimeError), match=f"{t}_budget"):
             train(folder, lora, config(tmp_path / t, placement, {**at, t: int(0.9 * least[t])}))

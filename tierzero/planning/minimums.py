@@ -46,10 +46,16 @@ import torch
 from torch import nn
 
 from tierzero.config import MASTER_BYTES_PER_PARAM, TIER_NAMES, Config
-from tierzero.layout import ROOT, ZeroStage, blocks_of
-from tierzero.layout.sizes import fetched_bytes, flat_groups
-from tierzero.placement.tiers import round_up
+from tierzero.layout import ROOT, ZeroStage, blocks_of, fetched_bytes, flat_groups
 from tierzero.planning.traffic import Traffic
+
+PAGE = 4096
+"""Bytes the tiers' allocators round every buffer up to (tierzero/placement/tiers.py's ALIGNMENT)."""
+
+
+def round_up(nbytes: int) -> int:
+    """The bytes a buffer of `nbytes` takes from a tier's budget."""
+    return -(-nbytes // PAGE) * PAGE
 
 
 @dataclass(frozen=True)
