@@ -35,7 +35,7 @@ def _meta_model(name: str) -> torch.nn.Module:
     return meta_model(name)
 
 
-def main(argv: list[str]) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tierzero estimate",
                                 description="bytes per tier for a model and a config")
     p.add_argument("--model", default="125m", metavar="NAME|FOLDER",
@@ -59,6 +59,11 @@ def main(argv: list[str]) -> int:
                    help="LoRA adapters of rank R on every linear layer of a transformers folder's model, the base "
                         "frozen (on --frozen's tier), as `tierzero train --lora R` trains them")
     p.add_argument("--json", action="store_true")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     if args.lora < 0 or (args.lora and args.model in CONFIGS):
         p.error(f"--lora: expected a rank >= 1 with a transformers model folder, got --lora {args.lora} "
