@@ -43,7 +43,9 @@ def check_room(model: torch.nn.Module, cfg: tz.Config, world_size: int = 1) -> E
             + ". Raise " + " ".join(f"{flags[t]} {least[t]}" for t in short)
             + " (bytes; `tierzero estimate` prints them)"
             + "".join(f", or move state from {t} to {lower[t]}" for t in short if t in lower)
-            + (", or raise --zero-stage" if cfg.zero_stage < 3 else ""))
+            + (", or raise --zero-stage" if cfg.zero_stage < 3 else "")
+            + (f"; the device's least holds the prefetch reserve ({format_size(reserve)}): lower it"
+               if "device" in short and (reserve := _reserve(cfg)) else ""))
     on_disk = est.home["nvme"] * world_size
     if on_disk:
         free = free_disk_bytes(cfg.nvme_dir)
@@ -58,6 +60,12 @@ def check_room(model: torch.nn.Module, cfg: tz.Config, world_size: int = 1) -> E
 def pretrained(args: argparse.Namespace) -> bool:
     """--model names a transformers folder, not a built-in GPT."""
     return args.model not in CONFIGS
+
+
+
+def _reserve(cfg: tz.Config) -> int:
+    """Device bytes the bytes policy reserves for blocks fetched ahead (0 for other policies)."""
+    return (cfg.prefetch.reserve or 0) if cfg.prefetch.policy == "bytes" else 0
 
 
 def meta_model(args: argparse.Namespace) -> tuple[torch.nn.Module, tzdata.Tokenizer | None]:
