@@ -73,6 +73,10 @@ def test_budget_too_small_for_the_state_it_must_hold(tmp_path: Path, capsys: Any
     assert run_cli(tmp_path, "--host-budget", "1MiB") == 2  # everything on host: ~16 MiB
     err = capsys.readouterr().err
     assert "--host-budget 1.00 MiB is too small" in err and "on host" in err and "nvme" in err
+    assert run_cli(tmp_path, "--host-budget", "1MiB", "--device-budget", "64KiB") == 2
+    err = capsys.readouterr().err  # every tier that falls short at once, each with its least budget
+    assert "--device-budget 64.00 KiB is too small" in err and "--host-budget 1.00 MiB is too small" in err
+    assert err.count("Raise --device-budget ") == 1 and " --host-budget " in err.split("Raise ")[1]
 
 
 def test_nvme_dir_on_a_disk_without_room(tmp_path: Path, capsys: Any, monkeypatch: Any) -> None:

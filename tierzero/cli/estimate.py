@@ -13,15 +13,16 @@ from pathlib import Path
 
 import torch
 
-from tierzero import formats, hf
+from tierzero import formats
 from tierzero.cli.flags import (add_activation_flags, add_placement_flags, add_rate_flags, add_zero_flags,
                                 activations_from_flags, placement_from_flags, rates_from_flags, zero_from_flags)
-from tierzero.cli.harness import batch_loss
+from tierzero.cli.harness import batch_loss, with_lora
 from tierzero.config import TIER_NAMES, Config, format_size, machine_budgets, parse_size
 from tierzero.formats import meta_model
 from tierzero.models import CONFIGS, build
-from tierzero.planning import (PLACEMENTS, ActivationBytes, ActivationModel, Estimate, activation_model, estimate,
-                               largest_trainable, step_traffic)
+from tierzero.planning import (PLACEMENTS, ActivationBytes, ActivationModel, DriveRates, Estimate, Traffic,
+                               activation_model, estimate, expected_traffic, flat_tensors, largest_trainable,
+                               least_budgets, param_counts, step_traffic)
 
 
 def _meta_model(name: str) -> torch.nn.Module:
@@ -34,7 +35,7 @@ def _meta_model(name: str) -> torch.nn.Module:
     return meta_model(name)
 
 
-def main(argv: list[str]) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tierzero estimate",
                                 description="bytes per tier for a model and a config")
     p.add_argument("--model", default="125m", metavar="NAME|FOLDER",
@@ -54,8 +55,19 @@ def main(argv: list[str]) -> int:
     p.add_argument("--batch", type=int, default=None, help="with --seq: measure the activations of a step")
     p.add_argument("--seq", type=int, default=None, help="with --batch: measure the activations of a step")
     add_activation_flags(p)
+    p.add_argument("--lora", type=int, default=0, metavar="R",
+                   help="LoRA adapters of rank R on every linear layer of a transformers folder's model, the base "
+                        "frozen (on --frozen's tier), as `tierzero train --lora R` trains them")
     p.add_argument("--json", action="store_true")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    p = _parser()
     args = p.parse_args(argv)
+    if args.lora < 0 or (args.lora and args.model in CONFIGS):
+        p.error(f"--lora: expected a rank >= 1 with a transformers model folder, got --lora {args.lora} "
+                f"--model {args.model}")
     if args.world_size < 1:
         p.error(f"--world-size: expected an int >= 1, got {args.world_size}")
     if (args.batch is None) != (args.seq is None) or min(args.batch or 1, args.seq or 1) < 1:
@@ -76,55 +88,46 @@ def main(argv: list[str]) -> int:
                  **placement_from_flags(args), **zero_from_flags(args), **activations_from_flags(args))
     try:
         model = _meta_model(args.model)
+        if args.lora:
+            model = with_lora(model, args.lora)
     except (ValueError, ImportError) as e:
         p.error(str(e))
     est = estimate(model, cfg, args.world_size)
     assert est.per_rank is not None and est.layout_per_rank is not None and est.comm is not None
-    traffic = step_traffic(est.params, cfg, world_size=args.world_size)
+    least = least_budgets(model, cfg, args.world_size)
+    traffic = step_traffic(est.params, cfg, world_size=args.world_size, trainable=param_counts(model, cfg).trainable)
+    fewest, most = expected_traffic(traffic, flat_tensors(model, cfg, args.world_size),
+                                    {t: budgets[t] - least[t] for t in TIER_NAMES})
     floor = None if rates is None else rates.floor_s(traffic.read, traffic.write)
     largest, placement = largest_trainable(machine, args.nvme_dir)
     result = {
         "model": args.model, "params": est.params, "state_bytes": est.state_bytes,
         "placement": {"params": cfg.params, "grads": cfg.grads,
-                      "optimizer_states": cfg.optimizer_states},
+                      "optimizer_states": cfg.optimizer_states, "frozen": cfg.frozen_tier},
         "world_size": args.world_size, "zero_stage": cfg.zero_stage,
         "compute_dtype": cfg.compute_dtype_name(cuda=torch.cuda.is_available()), "grad_dtype": cfg.grad_dtype,
         "per_rank_bytes": est.per_rank.as_dict(), "per_rank_tier_bytes": est.home,
         "per_rank_layout_bytes": est.layout_per_rank.as_dict(),
         "comm_bytes_per_step": {**est.comm.as_dict(), "total": est.comm.total},
-        "bytes": est.per_tier, "budgets": budgets, "fits": est.fits(budgets),
+        "bytes": est.per_tier, "least_budgets": least, "budgets": budgets,
+        "over_budget": {t: least[t] for t in TIER_NAMES if least[t] > budgets[t]},
+        "fits": all(least[t] <= budgets[t] for t in TIER_NAMES),
         "machine": machine, "largest_trainable": largest, "largest_placement": placement,
         "nvme_step_bytes": traffic.to_json(), "nvme_bytes_per_param": traffic.per_param(est.params),
+        "nvme_expected_step_bytes": {"most": most.to_json(), "fewest": fewest.to_json()},
         "drive": None if rates is None else rates.to_json(), "nvme_floor_s": floor,
     }
     acts = None
     if args.batch is not None:
-        acts = _activations(args, cfg)
-        result["activations"] = _activations_json(acts, est, cfg, budgets)
+        acts = _activations(args, cfg, model)
+        result["activations"] = _activations_json(acts, least, cfg, budgets)
     if args.json:
         print(json.dumps(result))
         return 0
-    name = args.model if args.model in CONFIGS else f"{args.model} ({type(model).__name__})"
-    print(f"{name}: {est.params / 1e6:.1f}M parameters, training state "
-          f"{format_size(est.state_bytes)}")
-    if args.world_size > 1:
-        per = est.per_rank
-        print(f"  per rank of {args.world_size} (ZeRO stage {cfg.zero_stage}): params {format_size(per.params)}, "
-              f"grads {format_size(per.grads)}, optimizer states {format_size(per.optimizer_states)}; "
-              f"collectives {format_size(est.comm.total)} per step")
-    for t in TIER_NAMES:
-        mark = "ok" if est.per_tier[t] <= budgets[t] else "OVER BUDGET"
-        print(f"  {t:6s} needs {format_size(est.per_tier[t]):>12s} of {format_size(budgets[t]):>12s}  {mark}")
-    if traffic.read or traffic.write:
-        per = traffic.per_param(est.params)
-        print(f"  one step moves at least {format_size(traffic.read)} from NVMe and {format_size(traffic.write)} "
-              f"to it ({per['total']:.1f} bytes per parameter: "
-              + ", ".join(f"{k} {v:.0f}" for k, v in per.items() if k != "total") + ")")
-        print(f"  NVMe floor: {floor:.2f} s per step at {rates.read_gbps:.2f} GB/s read, {rates.write_gbps:.2f} GB/s "
-              f"write ({rates.source})" if floor is not None else
-              "  NVMe floor: give --bench-io FILE (from `tierzero bench-io --json`) or --read-gbps/--write-gbps")
+    _print_state(args, model, est, cfg, least, budgets)
+    _print_traffic(est, traffic, (fewest, most), rates, floor)
     if acts is not None:
-        _print_activations(acts, est, cfg, budgets)
+        _print_activations(acts, least, cfg, budgets)
     print(f"this machine (free GPU/RAM/disk x0.8: "
           f"{', '.join(f'{t} {format_size(machine[t])}' for t in TIER_NAMES)}) can train up to: "
           f"{largest or 'none of the built-in models'}"
@@ -132,13 +135,50 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _activations(args: argparse.Namespace, cfg: Config) -> ActivationModel:
+def _print_state(args: argparse.Namespace, model: torch.nn.Module, est: Estimate, cfg: Config,
+                 least: dict[str, int], budgets: dict[str, int]) -> None:
+    """The state's bytes and, per tier, the least budget (every tier at once, over or not)."""
+    name = args.model if args.model in CONFIGS else f"{args.model} ({type(model).__name__})"
+    print(f"{name}: {est.params / 1e6:.1f}M parameters, training state "
+          f"{format_size(est.state_bytes)}")
+    if args.world_size > 1:
+        per = est.per_rank
+        assert per is not None and est.comm is not None
+        print(f"  per rank of {args.world_size} (ZeRO stage {cfg.zero_stage}): params {format_size(per.params)}, "
+              f"grads {format_size(per.grads)}, optimizer states {format_size(per.optimizer_states)}; "
+              f"collectives {format_size(est.comm.total)} per step")
+    for t in TIER_NAMES:
+        mark = "ok" if least[t] <= budgets[t] else "OVER BUDGET"
+        print(f"  {t:6s} needs at least {format_size(least[t]):>12s} of {format_size(budgets[t]):>12s}  {mark:11s}"
+              f"  (with prefetching's working sets {format_size(est.per_tier[t])})")
+    over = [t for t in TIER_NAMES if least[t] > budgets[t]]
+    if over:
+        print("  to train, raise " + " ".join(f"--{t}-budget {least[t]}" for t in over)
+              + " (bytes; every tier that falls short, at once)")
+
+
+def _print_traffic(est: Estimate, traffic: Traffic, expected: tuple[Traffic, Traffic], rates: DriveRates | None,
+                   floor: float | None) -> None:
+    if not (traffic.read or traffic.write):
+        return
+    per = traffic.per_param(est.params)
+    print(f"  with nothing cached one step moves {format_size(traffic.read)} from NVMe and {format_size(traffic.write)} "
+          f"to it ({per['total']:.1f} bytes per parameter: "
+          + ", ".join(f"{k} {v:.0f}" for k, v in per.items() if k != "total") + ")")
+    fewest, most = expected
+    print(f"  at these budgets a step reads {format_size(fewest.read)} to {format_size(most.read)} from NVMe "
+          f"(the spare room caching all / none of it) and writes {format_size(most.write)}")
+    print(f"  NVMe floor: {floor:.2f} s per step at {rates.read_gbps:.2f} GB/s read, {rates.write_gbps:.2f} GB/s "
+          f"write ({rates.source})" if floor is not None and rates is not None else
+          "  NVMe floor: give --bench-io FILE (from `tierzero bench-io --json`) or --read-gbps/--write-gbps")
+
+
+def _activations(args: argparse.Namespace, cfg: Config, model: torch.nn.Module) -> ActivationModel:
     """The activations of a step of the model as `tierzero train` runs it (a built-in GPT on
-    bytes of text), measured at --seq and twice it."""
+    bytes of text; a transformers folder's `model`, with its adapters under --lora), measured
+    at --seq and twice it."""
     if args.model in CONFIGS:
         model = build(args.model, device="meta", vocab_size=formats.VOCAB_SIZE, seq_len=2 * args.seq)
-    else:
-        model = hf.meta_model(args.model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     loss = functools.partial(measured_loss, chunked=args.chunked_loss)
     return activation_model(model, cfg, loss, batch=args.batch, seq=args.seq, device=device)
@@ -154,33 +194,34 @@ def measured_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, c
     return batch_loss(model, x, y, use_cache=True, chunked=chunked)
 
 
-def _fits(acts: ActivationModel, est: Estimate, cfg: Config, budgets: dict[str, int]) -> dict[str, dict[str, int]]:
+def _fits(acts: ActivationModel, least: dict[str, int], cfg: Config, budgets: dict[str, int]) -> dict[str, dict[str, int]]:
     """Per placement (and checkpointed), the largest batch at --seq and seq at --batch whose
-    activations fit the budgets beside the state (auto: the most frugal tier it can spill to)."""
+    activations fit the budgets beside the state's least budgets (auto: the most frugal tier it
+    can spill to)."""
     out = {}
     for placement in PLACEMENTS:
         for ckpt in (False, True):
             tiers = [placement] if placement != "auto" else ["device", "host"] + (["nvme"] if cfg.nvme_dir else [])
 
             def fits(a: ActivationBytes) -> bool:
-                return any(all(est.per_tier[t] + a.need(p, ckpt)[t] <= budgets[t] for t in TIER_NAMES) for p in tiers)
+                return any(all(least[t] + a.need(p, ckpt)[t] <= budgets[t] for t in TIER_NAMES) for p in tiers)
 
             out[placement + (" checkpointed" if ckpt else "")] = {
                 "max_batch": acts.largest(fits, vary="batch"), "max_seq": acts.largest(fits, vary="seq")}
     return out
 
 
-def _activations_json(acts: ActivationModel, est: Estimate, cfg: Config, budgets: dict[str, int]) -> dict:
+def _activations_json(acts: ActivationModel, least: dict[str, int], cfg: Config, budgets: dict[str, int]) -> dict:
     a = acts.at
     return {"batch": a.batch, "seq": a.seq, "per_block": [{"block": b, "bytes": n} for b, n in a.per_call],
             "inputs": [{"block": b, "bytes": n} for b, n in a.inputs], "outside": a.outside, "after": a.after,
             "total": a.blocks + a.outside + a.after, "checkpointed_total": a.kept(True) + a.outside + a.after,
             "need": {p: {"plain": a.need(p, False), "checkpointed": a.need(p, True)} for p in PLACEMENTS
                      if p != "auto"},
-            "fits": _fits(acts, est, cfg, budgets)}
+            "fits": _fits(acts, least, cfg, budgets)}
 
 
-def _print_activations(acts: ActivationModel, est: Estimate, cfg: Config, budgets: dict[str, int]) -> None:
+def _print_activations(acts: ActivationModel, least: dict[str, int], cfg: Config, budgets: dict[str, int]) -> None:
     a = acts.at
     print(f"activations of a step at batch {a.batch} x seq {a.seq} (measured by one forward on fake tensors):")
     for (block, n), (_, inp) in zip(a.per_call, a.inputs):
@@ -191,5 +232,5 @@ def _print_activations(acts: ActivationModel, est: Estimate, cfg: Config, budget
     print(f"  in all {format_size(a.blocks + rest)}; with activation checkpointing "
           f"{format_size(a.kept(True) + rest)} kept, plus one block's {format_size(a.largest)} recomputed at a time")
     print(f"  largest that fits the budgets beside the state (batch at seq {a.seq} / seq at batch {a.batch}):")
-    for name, fit in _fits(acts, est, cfg, budgets).items():
+    for name, fit in _fits(acts, least, cfg, budgets).items():
         print(f"    activations={name:22s} batch {fit['max_batch']:>6d} / seq {fit['max_seq']:>8d}")

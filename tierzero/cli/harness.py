@@ -18,29 +18,34 @@ from tierzero import formats as tzdata
 from tierzero import hf
 from tierzero.config import TIER_NAMES, format_size
 from tierzero.models import CONFIGS, GPT, build
-from tierzero.planning import Estimate, estimate
+from tierzero.planning import Estimate, estimate, least_budgets
 
 
 def check_room(model: torch.nn.Module, cfg: tz.Config, world_size: int = 1) -> Estimate:
-    """Fail at start, before anything is written, when a tier's budget (per rank) cannot hold a
-    rank's part of the state homed there (its ZeRO stage's share), or when the disk under
-    nvme_dir (shared by the ranks) has less free space than the ranks place on NVMe. (A device
-    budget too small for the largest block is wrap's error.)"""
+    """Fail at start, before anything is written, when a tier's budget (per rank) is under the
+    least the run needs there (tierzero.planning.least_budgets: a rank's part of the state homed
+    there, its ZeRO stage's share, and the working sets the runtime checks: the root block plus
+    the largest on the device, one block's update or NVMe staging on the host), naming every tier
+    that falls short at once; or when the disk under nvme_dir (shared by the ranks) has less
+    free space than the ranks place on NVMe."""
     est = estimate(model, cfg, world_size)
+    least = least_budgets(model, cfg, world_size)
     flags = {"device": "--device-budget", "host": "--host-budget", "nvme": "--nvme-budget"}
-    for tier in TIER_NAMES:
-        budget = getattr(cfg, f"{tier}_budget")
-        per_rank = est.home[tier]
-        if per_rank > budget:
-            lower = {"device": "host or nvme", "host": "nvme"}.get(tier)
-            move = (f" or move state to a lower tier (--params/--grads/--optimizer-states {lower})" if lower else
-                    " (NVMe is the lowest tier)")
-            raise ValueError(
-                f"{flags[tier]} {format_size(budget)} is too small: this model needs "
-                f"{format_size(per_rank)} ({per_rank} bytes) on {tier} per rank ({world_size} ranks, ZeRO stage "
-                f"{cfg.zero_stage}) with params={cfg.params}, grads={cfg.grads}, "
-                f"optimizer_states={cfg.optimizer_states}; raise {flags[tier]} to at least {per_rank} bytes{move}"
-                + (" or raise --zero-stage" if cfg.zero_stage < 3 else ""))
+    short = [t for t in TIER_NAMES if least[t] > getattr(cfg, f"{t}_budget")]
+    if short:
+        lower = {"device": "host or nvme", "host": "nvme"}
+        raise ValueError(
+            "budgets too small for this model per rank "
+            f"({world_size} ranks, ZeRO stage {cfg.zero_stage}, params={cfg.params}, frozen={cfg.frozen_tier}, "
+            f"grads={cfg.grads}, optimizer_states={cfg.optimizer_states}): "
+            + "; ".join(f"{flags[t]} {format_size(getattr(cfg, f'{t}_budget'))} is too small: it needs at least "
+                        f"{format_size(least[t])} on {t}" for t in short)
+            + ". Raise " + " ".join(f"{flags[t]} {least[t]}" for t in short)
+            + " (bytes; `tierzero estimate` prints them)"
+            + "".join(f", or move state from {t} to {lower[t]}" for t in short if t in lower)
+            + (", or raise --zero-stage" if cfg.zero_stage < 3 else "")
+            + (f"; the device's least holds the prefetch reserve ({format_size(reserve)}): lower it"
+               if "device" in short and (reserve := _reserve(cfg)) else ""))
     on_disk = est.home["nvme"] * world_size
     if on_disk:
         free = free_disk_bytes(cfg.nvme_dir)
@@ -55,6 +60,12 @@ def check_room(model: torch.nn.Module, cfg: tz.Config, world_size: int = 1) -> E
 def pretrained(args: argparse.Namespace) -> bool:
     """--model names a transformers folder, not a built-in GPT."""
     return args.model not in CONFIGS
+
+
+
+def _reserve(cfg: tz.Config) -> int:
+    """Device bytes the bytes policy reserves for blocks fetched ahead (0 for other policies)."""
+    return (cfg.prefetch.reserve or 0) if cfg.prefetch.policy == "bytes" else 0
 
 
 def meta_model(args: argparse.Namespace) -> tuple[torch.nn.Module, tzdata.Tokenizer | None]:

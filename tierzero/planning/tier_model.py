@@ -326,8 +326,12 @@ class _Sim:
         candidates = [n for n, c in copies.items() if n != exclude and c.pins == 0 and c.ready <= self.now
                       and not c.dirty and n not in (self.held if tier is Tier.DEVICE else ())
                       and (c.used or not speculative)]
+        view = self.view()
+        if speculative:  # nor copies used before the unit it brings, as the prefetcher's order
+            due = view.next_use(exclude)
+            candidates = [n for n in candidates if due is None or (d := view.next_use(n)) is None or d > due]
         victims = getattr(self.policy, "victims", None)
-        order = list(victims(self.view(), candidates) if callable(victims) else next_use_order(self.view(), candidates))
+        order = list(victims(view, candidates) if callable(victims) else next_use_order(view, candidates))
         order += [n for n in candidates if n not in order]
         for name in order:
             if name in candidates and name in copies:
@@ -514,7 +518,7 @@ class _Sim:
             if u.nbytes > room:
                 break
             room -= u.nbytes
-            self.fetch(u.name, Tier.HOST, speculative=k > 0)
+            self.fetch(u.name, Tier.HOST, speculative=k > 0 or self.view().next_use(u.name) != 1)
 
     def iteration(self, background: dict[int, list[Background]]) -> float:
         """One iteration from now; its block stall seconds."""

@@ -5,6 +5,8 @@ placement the least traffic per step, per rank, is:
 
     params on NVMe     read for forward and again for backward (compute dtype); the updated
                        parameters written once
+    frozen on NVMe     a frozen base (LoRA's, Config.frozen): read for forward and again for
+                       backward, never written
     grads on NVMe      written once in backward and read once by the step (none with
                        step_in_backward: each block is updated as its gradient becomes final)
     optimizer states   master weights and moments read once and written once; with fp32
@@ -61,10 +63,13 @@ class Traffic:
         return {"read": self.read, "write": self.write, "by_kind": self.by_kind}
 
 
-def step_traffic(n_params: int, cfg: Config, *, world_size: int = 1) -> Traffic:
+def step_traffic(n_params: int, cfg: Config, *, world_size: int = 1, trainable: int | None = None) -> Traffic:
     """The least NVMe traffic of one step per rank for `n_params` parameters placed by `cfg`
-    (AdamW; see the module docstring). Shards split every kind evenly over the ranks."""
+    (AdamW; see the module docstring), of which `trainable` (default: all) train and the rest
+    are frozen (on Config.frozen's tier). Shards split every kind evenly over the ranks."""
     zero = ZeroStage(cfg.zero_stage, world_size)
+    frozen = n_params - (n_params if trainable is None else trainable)
+    n_params -= frozen
     n = -(-n_params // world_size)
     whole_params = n_params if zero.params_whole else n
     whole_grads = n_params if zero.grads_whole else n
@@ -72,7 +77,10 @@ def step_traffic(n_params: int, cfg: Config, *, world_size: int = 1) -> Traffic:
     grad = getattr(torch, cfg.grad_dtype).itemsize
     params_are_master = compute == 4 and cfg.params == cfg.optimizer_states and not zero.params_whole
     t = Traffic()
-    if cfg.params == "nvme":
+    if cfg.frozen_tier == "nvme" and frozen:
+        whole_frozen = frozen if zero.params_whole else -(-frozen // world_size)
+        t.add("frozen", read=2 * compute * whole_frozen)
+    if cfg.params == "nvme" and n_params:
         t.add("params", read=2 * compute * whole_params, write=compute * whole_params)
     if cfg.grads == "nvme" and not cfg.step_in_backward:
         t.add("grads", read=grad * whole_grads, write=grad * whole_grads)

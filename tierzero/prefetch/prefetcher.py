@@ -57,18 +57,36 @@ def prefetch_unit(pm: PlacementManager, unit: Unit, tier: Tier, *, speculative: 
     return all([pm.prefetch(handle, tier, speculative=speculative) for handle in unit.tensors])
 
 
+_bringing = threading.local()
+"""`unit`: the name of the unit a speculative fetch on this thread brings now (None: none), so
+that `Prefetcher.order` offers only copies used after it (see [Note: read further ahead only
+into free room])."""
+
+
 # [Note: read further ahead only into free room]
 # Of the units a plan brings toward a tier, the first is fetched for sure and the ones after it
-# speculatively: into room that pushes out no copy still to be used and starts no write-back.
-# The first is what the next fetch needs; the others would take room the overlapped step's
-# updates need for their state (they read and write ~200 MB a block on the built-in 350m, beside
-# a host room of ~60 MiB for blocks) and wait for its write-backs: measured there with lookahead
-# depth 4, the forward waited 1.4 s a step for the updates, against 0.2 s one block ahead.
-def prefetch_units(pm: PlacementManager, units: Sequence[Unit], tier: Tier) -> None:
-    """Start bringing `units` toward `tier`: the first for sure, the ones after it speculatively
-    (see [Note: read further ahead only into free room])."""
+# speculatively: into room that pushes out no copy still to be used and starts no write-back, nor
+# any copy whose next use in the trace comes before the unit's own (Belady: bringing it would
+# evict what is read again first; with a frozen base on NVMe and room below it, Adaptive's deep
+# plans read blocks twice in one pass that way, tiny runs with a slow disk's times 1.3-2.0x the
+# base a step, see tests/prefetch/test_read_once.py). A read into host memory is for sure only
+# when the next fetch needs its unit: one further ahead, for sure, took the host copy of a unit
+# due before it (the host arena's free bytes lie in pieces, so a room the policy counted as enough
+# did not hold it beside the copies it kept). The first is what the next fetch needs; the others
+# would take room the overlapped step's updates need for their state (they read and write ~200 MB
+# a block on the built-in 350m, beside a host room of ~60 MiB for blocks) and wait for its
+# write-backs: measured there with lookahead depth 4, the forward waited 1.4 s a step for the
+# updates, against 0.2 s one block ahead.
+def prefetch_units(pm: PlacementManager, units: Sequence[Unit], tier: Tier, *, first_sure: bool = True) -> None:
+    """Start bringing `units` toward `tier`: the first for sure (unless not `first_sure`), the
+    ones after it speculatively (see [Note: read further ahead only into free room])."""
     for i, unit in enumerate(units):
-        prefetch_unit(pm, unit, tier, speculative=i > 0)
+        speculative = i > 0 or not first_sure
+        _bringing.unit = unit.name if speculative else None
+        try:
+            prefetch_unit(pm, unit, tier, speculative=speculative)
+        finally:
+            _bringing.unit = None
 
 
 class _Mark(NamedTuple):
@@ -341,8 +359,9 @@ class Prefetcher:
         fetch_ahead(device)
         # A read of a unit the device copy above reads itself would read it twice.
         host = [u for u in host if u.nvme and (u not in device or Tier.HOST in self._where(u.name))]
-        if host:
-            prefetch_units(self.pm, fitting(host, self._room(Tier.HOST)), Tier.HOST)
+        if host:  # the first for sure only when the next fetch needs it: see the note
+            prefetch_units(self.pm, fitting(host, self._room(Tier.HOST)), Tier.HOST,
+                           first_sure=view.next_use(host[0].name) == 1)
 
     def _check(self, f: Any) -> tuple[Unit, Tier]:
         """A Fetch from the policy, checked: a unit of the trace toward the device or host."""
@@ -398,6 +417,10 @@ class Prefetcher:
         ranked = victims(view, names) if callable(victims) else next_use_order(view, names)
         ordered = list(dict.fromkeys(n for n in ranked if n in by_unit))
         ordered += [n for n in names if n not in ordered]  # left out: last
+        bringing = getattr(_bringing, "unit", None)
+        if bringing is not None:  # a speculative fetch evicts no copy used before the unit it brings
+            due = view.next_use(bringing)
+            ordered = [n for n in ordered if due is None or (d := view.next_use(n)) is None or d > due]
         return others + [h for n in ordered for h in by_unit[n]]
 
     def __repr__(self) -> str:
