@@ -61,9 +61,12 @@ class Traffic:
         return {"read": self.read, "write": self.write, "by_kind": self.by_kind}
 
 
-def step_traffic(n_params: int, cfg: Config, *, world_size: int = 1) -> Traffic:
+def step_traffic(n_params: int, cfg: Config, *, world_size: int = 1, micro_batches: int = 1,
+                 layer_major: bool = True) -> Traffic:
     """The least NVMe traffic of one step per rank for `n_params` parameters placed by `cfg`
-    (AdamW; see the module docstring). Shards split every kind evenly over the ranks."""
+    (AdamW; see the module docstring). Shards split every kind evenly over the ranks. A step of
+    k `micro_batches` reads the parameters twice whatever k layer by layer (tz.accumulate), 2k
+    times in the plain loop, which also adds each later micro-batch's gradient to the stored one."""
     zero = ZeroStage(cfg.zero_stage, world_size)
     n = -(-n_params // world_size)
     whole_params = n_params if zero.params_whole else n
@@ -72,10 +75,11 @@ def step_traffic(n_params: int, cfg: Config, *, world_size: int = 1) -> Traffic:
     grad = getattr(torch, cfg.grad_dtype).itemsize
     params_are_master = compute == 4 and cfg.params == cfg.optimizer_states and not zero.params_whole
     t = Traffic()
+    passes = 1 if layer_major else micro_batches
     if cfg.params == "nvme":
-        t.add("params", read=2 * compute * whole_params, write=compute * whole_params)
+        t.add("params", read=2 * passes * compute * whole_params, write=compute * whole_params)
     if cfg.grads == "nvme" and not cfg.step_in_backward:
-        t.add("grads", read=grad * whole_grads, write=grad * whole_grads)
+        t.add("grads", read=passes * grad * whole_grads, write=passes * grad * whole_grads)
     if cfg.optimizer_states == "nvme":
         t.add("moments", read=8 * n, write=8 * n)
         if params_are_master:
