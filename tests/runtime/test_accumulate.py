@@ -179,6 +179,7 @@ class Routed(nn.Module):
         return self.layers[2](h)
 
 
+@pytest.mark.filterwarnings("ignore:.*the block order differs")  # the plain loop, routed by the data
 def test_refused_with_the_plain_loop(wrapped: Callable[..., nn.Module]) -> None:
     torch.manual_seed(0)
     model = Routed()
