@@ -16,26 +16,28 @@ from tierzero.runtime.state import TieredState, state_of
 from tierzero.runtime.step_context import Phase
 
 # [Note: layer-major schedule]
-# Eager Python cannot run block b of k forwards and only then block b+1 in one call stack, so
-# each micro-batch's forward (model, then loss_fn) runs in its own greenlet, on the caller's
-# thread. A block's pre-forward hook parks the running micro-batch (`arrive`); once all k are
-# parked at the same block, the step holds that block (one fetch, the prefetcher told as for a
-# plain forward), releases the one before, and lets the k pass it, one after the other. The k
-# go through each block in the order k..1: autograd's engine runs ready nodes by descending
-# sequence number, and the numbers count up in the thread's creation order, which greenlets
-# share, so one `torch.autograd.backward(losses)` then runs block L for micro-batch 1..k, block
-# L-1 for 1..k, ...: each parameter's shares reach its gradient in the plain loop's order. A
-# block's backward holds are released, and its gradient reduced (once, not k times), at its
-# last call's post-backward (Block.post_backward): a single fetch per block for the backward.
-# What is held where: each block's saved activations (or, with activation_checkpointing, each
-# call's input) go to their packs or frames as in a plain forward, k of them per block, placed
-# per Config.activations within the budgets; the one tensor each parked micro-batch carries
-# between two blocks (the next block's input) stays where compute made it, on the device.
-# Refused at the step's first block (ValueError, model unchanged; nothing falls back): micro-
-# batches that reach different blocks (data-dependent routing), one that finishes while
-# others wait, and a block reached inside another block's call or inside a region that changes
-# autograd's thread state (no_grad, autocast, torch.utils.checkpoint: the model's own
-# checkpointing), which the other micro-batches would run in. The plain loop runs those.
+# Eager Python cannot run block b for k forwards, then block b+1, in one call stack. So each
+# micro-batch's forward (model, then loss_fn) runs in its own greenlet on the caller's thread.
+# - Forward: a block's pre-forward hook parks the running micro-batch (`arrive`). Once all k
+#   wait at the same block, the step releases the block before, holds this one (one fetch; the
+#   prefetcher is told as in a plain forward) and lets the k through it in the order k..1.
+# - Backward: one `torch.autograd.backward(losses)`. Autograd runs ready nodes by descending
+#   sequence number; the numbers count up in creation order on the thread, which greenlets
+#   share. So it runs block L for micro-batch 1..k, then block L-1 for 1..k, ...: a parameter
+#   used once per micro-batch gets its shares in the plain loop's order (the same bits).
+#   Shares of a parameter used twice (a tied embedding and head) come in another order.
+# - A block's backward holds are released, and its gradient reduced, at its last call's
+#   post-backward (Block.post_backward): one fetch per block, one reduction (at ZeRO 2 and 3 the
+#   plain loop reduces k times, so the sums differ by rounding).
+# - What is held where: what autograd saves in each call goes to its pack or frame (with
+#   activation_checkpointing, only the call's input), placed per Config.activations within the
+#   budgets: k per block. Each parked micro-batch also carries the next block's input, which
+#   stays on the device where compute made it.
+# - Refused with a ValueError, before any backward (nothing falls back): micro-batches that
+#   reach different blocks (data-dependent routing) or finish while others wait, and a block
+#   reached inside another block's call or inside a region that changes autograd's thread
+#   state (no_grad, autocast, torch.utils.checkpoint: the model's own checkpointing), which
+#   the other micro-batches would inherit. The plain loop runs those.
 
 PLAIN_LOOP = "for mb in micro_batches: loss_fn(model(mb), mb).backward()"
 
