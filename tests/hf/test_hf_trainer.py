@@ -101,6 +101,26 @@ def test_matches_plain_trainer(wrapped, tmp_path, weight_decay):
     assert isinstance(tiered.optimizer.optimizer, tz.AdamW)
 
 
+def test_accumulation_runs_layer_by_layer(wrapped, tmp_path, monkeypatch):
+    """gradient_accumulation_steps > 1: each optimizer step's micro-batches go through
+    tz.accumulate once together; the logged loss and grad_norm are the plain Trainer's."""
+    calls = []
+    step_losses = trainer_module.step_losses
+
+    def counting(trainer, model, group):
+        calls.append(len(group.samples))
+        return step_losses(trainer, model, group)
+
+    monkeypatch.setattr(trainer_module, "step_losses", counting)
+    over = dict(max_steps=3, gradient_accumulation_steps=3)
+    plain = transformers.Trainer(model=llama(), args=training_args(tmp_path / "plain", **over), train_dataset=data())
+    plain.train()
+    tiered = Trainer(model=wrapped(), args=training_args(tmp_path / "tiered", **over), train_dataset=data())
+    tiered.train()
+    assert calls == [3, 3, 3]
+    assert_same(logged(tiered), logged(plain))
+
+
 def test_unclipped_norm_logged(wrapped, tmp_path):
     """max_grad_norm=0: nothing clipped, the true norm still logged (as the plain Trainer does)."""
     over = dict(max_steps=2, max_grad_norm=0.0)

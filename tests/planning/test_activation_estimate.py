@@ -43,6 +43,26 @@ def test_measured_on_fake_tensors_as_the_runtime_places_them(tmp_path: Path) -> 
     assert acts.kept(True) < acts.blocks / 4
 
 
+def test_micro_batches_keep_k_steps_of_activations(tmp_path: Path) -> None:
+    """tz.accumulate over k micro-batches keeps each one's activations until the backward: the
+    estimate counts k of them, and the runtime places that."""
+    k = 3
+    model = builders.gpt(seq=2 * SEQ, layers=3)
+    acts = measure_activations(model, tz.Config(compute_dtype="float32"), batch_loss, batch=BATCH, seq=SEQ)
+    one, need = acts.need("nvme", False), acts.need("nvme", False, micro_batches=k)
+    assert need["nvme"] == k * one["nvme"] and need["host"] == one["host"]
+    assert need["device"] == one["device"] + (k - 1) * (acts.outside + max(n for _, n in acts.inputs))
+    model = tz.wrap(model, builders.tier_config(tmp_path / "nvme", tier="nvme", activations="nvme"))
+    try:
+        mbs = [(x, x) for x in torch.randint(0, 257, (k, BATCH, SEQ))]
+        tz.accumulate(model, mbs, lambda out, mb: out.loss)
+        got = runtime.step_stats(model).activation_bytes
+    finally:
+        runtime.close(model)
+    slack = k * 64 * 40  # alignment padding: under 64 bytes for each of a pack's segments
+    assert abs(got["nvme"] - k * acts.blocks) <= slack, (got, acts)
+
+
 def test_fitted_to_two_lengths_it_predicts_a_third(tmp_path: Path) -> None:
     model = builders.gpt(seq=8 * SEQ, layers=2)
     cfg = tz.Config(compute_dtype="float32")

@@ -131,6 +131,19 @@ def test_step_traffic_by_placement(tmp_path: Any, placement: dict, sib: bool, pe
                         world_size=4).write == t.write // 4
 
 
+@pytest.mark.parametrize("k", [1, 4])
+def test_step_traffic_of_micro_batches(tmp_path: Any, k: int) -> None:
+    # layer by layer (tz.accumulate) the parameters are read twice a step whatever k; the plain
+    # loop reads them 2k times and reads and writes the stored gradient once per micro-batch
+    cfg = Config(nvme_dir=str(tmp_path), params="nvme", grads="nvme", optimizer_states="nvme", compute_dtype="float32")
+    n = 1000
+    one = step_traffic(n, cfg)
+    assert step_traffic(n, cfg, micro_batches=k).by_kind == one.by_kind
+    plain = step_traffic(n, cfg, micro_batches=k, layer_major=False).by_kind
+    assert plain["params"]["read"] - one.by_kind["params"]["read"] == 2 * 4 * n * (k - 1)
+    assert plain["grads"] == {"read": 4 * n * k, "write": 4 * n * k}
+
+
 def test_drive_rates_from_a_bench_io_file_and_flags(tmp_path: Any) -> None:
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps({"summary": {"engine_read_gbps": 3.5, "engine_write_gbps": 2.0}}))

@@ -17,6 +17,7 @@ from tierzero import formats
 from tierzero.cli.flags import (add_activation_flags, add_placement_flags, add_rate_flags, add_zero_flags,
                                 activations_from_flags, placement_from_flags, rates_from_flags, zero_from_flags)
 from tierzero.cli.harness import batch_loss, with_lora
+from tierzero.cli.micro_batches import add_micro_batch_flag
 from tierzero.config import TIER_NAMES, Config, format_size, machine_budgets, parse_size
 from tierzero.formats import meta_model
 from tierzero.models import CONFIGS, build
@@ -58,6 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lora", type=int, default=0, metavar="R",
                    help="LoRA adapters of rank R on every linear layer of a transformers folder's model, the base "
                         "frozen (on --frozen's tier), as `tierzero train --lora R` trains them")
+    add_micro_batch_flag(p)
     p.add_argument("--json", action="store_true")
     return p
 
@@ -95,7 +97,8 @@ def main(argv: list[str]) -> int:
     est = estimate(model, cfg, args.world_size)
     assert est.per_rank is not None and est.layout_per_rank is not None and est.comm is not None
     least = least_budgets(model, cfg, args.world_size)
-    traffic = step_traffic(est.params, cfg, world_size=args.world_size, trainable=param_counts(model, cfg).trainable)
+    traffic = step_traffic(est.params, cfg, world_size=args.world_size, trainable=param_counts(model, cfg).trainable,
+                           micro_batches=args.micro_batches)
     fewest, most = expected_traffic(traffic, flat_tensors(model, cfg, args.world_size),
                                     {t: budgets[t] - least[t] for t in TIER_NAMES})
     floor = None if rates is None else rates.floor_s(traffic.read, traffic.write)
@@ -120,14 +123,14 @@ def main(argv: list[str]) -> int:
     acts = None
     if args.batch is not None:
         acts = _activations(args, cfg, model)
-        result["activations"] = _activations_json(acts, least, cfg, budgets)
+        result["activations"] = _activations_json(acts, least, cfg, budgets, args.micro_batches)
     if args.json:
         print(json.dumps(result))
         return 0
     _print_state(args, model, est, cfg, least, budgets)
     _print_traffic(est, traffic, (fewest, most), rates, floor)
     if acts is not None:
-        _print_activations(acts, least, cfg, budgets)
+        _print_activations(acts, least, cfg, budgets, args.micro_batches)
     print(f"this machine (free GPU/RAM/disk x0.8: "
           f"{', '.join(f'{t} {format_size(machine[t])}' for t in TIER_NAMES)}) can train up to: "
           f"{largest or 'none of the built-in models'}"
@@ -194,34 +197,39 @@ def measured_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, c
     return batch_loss(model, x, y, use_cache=True, chunked=chunked)
 
 
-def _fits(acts: ActivationModel, least: dict[str, int], cfg: Config, budgets: dict[str, int]) -> dict[str, dict[str, int]]:
+def _fits(acts: ActivationModel, least: dict[str, int], cfg: Config, budgets: dict[str, int],
+          k: int) -> dict[str, dict[str, int]]:
     """Per placement (and checkpointed), the largest batch at --seq and seq at --batch whose
-    activations fit the budgets beside the state's least budgets (auto: the most frugal tier it
-    can spill to)."""
+    activations (of `k` micro-batches, tz.accumulate) fit the budgets beside the state's least
+    budgets (auto: the most frugal tier it can spill to)."""
     out = {}
     for placement in PLACEMENTS:
         for ckpt in (False, True):
             tiers = [placement] if placement != "auto" else ["device", "host"] + (["nvme"] if cfg.nvme_dir else [])
 
             def fits(a: ActivationBytes) -> bool:
-                return any(all(least[t] + a.need(p, ckpt)[t] <= budgets[t] for t in TIER_NAMES) for p in tiers)
+                return any(all(least[t] + a.need(p, ckpt, micro_batches=k)[t] <= budgets[t] for t in TIER_NAMES)
+                           for p in tiers)
 
             out[placement + (" checkpointed" if ckpt else "")] = {
                 "max_batch": acts.largest(fits, vary="batch"), "max_seq": acts.largest(fits, vary="seq")}
     return out
 
 
-def _activations_json(acts: ActivationModel, least: dict[str, int], cfg: Config, budgets: dict[str, int]) -> dict:
+def _activations_json(acts: ActivationModel, least: dict[str, int], cfg: Config, budgets: dict[str, int],
+                      k: int) -> dict:
     a = acts.at
     return {"batch": a.batch, "seq": a.seq, "per_block": [{"block": b, "bytes": n} for b, n in a.per_call],
             "inputs": [{"block": b, "bytes": n} for b, n in a.inputs], "outside": a.outside, "after": a.after,
             "total": a.blocks + a.outside + a.after, "checkpointed_total": a.kept(True) + a.outside + a.after,
-            "need": {p: {"plain": a.need(p, False), "checkpointed": a.need(p, True)} for p in PLACEMENTS
-                     if p != "auto"},
-            "fits": _fits(acts, least, cfg, budgets)}
+            "micro_batches": k,
+            "need": {p: {"plain": a.need(p, False, micro_batches=k), "checkpointed": a.need(p, True, micro_batches=k)}
+                     for p in PLACEMENTS if p != "auto"},
+            "fits": _fits(acts, least, cfg, budgets, k)}
 
 
-def _print_activations(acts: ActivationModel, least: dict[str, int], cfg: Config, budgets: dict[str, int]) -> None:
+def _print_activations(acts: ActivationModel, least: dict[str, int], cfg: Config, budgets: dict[str, int],
+                       k: int) -> None:
     a = acts.at
     print(f"activations of a step at batch {a.batch} x seq {a.seq} (measured by one forward on fake tensors):")
     for (block, n), (_, inp) in zip(a.per_call, a.inputs):
@@ -231,6 +239,7 @@ def _print_activations(acts: ActivationModel, least: dict[str, int], cfg: Config
     rest = a.outside + a.after
     print(f"  in all {format_size(a.blocks + rest)}; with activation checkpointing "
           f"{format_size(a.kept(True) + rest)} kept, plus one block's {format_size(a.largest)} recomputed at a time")
-    print(f"  largest that fits the budgets beside the state (batch at seq {a.seq} / seq at batch {a.batch}):")
-    for name, fit in _fits(acts, least, cfg, budgets).items():
+    print(f"  largest that fits the budgets beside the state (batch at seq {a.seq} / seq at batch {a.batch}"
+          + (f", {k} micro-batches a step" if k > 1 else "") + "):")
+    for name, fit in _fits(acts, least, cfg, budgets, k).items():
         print(f"    activations={name:22s} batch {fit['max_batch']:>6d} / seq {fit['max_seq']:>8d}")

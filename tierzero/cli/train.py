@@ -56,8 +56,9 @@ from io_engine.progress import Progress
 from tierzero.checkpoint import latest_checkpoint
 from tierzero.cli.flags import (activations_from_flags, add_activation_flags, add_placement_flags, add_rate_flags,
                                 add_zero_flags, placement_from_flags, rates_from_flags, zero_from_flags)
-from tierzero.cli.harness import (batch_loss, check_room, corpus, heads, meta_model, peak_rss, pretrained,
+from tierzero.cli.harness import (check_room, corpus, heads, meta_model, peak_rss, pretrained,
                                   with_lora)
+from tierzero.cli.micro_batches import add_micro_batch_flag, check_micro_batches, forward_backward
 from tierzero.cli.plots import plot_run
 from tierzero.cli.run_dir import RunDir
 from tierzero.cli.stop import Stopped, StopSignals
@@ -84,6 +85,7 @@ def parser() -> argparse.ArgumentParser:
     add_placement_flags(p)
     add_zero_flags(p)
     add_activation_flags(p)
+    add_micro_batch_flag(p)
     p.add_argument("--run-dir", default="runs/train")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -121,6 +123,7 @@ def _check_args(args: argparse.Namespace) -> None:
     for name in ("steps", "batch", "seq"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name}: expected an int >= 1, got {getattr(args, name)}")
+    check_micro_batches(args)
     if args.step_in_backward and args.clip > 0:
         raise ValueError(f"--step-in-backward updates each block during backward, before the gradient norm "
                          f"is known, so it cannot clip: give --clip 0 with it (got --clip {args.clip})")
@@ -250,7 +253,7 @@ def _train_state(r: _Run, step: int) -> dict:
             "run": {k: getattr(r.args, k) for k in _RESUME_MUST_MATCH}}
 
 
-_RESUME_MUST_MATCH = ("model", "steps", "batch", "seq", "seed", "data", "lr", "weight_decay", "warmup", "clip")
+_RESUME_MUST_MATCH = ("model", "steps", "batch", "micro_batches", "seq", "seed", "data", "lr", "weight_decay", "warmup", "clip")
 
 
 def _resume(r: _Run) -> int:
@@ -318,7 +321,8 @@ def _run(args: argparse.Namespace, cfg: tz.Config, rank: int, world_size: int, r
         model = with_lora(model, args.lora)
     if rank == 0:
         print(f"tierzero train: training {heads(model)}", file=sys.stderr)
-    sampler = tzdata.BatchSampler(corpus(args, tokenizer, model), batch=args.batch, seq=args.seq, seed=args.seed)
+    sampler = tzdata.BatchSampler(corpus(args, tokenizer, model), batch=args.micro_batches * args.batch,
+                                  seq=args.seq, seed=args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     est = check_room(model, cfg, world_size)
     folders.check_room(args, est)
@@ -412,10 +416,10 @@ def _step(r: _Run, step: int) -> dict:
     args, pm = r.args, r.pm
     t0 = time.perf_counter()
     x, y = r.sampler.next()
-    local = slice(r.rank * args.batch // r.world_size, (r.rank + 1) * args.batch // r.world_size)
+    rows = args.micro_batches * args.batch
+    local = slice(r.rank * rows // r.world_size, (r.rank + 1) * rows // r.world_size)
     x, y = x[local].to(pm.device), y[local].to(pm.device)
-    loss = batch_loss(r.model, x, y, chunked=args.chunked_loss)
-    loss.backward()
+    loss = forward_backward(r.model, x, y, args.micro_batches, chunked=args.chunked_loss)
     if args.clip > 0:
         tz.clip_grad_norm_(r.model, args.clip)
     r.opt.step()
@@ -426,7 +430,7 @@ def _step(r: _Run, step: int) -> dict:
     stats = step_stats(r.model)
     return {
         "step": step, "loss": last_loss, "lr": r.sched.get_last_lr()[0], "step_s": step_s,
-        "tokens_per_s": args.batch * args.seq / step_s, "stall_s": sum(stats.stall_s.values()),
+        "tokens_per_s": args.micro_batches * args.batch * args.seq / step_s, "stall_s": sum(stats.stall_s.values()),
         "stall_s_by_tier": stats.stall_s, "stall_s_by_source": stats.stall_s_by_source,
         "background_wait_s": stats.background_wait_s,
         "prefetch_hits": stats.prefetch_hits,
@@ -456,7 +460,7 @@ def _finish(r: _Run, est: Estimate, n_params: int, last_loss: float, started: fl
     summary = {
         "model": args.model, "params": n_params, "steps": args.steps,
         "trainable_params": sum(p.numel() for p in r.model.parameters() if p.requires_grad),
-        "batch": args.batch,
+        "batch": args.batch, "micro_batches": args.micro_batches,
         "seq": args.seq, "final_loss": last_loss, "wall_s": time.perf_counter() - started,
         "world_size": world_size, "state_bytes": est.state_bytes,
         "budgets": {t: pm.budget(t) for t in TIER_NAMES},

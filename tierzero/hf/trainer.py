@@ -26,6 +26,7 @@ from transformers.training_args import OptimizerNames, ParallelMode
 from tierzero import runtime
 from tierzero.checkpoint import load_checkpoint, open_checkpoint, save_checkpoint
 from tierzero.formats import is_peft
+from tierzero.hf.layer_major import StepGroup, step_losses
 from tierzero.hf.loss import causal_lm_loss
 from tierzero.hf.pretrained import save_pretrained
 from tierzero.optim import AdamW, TieredOptimizer, clip_grad_norm_
@@ -72,6 +73,10 @@ class Trainer(transformers.Trainer):
       export_weights=False leaves the weights out (a model too large to write twice a
       checkpoint: `tierzero export output_dir/checkpoint-N/tierzero --to DIR` writes the same
       folder later). `save_model` outside a checkpoint (the user's export) is the plain Trainer's.
+    - `get_batch_samples` / `training_step`: with gradient_accumulation_steps > 1, the first
+      micro-batch's training_step runs all of the step's micro-batches through tz.accumulate
+      (tierzero/hf/layer_major.py; the losses the plain loop would give, per micro-batch), the
+      others return their losses. chunked_loss steps take the plain loop.
     - `_load_from_checkpoint` / `_load_optimizer_and_scheduler`: resuming loads that folder with
       tz.load_checkpoint once the optimizer exists (the second method; the first only checks the
       folder is a tierzero one), then the scheduler.
@@ -197,6 +202,23 @@ class Trainer(transformers.Trainer):
         items = num_items_in_batch if self.model_accepts_loss_kwargs else None
         return causal_lm_loss(model, ids, None if shifted is not None else labels, shift_labels=shifted,
                               num_items_in_batch=items, **inputs)
+
+    # ------------------------------------------------------------ accumulation, layer by layer
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
+        samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        # chunked_loss runs the model inside the loss: those steps take the plain loop
+        self._step_group = StepGroup(samples, num_items) if len(samples) > 1 and not self.chunked_loss else None
+        return samples, num_items
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        group: StepGroup | None = getattr(self, "_step_group", None)
+        i = group.index(inputs) if group is not None else None
+        if group is None or i is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        if group.losses is None:
+            group.losses = step_losses(self, model, group)
+        return group.losses[i]
 
     # ------------------------------------------------------------------------------ placement
 

@@ -62,21 +62,25 @@ class ActivationBytes:
         """Bytes kept from forward to backward by the block calls."""
         return sum(n for _, n in (self.inputs if checkpointing else self.per_call))
 
-    def need(self, placement: str, checkpointing: bool, *, prefetch: int = 2) -> dict[str, int]:
+    def need(self, placement: str, checkpointing: bool, *, prefetch: int = 2, micro_batches: int = 1) -> dict[str, int]:
         """Bytes each tier needs for the activations under a placement: the loss head's stay on
         the device; "device" keeps every call's there, "host" and "nvme" keep them on their tier
         and need `prefetch` of them on the device in backward (the block's own and the next,
         fetched ahead), "nvme" also a host copy of each pack being written; with checkpointing
-        one block's whole activations are recomputed on the device at a time."""
+        one block's whole activations are recomputed on the device at a time. `micro_batches`
+        k > 1 (tz.accumulate): k of everything kept, and k - 1 block inputs on the device, those
+        of the micro-batches parked between two blocks ([Note: layer-major schedule])."""
+        k = micro_batches
         packs = self.inputs if checkpointing else self.per_call
         one = max((n for _, n in packs), default=0)
         need = dict.fromkeys(TIER_NAMES, 0)
-        need["device"] = self.outside + self.after + (self.largest if checkpointing else 0)
+        need["device"] = k * (self.outside + self.after) + (self.largest if checkpointing else 0)
+        need["device"] += (k - 1) * max((n for _, n in self.inputs), default=0)
         if placement == "device":
-            need["device"] += self.kept(checkpointing)
+            need["device"] += k * self.kept(checkpointing)
         else:
             need["device"] += prefetch * one
-            need[placement] += self.kept(checkpointing)
+            need[placement] += k * self.kept(checkpointing)
             if placement == "nvme":
                 need["host"] += prefetch * one
         return need

@@ -63,10 +63,13 @@ class Traffic:
         return {"read": self.read, "write": self.write, "by_kind": self.by_kind}
 
 
-def step_traffic(n_params: int, cfg: Config, *, world_size: int = 1, trainable: int | None = None) -> Traffic:
+def step_traffic(n_params: int, cfg: Config, *, world_size: int = 1, trainable: int | None = None,
+                 micro_batches: int = 1, layer_major: bool = True) -> Traffic:
     """The least NVMe traffic of one step per rank for `n_params` parameters placed by `cfg`
     (AdamW; see the module docstring), of which `trainable` (default: all) train and the rest
-    are frozen (on Config.frozen's tier). Shards split every kind evenly over the ranks."""
+    are frozen (on Config.frozen's tier). Shards split every kind evenly over the ranks. A step of
+    k `micro_batches` reads the parameters twice whatever k layer by layer (tz.accumulate), 2k
+    times in the plain loop, which also adds each later micro-batch's gradient to the stored one."""
     zero = ZeroStage(cfg.zero_stage, world_size)
     frozen = n_params - (n_params if trainable is None else trainable)
     n_params -= frozen
@@ -77,13 +80,14 @@ def step_traffic(n_params: int, cfg: Config, *, world_size: int = 1, trainable: 
     grad = getattr(torch, cfg.grad_dtype).itemsize
     params_are_master = compute == 4 and cfg.params == cfg.optimizer_states and not zero.params_whole
     t = Traffic()
+    passes = 1 if layer_major else micro_batches
     if cfg.frozen_tier == "nvme" and frozen:
         whole_frozen = frozen if zero.params_whole else -(-frozen // world_size)
-        t.add("frozen", read=2 * compute * whole_frozen)
+        t.add("frozen", read=2 * passes * compute * whole_frozen)
     if cfg.params == "nvme" and n_params:
-        t.add("params", read=2 * compute * whole_params, write=compute * whole_params)
+        t.add("params", read=2 * passes * compute * whole_params, write=compute * whole_params)
     if cfg.grads == "nvme" and not cfg.step_in_backward:
-        t.add("grads", read=grad * whole_grads, write=grad * whole_grads)
+        t.add("grads", read=passes * grad * whole_grads, write=passes * grad * whole_grads)
     if cfg.optimizer_states == "nvme":
         t.add("moments", read=8 * n, write=8 * n)
         if params_are_master:

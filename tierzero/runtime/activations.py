@@ -289,6 +289,11 @@ class Activations:
     def new_pack(self, block: str) -> ActivationPack:
         return ActivationPack(self, block, placed=self.placed)
 
+    @property
+    def in_scope(self) -> bool:
+        """A block call's scope is open (its forward is running)."""
+        return bool(self._scopes)
+
     def push(self, scope: Any) -> None:
         self._scopes.append(scope)
 

@@ -159,6 +159,8 @@ class Block:
         self._handles: list[Any] = []
         self._grads_final_sent = False
         """ctx.grads_final was called for this block's flats since its last forward."""
+        self._deferred = 0
+        """Backward holds whose release waits for the last call of a layer-major step."""
 
     @property
     def nbytes(self) -> int:
@@ -221,6 +223,7 @@ class Block:
         # just released); a call whose backward never started is added back by its pre-backward.
         self._calls.clear()
         self._grads_final_sent = False
+        self._deferred = 0
 
     # ------------------------------------------------------------------------------ hooks
     # A forward call (grad enabled) becomes a _Call: RegisterPostBackward on its inputs, a
@@ -231,6 +234,8 @@ class Block:
 
     def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         recompute = self.ctx.phase is Phase.BACKWARD
+        if self.ctx.layer_major is not None and not recompute and self.name != ROOT:
+            self.ctx.layer_major.arrive(self)  # [Note: layer-major schedule] in accumulate.py
         self.hold(FetchPhase.RECOMPUTE if recompute else FetchPhase.FORWARD)
         if not torch.is_grad_enabled():
             return None
@@ -297,11 +302,18 @@ class Block:
         done = [c for c in self._calls if c.holds_backward and (call is None or c is call or c.recompute)]
         if call is not None and call.holds_backward and call not in done:
             done.append(call)
-        self.group.reduce_grads()
+        # A layer-major step reduces and releases at the block's last call ([Note: layer-major schedule]).
+        deferring = call is not None and self.ctx.layer_major is not None and any(
+            not c.post_backward_done for c in self._calls if c not in done and not c.recompute)
+        if not deferring:
+            self.group.reduce_grads()
         for c in done:
             c.post_backward_done = True
             if c.saved is not None:
                 c.saved.free()  # every node of the call has run (or never will)
+        self._deferred += len(done)
+        while not deferring and self._deferred:
+            self._deferred -= 1
             self.unhold()
         self.activations.collect()
         if (self.ctx.wants_grads_final and not self._grads_final_sent

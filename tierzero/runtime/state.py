@@ -52,6 +52,8 @@ class TieredState:
         """(FlatParam, index) of each parameter in model.parameters() order."""
         self._handles: list[Any] = []
         self._saved_views = SavedParamViews(ctx, activations)
+        self.grouped = False
+        """tz.accumulate's step runs the micro-batches' forwards: it, not the root hooks, begins and ends it."""
         self._grad_capture = GradCapture([(p, flat.grad, i) for b in blocks for flat in b.flats
                                           if flat.grad is not None for i, p in enumerate(flat.params)])
 
@@ -89,6 +91,12 @@ class TieredState:
             raise RuntimeError(f"{type(module).__name__}: a forward inside tz.gathered_params(); run it after the "
                                "with block (the gathered parameters are fetched outside any step)")
         self.ctx.check_thread(type(module).__name__)
+        if self.grouped:
+            return  # a micro-batch of tz.accumulate's step, which began it once
+        self.begin_forward(module)
+
+    def begin_forward(self, module: nn.Module) -> None:
+        """An iteration's forward starts (the root's pre-forward, or tz.accumulate's step)."""
         if self.ctx.backward_died():
             self.ctx.end_iteration(died=True)  # its final callback never ran; blocks reset below
         if self.ctx.phase is Phase.BACKWARD:
@@ -108,8 +116,13 @@ class TieredState:
         """Runs even when the forward raised (always_call: then with no output, while torch
         handles the exception); a forward that raised is no trace to learn from, and one that
         `check_thread` refused changed nothing to undo."""
-        if self.ctx.phase is Phase.BACKWARD or self.ctx.owner is not threading.current_thread():
+        if self.ctx.phase is Phase.BACKWARD or self.ctx.owner is not threading.current_thread() or self.grouped:
             return
+        self.end_forward(output)
+
+    def end_forward(self, output: Any) -> None:
+        """An iteration's forward is over (the root's post-forward, or tz.accumulate's step with
+        the outputs of all its micro-batches); `output` None: it raised."""
         if self._saved_views.entered:
             self.activations.end_forward()
         self._saved_views.exit()

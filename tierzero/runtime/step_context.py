@@ -66,6 +66,13 @@ class HeldBlock(Protocol):
     def nbytes(self) -> int: ...
 
 
+class BlockGate(Protocol):
+    """A layer-major step (tierzero.runtime.accumulate, above): a block's pre-forward hook
+    arrives here first, so the step can run every micro-batch through the block before the next."""
+
+    def arrive(self, block: HeldBlock) -> None: ...
+
+
 class PendingGather(NamedTuple):
     """One flat tensor fetched or on its way to the device. `full` is every rank's shard
     gathered once `work` is done (None: nothing in flight); `scratch` is the device buffer
@@ -147,6 +154,8 @@ class StepContext:
     step_queue.py), once a tiered optimizer runs its step under the next forward."""
     owner: threading.Thread | None = field(default=None, init=False)
     """The thread whose step is under way (from the root's forward to the end of its backward)."""
+    layer_major: BlockGate | None = field(default=None, init=False)
+    """The layer-major step under way (tz.accumulate), from its forward to the end of its backward."""
     clip_norm_type: float | None = field(default=None, init=False)
     """The norm tz.clip_grad_norm_ last computed: each FlatGrad computes it as its gradient is
     written in backward, so clipping needs no second read of the gradients."""

@@ -1,0 +1,206 @@
+"""Gradient accumulation layer by layer (tz.accumulate) against the plain accumulation loop: the
+built-in GPT with parameters, gradients and optimizer states on NVMe (fp32), activations on
+NVMe, k micro-batches per optimizer step. Per configuration: parameter bytes read from NVMe per
+step, tokens per second (forward + backward, and the whole step with the optimizer's), peak RSS
+against the budgets.
+
+Every configuration runs in a child process of its own: one step to warm up (the first records
+the block order; pools fill), then the peak-RSS mark is reset (/proc/self/clear_refs) and
+`--steps` steps are measured; the child's peak RSS is read from outside (/proc/PID/status VmHWM)
+while it waits to exit. The host budget is below the parameters' bytes, so a parameter used
+again later is read from NVMe again (as on a machine whose model does not fit in RAM). The
+configurations run in rounds, A B A B: each round runs layer-major and plain at every k.
+
+    flock /tmp/tierzero-bench.lock python benchmarks/layer_major.py --nvme-dir DIR \\
+        [--model 350m] [--ks 1,4,8] [--batch 1] [--seq 64] [--steps 1] [--rounds 2] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import tierzero as tz  # noqa: E402
+from tierzero import runtime  # noqa: E402
+from tierzero.config import format_size, parse_size  # noqa: E402
+from tierzero.models import build  # noqa: E402
+
+TIERS = ("device", "host", "nvme")
+MODES = ("layer-major", "plain")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nvme-dir", default="runs/bench-layer-major", help="swap folder (removed afterwards)")
+    p.add_argument("--model", default="350m", help="a built-in GPT size (tiny, 125m, 350m, ...)")
+    p.add_argument("--ks", default="1,4,8", help="micro-batches per step")
+    p.add_argument("--batch", type=int, default=1, help="rows per micro-batch")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--steps", type=int, default=1, help="measured steps per configuration (after one warm-up)")
+    p.add_argument("--rounds", type=int, default=2, help="A B A B rounds over every configuration")
+    p.add_argument("--device-budget", default="1GiB")
+    p.add_argument("--host-budget", default="1GiB")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def config(args: argparse.Namespace) -> tz.Config:
+    return tz.Config(device_budget=args.device_budget, host_budget=args.host_budget, nvme_dir=args.nvme_dir,
+                     nvme_budget="64GiB", params="nvme", grads="nvme", optimizer_states="nvme",
+                     compute_dtype="float32", activations="nvme")
+
+
+# ------------------------------------------------------------------------------------ child
+
+
+def child(args: argparse.Namespace) -> None:
+    spec = json.loads(args.child)
+    k, mode = spec["k"], spec["mode"]
+    torch.manual_seed(0)
+    model = build(args.model, device="meta", vocab_size=256, seq_len=args.seq)
+    tz.wrap(model, config(args))
+    opt = tz.AdamW(model, lr=1e-4)
+    pm = runtime.placement_manager(model)
+    g = torch.Generator().manual_seed(1)
+    loss_fn = lambda out, mb: out.loss / k  # noqa: E731
+    rows = []
+    for step in range(1 + args.steps):
+        if step == 1:
+            Path("/proc/self/clear_refs").write_text("5")  # the peak RSS from here on
+        mbs = [(x, x) for x in torch.randint(0, 256, (k, args.batch, args.seq), generator=g)]
+        t0 = time.perf_counter()
+        if mode == "layer-major":
+            losses = tz.accumulate(model, mbs, loss_fn)
+        else:
+            losses = []
+            for mb in mbs:
+                loss = loss_fn(model(*mb), mb)
+                loss.backward()
+                losses.append(loss.detach())
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        runtime.settle(model)  # this step's updates and writes belong to its time
+        t2 = time.perf_counter()
+        stats = runtime.step_stats(model)
+        rows.append({"fb_s": t1 - t0, "step_s": t2 - t0, "loss": float(sum(losses)),
+                     "params_read": stats.nvme_by_kind["params"]["read"], "nvme_read": stats.nvme_read_bytes,
+                     "nvme_write": stats.nvme_write_bytes, "by_kind": stats.nvme_by_kind,
+                     "stall_s": sum(stats.stall_s.values())})
+    out = {"rows": rows[1:], "peaks": {t: pm.peak_bytes(t) for t in TIERS}, "budgets": {t: pm.budget(t) for t in TIERS},
+           "params_bytes": sum(p.numel() for p in model.parameters()) * 4}
+    runtime.close(model)
+    print(json.dumps(out), flush=True)
+    sys.stdin.readline()  # the parent reads this process's peak RSS meanwhile
+
+
+def _status(key: str, pid: int | str = "self") -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/{pid}/status has no {key}")
+
+
+def run_child(args: argparse.Namespace, k: int, mode: str) -> dict[str, Any]:
+    spec = json.dumps({"k": k, "mode": mode})
+    cmd = [sys.executable, __file__, "--child", spec, "--nvme-dir", args.nvme_dir, "--model", args.model,
+           "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
+           "--device-budget", args.device_budget, "--host-budget", args.host_budget]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MALLOC_MMAP_THRESHOLD_": "131072"}
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    peak = _status("VmHWM", proc.pid) if line else 0
+    _, err = proc.communicate("exit\n")
+    if proc.returncode != 0 or not line:
+        raise RuntimeError(f"child {spec} failed:\n{err}")
+    got = json.loads(line)
+    rows = got["rows"]
+    tokens = k * args.batch * args.seq
+    return {"k": k, "mode": mode, "peak_rss": peak, "budgets": got["budgets"], "peaks": got["peaks"],
+            "params_bytes": got["params_bytes"],
+            "params_read": statistics.median(r["params_read"] for r in rows),
+            "nvme_read": statistics.median(r["nvme_read"] for r in rows),
+            "fb_s": statistics.median(r["fb_s"] for r in rows), "step_s": statistics.median(r["step_s"] for r in rows),
+            "fb_tokens_per_s": tokens / statistics.median(r["fb_s"] for r in rows),
+            "tokens_per_s": tokens / statistics.median(r["step_s"] for r in rows),
+            "loss": [r["loss"] for r in rows], "by_kind": rows[-1]["by_kind"]}
+
+
+# ----------------------------------------------------------------------------------- parent
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.child:
+        child(args)
+        return 0
+    ks = [int(k) for k in args.ks.split(",")]
+    shutil.rmtree(args.nvme_dir, ignore_errors=True)
+    Path(args.nvme_dir).parent.mkdir(parents=True, exist_ok=True)
+    runs = []
+    try:
+        for r in range(args.rounds):
+            for k in ks:
+                for mode in MODES:
+                    runs.append({"round": r, **run_child(args, k, mode)})
+                    _progress(runs[-1])
+    finally:
+        shutil.rmtree(args.nvme_dir, ignore_errors=True)
+    summary = _summary(runs, ks)
+    print(json.dumps({"runs": runs, "summary": summary}, indent=1) if args.json else _table(runs, summary))
+    return 0
+
+
+def _progress(run: dict[str, Any]) -> None:
+    print(f"round {run['round']} k={run['k']} {run['mode']}: params read {format_size(run['params_read'])}, "
+          f"{run['fb_s']:.1f} s fwd+bwd, {run['step_s']:.1f} s step, peak RSS {format_size(run['peak_rss'])}",
+          file=sys.stderr, flush=True)
+
+
+def _summary(runs: list[dict[str, Any]], ks: list[int]) -> dict[str, Any]:
+    def med(mode: str, k: int, key: str) -> float:
+        return statistics.median(r[key] for r in runs if r["mode"] == mode and r["k"] == k)
+
+    base = max(med("layer-major", ks[0], "params_read"), 1)
+    budget = max(sum(r["budgets"][t] for t in ("device", "host")) for r in runs)
+    return {
+        "params_read_vs_k1": {mode: {k: med(mode, k, "params_read") / base for k in ks} for mode in MODES},
+        "tokens_per_s_ratio": {k: med("layer-major", k, "tokens_per_s") / med("plain", k, "tokens_per_s") for k in ks},
+        "fb_tokens_per_s_ratio": {k: med("layer-major", k, "fb_tokens_per_s") / med("plain", k, "fb_tokens_per_s")
+                                  for k in ks},
+        "peak_rss_max": max(r["peak_rss"] for r in runs if r["mode"] == "layer-major"),
+        "device_plus_host_budget": budget,
+        "rss_room": budget + parse_size("1.5GiB"),
+    }
+
+
+def _table(runs: list[dict[str, Any]], summary: dict[str, Any]) -> str:
+    lines = ["| round | k | schedule | params read / step | NVMe read / step | fwd+bwd s | step s | tokens/s (fwd+bwd) "
+             "| tokens/s (step) | peak RSS |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in runs:
+        lines.append(f"| {r['round']} | {r['k']} | {r['mode']} | {format_size(r['params_read'])} | "
+                     f"{format_size(r['nvme_read'])} | {r['fb_s']:.1f} | {r['step_s']:.1f} | "
+                     f"{r['fb_tokens_per_s']:.1f} | {r['tokens_per_s']:.1f} | {format_size(r['peak_rss'])} |")
+    lines.append("")
+    lines.append(json.dumps(summary, indent=1))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

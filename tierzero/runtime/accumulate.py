@@ -1,0 +1,189 @@
+"""`tz.accumulate`: one step of gradient accumulation over k micro-batches, layer by layer, so
+each block is fetched once for the k forwards and once for the k backwards (GreedySnake's
+schedule). See [Note: layer-major schedule]."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
+
+import greenlet
+import torch
+from torch import nn
+
+from tierzero.prefetch import FetchPhase
+from tierzero.runtime.blocks import Block, output_tensors
+from tierzero.runtime.state import TieredState, state_of
+from tierzero.runtime.step_context import Phase
+
+# [Note: layer-major schedule]
+# Eager Python cannot run block b for k forwards, then block b+1, in one call stack. So each
+# micro-batch's forward (model, then loss_fn) runs in its own greenlet on the caller's thread.
+# - Forward: a block's pre-forward hook parks the running micro-batch (`arrive`). Once all k
+#   wait at the same block, the step releases the block before, holds this one (one fetch; the
+#   prefetcher is told as in a plain forward) and lets the k through it in the order k..1.
+# - Backward: one `torch.autograd.backward(losses)`. Autograd runs ready nodes by descending
+#   sequence number; the numbers count up in creation order on the thread, which greenlets
+#   share. So it runs block L for micro-batch 1..k, then block L-1 for 1..k, ...: a parameter
+#   used once per micro-batch gets its shares in the plain loop's order (the same bits).
+#   Shares of a parameter used twice (a tied embedding and head) come in another order.
+# - A block's backward holds are released, and its gradient reduced, at its last call's
+#   post-backward (Block.post_backward): one fetch per block, one reduction (at ZeRO 2 and 3 the
+#   plain loop reduces k times, so the sums differ by rounding).
+# - What is held where: what autograd saves in each call goes to its pack or frame (with
+#   activation_checkpointing, only the call's input), placed per Config.activations within the
+#   budgets: k per block. Each parked micro-batch also carries the next block's input, which
+#   stays on the device where compute made it.
+# - Refused with a ValueError, before any backward (nothing falls back): micro-batches that
+#   reach different blocks (data-dependent routing) or finish while others wait, and a block
+#   reached inside another block's call or inside a region that changes autograd's thread
+#   state (no_grad, autocast, torch.utils.checkpoint: the model's own checkpointing), which
+#   the other micro-batches would inherit. The plain loop runs those.
+
+PLAIN_LOOP = "for mb in micro_batches: loss_fn(model(mb), mb).backward()"
+
+
+class _Parked(NamedTuple):
+    """A micro-batch waiting at `block`'s pre-forward hook."""
+
+    block: Block
+
+
+class _Finished(NamedTuple):
+    """A micro-batch's forward and loss done."""
+
+    loss: torch.Tensor
+    outputs: list[torch.Tensor]
+
+
+def _thread_state() -> tuple[Any, ...]:
+    """Autograd's thread state a parked micro-batch would hand to the others."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
+            torch.is_autocast_enabled("cuda"), top(False) if top is not None else None)
+
+
+class LayerMajorStep:
+    """One call of `tz.accumulate` (see [Note: layer-major schedule]); the wrapped model's BlockGate."""
+
+    def __init__(self, model: nn.Module, state: TieredState, micro_batches: Sequence[Any],
+                 loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+        self.model = model
+        self.state = state
+        self.micro_batches = micro_batches
+        self.loss_fn = loss_fn
+        self._workers: dict[greenlet.greenlet, int] = {}
+        self._driver = greenlet.getcurrent()
+        self._entry_state: tuple[Any, ...] = ()
+
+    def arrive(self, block: Block) -> None:
+        """A block's pre-forward hook: park the micro-batch running it until the step resumes it."""
+        current = greenlet.getcurrent()
+        if current not in self._workers:
+            return
+        if self.state.activations.in_scope or _thread_state() != self._entry_state:
+            where = ("inside another block's call" if self.state.activations.in_scope else
+                     "inside a region that changes autograd's state (no_grad, autocast, or torch.utils.checkpoint: "
+                     "turn the model's own gradient checkpointing off, Config(activation_checkpointing=True) "
+                     "keeps only each block's input)")
+            raise self.refusal(f"micro-batch {self._workers[current]} reached block {block.name!r} {where}")
+        self._driver.switch(_Parked(block))
+
+    def refusal(self, reason: str) -> ValueError:
+        return ValueError(f"tz.accumulate cannot run {type(self.model).__name__} block by block: {reason}. "
+                          f"Nothing was changed; train it with the plain loop ({PLAIN_LOOP}), which gives the same "
+                          "gradients and fetches each block once per micro-batch")
+
+    def run(self) -> list[torch.Tensor]:
+        state, ctx = self.state, self.state.ctx
+        state.begin_forward(state.model)
+        self._entry_state = _thread_state()
+        ctx.layer_major = self
+        state.grouped = True
+        try:
+            try:
+                finished = self._forward()
+            finally:
+                state.grouped = False
+            outputs = [t for f in finished for t in f.outputs]
+            state.end_forward(outputs)
+            losses = [f.loss for f in finished]
+            torch.autograd.backward(losses)
+        except BaseException:
+            if ctx.phase is Phase.FORWARD:
+                state.end_forward(None)
+            raise
+        finally:
+            ctx.layer_major = None
+        return [loss.detach() for loss in losses]
+
+    def _forward(self) -> list[_Finished]:
+        """Every micro-batch through each block in turn; the micro-batches' results in order."""
+        k = len(self.micro_batches)
+        for i, mb in enumerate(self.micro_batches):
+            self._workers[greenlet.greenlet(lambda mb=mb: self._one(mb), parent=self._driver)] = i
+        workers = list(self._workers)
+        stops: dict[int, _Parked | _Finished] = {}
+        held: Block | None = None
+        try:
+            while True:
+                for i in reversed(range(k)):
+                    stops[i] = workers[i].switch()
+                parked = {stop.block for stop in stops.values() if isinstance(stop, _Parked)}
+                if held is not None:
+                    held.unhold()
+                    held = None
+                if not parked:
+                    return [stop for _, stop in sorted(stops.items())]  # type: ignore[misc]
+                if len(parked) > 1 or any(isinstance(s, _Finished) for s in stops.values()):
+                    raise self.refusal(self._diverged(stops))
+                held = parked.pop()
+                held.hold(FetchPhase.FORWARD)
+        finally:
+            if held is not None:
+                held.unhold()
+            for w in workers:
+                if not w.dead:
+                    w.throw(greenlet.GreenletExit)
+
+    @staticmethod
+    def _diverged(stops: dict[int, _Parked | _Finished]) -> str:
+        where = {i: (f"block {s.block.name!r}" if isinstance(s, _Parked) else "the end of its forward")
+                 for i, s in sorted(stops.items())}
+        return "its micro-batches took different routes through the blocks (" + ", ".join(
+            f"micro-batch {i} at {w}" for i, w in where.items()) + ")"
+
+    def _one(self, mb: Any) -> _Finished:
+        out = _call(self.model, mb)
+        loss = self.loss_fn(out, mb)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            raise ValueError(f"tz.accumulate: loss_fn(outputs, micro_batch) must give a one-element tensor that "
+                             f"requires grad; it gave {type(loss).__name__}"
+                             + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
+        return _Finished(loss, [t for t in output_tensors(out) if t.requires_grad])
+
+
+def _call(model: nn.Module, mb: Any) -> Any:
+    if isinstance(mb, dict):
+        return model(**mb)
+    if isinstance(mb, tuple):
+        return model(*mb)
+    return model(mb)
+
+
+def accumulate(model: nn.Module, micro_batches: Iterable[Any],
+               loss_fn: Callable[[Any, Any], torch.Tensor]) -> list[torch.Tensor]:
+    """Forward and backward over `micro_batches` layer by layer; the gradients summed as the plain
+    loop sums them. Each micro-batch is passed as model(**mb) (a dict), model(*mb) (a tuple) or
+    model(mb); `loss_fn(outputs, mb)` gives its loss (scale it, e.g. / k, as wanted). Returns the
+    losses, detached, in order. Then tz.clip_grad_norm_ and opt.step() as after the plain loop."""
+    state = state_of(model)
+    mbs = list(micro_batches)
+    if not mbs:
+        raise ValueError("tz.accumulate: micro_batches is empty; give at least one micro-batch")
+    if not torch.is_grad_enabled():
+        raise ValueError("tz.accumulate runs a training step's backward: call it with grad enabled "
+                         "(not under torch.no_grad() or torch.inference_mode())")
+    if state.ctx.layer_major is not None:
+        raise ValueError(f"tz.accumulate: {type(model).__name__} is already in a tz.accumulate step; "
+                         "call it from the training loop, not from inside a model or loss_fn")
+    return LayerMajorStep(model, state, mbs, loss_fn).run()
