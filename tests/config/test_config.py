@@ -42,7 +42,7 @@ def dataclasses_frozen_error():
 
 
 @pytest.mark.parametrize("kw,match", [
-    ({"params": "gpu"}, "params: expected one of 'device', 'host', 'nvme', got 'gpu'"),
+    ({"params": "gpu"}, "params: expected one of 'device', 'host', 'nvme', 'auto' or a split"),
     ({"optimizer_states": "nvme"}, "nvme_dir: some state is placed on 'nvme'"),
     ({"compute_dtype": "float64"}, "compute_dtype"),
     ({"io": {"block_size": 1000}}, "multiple of 4096"),

@@ -219,7 +219,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                     self._steps[flat] = [0] * len(flat.layout.slots)
                 for kind in self.state_kinds:
                     if kind not in self._states[flat]:
-                        handle = ctx.register(flat.name, torch.zeros(flat.layout.shard_numel), ctx.master_tier,
+                        handle = ctx.register(flat.name, torch.zeros(flat.layout.shard_numel), ctx.master_tier(flat.name),
                                               kind=kind)
                         self._states[flat][kind] = handle
                         registered.append((flat, kind, handle))
@@ -376,7 +376,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         pm = self._model_state.pm
         for k, flat in enumerate(flats):
             if grad:
-                flat_grad(flat).prefetch(speculative=k > 0)
+                flat_grad(flat).prefetch(speculative=k > 0, tier=self._live_states(flat)[Kind.MASTER].staging)
             for handle in self._live_states(flat).values():
                 pm.prefetch(handle, handle.staging, speculative=k > 0)
 
@@ -389,8 +389,9 @@ class TieredOptimizer(torch.optim.Optimizer):
         pm = self._model_state.pm
         handles = list(self._live_states(flat).values())
         gradient = flat_grad(flat)
+        where = handles[0].staging  # the master weights': the update runs there, its gradient copied in if need be
         with torch.profiler.record_function(f"tierzero::optimizer_step {flat.name}"), pm.streams.context(), \
-                gradient.acquire() as grad:
+                gradient.acquire(tier=where) as grad:
             tensors = [pm.acquire(h, h.staging) for h in handles]
             try:
                 then()

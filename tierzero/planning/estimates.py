@@ -68,7 +68,8 @@ def estimate(model: nn.Module, cfg: Config, world_size: int = 1) -> Estimate:
     need = per_rank.by_tier(cfg)
     if cfg.frozen_tier != cfg.params:  # frozen parameters (a LoRA base) live on their own tier
         frozen = zm.per_rank(n - trainable, 0).params
-        need[cfg.params] -= frozen
+        for tier, f in cfg.shares("params").items():
+            need[tier] -= round(frozen * f)
         need[cfg.frozen_tier] += frozen
     home = dict(need)
     # adaptive keeps at least two blocks coming (more only where the room allows)
@@ -76,9 +77,9 @@ def estimate(model: nn.Module, cfg: Config, world_size: int = 1) -> Estimate:
     ahead = {"lookahead": cfg.prefetch.depth, "adaptive": 2}.get(policy, 1)
     if cfg.params != "device" or zm.zero.gathers:
         need["device"] += (counts.root + block * (1 + ahead)) * cb
-    if "nvme" in (cfg.params, cfg.frozen_tier):
+    if cfg.shares("params")["nvme"] or cfg.frozen_tier == "nvme":
         need["host"] += block * cb * cfg.prefetch.nvme_depth
-    if cfg.optimizer_states == "nvme":
+    if cfg.shares("optimizer_states")["nvme"]:
         # read k+1, update k, write k-1: three blocks' master + moments in flight
         need["host"] += 3 * block * (OPTIMIZER_BYTES_PER_PARAM + per_param.grads)
     state = n * per_param.params + trainable * (per_param.grads + per_param.optimizer_states)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierzero.config import Config
+from tierzero.config import KINDS, Config
 from tierzero.layout import ZeroStage
 from tierzero.placement import TRAFFIC_GROUPS
 
@@ -72,16 +72,20 @@ def step_traffic(n_params: int, cfg: Config, *, world_size: int = 1) -> Traffic:
     grad = getattr(torch, cfg.grad_dtype).itemsize
     params_are_master = compute == 4 and cfg.params == cfg.optimizer_states and not zero.params_whole
     t = Traffic()
-    if cfg.params == "nvme":
-        t.add("params", read=2 * compute * whole_params, write=compute * whole_params)
-    if cfg.grads == "nvme" and not cfg.step_in_backward:
-        t.add("grads", read=grad * whole_grads, write=grad * whole_grads)
-    if cfg.optimizer_states == "nvme":
-        t.add("moments", read=8 * n, write=8 * n)
+    on_nvme = {kind: cfg.shares(kind)["nvme"] for kind in KINDS}  # a split moves its NVMe share
+    if on_nvme["params"]:
+        p = round(whole_params * on_nvme["params"])
+        t.add("params", read=2 * compute * p, write=compute * p)
+    if on_nvme["grads"] and not cfg.step_in_backward:
+        g = round(whole_grads * on_nvme["grads"])
+        t.add("grads", read=grad * g, write=grad * g)
+    if on_nvme["optimizer_states"]:
+        s = round(n * on_nvme["optimizer_states"])
+        t.add("moments", read=8 * s, write=8 * s)
         if params_are_master:
-            t.add("params", read=0 if cfg.step_in_backward else 4 * n)
+            t.add("params", read=0 if cfg.step_in_backward else 4 * s)
         else:
-            t.add("master", read=4 * n, write=4 * n)
+            t.add("master", read=4 * s, write=4 * s)
     return t
 
 
