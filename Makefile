@@ -21,7 +21,7 @@ install: $(STAMP)
 # streams (copies land later, poisoned until then and when freed, checked: see
 # tierzero/placement/stand_in.py), under two seeds of random copy delays: what a GPU would
 # reorder is exercised on every machine.
-ASYNC_TESTS := tests/runtime/test_parity.py tests/runtime/test_zero_stages.py tests/runtime/test_step_queue.py \
+ASYNC_TESTS := tests/runtime/test_parity.py tests/runtime/test_split.py tests/runtime/test_zero_stages.py tests/runtime/test_step_queue.py \
 	tests/runtime/test_activations.py \
 	tests/checkpoint/test_checkpoint.py tests/checkpoint/test_checkpoint_ranks.py \
 	tests/checkpoint/test_checkpoint_kill.py::test_sigterm_saves_at_the_step_boundary_and_resume_is_exact \
