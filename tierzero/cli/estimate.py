@@ -17,10 +17,10 @@ from tierzero import formats, hf
 from tierzero.cli.flags import (add_activation_flags, add_placement_flags, add_rate_flags, add_zero_flags,
                                 activations_from_flags, placement_from_flags, rates_from_flags, zero_from_flags)
 from tierzero.cli.harness import batch_loss
-from tierzero.config import TIER_NAMES, Config, format_size, machine_budgets, parse_size
+from tierzero.config import KINDS, TIER_NAMES, Config, format_size, machine_budgets, parse_size
 from tierzero.formats import meta_model
 from tierzero.models import CONFIGS, build
-from tierzero.planning import (PLACEMENTS, ActivationBytes, ActivationModel, Estimate, activation_model, estimate,
+from tierzero.planning import (PLACEMENTS, resolve_placement, ActivationBytes, ActivationModel, Estimate, activation_model, estimate,
                                largest_trainable, step_traffic)
 
 
@@ -78,6 +78,7 @@ def main(argv: list[str]) -> int:
         model = _meta_model(args.model)
     except (ValueError, ImportError) as e:
         p.error(str(e))
+    cfg = resolve_placement(model, cfg, args.world_size)  # "auto" as wrap would choose it
     est = estimate(model, cfg, args.world_size)
     assert est.per_rank is not None and est.layout_per_rank is not None and est.comm is not None
     traffic = step_traffic(est.params, cfg, world_size=args.world_size)
@@ -107,6 +108,7 @@ def main(argv: list[str]) -> int:
     name = args.model if args.model in CONFIGS else f"{args.model} ({type(model).__name__})"
     print(f"{name}: {est.params / 1e6:.1f}M parameters, training state "
           f"{format_size(est.state_bytes)}")
+    print("  placement: " + ", ".join(f"{k.replace('_', ' ')} {_placed(getattr(cfg, k))}" for k in KINDS))
     if args.world_size > 1:
         per = est.per_rank
         print(f"  per rank of {args.world_size} (ZeRO stage {cfg.zero_stage}): params {format_size(per.params)}, "
@@ -130,6 +132,15 @@ def main(argv: list[str]) -> int:
           f"{largest or 'none of the built-in models'}"
           + (f" with {placement}" if largest else ""))
     return 0
+
+
+def _placed(value: object) -> str:
+    """A kind's placement in words: a tier, "where its updates run" (grads None), or a split."""
+    if value is None:
+        return "where its updates run"
+    if isinstance(value, dict):
+        return "/".join(f"{t} {f:.0%}" for t, f in value.items() if f)
+    return str(value)
 
 
 def _activations(args: argparse.Namespace, cfg: Config) -> ActivationModel:

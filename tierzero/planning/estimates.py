@@ -21,6 +21,7 @@ from torch import nn
 from tierzero.config import OPTIMIZER_BYTES_PER_PARAM, TIER_NAMES, Config
 from tierzero.layout import ROOT, CommBytes, blocks_of
 from tierzero.models import CONFIGS, build
+from tierzero.planning.placement import resolve_placement
 from tierzero.planning.zero_model import StateSizes, ZeroModel, param_counts
 
 
@@ -57,7 +58,8 @@ def largest_block_params(model: nn.Module, cfg: Config) -> int:
 
 def estimate(model: nn.Module, cfg: Config, world_size: int = 1) -> Estimate:
     """Bytes per tier that each of `world_size` ranks needs to train `model` under `cfg` (model
-    may be on the meta device)."""
+    may be on the meta device). Kinds placed "auto" are resolved first (placement.py)."""
+    cfg = resolve_placement(model, cfg, world_size)
     counts = param_counts(model, cfg)
     n, trainable = counts.params, counts.trainable
     block = largest_block_params(model, cfg)
