@@ -106,25 +106,31 @@ def resolve_auto(config: Config, sizes: KindSizes, room: Mapping[str, int]) -> C
         if kind not in autos and not (kind == "grads" and config.grads is None):
             for tier, f in shares(getattr(config, kind)).items():
                 left[tier] -= int(f * sum(getattr(sizes, kind)))
+    follow = config.grads is None  # a block's gradient on the device with its states there, else on the host
+    if follow:
+        left["host"] -= sum(sizes.grads)
     changes = {}
     for kind in autos:
         blocks = getattr(sizes, kind)
-        if kind == "optimizer_states" and config.grads is None:  # a block's gradient follows its update
-            blocks = [s + g for s, g in zip(blocks, sizes.grads)]
-        placed = dict.fromkeys(TIER_NAMES, 0)
+        placed = dict.fromkeys(TIER_NAMES, 0)  # room taken
+        share = dict.fromkeys(TIER_NAMES, 0)  # this kind's bytes
         order = [t for t in TIER_NAMES if t != "nvme" or config.nvme_dir is not None]
+        carried = kind == "optimizer_states" and follow
         i = 0  # runs in block order, as split_blocks places them back
-        for n in blocks:
-            while i < len(order) - 1 and placed[order[i]] + n > max(left[order[i]], 0):
+
+        def cost(b: int, tier: str) -> int:
+            return blocks[b] + (sizes.grads[b] if carried and tier == "device" else 0)
+
+        for b, n in enumerate(blocks):
+            while i < len(order) - 1 and placed[order[i]] + cost(b, order[i]) > max(left[order[i]], 0):
                 i += 1
-            placed[order[i]] += n
-        total = sum(blocks) or 1
+            placed[order[i]] += cost(b, order[i])
+            share[order[i]] += n
+            if carried and order[i] == "device":
+                left["host"] += sizes.grads[b]  # its gradient is not on the host after all
         for tier in TIER_NAMES:
             left[tier] -= placed[tier]
-        split = {t: placed[t] / total for t in TIER_NAMES}
-        if sum(blocks) == 0:
-            split = {"host": 1.0}
-        changes[kind] = _normalised(split)
+        changes[kind] = _normalised({t: share[t] / sum(blocks) for t in TIER_NAMES}) if sum(blocks) else "host"
     return config.replace(**changes)
 
 
