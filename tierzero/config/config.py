@@ -366,9 +366,11 @@ class Config:
         """Pick budgets and placement from what this machine offers (tierzero/config/machine.py:
         free GPU memory, RAM, free disk under nvme_dir).
 
-        State stays on the host tier when it fits there; the optimizer states move to NVMe when
-        the whole training state exceeds the host budget, the parameters too past twice it
-        (when nvme_dir is given).
+        State stays on the host tier when it fits there and there is no GPU. Otherwise the
+        optimizer states are "auto": wrap fills the device (a GPU), then the host, then NVMe
+        with them block by block, each block updated where its states live (with their
+        gradients: grads=None); the parameters move to NVMe past twice the host budget (when
+        nvme_dir is given).
         """
         offer = machine_budgets(None if nvme_dir is None else os.fspath(nvme_dir), headroom)
         state = 0
@@ -376,12 +378,12 @@ class Config:
             n = sum(p.numel() for p in model.parameters())
             probe = cls(compute_dtype=overrides.get("compute_dtype", "auto"))
             state = n * sum(probe.state_bytes_per_param(cuda=has_cuda()))
-        params = grads = optim = "host"
+        params, grads, optim = "host", "host", "host"
         nvme_budget: int | str = cls.nvme_budget
+        if has_cuda() or (nvme_dir is not None and state > offer["host"]):
+            grads, optim = None, "auto"
         if nvme_dir is not None:
             nvme_budget = offer["nvme"]
-            if state > offer["host"]:
-                optim = "nvme"
             if state > 2 * offer["host"]:
                 params = "nvme"
         kw: dict[str, Any] = dict(device_budget=offer["device"], host_budget=offer["host"],
