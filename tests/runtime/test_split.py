@@ -30,6 +30,8 @@ SPLITS = {
     "every kind split, grads apart": dict(params={"device": 0.3, "host": 0.4, "nvme": 0.3},
                                           grads={"host": 0.5, "nvme": 0.5},
                                           optimizer_states={"device": 0.4, "host": 0.3, "nvme": 0.3}),
+    "grads on the device, states off it": dict(grads={"device": 0.5, "host": 0.5},
+                                               optimizer_states={"host": 0.5, "nvme": 0.5}),
 }
 ALL_HOST = dict(params="host", grads="host", optimizer_states="host")
 
