@@ -85,7 +85,8 @@ def _run(rank: int, world_size: int, runs: dict[str, dict[str, Any]], nvme: str,
 def test_splits_train_bit_for_bit_as_all_host(world_size: int, tmp_path: Path) -> None:
     """Losses, parameters and master weights the same bits as all on "host" (fp32 on a CPU, where
     the device tier's fused kernel is the CPU's), at 1 and 2 ranks; each kind on the tiers asked."""
-    run_ranks(_run, world_size, tmp_path / "init", {"host": ALL_HOST, **SPLITS}, str(tmp_path), str(tmp_path / "out.pt"))
+    runs = {"host": ALL_HOST, **SPLITS}
+    run_ranks(_run, world_size, tmp_path / "init", runs, str(tmp_path), str(tmp_path / "out.pt"))
     results = torch.load(tmp_path / "out.pt")
     host = results["host"]
     for split, kw in SPLITS.items():
@@ -185,4 +186,5 @@ def test_auto_uses_the_device_then_the_host(wrapped: Any, tmp_path: Path) -> Non
     tz.AdamW(model, lr=1e-3)
     placed = tz.tier_bytes(model)["optimizer_states"]
     assert placed["device"] > 0 and placed["host"] > 0 and placed["nvme"] == 0, placed
-    assert placed["device"] <= states // 2 + 4096 + max(f.param.nbytes for f in runtime.state_of(model).flat_params()) * 3
+    block = max(f.param.nbytes for f in runtime.state_of(model).flat_params())
+    assert placed["device"] <= states // 2 + 4096 + 3 * block

@@ -20,8 +20,8 @@ from tierzero.cli.harness import batch_loss
 from tierzero.config import KINDS, TIER_NAMES, Config, format_size, machine_budgets, parse_size
 from tierzero.formats import meta_model
 from tierzero.models import CONFIGS, build
-from tierzero.planning import (PLACEMENTS, resolve_placement, ActivationBytes, ActivationModel, Estimate, activation_model, estimate,
-                               largest_trainable, step_traffic)
+from tierzero.planning import (PLACEMENTS, ActivationBytes, ActivationModel, Estimate, activation_model, estimate,
+                               largest_trainable, resolve_placement, step_traffic)
 
 
 def _meta_model(name: str) -> torch.nn.Module:

@@ -219,8 +219,8 @@ class TieredOptimizer(torch.optim.Optimizer):
                     self._steps[flat] = [0] * len(flat.layout.slots)
                 for kind in self.state_kinds:
                     if kind not in self._states[flat]:
-                        handle = ctx.register(flat.name, torch.zeros(flat.layout.shard_numel), ctx.master_tier(flat.name),
-                                              kind=kind)
+                        handle = ctx.register(flat.name, torch.zeros(flat.layout.shard_numel),
+                                              ctx.master_tier(flat.name), kind=kind)
                         self._states[flat][kind] = handle
                         registered.append((flat, kind, handle))
             ctx.pm.settle()  # the zero moments' NVMe writes landed (a disk error fails here)

@@ -169,7 +169,8 @@ class FlatParam:
         if self.trainable:
             self.grad = FlatGrad(self.name, self.layout, ctx)
             if not self._params_hold(shard.dtype):
-                self.master = ctx.register(self.name, shard.float(), ctx.master_tier(self.name), kind=Kind.MASTER, lazy=lazy)
+                self.master = ctx.register(self.name, shard.float(), ctx.master_tier(self.name), kind=Kind.MASTER,
+                                           lazy=lazy)
         self.uninstall()
 
     @property
@@ -195,7 +196,8 @@ class FlatParam:
         tier (exactly the values: the parameters hold them whenever `master` is None)."""
         if self.master is None:
             ctx = self.ctx
-            if ctx.compute_dtype == torch.float32 and self.home is ctx.master_tier(self.name) and not ctx.zero.params_whole:
+            shared = self.home is ctx.master_tier(self.name) and not ctx.zero.params_whole
+            if ctx.compute_dtype == torch.float32 and shared:
                 self.master = self.param
             else:
                 values = ctx.pm.read(self.param)
