@@ -36,7 +36,8 @@ def resolve_placement(model: nn.Module, cfg: Config, world_size: int = 1, *, dev
     if not any(getattr(cfg, k) == "auto" for k in KINDS):
         return cfg
     sizes, window = kind_sizes(model, cfg, world_size)
-    largest = max((sum(getattr(sizes, k)[b] for k in KINDS) for b in range(len(sizes.params))), default=0)
+    # as tz.wrap: three blocks (not the root, placed first on the fastest tier) staged on the host
+    largest = max((sum(getattr(sizes, k)[b] for k in KINDS) for b in range(1, len(sizes.params))), default=0)
     room = {"device": cfg.device_budget - window - device_extra, "host": cfg.host_budget - 3 * largest,
             "nvme": cfg.nvme_budget}
     return resolve_auto(cfg, sizes, room)

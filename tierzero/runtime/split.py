@@ -54,7 +54,8 @@ def plan_tiers(config: Config, layouts: Layouts, zero: ZeroStage, compute: torch
         return BlockTiers.uniform(names, config.params, grads, config.optimizer_states)
     order = placement_order(layouts)
     sizes, numels = kind_sizes(layouts, order, zero, compute, grad)
-    largest = max((sum(getattr(sizes, k)[b] for k in KINDS) for b in range(len(names))), default=0)
+    # the update's read-ahead stages three blocks on the host; the root goes first, to the fastest tier
+    largest = max((sum(getattr(sizes, k)[b] for k in KINDS) for b in range(1, len(names))), default=0)
     frozen = sum(layout.shard_numel for _, _, flats in layouts for ps, layout in flats
                  if not ps[0][1].requires_grad) * compute.itemsize
     room = {"device": config.device_budget - device_window, "host": config.host_budget - 3 * largest,
