@@ -170,9 +170,12 @@ class TieredOptimizer(torch.optim.Optimizer):
         extra = []
         if states[Kind.MASTER] is not flat.param and flat.param.home is Tier.NVME:
             extra.append((Tier.HOST, flat.param.nbytes))
+        grad, where = flat_grad(flat).handle, states[Kind.MASTER].staging
+        if grad.staging is not where:  # a gradient placed apart is copied to the update's tier
+            extra.append((where, grad.nbytes))
         self._model_state.pm.check_working_set(
             f"{type(self).__name__}'s update of block {flat.name!r} (its gradient, master weights and moments)",
-            [flat_grad(flat).handle, *states.values()], extra)
+            [*([grad] if grad.staging is where else []), *states.values()], extra)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's add_param_group, for parameters of this optimizer's wrapped model: the
