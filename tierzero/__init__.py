@@ -25,6 +25,7 @@ _LAZY = {
     "accumulate": "tierzero.runtime",
     "full_state_dict": "tierzero.runtime",
     "gathered_params": "tierzero.runtime",
+    "tier_bytes": "tierzero.runtime",
     "AdamW": "tierzero.optim",
     "SGD": "tierzero.optim",
     "clip_grad_norm_": "tierzero.optim",

@@ -120,3 +120,22 @@ def test_activations_on_nvme_with_checkpointing(tmp_path: Path) -> None:
     tracks = {e["args"]["name"] for e in trace if e.get("name") == "thread_name"}
     assert "activations" in tracks
     assert any(e.get("ph") == "X" and e["name"].endswith(".activation") for e in trace)
+
+
+def test_split_flags_and_the_placement_in_the_summary(tmp_path: Path) -> None:
+    """--optimizer-states with fractions: the states on host and NVMe in summary.json's
+    "placement" (tz.tier_bytes), the grads where their updates run, the same losses as all on host."""
+    def run(name: str, *extra: str) -> tuple[list[float], dict]:
+        run_dir = tmp_path / name
+        assert train.main([*SMALL, "--run-dir", str(run_dir), "--nvme-dir", str(tmp_path / f"nvme-{name}"),
+                           "--host-budget", "24MiB", "--params", "host", "--grads", "host", *extra]) == 0
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in rows], json.loads((run_dir / "summary.json").read_text())["placement"]
+
+    plain, placed_plain = run("plain", "--optimizer-states", "host")
+    losses, placed = run("split", "--optimizer-states", "host=0.5,nvme=0.5")
+    assert losses == plain
+    assert placed["optimizer_states"]["host"] > 0 and placed["optimizer_states"]["nvme"] > 0
+    assert placed_plain["optimizer_states"]["nvme"] == 0 and placed["grads"] == placed_plain["grads"]
+    with pytest.raises(SystemExit):
+        train.parser().parse_args(["--optimizer-states", "host=0.5,nvme=0.4"])

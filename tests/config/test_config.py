@@ -42,7 +42,7 @@ def dataclasses_frozen_error():
 
 
 @pytest.mark.parametrize("kw,match", [
-    ({"params": "gpu"}, "params: expected one of 'device', 'host', 'nvme', got 'gpu'"),
+    ({"params": "gpu"}, "params: expected one of 'device', 'host', 'nvme', 'auto' or a split"),
     ({"optimizer_states": "nvme"}, "nvme_dir: some state is placed on 'nvme'"),
     ({"compute_dtype": "float64"}, "compute_dtype"),
     ({"io": {"block_size": 1000}}, "multiple of 4096"),
@@ -93,10 +93,42 @@ def test_auto_moves_state_down_when_it_does_not_fit(tmp_path):
             super().__init__()
             self.w = torch.nn.Parameter(torch.empty(1 << 40, device="meta"))
     cfg = Config.auto(Huge(), nvme_dir=tmp_path / "tz")
-    assert (cfg.params, cfg.optimizer_states) == ("nvme", "nvme")
+    # the states fill the device, then the host, then NVMe at wrap, their gradients with them
+    assert (cfg.params, cfg.grads, cfg.optimizer_states) == ("nvme", None, "auto")
 
 
 def test_lazy_exports():
     assert tz.Config is Config and tz.IOConfig is IOConfig
     with pytest.raises(AttributeError):
         tz.not_a_name
+
+
+@pytest.mark.parametrize("value, expected", [
+    ({"device": 0.25, "host": 0.5, "nvme": 0.25}, {"device": 0.25, "host": 0.5, "nvme": 0.25}),
+    ({"host": 0.6, "nvme": 0.4}, {"device": 0.0, "host": 0.6, "nvme": 0.4}),
+    ({"host": 1}, "host"),
+    ("auto", "auto"),
+])
+def test_placement_takes_a_split(value, expected):
+    cfg = Config(optimizer_states=value, nvme_dir="/tmp")
+    assert cfg.optimizer_states == expected
+
+
+@pytest.mark.parametrize("value, match", [
+    ({"device": 0.5, "host": 0.6}, "optimizer_states: a split's fractions must sum to 1"),
+    ({"gpu": 1.0}, r"optimizer_states: a split's keys are tier names"),
+    ({"host": -0.5, "nvme": 1.5}, r"optimizer_states: the fraction for 'host' must be a number >= 0"),
+    ({"host": 0.5, "nvme": 0.5}, "nvme_dir: some state is placed on 'nvme'"),
+    (3, "optimizer_states: expected a tier name, 'auto' or a mapping"),
+])
+def test_placement_rejects_bad_splits(value, match):
+    with pytest.raises(ValueError, match=match):
+        Config(optimizer_states=value)
+
+
+def test_placement_flag_parses_fractions():
+    from tierzero.config import parse_placement
+    assert parse_placement("device=0.25,host=0.5,nvme=0.25", what="--x") == {"device": 0.25, "host": 0.5, "nvme": 0.25}
+    assert parse_placement("auto", what="--x") == "auto" and parse_placement("nvme", what="--x") == "nvme"
+    with pytest.raises(ValueError, match="--x: expected TIER=FRACTION pairs"):
+        parse_placement("device=a", what="--x")

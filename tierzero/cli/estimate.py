@@ -18,12 +18,12 @@ from tierzero.cli.flags import (add_activation_flags, add_placement_flags, add_r
                                 activations_from_flags, placement_from_flags, rates_from_flags, zero_from_flags)
 from tierzero.cli.harness import batch_loss, with_lora
 from tierzero.cli.micro_batches import add_micro_batch_flag
-from tierzero.config import TIER_NAMES, Config, format_size, machine_budgets, parse_size
+from tierzero.config import KINDS, TIER_NAMES, Config, format_size, machine_budgets, parse_size
 from tierzero.formats import meta_model
 from tierzero.models import CONFIGS, build
 from tierzero.planning import (PLACEMENTS, ActivationBytes, ActivationModel, DriveRates, Estimate, Traffic,
                                activation_model, estimate, expected_traffic, flat_tensors, largest_trainable,
-                               least_budgets, param_counts, step_traffic)
+                               least_budgets, param_counts, resolve_placement, step_traffic)
 
 
 def _meta_model(name: str) -> torch.nn.Module:
@@ -94,6 +94,7 @@ def main(argv: list[str]) -> int:
             model = with_lora(model, args.lora)
     except (ValueError, ImportError) as e:
         p.error(str(e))
+    cfg = resolve_placement(model, cfg, args.world_size)  # "auto" as wrap would choose it
     est = estimate(model, cfg, args.world_size)
     assert est.per_rank is not None and est.layout_per_rank is not None and est.comm is not None
     least = least_budgets(model, cfg, args.world_size)
@@ -144,6 +145,7 @@ def _print_state(args: argparse.Namespace, model: torch.nn.Module, est: Estimate
     name = args.model if args.model in CONFIGS else f"{args.model} ({type(model).__name__})"
     print(f"{name}: {est.params / 1e6:.1f}M parameters, training state "
           f"{format_size(est.state_bytes)}")
+    print("  placement: " + ", ".join(f"{k.replace('_', ' ')} {_placed(getattr(cfg, k))}" for k in KINDS))
     if args.world_size > 1:
         per = est.per_rank
         assert per is not None and est.comm is not None
@@ -174,6 +176,15 @@ def _print_traffic(est: Estimate, traffic: Traffic, expected: tuple[Traffic, Tra
     print(f"  NVMe floor: {floor:.2f} s per step at {rates.read_gbps:.2f} GB/s read, {rates.write_gbps:.2f} GB/s "
           f"write ({rates.source})" if floor is not None and rates is not None else
           "  NVMe floor: give --bench-io FILE (from `tierzero bench-io --json`) or --read-gbps/--write-gbps")
+
+
+def _placed(value: object) -> str:
+    """A kind's placement in words: a tier, "where its updates run" (grads None), or a split."""
+    if value is None:
+        return "where its updates run"
+    if isinstance(value, dict):
+        return "/".join(f"{t} {f:.0%}" for t, f in value.items() if f)
+    return str(value)
 
 
 def _activations(args: argparse.Namespace, cfg: Config, model: torch.nn.Module) -> ActivationModel:

@@ -4,8 +4,9 @@ fields or planning inputs."""
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
-from tierzero.config import TIER_NAMES
+from tierzero.config import TIER_NAMES, parse_placement
 from tierzero.planning import DriveRates, rates_from_bench
 
 
@@ -31,17 +32,27 @@ def rates_from_flags(args: argparse.Namespace) -> DriveRates | None:
 
 def add_placement_flags(p: argparse.ArgumentParser) -> None:
     """--params, --grads, --optimizer-states and --frozen; read them back with `placement_from_flags`."""
-    p.add_argument("--params", default=None, choices=TIER_NAMES,
-                   help="home tier of parameters (default: nvme when --nvme-dir is given, else host)")
-    p.add_argument("--optimizer-states", default=None, choices=TIER_NAMES,
-                   help="tier of fp32 master weights and moments (default: as --params)")
-    p.add_argument("--grads", default=None, choices=TIER_NAMES,
-                   help="tier of gradients (default: as --params)")
+    tiers = "a tier (device, host, nvme), auto, or fractions such as device=0.25,host=0.5,nvme=0.25"
+    p.add_argument("--params", default=None, type=_placement("--params"), metavar="PLACEMENT",
+                   help=f"home of parameters: {tiers} (default: nvme when --nvme-dir is given, else host)")
+    p.add_argument("--optimizer-states", default=None, type=_placement("--optimizer-states"), metavar="PLACEMENT",
+                   help=f"fp32 master weights and moments: {tiers} (default: as --params)")
+    p.add_argument("--grads", default=None, type=_placement("--grads"), metavar="PLACEMENT",
+                   help=f"gradients: {tiers} (default: as --params)")
     p.add_argument("--frozen", default=None, choices=TIER_NAMES,
                    help="home tier of frozen parameters, such as a LoRA base (default: as --params)")
 
 
-def placement_from_flags(args: argparse.Namespace) -> dict[str, str | None]:
+def _placement(flag: str) -> Callable[[str], str | dict[str, float]]:
+    def parse(text: str) -> str | dict[str, float]:
+        try:
+            return parse_placement(text, what=flag)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse
+
+
+def placement_from_flags(args: argparse.Namespace) -> dict[str, object]:
     """The Config placement fields from the flags of `add_placement_flags` (and --nvme-dir)."""
     params = args.params or ("nvme" if args.nvme_dir else "host")
     return {"params": params, "grads": args.grads or params,

@@ -23,7 +23,8 @@ The run folder holds:
   bytes and busy time, the least traffic the placement needs, and with --bench-io FILE or
   --read-gbps/--write-gbps the floor: those bytes / the drive's rates, and step / floor), "budgets" and
   "peak_bytes" (each {"device", "host", "nvme"}, budgets and peaks per rank, peaks the largest
-  over ranks), "peak_bytes_per_rank", "peak_rss", the model and the run's settings.
+  over ranks), "peak_bytes_per_rank", "peak_rss", "placement" (tz.tier_bytes: each kind's bytes per
+  tier on rank 0, a split's shares included), the model and the run's settings.
 
 Under `torchrun --nproc-per-node N` (environment WORLD_SIZE > 1) the ranks form a process group
 (NCCL with CUDA, gloo otherwise; --collective-timeout bounds every collective, so a rank that
@@ -68,7 +69,7 @@ from tierzero.formats import corpus as tzdata
 from tierzero.models import CONFIGS
 from tierzero.placement import MAX_EVENTS, PlacementManager
 from tierzero.planning import DriveRates, Estimate, step_traffic
-from tierzero.runtime import RankRuntimeError, close, placement_manager, settle, step_comm_bytes, step_stats
+from tierzero.runtime import RankRuntimeError, close, placement_manager, settle, step_comm_bytes, step_stats, tier_bytes
 
 
 def parser() -> argparse.ArgumentParser:
@@ -469,6 +470,7 @@ def _finish(r: _Run, est: Estimate, n_params: int, last_loss: float, started: fl
         "peak_rss": max(_per_rank(peak_rss(), world_size)),
         "nvme": _nvme_summary(r, n_params),
         "config": r.cfg.to_dict(),
+        "placement": tier_bytes(r.model),  # each kind's bytes per tier on this rank (split placement)
     }
     if r.folders.run is not None:
         run_dir = r.folders.run.path

@@ -17,6 +17,7 @@ from typing import Any, Literal, Mapping, NamedTuple
 from io_engine import format_size, parse_size
 from tierzero.config.machine import has_cuda, machine_budgets
 from tierzero.config.policy_names import check_policy
+from tierzero.config.split import KINDS, Placement, check_placement, shares, tiers_used
 from tierzero.config.stand_in import STREAM_MODES, StandInConfig, StreamSettings, stream_settings
 from tierzero.config.tiernames import TIER_NAMES, TierName
 
@@ -116,9 +117,10 @@ class StateBytes(NamedTuple):
 
     def by_tier(self, cfg: Config) -> dict[str, int]:
         """Bytes per parameter on each tier, as `cfg` places the kinds."""
-        out = dict.fromkeys(TIER_NAMES, 0)
-        for tier, nbytes in zip((cfg.params, cfg.grads, cfg.optimizer_states), self):
-            out[tier] += nbytes
+        out = dict.fromkeys(TIER_NAMES, 0.0)
+        for kind, nbytes in zip(KINDS, self):
+            for tier, f in cfg.shares(kind).items():
+                out[tier] += nbytes * f
         return out
 
 
@@ -135,16 +137,24 @@ class Config:
     state is placed on "nvme"."""
     nvme_budget: int | str = "256GiB"
     """Bytes of swap space per rank, preallocated as needed."""
-    params: TierName = "host"
-    """Home tier of the parameter shards (compute dtype)."""
+    params: Placement = "host"
+    """Home tier of the parameter shards (compute dtype): a tier, a split such as {"device":
+    0.25, "host": 0.5, "nvme": 0.25} (fractions of the bytes; each block's tensor whole on one
+    tier, see docs/split-placement.md), or "auto" (chosen at wrap from the budgets)."""
     frozen: TierName | None = None
     """Home tier of frozen parameters (requires_grad=False when the model is wrapped, or when a
-    tiered optimizer is built after peft froze a wrapped base); None: as `params`. A frozen
+    tiered optimizer is built after peft froze a wrapped base); None: as `params` (the host when
+    `params` is a split or "auto"). A frozen
     pretrained base on "nvme" in the checkpoint's dtype is read from its files and never written."""
-    grads: TierName = "host"
-    """Tier of the gradients (in `grad_dtype`: shards at zero_stage 2 and 3, whole at 1)."""
-    optimizer_states: TierName = "host"
-    """Tier of fp32 master weights and optimizer moments."""
+    grads: Placement | None = None
+    """Tier of the gradients (in `grad_dtype`: shards at zero_stage 2 and 3, whole at 1): a
+    tier, a split or "auto" as `params`; None: each block's gradient where its update runs (the
+    device for a block whose optimizer states are there, else the host). A gradient placed
+    elsewhere than its update is copied there for the update."""
+    optimizer_states: Placement = "host"
+    """Tier of fp32 master weights and optimizer moments: a tier, a split or "auto" as
+    `params`. Each block is updated where its states live: on the device by torch's fused kernel
+    there, on the CPU for host and NVMe blocks, in the same step."""
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """dtype of parameters on the device: "auto" = bfloat16 with CUDA, float32 without."""
     grad_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -210,8 +220,9 @@ class Config:
     def __post_init__(self) -> None:
         for name in ("device_budget", "host_budget", "nvme_budget", "min_block_bytes"):
             object.__setattr__(self, name, parse_size(getattr(self, name), what=name))
-        for name in ("params", "grads", "optimizer_states"):
-            _check_choice(name, getattr(self, name), TIER_NAMES)
+        for name in KINDS:
+            if getattr(self, name) is not None or name != "grads":
+                object.__setattr__(self, name, check_placement(name, getattr(self, name)))
         if self.frozen is not None:
             _check_choice("frozen", self.frozen, TIER_NAMES)
         _check_choice("compute_dtype", self.compute_dtype, ("auto", "float32", "bfloat16", "float16"))
@@ -263,12 +274,34 @@ class Config:
 
     @property
     def uses_nvme(self) -> bool:
-        return "nvme" in (self.params, self.frozen_tier, self.grads, self.optimizer_states, self.activations)
+        """Whether some state is placed on "nvme" ("auto" uses NVMe only when nvme_dir is set)."""
+        placed = [getattr(self, k) for k in KINDS if getattr(self, k) not in (None, "auto")]
+        return "nvme" in (self.frozen_tier, self.activations) or any("nvme" in tiers_used(p) for p in placed)
+
+    @property
+    def is_split(self) -> bool:
+        """Whether some kind is split across tiers or "auto" (placed block by block at wrap)."""
+        return any(isinstance(v, Mapping) or v == "auto" for v in (getattr(self, k) for k in KINDS))
+
+    def shares(self, kind: str) -> dict[str, float]:
+        """Fractions of `kind`'s bytes on each tier ("params", "grads", "optimizer_states");
+        grads=None: where the updates run (the optimizer states' NVMe share on the host).
+        ValueError for "auto", which a model resolves (tierzero.layout.resolve_auto)."""
+        _check_choice("kind", kind, KINDS)
+        value = getattr(self, kind)
+        if value is None:
+            out = shares(self.optimizer_states)
+            out["host"] += out.pop("nvme")
+            out["nvme"] = 0.0
+            return out
+        return shares(value)
 
     @property
     def frozen_tier(self) -> TierName:
         """Where frozen parameters live: `frozen`, else `params`."""
-        return self.frozen if self.frozen is not None else self.params
+        if self.frozen is not None:
+            return self.frozen
+        return self.params if isinstance(self.params, str) and self.params != "auto" else "host"
 
     def stream_settings(self) -> StreamSettings:
         """How a CPU device tier runs its copies: `streams` and `stand_in`, or the environment."""
@@ -333,9 +366,11 @@ class Config:
         """Pick budgets and placement from what this machine offers (tierzero/config/machine.py:
         free GPU memory, RAM, free disk under nvme_dir).
 
-        State stays on the host tier when it fits there; the optimizer states move to NVMe when
-        the whole training state exceeds the host budget, the parameters too past twice it
-        (when nvme_dir is given).
+        State stays on the host tier when it fits there and there is no GPU. Otherwise the
+        optimizer states are "auto": wrap fills the device (a GPU), then the host, then NVMe
+        with them block by block, each block updated where its states live (with their
+        gradients: grads=None); the parameters move to NVMe past twice the host budget (when
+        nvme_dir is given).
         """
         offer = machine_budgets(None if nvme_dir is None else os.fspath(nvme_dir), headroom)
         state = 0
@@ -343,12 +378,12 @@ class Config:
             n = sum(p.numel() for p in model.parameters())
             probe = cls(compute_dtype=overrides.get("compute_dtype", "auto"))
             state = n * sum(probe.state_bytes_per_param(cuda=has_cuda()))
-        params = grads = optim = "host"
+        params, grads, optim = "host", "host", "host"
         nvme_budget: int | str = cls.nvme_budget
+        if has_cuda() or (nvme_dir is not None and state > offer["host"]):
+            grads, optim = None, "auto"
         if nvme_dir is not None:
             nvme_budget = offer["nvme"]
-            if state > offer["host"]:
-                optim = "nvme"
             if state > 2 * offer["host"]:
                 params = "nvme"
         kw: dict[str, Any] = dict(device_budget=offer["device"], host_budget=offer["host"],

@@ -170,9 +170,12 @@ class TieredOptimizer(torch.optim.Optimizer):
         extra = []
         if states[Kind.MASTER] is not flat.param and flat.param.home is Tier.NVME:
             extra.append((Tier.HOST, flat.param.nbytes))
+        grad, where = flat_grad(flat).handle, states[Kind.MASTER].staging
+        if grad.staging is not where:  # a gradient placed apart is copied to the update's tier
+            extra.append((where, grad.nbytes))
         self._model_state.pm.check_working_set(
             f"{type(self).__name__}'s update of block {flat.name!r} (its gradient, master weights and moments)",
-            [flat_grad(flat).handle, *states.values()], extra)
+            [*([grad] if grad.staging is where else []), *states.values()], extra)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's add_param_group, for parameters of this optimizer's wrapped model: the
@@ -219,8 +222,8 @@ class TieredOptimizer(torch.optim.Optimizer):
                     self._steps[flat] = [0] * len(flat.layout.slots)
                 for kind in self.state_kinds:
                     if kind not in self._states[flat]:
-                        handle = ctx.register(flat.name, torch.zeros(flat.layout.shard_numel), ctx.master_tier,
-                                              kind=kind)
+                        handle = ctx.register(flat.name, torch.zeros(flat.layout.shard_numel),
+                                              ctx.master_tier(flat.name), kind=kind)
                         self._states[flat][kind] = handle
                         registered.append((flat, kind, handle))
             ctx.pm.settle()  # the zero moments' NVMe writes landed (a disk error fails here)
@@ -376,7 +379,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         pm = self._model_state.pm
         for k, flat in enumerate(flats):
             if grad:
-                flat_grad(flat).prefetch(speculative=k > 0)
+                flat_grad(flat).prefetch(speculative=k > 0, tier=self._live_states(flat)[Kind.MASTER].staging)
             for handle in self._live_states(flat).values():
                 pm.prefetch(handle, handle.staging, speculative=k > 0)
 
@@ -389,8 +392,9 @@ class TieredOptimizer(torch.optim.Optimizer):
         pm = self._model_state.pm
         handles = list(self._live_states(flat).values())
         gradient = flat_grad(flat)
+        where = handles[0].staging  # the master weights': the update runs there, its gradient copied in if need be
         with torch.profiler.record_function(f"tierzero::optimizer_step {flat.name}"), pm.streams.context(), \
-                gradient.acquire() as grad:
+                gradient.acquire(tier=where) as grad:
             tensors = [pm.acquire(h, h.staging) for h in handles]
             try:
                 then()

@@ -5,6 +5,7 @@ stall, computed beside the runtime and never importing it.
     estimates.py   bytes per tier for a model and a Config; the largest built-in model that fits
     minimums.py    the least budget of each tier, as the runtime checks them; a step's expected NVMe bytes
     activations.py the activation bytes of a step, measured on fake tensors, and what each placement fits
+    placement.py   the split "auto" chooses for a model and a Config, as tz.wrap chooses it
     traffic.py     the least NVMe bytes a step moves for a placement, and the drive's floor
     recording.py   a run's Chrome trace read back as compute and copy times per block
     tier_model.py  a simulation of a recording under a prefetch policy: the predicted stall
@@ -15,14 +16,15 @@ from tierzero.planning.activations import (PLACEMENTS, ActivationBytes, Activati
                                            measure_activations)
 from tierzero.planning.estimates import Estimate, estimate, largest_trainable, placements
 from tierzero.planning.minimums import FlatTensor, expected_traffic, flat_tensors, least_budgets
+from tierzero.planning.placement import resolve_placement
 from tierzero.planning.recording import Recording
 from tierzero.planning.tier_model import CHANNELS, Rate, TierModel, simulate
 from tierzero.planning.tuning import SIMPLICITY, Measured, Option, choose, equivalent, explain, simplicity
 from tierzero.planning.traffic import DriveRates, Traffic, rates_from_bench, step_traffic
 from tierzero.planning.zero_model import StateSizes, ZeroModel, param_counts
 
-__all__ = ["Estimate", "estimate", "largest_trainable", "placements", "FlatTensor", "expected_traffic",
-           "flat_tensors", "least_budgets", "Recording", "TierModel", "simulate",
+__all__ = ["resolve_placement", "Estimate", "estimate", "largest_trainable", "placements", "FlatTensor",
+           "expected_traffic", "flat_tensors", "least_budgets", "Recording", "TierModel", "simulate",
            "CHANNELS", "Rate",
            "DriveRates", "Traffic", "rates_from_bench", "step_traffic", "StateSizes", "ZeroModel", "param_counts",
            "ActivationBytes", "ActivationModel", "activation_model", "measure_activations", "PLACEMENTS",

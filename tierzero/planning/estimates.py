@@ -21,6 +21,7 @@ from torch import nn
 from tierzero.config import OPTIMIZER_BYTES_PER_PARAM, TIER_NAMES, Config
 from tierzero.layout import ROOT, CommBytes, blocks_of
 from tierzero.models import CONFIGS, build
+from tierzero.planning.placement import resolve_placement
 from tierzero.planning.zero_model import StateSizes, ZeroModel, param_counts
 
 
@@ -57,7 +58,8 @@ def largest_block_params(model: nn.Module, cfg: Config) -> int:
 
 def estimate(model: nn.Module, cfg: Config, world_size: int = 1) -> Estimate:
     """Bytes per tier that each of `world_size` ranks needs to train `model` under `cfg` (model
-    may be on the meta device)."""
+    may be on the meta device). Kinds placed "auto" are resolved first (placement.py)."""
+    cfg = resolve_placement(model, cfg, world_size)
     counts = param_counts(model, cfg)
     n, trainable = counts.params, counts.trainable
     block = largest_block_params(model, cfg)
@@ -68,7 +70,8 @@ def estimate(model: nn.Module, cfg: Config, world_size: int = 1) -> Estimate:
     need = per_rank.by_tier(cfg)
     if cfg.frozen_tier != cfg.params:  # frozen parameters (a LoRA base) live on their own tier
         frozen = zm.per_rank(n - trainable, 0).params
-        need[cfg.params] -= frozen
+        for tier, f in cfg.shares("params").items():
+            need[tier] -= round(frozen * f)
         need[cfg.frozen_tier] += frozen
     home = dict(need)
     # adaptive keeps at least two blocks coming (more only where the room allows)
@@ -76,9 +79,9 @@ def estimate(model: nn.Module, cfg: Config, world_size: int = 1) -> Estimate:
     ahead = {"lookahead": cfg.prefetch.depth, "adaptive": 2}.get(policy, 1)
     if cfg.params != "device" or zm.zero.gathers:
         need["device"] += (counts.root + block * (1 + ahead)) * cb
-    if "nvme" in (cfg.params, cfg.frozen_tier):
+    if cfg.shares("params")["nvme"] or cfg.frozen_tier == "nvme":
         need["host"] += block * cb * cfg.prefetch.nvme_depth
-    if cfg.optimizer_states == "nvme":
+    if cfg.shares("optimizer_states")["nvme"]:
         # read k+1, update k, write k-1: three blocks' master + moments in flight
         need["host"] += 3 * block * (OPTIMIZER_BYTES_PER_PARAM + per_param.grads)
     state = n * per_param.params + trainable * (per_param.grads + per_param.optimizer_states)

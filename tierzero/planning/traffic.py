@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierzero.config import Config
+from tierzero.config import KINDS, Config
 from tierzero.layout import ZeroStage
 from tierzero.placement import TRAFFIC_GROUPS
 
@@ -81,19 +81,23 @@ def step_traffic(n_params: int, cfg: Config, *, world_size: int = 1, trainable: 
     params_are_master = compute == 4 and cfg.params == cfg.optimizer_states and not zero.params_whole
     t = Traffic()
     passes = 1 if layer_major else micro_batches
+    on_nvme = {kind: cfg.shares(kind)["nvme"] for kind in KINDS}  # a split moves its NVMe share
     if cfg.frozen_tier == "nvme" and frozen:
         whole_frozen = frozen if zero.params_whole else -(-frozen // world_size)
         t.add("frozen", read=2 * passes * compute * whole_frozen)
-    if cfg.params == "nvme" and n_params:
-        t.add("params", read=2 * passes * compute * whole_params, write=compute * whole_params)
-    if cfg.grads == "nvme" and not cfg.step_in_backward:
-        t.add("grads", read=passes * grad * whole_grads, write=passes * grad * whole_grads)
-    if cfg.optimizer_states == "nvme":
-        t.add("moments", read=8 * n, write=8 * n)
+    if on_nvme["params"] and n_params:
+        p = round(whole_params * on_nvme["params"])
+        t.add("params", read=2 * passes * compute * p, write=compute * p)
+    if on_nvme["grads"] and not cfg.step_in_backward:
+        g = round(whole_grads * on_nvme["grads"])
+        t.add("grads", read=passes * grad * g, write=passes * grad * g)
+    if on_nvme["optimizer_states"]:
+        s = round(n * on_nvme["optimizer_states"])
+        t.add("moments", read=8 * s, write=8 * s)
         if params_are_master:
-            t.add("params", read=0 if cfg.step_in_backward else 4 * n)
+            t.add("params", read=0 if cfg.step_in_backward else 4 * s)
         else:
-            t.add("master", read=4 * n, write=4 * n)
+            t.add("master", read=4 * s, write=4 * s)
     return t
 
 

@@ -39,7 +39,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from tierzero.config import MASTER_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, TIER_NAMES, Config
+from tierzero.config import KINDS, MASTER_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, TIER_NAMES, Config
 from tierzero.layout import ROOT, CommBytes, FlatLayout, ZeroStage, blocks_of
 
 
@@ -62,9 +62,9 @@ class StateSizes:
     def by_tier(self, cfg: Config) -> dict[str, int]:
         """Bytes on each tier, as `cfg` places the kinds."""
         out = dict.fromkeys(TIER_NAMES, 0)
-        for tier, nbytes in zip((cfg.params, cfg.grads, cfg.optimizer_states),
-                                (self.params, self.grads, self.optimizer_states)):
-            out[tier] += nbytes
+        for kind, nbytes in zip(KINDS, (self.params, self.grads, self.optimizer_states)):
+            for tier, f in cfg.shares(kind).items():  # a split: its fractions of the bytes
+                out[tier] += round(nbytes * f)
         return out
 
 

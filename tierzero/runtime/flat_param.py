@@ -169,7 +169,8 @@ class FlatParam:
         if self.trainable:
             self.grad = FlatGrad(self.name, self.layout, ctx)
             if not self._params_hold(shard.dtype):
-                self.master = ctx.register(self.name, shard.float(), ctx.master_tier, kind=Kind.MASTER, lazy=lazy)
+                self.master = ctx.register(self.name, shard.float(), ctx.master_tier(self.name), kind=Kind.MASTER,
+                                           lazy=lazy)
         self.uninstall()
 
     @property
@@ -195,13 +196,14 @@ class FlatParam:
         tier (exactly the values: the parameters hold them whenever `master` is None)."""
         if self.master is None:
             ctx = self.ctx
-            if ctx.compute_dtype == torch.float32 and self.home is ctx.master_tier and not ctx.zero.params_whole:
+            shared = self.home is ctx.master_tier(self.name) and not ctx.zero.params_whole
+            if ctx.compute_dtype == torch.float32 and shared:
                 self.master = self.param
             else:
                 values = ctx.pm.read(self.param)
                 if ctx.zero.params_whole:
                     values = values[self.shard]
-                self.master = ctx.register(self.name, values.float(), ctx.master_tier, kind=Kind.MASTER)
+                self.master = ctx.register(self.name, values.float(), ctx.master_tier(self.name), kind=Kind.MASTER)
         return self.master
 
     def freeze(self, home: Tier) -> None:
@@ -323,7 +325,7 @@ class FlatParam:
         parameters cannot hold these values exactly) and the parameters (compute dtype)."""
         self.ctx.drain_updates()
         if self.master is None and self.trainable and not self._params_hold(shard.dtype):
-            self.master = self.ctx.register(self.name, shard.float(), self.ctx.master_tier, kind=Kind.MASTER)
+            self.master = self.ctx.register(self.name, shard.float(), self.ctx.master_tier(self.name), kind=Kind.MASTER)
         elif self.master is not None and self.master is not self.param:
             self.ctx.pm.store(self.master, shard.float())
         self._store_param(shard)

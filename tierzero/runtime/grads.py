@@ -74,7 +74,7 @@ class FlatGrad:
         # Room only: nothing is read before the first accumulate overwrites it whole (or a
         # zero_grad(set_to_none=False) zeroes it), so no zeros are written to the tier at wrap.
         numel = layout.padded_numel if self.whole else layout.shard_numel
-        self.handle: TensorHandle = ctx.register(owner, torch.empty(numel, device="meta"), ctx.grad_tier,
+        self.handle: TensorHandle = ctx.register(owner, torch.empty(numel, device="meta"), ctx.grad_tier(owner),
                                                  kind=Kind.GRAD, dtype=ctx.grad_dtype)
         self.empty = True
         self.scale: torch.Tensor | None = None
@@ -95,10 +95,10 @@ class FlatGrad:
         """Early capture found no room for its buffer in this backward: none until accumulate."""
 
     @contextlib.contextmanager
-    def acquire(self, *, writable: bool = False) -> Iterator[torch.Tensor]:
-        """This rank's shard as stored (its dtype, without the pending factor) on the tier the
-        CPU works on."""
-        with self._stored(writable=writable) as buf:
+    def acquire(self, *, writable: bool = False, tier: Tier | None = None) -> Iterator[torch.Tensor]:
+        """This rank's shard as stored (its dtype, without the pending factor) on `tier` (None:
+        the tier the CPU works on it in; an update elsewhere takes a copy there)."""
+        with self._stored(writable=writable, tier=tier) as buf:
             yield self._mine(buf)
 
     def _mine(self, buf: torch.Tensor) -> torch.Tensor:
@@ -106,10 +106,11 @@ class FlatGrad:
         return buf[slice(*self.layout.shard_range(self.ctx.rank))] if self.whole else buf
 
     @contextlib.contextmanager
-    def _stored(self, *, writable: bool = False, overwrite: bool = False) -> Iterator[torch.Tensor]:
+    def _stored(self, *, writable: bool = False, overwrite: bool = False,
+                tier: Tier | None = None) -> Iterator[torch.Tensor]:
         """The stored gradient (the whole one at stage 1); overwrite=True: the caller writes all
         of it, so the stored bytes are not read."""
-        pm, tier = self.ctx.pm, self.handle.staging
+        pm, tier = self.ctx.pm, tier or self.handle.staging
         buf = pm.acquire(self.handle, tier, overwrite=overwrite)
         try:
             yield buf
@@ -118,9 +119,9 @@ class FlatGrad:
             # there, never written to an NVMe home (written only when its room is needed)
             pm.release(self.handle, tier, dirty=writable or overwrite, lazy=True)
 
-    def prefetch(self, *, speculative: bool = False) -> None:
+    def prefetch(self, *, speculative: bool = False, tier: Tier | None = None) -> None:
         if not self.empty:
-            self.ctx.pm.prefetch(self.handle, self.handle.staging, speculative=speculative)
+            self.ctx.pm.prefetch(self.handle, tier or self.handle.staging, speculative=speculative)
 
     def scaled(self, g: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
         """`g` (the stored gradient or a slice of it) times the pending factor: the one place

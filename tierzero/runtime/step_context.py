@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from tierzero.config import Tier
-from tierzero.layout import CommBytes, FlatLayout, ZeroStage
+from tierzero.layout import BlockTiers, CommBytes, FlatLayout, ZeroStage
 from tierzero.placement import CheckpointHome, Kind, PlacementManager, TensorHandle
 from tierzero.prefetch import Prefetcher
 from tierzero.runtime.step_queue import StepQueue
@@ -107,8 +107,9 @@ class StepContext:
 
     pm: PlacementManager
     compute_dtype: torch.dtype
-    grad_tier: Tier
-    master_tier: Tier
+    tiers: BlockTiers
+    """The tier of each block's parameters, gradient and optimizer states (Config's split
+    resolved at wrap: [Note: split placement] in tierzero/layout/split.py)."""
     rank: int = 0
     world_size: int = 1
     group: dist.ProcessGroup | None = None
@@ -173,6 +174,19 @@ class StepContext:
         return ZeroStage(self.zero_stage, self.world_size)
 
     # ----------------------------------------------------------------------------- setup
+
+    def param_tier(self, block: str) -> Tier:
+        """The home tier of `block`'s trainable parameters."""
+        return Tier(self.tiers.params[block])
+
+    def grad_tier(self, block: str) -> Tier:
+        """The tier of `block`'s gradient."""
+        return Tier(self.tiers.grads[block])
+
+    def master_tier(self, block: str) -> Tier:
+        """The tier of `block`'s master weights and optimizer moments: where its update runs
+        (on the device for "device", on the CPU for "host" and "nvme")."""
+        return Tier(self.tiers.optimizer_states[block])
 
     def register(self, owner: str, data: torch.Tensor, home: Tier, *, kind: Kind,
                  dtype: torch.dtype | None = None, lazy: bool = False,

@@ -70,6 +70,7 @@ from tierzero.runtime.collectives import broadcast_from_first_, rank_errors, wor
 from tierzero.runtime.fetch_group import gather_ahead
 from tierzero.runtime.flat_param import FlatParam, borrows_checkpoint, shard_request
 from tierzero.runtime.optimizer_guard import refuse_other_optimizers
+from tierzero.runtime.split import plan_tiers
 from tierzero.runtime.state import TieredState, adopt, is_wrapped, state_of
 from tierzero.runtime.step_context import Phase, StepContext
 
@@ -114,22 +115,23 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
         pm = PlacementManager(config, rank=rank, world_size=world_size)
         try:
             compute_dtype = getattr(torch, config.compute_dtype_name(cuda=pm.device.type == "cuda"))
-            ctx = StepContext(pm=pm, compute_dtype=compute_dtype,
-                              grad_tier=Tier(config.grads), master_tier=Tier(config.optimizer_states),
-                              rank=rank, world_size=world_size, group=process_group,
-                              zero_stage=config.zero_stage, grad_dtype=getattr(torch, config.grad_dtype))
+            zero, grad_dtype = ZeroStage(config.zero_stage, world_size), getattr(torch, config.grad_dtype)
             specs = block_specs(model, groups, owner)
-            _check_device_budget(config, specs, ctx.compute_dtype, ctx.zero)
-            _check_update_tiers(config, pm)
+            window = _check_device_budget(config, specs, compute_dtype, zero)
             layouts = [(name, modules, flat_groups(params, world_size, compute_dtype))
                        for name, modules, params in specs]
+            tiers = plan_tiers(config, layouts, zero, compute_dtype, grad_dtype, window)
+            ctx = StepContext(pm=pm, compute_dtype=compute_dtype, tiers=tiers,
+                              rank=rank, world_size=world_size, group=process_group,
+                              zero_stage=config.zero_stage, grad_dtype=grad_dtype)
             shards = None
             if plan is not None:
                 init_buffers(model, plan)  # while the parameters are still as built
                 init_params(model, plan)
                 wanted = [shard_request(layout, [p.dtype for _, p in ps], compute_dtype,
-                                        borrow=borrows_checkpoint(home_of(config, ps[0][1].requires_grad), ctx.zero))
-                          for _, _, flats in layouts for ps, layout in flats]
+                                        borrow=borrows_checkpoint(home_of(ctx, config, name, ps[0][1].requires_grad),
+                                                                  ctx.zero))
+                          for name, _, flats in layouts for ps, layout in flats]
                 # closed before the files (the exit stack unwinds in reverse): no read left in flight
                 shards = files.enter_context(contextlib.closing(plan.read_shards(wanted, rank, swap=pm.swap)))
             sizes = [sum(fetched_bytes(layout, compute_dtype, gathered=ctx.zero.gathers) for _, layout in flats)
@@ -248,14 +250,14 @@ def _refreshed_flats(block: Block, added: list[tuple[str, nn.Parameter]], config
             values.update({id(p): v for p, v in zip(flat.params, flat.read_full())})
             flat.close()
     if keep[1] is not None and keep[1].trainable:  # before a new flat tensor takes its name
-        keep[1].freeze(home_of(config, False))
+        keep[1].freeze(home_of(ctx, config, block.name, False))
     out = []
     for trainable, side, flat in zip((True, False), sides, keep):
         if flat is None and side:
             layout = FlatLayout.build([f for f, _, _ in side], [p.shape for _, p, _ in side], ctx.world_size,
                                       itemsize=ctx.compute_dtype.itemsize)
             flat = FlatParam(block.name, [p for _, p, _ in side], layout, [d for _, _, d in side], ctx,
-                             home_of(config, trainable))
+                             home_of(ctx, config, block.name, trainable))
             flat.register([values[id(p)] for _, p, _ in side])
             if flat.grad is not None and any(p.grad is not None for p in flat.params):
                 flat.grad.accumulate(flat.params)  # a backward before the optimizer: its gradient is kept
@@ -264,9 +266,11 @@ def _refreshed_flats(block: Block, added: list[tuple[str, nn.Parameter]], config
     return out
 
 
-def _check_device_budget(config: Config, specs: list[BlockSpec], dtype: torch.dtype, zero: ZeroStage) -> None:
+def _check_device_budget(config: Config, specs: list[BlockSpec], dtype: torch.dtype, zero: ZeroStage) -> int:
+    """The device bytes of the fetched blocks (root, largest block, prefetch reserve): ValueError
+    when they alone exceed the device budget."""
     if config.params == "device" and not zero.gathers:
-        return  # every block lives on the device whole; the placement manager checks the total
+        return 0  # every block lives on the device whole; the placement manager checks the total
     sizes = {name: block_fetch_bytes(ps, dtype, zero.world_size, zero.stage) for name, _, ps in specs}
     root = sizes.pop(ROOT)
     largest_name, largest = max(sizes.items(), key=lambda kv: kv[1], default=("(none)", 0))
@@ -280,24 +284,12 @@ def _check_device_budget(config: Config, specs: list[BlockSpec], dtype: torch.dt
             f"{format_size(need)} ({need} bytes) that must be on the device at once; raise "
             f"device_budget to at least {need} bytes, lower prefetch.reserve, or split the model into "
             "smaller blocks with config.block_classes")
+    return need
 
 
-def home_of(config: Config, trainable: bool) -> Tier:
-    """The home tier of a flat tensor of trainable or of frozen parameters."""
-    return Tier(config.params if trainable else config.frozen_tier)
-
-
-def _check_update_tiers(config: Config, pm: PlacementManager) -> None:
-    """A block's update is one fused kernel over its gradient, master weights and moments, on the
-    tiers the CPU works on them in: with asynchronous streams (CUDA, or the stand-in that stands
-    for it) all on the device (the update runs there) or all off it (on the CPU), never mixed."""
-    tiers = {Tier.HOST if t == "nvme" else Tier(t) for t in (config.grads, config.optimizer_states)}
-    if pm.streams.asynchronous and Tier.DEVICE in tiers and len(tiers) > 1:
-        raise ValueError(
-            f"grads={config.grads!r} with optimizer_states={config.optimizer_states!r}: the optimizer updates "
-            "a block with one fused kernel over its gradient, master weights and moments, which must be on one "
-            f"device, and {pm.device} is not where the others are; place grads and optimizer_states both on "
-            "'device' (the update runs there) or both on 'host' / 'nvme' (it runs on the CPU)")
+def home_of(ctx: StepContext, config: Config, block: str, trainable: bool) -> Tier:
+    """The home tier of a block's flat tensor of trainable or of frozen parameters."""
+    return ctx.param_tier(block) if trainable else Tier(config.frozen_tier)
 
 
 def _build_block(name: str, modules: list[nn.Module],
@@ -311,7 +303,7 @@ def _build_block(name: str, modules: list[nn.Module],
         if shards is None:
             _materialize([p for _, p in ps], modules, ctx.device)
         flat = FlatParam(name, [p for _, p in ps], layout, [p.dtype for _, p in ps], ctx,
-                         home_of(config, ps[0][1].requires_grad))
+                         home_of(ctx, config, name, ps[0][1].requires_grad))
         if shards is None:
             flat.register([p.detach() for _, p in ps])
         else:
