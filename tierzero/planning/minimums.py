@@ -47,6 +47,7 @@ from torch import nn
 
 from tierzero.config import MASTER_BYTES_PER_PARAM, TIER_NAMES, Config
 from tierzero.layout import ROOT, ZeroStage, blocks_of, fetched_bytes, flat_groups
+from tierzero.planning.placement import planned_tiers
 from tierzero.planning.traffic import Traffic
 
 PAGE = 4096
@@ -75,20 +76,22 @@ def flat_tensors(model: nn.Module, cfg: Config, world_size: int = 1) -> list[Fla
     zero = ZeroStage(cfg.zero_stage, world_size)
     dtype = getattr(torch, cfg.compute_dtype_name(cuda=torch.cuda.is_available()))
     grad = getattr(torch, cfg.grad_dtype).itemsize
-    shared = dtype.itemsize == 4 and cfg.params == cfg.optimizer_states and not zero.params_whole
+    tiers = planned_tiers(model, cfg, world_size)
     out = []
     for name, _, params in blocks_of(model, cfg):
+        home = {kind: getattr(tiers, kind).get(name, "host") for kind in ("params", "grads", "optimizer_states")}
+        shared = dtype.itemsize == 4 and home["params"] == home["optimizer_states"] and not zero.params_whole
         for ps, layout in flat_groups(params, world_size, dtype):
             whole, shard = layout.padded_numel, layout.shard_numel
             kept = whole if zero.params_whole else shard
             if not ps[0][1].requires_grad:
                 out.append(FlatTensor(name, "frozen", cfg.frozen_tier, dtype.itemsize * kept))
                 continue
-            out.append(FlatTensor(name, "params", cfg.params, dtype.itemsize * kept))
-            out.append(FlatTensor(name, "grads", cfg.grads, grad * (whole if zero.grads_whole else shard)))
+            out.append(FlatTensor(name, "params", home["params"], dtype.itemsize * kept))
+            out.append(FlatTensor(name, "grads", home["grads"], grad * (whole if zero.grads_whole else shard)))
             if not shared:
-                out.append(FlatTensor(name, "master", cfg.optimizer_states, MASTER_BYTES_PER_PARAM * shard))
-            out += [FlatTensor(name, "moments", cfg.optimizer_states, 4 * shard)] * 2
+                out.append(FlatTensor(name, "master", home["optimizer_states"], MASTER_BYTES_PER_PARAM * shard))
+            out += [FlatTensor(name, "moments", home["optimizer_states"], 4 * shard)] * 2
     return out
 
 

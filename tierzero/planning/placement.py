@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from tierzero.config import KINDS, OPTIMIZER_BYTES_PER_PARAM, Config
-from tierzero.layout import ROOT, KindSizes, ZeroStage, blocks_of, resolve_auto
+from tierzero.layout import ROOT, BlockTiers, KindSizes, ZeroStage, block_tiers, blocks_of, resolve_auto
 
 
 def kind_sizes(model: nn.Module, cfg: Config, world_size: int = 1) -> tuple[KindSizes, int]:
@@ -41,3 +41,17 @@ def resolve_placement(model: nn.Module, cfg: Config, world_size: int = 1, *, dev
     room = {"device": cfg.device_budget - window - device_extra, "host": cfg.host_budget - 3 * largest,
             "nvme": cfg.nvme_budget}
     return resolve_auto(cfg, sizes, room)
+
+
+def planned_tiers(model: nn.Module, cfg: Config, world_size: int = 1) -> BlockTiers:
+    """Each block's tier per kind, as tz.wrap places `model` under `cfg` (splits and "auto"
+    resolved by [Note: split placement]'s rule)."""
+    cfg = resolve_placement(model, cfg, world_size)
+    if not cfg.is_split:
+        grads = cfg.grads or ("device" if cfg.optimizer_states == "device" else "host")
+        names = [name for name, _, _ in blocks_of(model, cfg)]
+        return BlockTiers.uniform(names, cfg.params, grads, cfg.optimizer_states)
+    sizes, _ = kind_sizes(model, cfg, world_size)
+    blocks = blocks_of(model, cfg)
+    names = [n for n, _, _ in blocks if n == ROOT] + [n for n, _, _ in blocks if n != ROOT]
+    return BlockTiers.build(names, block_tiers(cfg, sizes))
