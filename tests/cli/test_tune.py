@@ -437,7 +437,7 @@ def test_io_thread_counts_get_the_disk_rate_a_sweep_of_the_nvme_folder_measured(
 
 
 def test_one_io_thread_count_needs_no_sweep(tmp_path: Any, capsys: Any, monkeypatch: Any) -> None:
-    monkeypatch.setattr(tune, "measure", lambda *a, **k: pytest.fail("swept the disk for one io thread count"))
+    monkeypatch.setattr(tune.bench, "measure", lambda *a, **k: pytest.fail("swept the disk for one io thread count"))
     assert tune.main(tiny_args(tmp_path, "--policies", "none", "--nvme-depths", "2", "--io-threads", "2",
                                "--simulate", "--json")) == 0
     assert json.loads(capsys.readouterr().out)["candidates"][0]["model"]["disk_rate_from"] == "the recording"
