@@ -22,6 +22,7 @@ _LAZY = {
     "Kind": "tierzero.placement",
     "TensorHandle": "tierzero.placement",
     "wrap": "tierzero.runtime",
+    "compile": "tierzero.runtime",
     "full_state_dict": "tierzero.runtime",
     "gathered_params": "tierzero.runtime",
     "AdamW": "tierzero.optim",

@@ -16,11 +16,13 @@ Each module imports only those above it in this list (the way FSDP2 splits its l
     optimizer_guard.py  refusing torch optimizers that would not train a wrapped model
     state.py            TieredState: the root of a wrapped model, the queries on it, tz.gathered_params
     wrapping.py         tz.wrap: blocks built, hooks registered, the prefetcher attached; refresh
+    compile.py          tz.compile: each block's forward compiled, the hooks outside the graphs
 
 See wrapping.py's module docstring for the phases of a step.
 """
 
 from tierzero.runtime.collectives import RankRuntimeError, all_reduce_, rank_errors, world
+from tierzero.runtime.compile import compile
 from tierzero.runtime.flat_param import FlatParam
 from tierzero.runtime.grads import FlatGrad
 from tierzero.runtime.optimizer_guard import TIERED_OPTIMIZER
@@ -30,6 +32,6 @@ from tierzero.runtime.step_context import StepContext
 from tierzero.runtime.step_queue import StepFailed, StepQueue
 from tierzero.runtime.wrapping import refresh, wrap
 
-__all__ = ["wrap", "refresh", "gathered_params", "state_of", "state_of_param", "placement_manager", "step_stats", "step_comm_bytes", "full_state_dict", "settle",
+__all__ = ["wrap", "compile", "refresh", "gathered_params", "state_of", "state_of_param", "placement_manager", "step_stats", "step_comm_bytes", "full_state_dict", "settle",
            "close", "model_dtype", "TieredState", "FlatParam", "FlatGrad", "StepContext", "StepQueue", "StepFailed",
            "RankRuntimeError", "rank_errors", "world", "all_reduce_", "TIERED_OPTIMIZER"]
