@@ -219,3 +219,20 @@ def test_refusals_name_the_alternative() -> None:
         runtime.close(model)
     with pytest.raises(ValueError, match=r"tz.wrap\(model, config\) first"):
         tz.compile(nn.Linear(2, 3))
+
+
+def test_compiling_again_replaces_the_compile() -> None:
+    build, blocks, loss_fn, vocab = MODELS["gpt"]
+    model = tz.wrap(build(), builders.tier_config(tier="host"))
+    try:
+        torch._dynamo.reset()
+        counters.clear()
+        tz.compile(model, backend="eager")
+        first = blocks(model)[0].forward
+        tz.compile(model, backend="aot_eager")
+        assert blocks(model)[0].forward is not first
+        loss_fn(model, batches(vocab)[0]).backward()
+        # the block compiled once, by the second compile
+        assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    finally:
+        runtime.close(model)

@@ -9,6 +9,7 @@ blocks] for why and for what `torch.compile(model)` and `model.compile()` do ins
 
 from __future__ import annotations
 
+import types
 import weakref
 from typing import Any, Callable
 
@@ -41,8 +42,9 @@ from tierzero.runtime.state import state_of
 
 _NO_CUDA_GRAPHS = ("reduce-overhead", "max-autotune")
 
-_ORIGINAL: "weakref.WeakKeyDictionary[nn.Module, Callable[..., Any]]" = weakref.WeakKeyDictionary()
-"""A block module compiled by tz.compile -> the forward it had before."""
+_OWN_FORWARD: "weakref.WeakKeyDictionary[nn.Module, Callable[..., Any] | None]" = weakref.WeakKeyDictionary()
+"""A block module compiled by tz.compile -> the forward its instance had before (None: its class's,
+bound again when needed, so that the table holds no reference to the module)."""
 
 
 def compile(model: nn.Module, **compile_kwargs: Any) -> nn.Module:  # noqa: A001 (torch's name)
@@ -60,9 +62,15 @@ def compile(model: nn.Module, **compile_kwargs: Any) -> nn.Module:  # noqa: A001
         if block.name == ROOT:  # its forward calls the other blocks: see [Note: compiled blocks]
             continue
         for module in block.modules:
-            forward = _ORIGINAL.setdefault(module, module.forward)
-            module.forward = torch.compile(forward, **compile_kwargs)
+            module.forward = torch.compile(_original_forward(module), **compile_kwargs)
     return model
+
+
+def _original_forward(module: nn.Module) -> Callable[..., Any]:
+    if module not in _OWN_FORWARD:
+        _OWN_FORWARD[module] = module.__dict__.get("forward")
+    own = _OWN_FORWARD[module]
+    return own if own is not None else types.MethodType(type(module).forward, module)
 
 
 def _check_kwargs(kwargs: dict[str, Any]) -> None:
