@@ -23,6 +23,7 @@ _LAZY = {
     "TensorHandle": "tierzero.placement",
     "wrap": "tierzero.runtime",
     "accumulate": "tierzero.runtime",
+    "compile": "tierzero.runtime",
     "full_state_dict": "tierzero.runtime",
     "gathered_params": "tierzero.runtime",
     "tier_bytes": "tierzero.runtime",

@@ -79,6 +79,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--compile", action="store_true", help="compile each block's forward with torch.compile "
+                   "(tz.compile: inductor, the tiering hooks outside the graphs; docs/compile.md)")
     p.add_argument("--device-budget", default="1GiB")
     p.add_argument("--host-budget", default="4GiB")
     p.add_argument("--nvme-dir", default=None, help="folder for swap files (on the fastest disk)")
@@ -328,6 +330,8 @@ def _run(args: argparse.Namespace, cfg: tz.Config, rank: int, world_size: int, r
     est = check_room(model, cfg, world_size)
     folders.check_room(args, est)
     model = tz.wrap(model, cfg, weights=args.model if pretrained(args) else None)
+    if args.compile:
+        tz.compile(model)
     try:
         opt = tz.AdamW(model, lr=args.lr, weight_decay=args.weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(args.warmup, args.steps))

@@ -18,12 +18,14 @@ Each module imports only those above it in this list (the way FSDP2 splits its l
     split.py            each block's tier per kind at wrap (split placement), tz.tier_bytes
     wrapping.py         tz.wrap: blocks built, hooks registered, the prefetcher attached; refresh
     accumulate.py       tz.accumulate: gradient accumulation layer by layer over k micro-batches
+    compile.py          tz.compile: each block's forward compiled, the hooks outside the graphs
 
 See wrapping.py's module docstring for the phases of a step.
 """
 
 from tierzero.runtime.accumulate import accumulate
 from tierzero.runtime.collectives import RankRuntimeError, all_reduce_, rank_errors, world
+from tierzero.runtime.compile import compile
 from tierzero.runtime.flat_param import FlatParam
 from tierzero.runtime.grads import FlatGrad
 from tierzero.runtime.optimizer_guard import TIERED_OPTIMIZER
@@ -34,6 +36,7 @@ from tierzero.runtime.step_queue import StepFailed, StepQueue
 from tierzero.runtime.split import tier_bytes
 from tierzero.runtime.wrapping import refresh, wrap
 
-__all__ = ["wrap", "accumulate", "tier_bytes", "refresh", "gathered_params", "state_of", "state_of_param", "placement_manager", "step_stats", "step_comm_bytes", "full_state_dict", "settle",
+__all__ = ["wrap", "accumulate", "compile", "tier_bytes", "refresh", "gathered_params", "state_of", "state_of_param",
+           "placement_manager", "step_stats", "step_comm_bytes", "full_state_dict", "settle",
            "close", "model_dtype", "TieredState", "FlatParam", "FlatGrad", "StepContext", "StepQueue", "StepFailed",
            "RankRuntimeError", "rank_errors", "world", "all_reduce_", "TIERED_OPTIMIZER"]

@@ -34,6 +34,20 @@ from tierzero.runtime.recompute import Frame
 from tierzero.runtime.step_context import Phase, StepContext
 
 
+OPAQUE_REASON = (
+    "tierzero's fetch and release hooks run as Python between compiled graphs: one graph cannot span a "
+    "tierzero-wrapped model or several of its blocks, so fullgraph=True over such a region is refused. Compile "
+    "each block on its own instead: tz.compile(model, fullgraph=True) (or block.compile(fullgraph=True) on each "
+    "block), or torch.compile(model) / model.compile() without fullgraph")
+"""Dynamo's message when it is asked to trace a tierzero hook with fullgraph=True."""
+
+
+def opaque(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """`hook` run as Python, never traced into a compiled graph (torch.compile over a wrapped
+    model breaks the graph there and calls it): see [Note: compiled blocks] in compile.py."""
+    return torch.compiler.disable(hook, recursive=True, reason=OPAQUE_REASON)
+
+
 class _Outer(NamedTuple):
     """A tensor packed by the saved-tensor hooks that were active outside the model's forward."""
 
@@ -65,7 +79,7 @@ class SavedParamViews:
         self.exit()
         top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
         self._outer = top(False) if top is not None else None
-        self._context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._context = torch.autograd.graph.saved_tensors_hooks(opaque(self._pack), opaque(self._unpack))
         self._context.__enter__()
 
     @property
@@ -167,9 +181,9 @@ class Block:
         return self.unit.nbytes
 
     def register_hooks(self) -> None:
-        for module in self.modules:
-            self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._post_forward))
+        for module in self.modules:  # outside compiled graphs: [Note: compiled blocks]
+            self._handles.append(module.register_forward_pre_hook(opaque(self._pre_forward), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(opaque(self._post_forward)))
 
     def remove_hooks(self) -> None:
         for handle in self._handles:

@@ -18,7 +18,7 @@ from tierzero.config import Config, Tier, format_size
 from tierzero.layout import CommBytes, unique_params
 from tierzero.placement import PlacementManager, StepStats
 from tierzero.runtime.activations import Activations
-from tierzero.runtime.blocks import Block, SavedParamViews, output_tensors
+from tierzero.runtime.blocks import Block, SavedParamViews, opaque, output_tensors
 from tierzero.runtime.fetch_group import discard_gathers
 from tierzero.runtime.flat_param import FlatParam
 from tierzero.runtime.grads import GradCapture
@@ -73,8 +73,8 @@ class TieredState:
         for block in self.blocks:
             block.register_hooks()
             self._register_state_dict_hooks(block)
-        self._handles.append(self.model.register_forward_pre_hook(self._root_pre_forward, prepend=True))
-        self._handles.append(self.model.register_forward_hook(self._root_post_forward, always_call=True))
+        self._handles.append(self.model.register_forward_pre_hook(opaque(self._root_pre_forward), prepend=True))
+        self._handles.append(self.model.register_forward_hook(opaque(self._root_post_forward), always_call=True))
 
     def remove_hooks(self) -> None:
         """Every hook this state and its blocks registered, removed (a new root state takes over)."""
