@@ -30,6 +30,8 @@ import torch
 from torch import nn
 
 from io_engine.owners import owner_gone, temp_name
+from io_engine.safe_files import MARKER, folder_mode, make_private, mark_own, marked_own
+from tierzero.formats.checksums import RECORD, record_text
 from tierzero.formats.corpus import Tokenizer
 from tierzero.formats.safetensors_file import TensorSpec, fsync_dir, write_safetensors
 
@@ -205,11 +207,13 @@ def plan_shards(specs: Sequence[TensorSpec], max_shard_size: int) -> list[Shard]
 
 
 def write_weights_folder(out_dir: Path, specs: Sequence[TensorSpec], max_shard_size: int,
-                         write_configs: Callable[[Path], None]) -> Path:
+                         write_configs: Callable[[Path], None], *, private: bool = True) -> Path:
     """Write `out_dir` whole (per `staged_folder`): the config files (`write_configs(folder)`),
-    then the shards of `specs` in order, and the index when there are several."""
+    then the shards of `specs` in order, the index when there are several, and the checksum
+    record of them all (tierzero/formats/checksums.py). private: the folder 0700, its files 0600
+    (else as the umask makes them)."""
     shards = plan_shards(specs, max_shard_size)
-    with staged_folder(out_dir) as tmp:
+    with staged_folder(out_dir, private=private) as tmp:
         write_configs(tmp)
         for shard in shards:
             write_safetensors(tmp / shard.file, shard.specs, _METADATA)
@@ -217,6 +221,9 @@ def write_weights_folder(out_dir: Path, specs: Sequence[TensorSpec], max_shard_s
             index = {"metadata": {"total_size": sum(spec_nbytes(s) for s in specs)},
                      "weight_map": {s.name: shard.file for shard in shards for s in shard.specs}}
             write_synced(tmp / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True) + "\n")
+        write_synced(tmp / RECORD, record_text(tmp))
+        if private:
+            make_private(tmp)
     return out_dir
 
 
@@ -270,13 +277,13 @@ def check_folder_target(out_dir: str | os.PathLike[str]) -> Path:
     return out
 
 
-STAGING_MARK = ".tierzero-staging"
+STAGING_MARK = MARKER
 """A file in a folder a save is writing (`.tmp-<name>-<pid>`) or has just replaced
 (`.old-<name>-<pid>`): what a later save may remove when that process is gone."""
 
 
 @contextlib.contextmanager
-def staged_folder(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
+def staged_folder(out_dir: str | os.PathLike[str], *, private: bool = True) -> Iterator[Path]:
     """A temporary folder next to `out_dir` to write into; on a clean exit it is fsynced and
     renamed to `out_dir` (an existing one renamed away first, then deleted, the other files it
     held carried over first: a tokenizer saved beside the model stays, symlinks stay symlinks,
@@ -291,9 +298,10 @@ def staged_folder(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_dead_staging(out.parent)
     tmp = out.with_name(temp_name(".tmp-", out.name))
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    (tmp / STAGING_MARK).write_text(f"{os.getpid()}\n")
+    if marked_own(tmp):  # this PID's, from a process that had it before
+        shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(mode=folder_mode(private))
+    mark_own(tmp)
     try:
         yield tmp
         if out.is_dir():  # what the folder holds besides the model (tokenizer, README, ...) stays
@@ -311,7 +319,7 @@ def staged_folder(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
                 os.rename(old, out)
                 raise
             fsync_dir(out.parent)
-            (old / STAGING_MARK).write_text(f"{os.getpid()}\n")
+            mark_own(old)
             shutil.rmtree(old)
         else:
             os.rename(tmp, out)
@@ -329,7 +337,7 @@ def remove_dead_staging(parent: Path) -> None:
         name = entry.name
         if not name.startswith((".tmp-", ".old-")) or not entry.is_dir(follow_symlinks=False):
             continue
-        if not (Path(entry.path) / STAGING_MARK).is_file() or not owner_gone(name):
+        if not marked_own(entry.path) or not owner_gone(name):
             continue
         if name.startswith(".old-") and not (parent / name[len(".old-"):].rpartition("-")[0]).is_dir():
             continue  # killed between its renames: the replaced folder is the only whole copy
