@@ -32,8 +32,7 @@ def check_export(export: Path, others: dict[str, str | os.PathLike[str] | None])
     """The --export folder: a model folder may go there (`check_folder_target`), it is not and
     does not contain any of `others` (flag: folder) that the export would replace, it is not a
     mount point (an export is renamed into place), and its parent can be written."""
-    out = check_folder_target(export)
-    real = Path(os.path.realpath(out))
+    real = Path(os.path.realpath(export.absolute()))
     for flag, folder in others.items():
         if folder is None:
             continue
@@ -42,6 +41,7 @@ def check_export(export: Path, others: dict[str, str | os.PathLike[str] | None])
             raise ValueError(f"--export {str(export)!r} {'is' if inner == real else 'contains'} {flag} {str(folder)!r}: "
                              f"the export replaces its folder whole, with what the run keeps there; give --export a "
                              f"folder outside {flag}")
+    check_folder_target(export)
     if real.is_dir() and os.path.ismount(real):
         raise ValueError(f"--export {str(export)!r} is a mount point: an export is written beside its folder and "
                          "renamed into place, which a mount point cannot be; give a folder inside the mount")
