@@ -43,7 +43,7 @@ from torch import nn
 
 from io_engine import PAGE
 from io_engine.owners import owner_gone, temp_name
-from io_engine.safe_files import folder_mode, make_folder, make_private, mark_own, marked_own
+from io_engine.safe_files import MARKER, folder_mode, make_folder, make_private, mark_own, marked_own
 from tierzero import runtime
 from tierzero.checkpoint.chunk_io import Reader, Source, double_buffered, open_engine, write_rank_files
 from tierzero.checkpoint.format import (CHUNK_BYTES, EXTRA_FILES, MANIFEST, PREFIX, TMP_PREFIX, TRASH_PREFIX,
@@ -201,27 +201,27 @@ def save_checkpoint(dir: str | os.PathLike[str], model: nn.Module, optimizer: Ti
 
 def _publish(root: Path, tmp: Path, final: Path, manifest: Manifest, private: bool) -> None:
     """Rank 0: the manifest last, fsynced; the folder (private: 0700, its files 0600) renamed
-    into place. It keeps its marker file: it is tierzero's to prune."""
+    into place, then its marker removed (under its final name a manifest says it is tierzero's)."""
     write_manifest(tmp / MANIFEST, manifest)
     if private:
         make_private(tmp)
     fsync_dir(tmp)
     os.rename(tmp, final)
+    (final / MARKER).unlink()
     fsync_dir(root)
 
 
 def _prune(root: Path, keep_last: int) -> None:
     """Rank 0, after a save is published: the checkpoints older than the newest `keep_last`
     removed. A `ckpt-N` that is a link loses only the link (what it names is not tierzero's); a
-    checkpoint without tierzero's marker (a user's copy) stays; a failure is a warning, not the
-    save's error."""
+    folder without a manifest stays; a failure is a warning, not the save's error."""
     for old in checkpoints(root)[:-keep_last]:
         try:
             if old.is_symlink():
                 old.unlink()
                 continue
-            if not marked_own(old) and not (old / MANIFEST).is_file():
-                continue
+            if not (old / MANIFEST).is_file():
+                continue  # not a checkpoint tierzero published: the user's
             trash = root / temp_name(TRASH_PREFIX, old.name)
             mark_own(old)
             os.rename(old, trash)  # a crash mid-delete leaves no half checkpoint under ckpt-*
