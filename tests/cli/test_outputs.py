@@ -8,37 +8,19 @@ Read-only and full disks are real tmpfs mounts (root only: skipped, saying why, 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import stat
-import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
+from builders import tmpfs
 from tierzero.cli import train
 from tierzero.cli.run_dir import RunDir
 
 TINY = ["--batch", "2", "--seq", "32", "--device-budget", "4MiB", "--host-budget", "8MiB", "--no-progress"]
-
-
-@contextlib.contextmanager
-def tmpfs(where: Path, options: str) -> Iterator[Path]:
-    """A tmpfs mounted at `where` with `options` (skips the test when mounting is not allowed)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (fault injection on a real read-only / full file system)")
-    where.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"mount -t tmpfs is not permitted here: {proc.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 def refused(tmp_path: Path, capsys, export: Path | str, *extra: str) -> str:
