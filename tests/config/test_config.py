@@ -100,3 +100,16 @@ def test_lazy_exports():
     assert tz.Config is Config and tz.IOConfig is IOConfig
     with pytest.raises(AttributeError):
         tz.not_a_name
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), "60", -5])
+def test_collective_timeout_refuses_nan_inf_negative_and_strings_naming_the_key(value) -> None:
+    with pytest.raises(ValueError, match=r"collective_timeout_s: expected (a finite number|> 0|a number)"):
+        tz.Config(collective_timeout_s=value)
+
+
+def test_file_mode_is_private_by_default_and_checked() -> None:
+    assert tz.Config().file_mode == "private" and tz.Config().private_files
+    assert not tz.Config(file_mode="umask").private_files
+    with pytest.raises(ValueError, match="file_mode: expected one of 'private', 'umask', got 'public'"):
+        tz.Config(file_mode="public")

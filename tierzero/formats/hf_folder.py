@@ -71,6 +71,7 @@ def meta_model(path: str | os.PathLike[str], *, dtype: torch.dtype | None = None
         raise ValueError(f"from_pretrained: {str(folder)!r} holds no {CONFIG_FILE}; give a local folder "
                          "written by save_pretrained (download a hub model first, e.g. with "
                          "`huggingface-cli download`)")
+    check_config_sizes(folder / CONFIG_FILE)
     hf_config = transformers.AutoConfig.from_pretrained(folder)
     dtype = dtype or config_dtype(hf_config) or torch.float32
     set_config_dtype(hf_config, dtype)
@@ -84,6 +85,37 @@ def meta_model(path: str | os.PathLike[str], *, dtype: torch.dtype | None = None
     if (folder / GENERATION_CONFIG_FILE).is_file() and hasattr(model, "generation_config"):
         model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
     return model
+
+
+_SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "vocab_size", "max_position_embeddings", "head_dim", "n_embd", "n_layer", "n_head", "n_positions",
+              "n_inner", "d_model", "num_layers", "ffn_dim")
+"""config.json's sizes (transformers' names across model families): each an int >= 1 when given."""
+MAX_LAYERS = 1024
+"""More blocks than any model has (the largest have ~130): a config asking for more is refused
+at once instead of building for minutes."""
+
+
+def check_config_sizes(path: Path) -> None:
+    """ValueError naming the key when a size in config.json is not an int >= 1 (a string, a
+    negative number, a float) or the layer count is absurd; checked before anything is built."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{str(path)!r} is not a readable JSON config ({e}); restore the model folder's "
+                         f"{CONFIG_FILE}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{str(path)!r}: expected a JSON object, got {type(config).__name__}")
+    for key in _SIZE_KEYS:
+        value = config.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{str(path)!r}: {key}: expected an int >= 1, got {type(value).__name__} {value!r}; "
+                             "fix the config (sizes are plain JSON numbers)")
+        if key in ("num_hidden_layers", "n_layer", "num_layers") and value > MAX_LAYERS:
+            raise ValueError(f"{str(path)!r}: {key}: expected at most {MAX_LAYERS} layers, got {value}; the config "
+                             "is damaged or not a model's")
 
 
 def require_causal_lm(path: str | os.PathLike[str]) -> None:
