@@ -148,3 +148,16 @@ def test_sigterm_to_a_training_script_removes_its_swap_files(tmp_path: Path) -> 
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err
     assert swap_files(nvme) == []
+
+
+def test_a_host_buffer_still_held_at_exit_does_not_keep_the_swap_files(tmp_path: Path) -> None:
+    """A script ends holding a host buffer (scratch it never freed; a frame of an exception at
+    exit does the same): the close at exit names it, and still removes every swap file."""
+    nvme = tmp_path / "nvme"
+    ending = ("from tierzero import runtime\n"
+              "held = runtime.placement_manager(model).reserve_scratch(151552, 'host', what='held at exit')\n"
+              "print('held')")
+    proc = run_script(nvme, ending)
+    assert proc.returncode == 0 and "held" in proc.stdout, proc.stderr
+    assert swap_files(nvme) == []
+    assert "still in use" in proc.stderr  # said, not hidden

@@ -501,8 +501,13 @@ class PlacementManager:
         self._table.close()  # joins the workers, which take the lock to commit
         with self._cond:
             self._cond.notify_all()  # a call still waiting for room fails now, not after its timeout
-        for store in self._tiers.values():
-            store.close()
+        # Every store closes whatever another raised: the swap files go even when a host buffer
+        # is still held (a frame of an exception at exit keeps one alive).
+        for store in sorted(self._tiers.values(), key=lambda st: st.tier is not Tier.NVME):
+            try:
+                store.close()
+            except BaseException as e:
+                error = error or e
         self.streams.close()
         if error is not None:
             raise error
