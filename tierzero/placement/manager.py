@@ -86,6 +86,8 @@ class PlacementManager:
                                      rank=rank, local_rank=None if local_rank is None else int(local_rank))
         self.wait_timeout_s = wait_timeout_s
         self.stuck_after_s = stuck_after_s
+        self._short: dict[int, Tier] = {}
+        """Threads waiting in `_wait_until` for room on a tier (under the lock)."""
         self.telemetry = Telemetry()
         self.streams = CopyStreams(self.device, config.stream_settings())
         self.budgets = {t: Budget(t, config.budget(t.value)) for t in Tier}
@@ -545,12 +547,21 @@ class PlacementManager:
         """Call `attempt` (under the lock) until it returns a result, sleeping until the next
         change while it returns None (waiting for a move) or a Shortfall (no room). A shortfall
         that nothing can end (no move in flight, every copy pinned on that tier pinned by this
-        thread itself) raises once nothing has changed for stuck_after_s; any wait raises past
-        wait_timeout_s. Both name what was
-        missing and the budget that would hold it. `subject` is the tensor waited for (a KeyError
-        if another thread unregisters it meanwhile), or the name of a new one."""
+        thread itself or by threads that wait for room there too) raises once nothing has changed
+        for stuck_after_s; any wait raises past wait_timeout_s. Both name what was missing and
+        the budget that would hold it. `subject` is the tensor waited for (a KeyError if another
+        thread unregisters it meanwhile), or the name of a new one."""
         deadline = time.monotonic() + self.wait_timeout_s
         name = subject if isinstance(subject, str) else subject.name
+        me = threading.get_ident()
+        try:
+            return self._wait_loop(attempt, subject, what, name, deadline)
+        finally:
+            self._short.pop(me, None)
+
+    def _wait_loop(self, attempt: Callable[[], _T | Shortfall | None], subject: TensorRecord | str, what: str,
+                   name: str, deadline: float) -> _T:
+        me = threading.get_ident()
         stuck_since: float | None = None
         while True:
             self._check_open()
@@ -561,6 +572,10 @@ class PlacementManager:
                 return result
             now = time.monotonic()
             remaining = deadline - now
+            if isinstance(result, Shortfall):
+                self._short[me] = result.tier
+            else:
+                self._short.pop(me, None)
             if isinstance(result, Shortfall) and self._stuck(result.tier):
                 stuck_since = now if stuck_since is None else stuck_since
                 if now - stuck_since >= self.stuck_after_s:
@@ -578,12 +593,15 @@ class PlacementManager:
     def _stuck(self, tier: Tier) -> bool:
         """Under the lock: no room on `tier` can ever come while this thread waits. Nothing is
         moving (no write-back will make a copy evictable, no fetch will end), and whatever is
-        pinned there (copies, scratch buffers) this very thread holds."""
+        pinned there (copies, scratch buffers) this very thread holds, or threads that wait for
+        room on that tier themselves."""
         if len(self._table.moves):
             return False
-        me = threading.get_ident()
-        return (not self._table.pinned_by_others(tier, me)
-                and all(owner == me for t, owner in self._scratch.values() if t is tier))
+        # The threads that will release nothing there: this one, and those waiting for room on
+        # the same tier (two threads each holding what the other waits for never move again).
+        blocked = {threading.get_ident(), *(t for t, short in self._short.items() if short is tier)}
+        return (not self._table.pinned_by_others(tier, blocked)
+                and all(owner in blocked for t, owner in self._scratch.values() if t is tier))
 
     def _no_room_message(self, name: str, short: Shortfall, *, waited: bool) -> str:
         tier = short.tier
@@ -591,7 +609,8 @@ class PlacementManager:
         b = self.budgets[tier]
         need = self._tiers[tier].reserved(short.nbytes)
         why = (f"after waiting {self.wait_timeout_s} s" if waited else
-               "and none can come: nothing is moving and this thread itself holds what is pinned there")
+               "and none can come: nothing is moving and what is pinned there is held by this thread, or by "
+               "threads waiting for room there too")
         return (f"tensor {name!r}: no room for {format_size(need)} on the {tier.value} tier {why}: "
                 f"{format_size(b.used)} of {format_size(b.limit)} reserved, {len(self._table.moves)} moves in flight, "
                 f"pinned copies (name, pins): {pinned[:8]}{' ...' if len(pinned) > 8 else ''}; raise "
