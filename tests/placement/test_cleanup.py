@@ -161,3 +161,28 @@ def test_a_host_buffer_still_held_at_exit_does_not_keep_the_swap_files(tmp_path:
     assert proc.returncode == 0 and "held" in proc.stdout, proc.stderr
     assert swap_files(nvme) == []
     assert "still in use" in proc.stderr  # said, not hidden
+
+
+STUCK = """
+import torch, tierzero as tz
+from tierzero.models import build
+model = tz.wrap(build("tiny", device="meta", vocab_size=256, seq_len=32),
+                tz.Config(device_budget="4MiB", host_budget="3136KiB", nvme_dir={nvme!r}, params="nvme", grads="nvme",
+                          optimizer_states="nvme", step_in_backward=True))
+opt = tz.AdamW(model, lr=1e-3)
+x = torch.randint(0, 256, (2, 32))
+for step in range(2):
+    model(x, targets=x).loss.backward(); opt.step(); opt.zero_grad()
+"""
+
+
+def test_a_step_in_backward_that_runs_out_of_host_room_fails_fast_and_the_process_exits(tmp_path: Path) -> None:
+    """step_in_backward with too little host room: backward and the block's update thread each
+    hold what the other waits for. The error comes after the stuck detection's seconds (not a
+    60 s timeout), and the process exits (the update thread's wait fails at exit instead of
+    keeping it alive), leaving no swap file."""
+    nvme = tmp_path / "nvme"
+    proc = subprocess.run([sys.executable, "-c", STUCK.format(nvme=str(nvme))], env=ENV, capture_output=True,
+                          text=True, timeout=55)
+    assert proc.returncode == 1 and "none can come" in proc.stderr, proc.stderr[-2000:]
+    assert swap_files(nvme) == []

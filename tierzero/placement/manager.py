@@ -58,7 +58,7 @@ from tierzero.placement.moves import Move, stall_sources, staging_needs
 from tierzero.placement.nvme import SwapRegion, SwapSpace
 from tierzero.placement.residency import Residency, ResidencyTable, TensorRecord, assert_in_states
 from tierzero.placement.streams import MUTATIONS, CopyEvent, CopyStreams, resolve_device
-from tierzero.placement.swap_dirs import close_at_exit, closed, exit_on_sigterm
+from tierzero.placement.swap_dirs import close_at_exit, closed, exit_on_sigterm, exiting
 from tierzero.placement.telemetry import Telemetry
 from tierzero.placement.tier_store import flat, tier_stores
 from tierzero.placement.tiers import Budget, HostPool, PinnedArena, round_up
@@ -66,6 +66,9 @@ from tierzero.placement.tiers import Budget, HostPool, PinnedArena, round_up
 __all__ = ["PlacementManager", "Residency", "TensorRecord", "EvictionPolicy", "LeastRecentlyUsed", "Move"]
 
 _T = TypeVar("_T")
+_EXIT_POLL_S = 0.5
+"""How often a waiting thread looks whether the program is exiting (then it fails: a thread left
+waiting would keep the interpreter from exiting)."""
 
 class PlacementManager:
     """Places registered tensors on the device, host and NVMe tiers within their budgets.
@@ -88,6 +91,8 @@ class PlacementManager:
         self.stuck_after_s = stuck_after_s
         self._short: dict[int, Tier] = {}
         """Threads waiting in `_wait_until` for room on a tier (under the lock)."""
+        self._abandoned: set[int] = set()
+        """Threads waiting for room with one that found none can come: they fail at once."""
         self.telemetry = Telemetry()
         self.streams = CopyStreams(self.device, config.stream_settings())
         self.budgets = {t: Budget(t, config.budget(t.value)) for t in Tier}
@@ -558,6 +563,7 @@ class PlacementManager:
             return self._wait_loop(attempt, subject, what, name, deadline)
         finally:
             self._short.pop(me, None)
+            self._abandoned.discard(me)
 
     def _wait_loop(self, attempt: Callable[[], _T | Shortfall | None], subject: TensorRecord | str, what: str,
                    name: str, deadline: float) -> _T:
@@ -578,7 +584,11 @@ class PlacementManager:
                 self._short.pop(me, None)
             if isinstance(result, Shortfall) and self._stuck(result.tier):
                 stuck_since = now if stuck_since is None else stuck_since
-                if now - stuck_since >= self.stuck_after_s:
+                if now - stuck_since >= self.stuck_after_s or me in self._abandoned:
+                    # the threads waiting with this one hold the rest: they fail too, at once
+                    # (a thread left waiting would keep the process from exiting)
+                    self._abandoned.update(t for t, tier in self._short.items() if tier is result.tier and t != me)
+                    self._cond.notify_all()
                     raise RuntimeError(f"{what}: {self._no_room_message(name, result, waited=False)}")
                 remaining = min(remaining, self.stuck_after_s - (now - stuck_since))
             else:
@@ -587,7 +597,10 @@ class PlacementManager:
                 if result is None:
                     raise RuntimeError(f"{what}: nothing changed for {self.wait_timeout_s} s")
                 raise RuntimeError(f"{what}: {self._no_room_message(name, result, waited=True)}")
-            if self._cond.wait(remaining):
+            if exiting() and threading.current_thread() is not threading.main_thread():
+                raise RuntimeError(f"{what}: the program is exiting (its main thread ended) while this thread waited "
+                                   f"for {'room' if isinstance(result, Shortfall) else 'a move'} ({name!r})")
+            if self._cond.wait(min(remaining, _EXIT_POLL_S)):
                 stuck_since = None  # something changed (a release may come from another thread)
 
     def _stuck(self, tier: Tier) -> bool:

@@ -238,3 +238,17 @@ def _close_at_exit() -> None:
             owner.close(flush=False)  # the swap files go: writing dirty copies into them is waste
         except Exception as e:  # the interpreter is exiting: report, close the others
             print(f"tierzero: closing {owner!r} at exit failed: {e}", file=sys.stderr)
+
+
+_EXITING = threading.Event()
+
+
+def exiting() -> bool:
+    """Whether the interpreter is exiting: set before it joins the threads still running (a
+    thread waiting for room then fails instead of keeping the process alive)."""
+    return _EXITING.is_set()
+
+
+# threading's own at-exit hook runs before the interpreter joins non-daemon threads (the
+# updater's thread pool among them); atexit's run only after they are joined.
+threading._register_atexit(_EXITING.set)  # noqa: SLF001 (what concurrent.futures uses for the same)
