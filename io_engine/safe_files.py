@@ -97,7 +97,7 @@ def make_folder(path: str | os.PathLike[str], *, private: bool = True) -> Path:
         with contextlib.suppress(FileExistsError):
             os.mkdir(p, folder_mode(private))
             if private:
-                os.chmod(p, folder_mode(private), follow_symlinks=False)  # the umask may have taken bits
+                os.chmod(p, folder_mode(private))  # the umask may have taken bits (p: the folder just made)
     return path
 
 
