@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -171,6 +172,7 @@ model = tz.wrap(build("tiny", device="meta", vocab_size=256, seq_len=32),
                           optimizer_states="nvme", step_in_backward=True))
 opt = tz.AdamW(model, lr=1e-3)
 x = torch.randint(0, 256, (2, 32))
+import time; print("training from", time.time(), flush=True)
 for step in range(2):
     model(x, targets=x).loss.backward(); opt.step(); opt.zero_grad()
 """
@@ -183,6 +185,9 @@ def test_a_step_in_backward_that_runs_out_of_host_room_fails_fast_and_the_proces
     keeping it alive), leaving no swap file."""
     nvme = tmp_path / "nvme"
     proc = subprocess.run([sys.executable, "-c", STUCK.format(nvme=str(nvme))], env=ENV, capture_output=True,
-                          text=True, timeout=55)
+                          text=True, timeout=300)
+    exited = time.time()
     assert proc.returncode == 1 and "none can come" in proc.stderr, proc.stderr[-2000:]
+    started = float(proc.stdout.split("training from ")[1].split()[0])
+    assert exited - started < 40  # the timeout alone was 60 s, then the process never exited
     assert swap_files(nvme) == []
