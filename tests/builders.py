@@ -7,8 +7,11 @@ fixtures of conftest.py are built on them.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -74,3 +77,21 @@ def master_weights(model: Any) -> dict[str, torch.Tensor]:
     runtime.settle(model)
     state = runtime.state_of(model)
     return {f.name: state.pm.read(f.ensure_master()) for f in state.flat_params(trainable=True)}
+
+
+@contextlib.contextmanager
+def tmpfs(where: Path, options: str) -> Iterator[Path]:
+    """A tmpfs mounted at `where` with `options` ("ro,size=1m", "size=96k"): a real read-only or
+    small file system for fault injection; skips the test where mounting is not allowed."""
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (fault injection on a real read-only / full file system)")
+    where.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"mount -t tmpfs is not permitted here: {proc.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)

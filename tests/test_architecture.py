@@ -28,10 +28,6 @@ FUNCTION_LEVEL_ALLOWED = {
 }
 """(file, module) function-level imports allowed besides OPTIONAL and the CLI dispatcher."""
 DISPATCHER = "tierzero/cli/dispatch.py"
-IO_ENGINE_FACE_PENDING = {"tierzero/formats/hf_folder.py", "tierzero/placement/swap_dirs.py", "tierzero/cli/train.py"}
-"""Files still importing io_engine's modules, left while those packages are being changed (issue 41)."""
-
-
 def lint_imports(root: Path) -> subprocess.CompletedProcess:
     code = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True, no_logo=True))"
     env = {**os.environ, "PYTHONPATH": str(root)}
@@ -89,8 +85,6 @@ def io_engine_face_violations(root: Path) -> list[str]:
     found = []
     for path in sorted((root / "tierzero").rglob("*.py")) + sorted((root / "benchmarks").glob("*.py")):
         rel = path.relative_to(root).as_posix()
-        if rel in IO_ENGINE_FACE_PENDING:
-            continue
         for node in ast.walk(ast.parse(path.read_text(), rel)):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom) and not node.level and node.module:

@@ -10,6 +10,7 @@ import json
 import os
 import random
 import re
+import stat
 import subprocess
 import sys
 import textwrap
@@ -34,6 +35,7 @@ from tierzero.formats import load_safetensors, persistent_buffers
 from tierzero.layout.flat_layout import FlatLayout
 
 from builders import REPO
+from io_engine.safe_files import MARKER
 D, VOCAB = 37, 29
 
 
@@ -186,19 +188,65 @@ DEAD_PID = 2**22 + 12345  # above the kernel's pid_max default: never a live pro
 
 
 def test_leftover_of_an_interrupted_save_is_ignored_then_removed_by_its_owners_successor(make, tmp_path):
-    """A save's temporary folder is named by its process: a killed save's is removed by the next
-    save; one whose process lives (another run saving there now) is left to it."""
+    """A save's temporary folder is named by its process and marked as tierzero's: a killed
+    save's is removed by the next save; one whose process lives (another run saving there now)
+    is left to it; look-alikes without the marker (a user's `.tmp-ckpt-notes-<n>`) stay."""
     a, opt = make("host")
     tz.save_checkpoint(tmp_path / "ck", a, opt, extra=1)
     dead = tmp_path / "ck" / f".tmp-ckpt-00000002-{DEAD_PID}"
     live = tmp_path / "ck" / f".tmp-ckpt-00000007-{os.getppid()}"
-    for leftover in (dead, live, tmp_path / "ck" / f".trash-ckpt-ckpt-00000000-{DEAD_PID}"):
+    look_alikes = [tmp_path / "ck" / f".tmp-ckpt-notes-{DEAD_PID}", tmp_path / "ck" / f".trash-ckpt-old-{DEAD_PID}"]
+    for leftover in (dead, live, tmp_path / "ck" / f".trash-ckpt-ckpt-00000000-{DEAD_PID}", *look_alikes):
         leftover.mkdir()
         (leftover / "rank00000.bin").write_bytes(b"half")
+        if leftover not in look_alikes:
+            (leftover / MARKER).write_text(f"{DEAD_PID}\n")
     b, opt_b = make("host", seed=1)
     assert tz.load_checkpoint(tmp_path / "ck", b, opt_b) == 1
     tz.save_checkpoint(tmp_path / "ck", a, opt, extra=2)
-    assert sorted(os.listdir(tmp_path / "ck")) == sorted(["ckpt-00000001", "ckpt-00000002", live.name])
+    assert sorted(os.listdir(tmp_path / "ck")) == sorted(["ckpt-00000001", "ckpt-00000002", live.name,
+                                                          *(p.name for p in look_alikes)])
+    assert all((p / "rank00000.bin").read_bytes() == b"half" for p in look_alikes)
+
+
+def test_another_users_dead_leftover_is_left_to_them(make, tmp_path):
+    """Root's save leaves another user's marked leftover of a dead process alone (a second uid)."""
+    if os.geteuid() != 0:
+        pytest.skip("giving a folder to another user needs root")
+    a, opt = make("host")
+    theirs = tmp_path / "ck" / f".tmp-ckpt-00000005-{DEAD_PID}"
+    theirs.mkdir(parents=True)
+    (theirs / MARKER).write_text(f"{DEAD_PID}\n")
+    for p in (theirs, theirs / MARKER):
+        os.chown(p, 4321, 4321)
+    tz.save_checkpoint(tmp_path / "ck", a, opt)
+    assert (theirs / MARKER).is_file()
+
+
+def test_pruning_a_linked_checkpoint_removes_the_link_only_and_the_save_stands(make, tmp_path):
+    """keep_last over a `ckpt-N` that is a symlink to a folder elsewhere: the link goes, what it
+    names stays, and the new checkpoint is published (no error after publishing)."""
+    a, opt = make("host")
+    tz.save_checkpoint(tmp_path / "elsewhere", a, opt, extra=0)
+    (tmp_path / "ck").mkdir()
+    os.symlink(tmp_path / "elsewhere" / "ckpt-00000001", tmp_path / "ck" / "ckpt-00000001")
+    for step in (2, 3):
+        tz.save_checkpoint(tmp_path / "ck", a, opt, extra=step, keep_last=1)
+    assert sorted(os.listdir(tmp_path / "ck")) == ["ckpt-00000003"]
+    assert (tmp_path / "elsewhere" / "ckpt-00000001" / "manifest.json").is_file()
+
+
+def test_checkpoints_are_private_unless_asked(tmp_path, wrapped):
+    old = os.umask(0o022)
+    try:
+        for file_mode, folder, file in (("private", 0o700, 0o600), ("umask", 0o755, 0o644)):
+            model = wrapped(Net(), tz.Config(device_budget="8MiB", host_budget="64MiB", file_mode=file_mode))
+            out = tz.save_checkpoint(tmp_path / file_mode, model, tz.AdamW(model, lr=1e-2))
+            assert stat.S_IMODE(out.parent.stat().st_mode) == folder and stat.S_IMODE(out.stat().st_mode) == folder
+            modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+            assert modes == {name: file for name in modes} and "manifest.json" in modes
+    finally:
+        os.umask(old)
 
 
 class _Future:

@@ -132,3 +132,16 @@ def test_placement_flag_parses_fractions():
     assert parse_placement("auto", what="--x") == "auto" and parse_placement("nvme", what="--x") == "nvme"
     with pytest.raises(ValueError, match="--x: expected TIER=FRACTION pairs"):
         parse_placement("device=a", what="--x")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), "60", -5])
+def test_collective_timeout_refuses_nan_inf_negative_and_strings_naming_the_key(value) -> None:
+    with pytest.raises(ValueError, match=r"collective_timeout_s: expected (a finite number|> 0|a number)"):
+        tz.Config(collective_timeout_s=value)
+
+
+def test_file_mode_is_private_by_default_and_checked() -> None:
+    assert tz.Config().file_mode == "private" and tz.Config().private_files
+    assert not tz.Config(file_mode="umask").private_files
+    with pytest.raises(ValueError, match="file_mode: expected one of 'private', 'umask', got 'public'"):
+        tz.Config(file_mode="public")

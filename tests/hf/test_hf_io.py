@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import stat
 import subprocess
 import sys
 import weakref
@@ -24,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 
 import tierzero as tz  # noqa: E402
 from tierzero.checkpoint import format as ckpt_format
-from tierzero.formats import hf_folder
+from tierzero.formats import CHECKSUM_RECORD, hf_folder
 from tierzero import runtime
 from tierzero.cli import main as cli
 from tierzero.runtime.flat_param import FlatParam
@@ -136,7 +138,8 @@ def test_save_pretrained_sharded_loads_in_transformers(trained, tmp_path, kind):
 def test_single_file_names_as_transformers_saves_them(trained, tmp_path, kind):
     model, _ = trained(kind)
     out = tz.save_pretrained(model, tmp_path / "out")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                     CHECKSUM_RECORD]
     loaded = load(out)
     assert_same_model(model, loaded)
     loaded.save_pretrained(tmp_path / "reference")  # transformers' own save of the same model
@@ -182,7 +185,8 @@ def test_replace_is_atomic(trained, tmp_path, monkeypatch):
     monkeypatch.setattr(hf_folder, "write_safetensors", real)
     # a complete new folder replaces the old one whole: no shard of the old save is left
     tz.save_pretrained(model, out)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                     CHECKSUM_RECORD]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
     assert_same_model(model, load(out))
 
@@ -427,3 +431,54 @@ def test_a_flipped_byte_in_a_checkpoints_config_files_fails_load_and_export(trai
             tz.export_checkpoint(tmp_path / "ck", tmp_path / f"out-{name}")
         path.write_bytes(original)
     tz.load_checkpoint(tmp_path / "ck", model, opt)
+
+
+# ------------------------------------------------------------------------- checksums, permissions
+
+
+def test_a_flipped_byte_in_any_exported_file_fails_from_pretrained_naming_the_file(trained, tmp_path):
+    """save_pretrained records every file it writes (config files, shards, index) with its
+    checksum; from_pretrained checks them first: a byte flipped anywhere (a weight, a header, the
+    index, a config) is an error naming the file; transformers loads the folder, record and all."""
+    model, _ = trained("llama-tied")
+    out = tz.save_pretrained(model, tmp_path / "out", max_shard_size=SMALL_SHARD)
+    record = json.loads((out / CHECKSUM_RECORD).read_text())
+    written = sorted(p.name for p in out.iterdir() if p.name != CHECKSUM_RECORD)
+    assert sorted(record["files"]) == written and hf_folder.INDEX_FILE in written and len(written) > 4
+    config = tier_config(tmp_path, "nvme-load")
+    for name in written:
+        path = out / name
+        original = path.read_bytes()
+        for at in (0, len(original) // 2, len(original) - 1):
+            flipped = bytearray(original)
+            flipped[at] ^= 0x10
+            path.write_bytes(flipped)
+            with pytest.raises(ValueError, match=f"{re.escape(str(path))}' is corrupt"):
+                tz.from_pretrained(out, config)
+        path.write_bytes(original)
+    (out / written[-1]).unlink()
+    with pytest.raises(ValueError, match=f"{written[-1]}' is missing"):
+        tz.from_pretrained(out, config)
+    tz.save_pretrained(model, out, max_shard_size=SMALL_SHARD)
+    loaded = tz.from_pretrained(out, config)
+    try:
+        assert_same_model(model, load(out))
+        assert_same_model(loaded, load(out))
+    finally:
+        runtime.close(loaded)
+
+
+def test_exports_are_private_unless_asked(tmp_path):
+    old = os.umask(0o022)
+    try:
+        for file_mode, folder, file in (("private", 0o700, 0o600), ("umask", 0o755, 0o644)):
+            model = tz.wrap(build("gpt2"), builders.tier_config(tier="host", file_mode=file_mode))
+            try:
+                out = tz.save_pretrained(model, tmp_path / file_mode)
+            finally:
+                runtime.close(model)
+            assert stat.S_IMODE(out.stat().st_mode) == folder
+            modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+            assert modes == {name: file for name in modes} and len(modes) == 4
+    finally:
+        os.umask(old)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -147,4 +148,46 @@ def test_sigterm_to_a_training_script_removes_its_swap_files(tmp_path: Path) -> 
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err
+    assert swap_files(nvme) == []
+
+
+def test_a_host_buffer_still_held_at_exit_does_not_keep_the_swap_files(tmp_path: Path) -> None:
+    """A script ends holding a host buffer (scratch it never freed; a frame of an exception at
+    exit does the same): the close at exit names it, and still removes every swap file."""
+    nvme = tmp_path / "nvme"
+    ending = ("from tierzero import runtime\n"
+              "held = runtime.placement_manager(model).reserve_scratch(151552, 'host', what='held at exit')\n"
+              "print('held')")
+    proc = run_script(nvme, ending)
+    assert proc.returncode == 0 and "held" in proc.stdout, proc.stderr
+    assert swap_files(nvme) == []
+    assert "still in use" in proc.stderr  # said, not hidden
+
+
+STUCK = """
+import torch, tierzero as tz
+from tierzero.models import build
+model = tz.wrap(build("tiny", device="meta", vocab_size=256, seq_len=32),
+                tz.Config(device_budget="4MiB", host_budget="3136KiB", nvme_dir={nvme!r}, params="nvme", grads="nvme",
+                          optimizer_states="nvme", step_in_backward=True))
+opt = tz.AdamW(model, lr=1e-3)
+x = torch.randint(0, 256, (2, 32))
+import time; print("training from", time.time(), flush=True)
+for step in range(2):
+    model(x, targets=x).loss.backward(); opt.step(); opt.zero_grad()
+"""
+
+
+def test_a_step_in_backward_that_runs_out_of_host_room_fails_fast_and_the_process_exits(tmp_path: Path) -> None:
+    """step_in_backward with too little host room: backward and the block's update thread each
+    hold what the other waits for. The error comes after the stuck detection's seconds (not a
+    60 s timeout), and the process exits (the update thread's wait fails at exit instead of
+    keeping it alive), leaving no swap file."""
+    nvme = tmp_path / "nvme"
+    proc = subprocess.run([sys.executable, "-c", STUCK.format(nvme=str(nvme))], env=ENV, capture_output=True,
+                          text=True, timeout=300)
+    exited = time.time()
+    assert proc.returncode == 1 and "none can come" in proc.stderr, proc.stderr[-2000:]
+    started = float(proc.stdout.split("training from ")[1].split()[0])
+    assert exited - started < 40  # the timeout alone was 60 s, then the process never exited
     assert swap_files(nvme) == []

@@ -128,3 +128,35 @@ def test_swap_missing_parent_is_a_clear_error(tmp_path):
         SwapSpace(tmp_path / "no" / "such", 0, Budget(Tier.NVME, ALIGNMENT), IOConfig())
     s = SwapSpace(tmp_path / "created", 0, Budget(Tier.NVME, ALIGNMENT), IOConfig())  # parent exists
     s.close()
+
+
+def test_a_small_disk_that_holds_the_state_is_not_refused_for_a_1_gib_chunk(tmp_path):
+    """A 24 MiB file system and a state of a few MiB on NVMe (default 1 GiB chunks, a 256 GiB budget):
+    the swap files are sized to what the disk holds; wrap and training steps run, and every
+    step matches the same model on the host tier."""
+    import torch
+
+    import tierzero as tz
+    from builders import gpt, tier_config, tmpfs
+    from tierzero import runtime
+
+    with tmpfs(tmp_path / "small", "size=24m") as small:
+        models = [gpt(seed=0), gpt(seed=0)]
+        tz.wrap(models[0], tier_config(small / "nvme", nvme_budget="256GiB"))
+        tz.wrap(models[1], tier_config(tier="host"))
+        try:
+            opts = [tz.AdamW(m, lr=1e-3) for m in models]
+            for step in range(2):
+                x = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(step))
+                losses = []
+                for m, opt in zip(models, opts):
+                    loss = m(x, targets=x).loss
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    losses.append(loss.item())
+                assert losses[0] == losses[1], (step, losses)
+            assert 0 < runtime.placement_manager(models[0]).bytes_used("nvme") < 24 << 20
+        finally:
+            for m in models:
+                runtime.close(m)

@@ -491,3 +491,35 @@ def test_a_failed_home_write_is_refused_by_reads_until_a_new_store(tmp_path, mon
         monkeypatch.setattr(nvme, "write_extent", real)
         pm.store(a, torch.full((1000,), 2.0))
         assert torch.equal(pm.read(a), torch.full((1000,), 2.0))
+
+
+def test_two_threads_each_waiting_for_room_the_other_holds_fail_within_seconds(tmp_path):
+    """Thread A pins a, thread B pins b, then each waits for room only the other's release could
+    make (step_in_backward's update thread against backward did this): nothing can move, so a wait
+    fails after stuck_after_s, not after the 30 s timeout; the other then gets its room."""
+    with make(tmp_path, device="24KiB", wait_timeout_s=30) as pm:
+        a, b, c, d = (pm.register(n, torch.randn(2500), "host") for n in "abcd")  # 10000 bytes each
+        pinned = threading.Barrier(2)
+        outcome: dict[str, str] = {}
+
+        def run(mine, wanted, name):
+            pm.acquire(mine)
+            pinned.wait()
+            try:
+                pm.acquire(wanted)
+                pm.release(wanted)
+                outcome[name] = "got it"
+            except RuntimeError as e:
+                outcome[name] = str(e)
+            finally:
+                pm.release(mine)
+
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=run, args=args) for args in ((a, c, "A"), (b, d, "B"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert not any(t.is_alive() for t in threads) and time.monotonic() - t0 < 15
+        failed = [v for v in outcome.values() if v != "got it"]
+        assert len(failed) == 1 and "none can come" in failed[0] and "threads waiting for room there too" in failed[0]

@@ -174,3 +174,32 @@ def test_nvme_dir_problems_say_what_is_wrong(tmp_path: Path, make, match: str) -
         check_nvme_dir(target)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         check_nvme_dir(tmp_path / "missing" / "nvme")
+
+
+def test_roots_reclaimer_leaves_another_users_dead_run(tmp_path: Path) -> None:
+    """Root opens any folder: a dead run's folder another user owns is still theirs to reclaim."""
+    if os.geteuid() != 0:
+        pytest.skip("a folder of another user needs root to make (chown)")
+    rank = tmp_path / "nvme" / "rank0"
+    foreign = dead_run(rank)
+    for p in (foreign, *foreign.iterdir()):
+        os.chown(p, 65534, 65534)
+    reclaim_dead_runs(rank)
+    assert len(list(foreign.iterdir())) == 3
+
+
+def test_the_rank_folders_a_first_user_makes_are_usable_by_a_second(scratch: Path) -> None:
+    """nvme_dir and rank0 made by this user's run (still running) on a shared scratch disk: a
+    second user's run makes its own run folder there (second uid: nobody, in a child)."""
+    if os.geteuid() != 0:
+        pytest.skip("a second user needs root (os.setuid in a child process)")
+    first = RunFolder(scratch / "nvme", 0)
+    try:
+        assert stat.S_IMODE((scratch / "nvme" / "rank0").stat().st_mode) == 0o1777
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        proc = subprocess.run([sys.executable, "-c", FOREIGN, str(scratch / "nvme")], env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 0 and "started" in proc.stdout, proc.stderr
+        assert first.path.is_dir() and stat.S_IMODE(first.path.stat().st_mode) == 0o700
+    finally:
+        first.remove()

@@ -31,6 +31,7 @@ import concurrent.futures as cf
 import io
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -40,7 +41,7 @@ import torch.distributed as dist
 import xxhash
 from torch import nn
 
-from io_engine import PAGE, owner_gone, temp_name
+from io_engine import MARKER, PAGE, folder_mode, make_folder, make_private, mark_own, marked_own, owner_gone, temp_name
 from tierzero import runtime
 from tierzero.checkpoint.chunk_io import Reader, Source, double_buffered, open_engine, write_rank_files
 from tierzero.checkpoint.format import (CHUNK_BYTES, EXTRA_FILES, MANIFEST, PREFIX, TMP_PREFIX, TRASH_PREFIX,
@@ -151,14 +152,16 @@ def save_checkpoint(dir: str | os.PathLike[str], model: nn.Module, optimizer: Ti
     comm = _Comm(state.ctx.group, world_size)
     root = Path(dir)
     names = None
+    private = state.config.private_files
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for p in root.iterdir():  # leftovers of saves whose process was killed (only theirs)
-            if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)) and not p.is_symlink() and owner_gone(p.name):
+        make_folder(root, private=private)
+        for p in root.iterdir():  # leftovers of saves whose process was killed (only theirs: marked)
+            if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)) and marked_own(p) and owner_gone(p.name):
                 shutil.rmtree(p, ignore_errors=True)
         seq = next_number(root)
         names = (temp_name(TMP_PREFIX, f"{seq:08d}"), f"{PREFIX}{seq:08d}")
-        (root / names[0]).mkdir()
+        os.mkdir(root / names[0], folder_mode(private))
+        mark_own(root / names[0])
     names = comm.broadcast(names)
     tmp, final = root / names[0], root / names[1]
     # Every rank learns whether every other one succeeded (a failed rank must not leave the
@@ -178,10 +181,12 @@ def save_checkpoint(dir: str | os.PathLike[str], model: nn.Module, optimizer: Ti
     if rank == 0 and not errors:
         try:
             files = _write_hf_config(state, tmp)
-            _publish(root, tmp, final, _manifest(state, optimizer, world_size, every, files), keep_last)
+            _publish(root, tmp, final, _manifest(state, optimizer, world_size, every, files), private)
         except Exception as e:
             errors, failure = [f"rank 0: {e}"], e
     errors = comm.broadcast(errors)
+    if rank == 0 and not errors and keep_last is not None:
+        _prune(root, keep_last)
     if errors:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -192,17 +197,36 @@ def save_checkpoint(dir: str | os.PathLike[str], model: nn.Module, optimizer: Ti
     return final
 
 
-def _publish(root: Path, tmp: Path, final: Path, manifest: Manifest, keep_last: int | None) -> None:
-    """Rank 0: the manifest last, fsynced; the folder renamed into place; old ones pruned."""
+def _publish(root: Path, tmp: Path, final: Path, manifest: Manifest, private: bool) -> None:
+    """Rank 0: the manifest last, fsynced; the folder (private: 0700, its files 0600) renamed
+    into place, then its marker removed (under its final name a manifest says it is tierzero's)."""
     write_manifest(tmp / MANIFEST, manifest)
+    if private:
+        make_private(tmp)
     fsync_dir(tmp)
     os.rename(tmp, final)
+    (final / MARKER).unlink()
     fsync_dir(root)
-    if keep_last is not None:
-        for old in checkpoints(root)[:-keep_last]:
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    """Rank 0, after a save is published: the checkpoints older than the newest `keep_last`
+    removed. A `ckpt-N` that is a link loses only the link (what it names is not tierzero's); a
+    folder without a manifest stays; a failure is a warning, not the save's error."""
+    for old in checkpoints(root)[:-keep_last]:
+        try:
+            if old.is_symlink():
+                old.unlink()
+                continue
+            if not (old / MANIFEST).is_file():
+                continue  # not a checkpoint tierzero published: the user's
             trash = root / temp_name(TRASH_PREFIX, old.name)
+            mark_own(old)
             os.rename(old, trash)  # a crash mid-delete leaves no half checkpoint under ckpt-*
             shutil.rmtree(trash)
+        except OSError as e:
+            warnings.warn(f"save_checkpoint: the new checkpoint is saved, but pruning {str(old)!r} (keep_last="
+                          f"{keep_last}) failed: {e}; remove it by hand", stacklevel=3)
 
 
 def _write_hf_config(state: runtime.TieredState, tmp: Path) -> dict[str, int]:

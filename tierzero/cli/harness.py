@@ -75,6 +75,7 @@ def meta_model(args: argparse.Namespace) -> tuple[torch.nn.Module, tzdata.Tokeni
         shape = {k: v for k in ("n_layer", "n_embd") if (v := getattr(args, k, None))}
         return build(args.model, device="meta", vocab_size=tzdata.VOCAB_SIZE, seq_len=max(args.seq, 1), **shape), None
     tzdata.require_causal_lm(args.model)
+    tzdata.verify_folder(args.model)
     return hf.meta_model(args.model), tzdata.folder_tokenizer(args.model)
 
 

@@ -9,11 +9,13 @@
 - End-of-run files (trace.json, summary.json, tiers.png) are each written under a temporary
   name, fsynced, then renamed: a failure leaves no partial file, names its file, and does not
   stop the others.
+- Links: `.lock` and `metrics.jsonl` are never written through a symlink or a hard link
+  someone planted ([Note: no write through a link] in io_engine/safe_files.py); the folder and
+  its files are private (0700 / 0600) unless `private=False` (`--file-mode umask`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import os
@@ -21,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import IO, Callable
 
-from io_engine import free_disk_bytes
+from io_engine import free_disk_bytes, make_folder, open_own, replace_file
 from tierzero.config import format_size
 
 LOCK = ".lock"
@@ -31,13 +33,14 @@ METRICS = "metrics.jsonl"
 class RunDir:
     """One locked folder of a run (the run folder, or a checkpoint folder outside it)."""
 
-    def __init__(self, path: str | os.PathLike[str], *, flag: str = "--run-dir") -> None:
+    def __init__(self, path: str | os.PathLike[str], *, flag: str = "--run-dir", private: bool = True) -> None:
         self.path = Path(path)
         self.flag = flag
+        self.private = private
         if self.path.exists() and not self.path.is_dir():
             raise NotADirectoryError(f"{flag} {str(self.path)!r} is a file; give a folder")
-        self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        make_folder(self.path, private=private)
+        fd = open_own(self.path / LOCK, os.O_RDWR, private=private)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -65,8 +68,11 @@ class RunDir:
     # ------------------------------------------------------------------------------ metrics
 
     def open_metrics(self, *, resume: bool) -> IO[str]:
-        """metrics.jsonl for appending rows (emptied first unless resuming)."""
-        return open(self.path / METRICS, "a" if resume else "w", encoding="utf-8")
+        """metrics.jsonl for appending rows (a new empty file unless resuming; never a link's target)."""
+        if not resume:
+            replace_file(self.path / METRICS, b"", private=self.private)
+        fd = open_own(self.path / METRICS, os.O_WRONLY | os.O_APPEND, private=self.private)
+        return os.fdopen(fd, "a", encoding="utf-8")
 
     def keep_metrics_before(self, step: int) -> None:
         """Resuming at `step`: keep the rows of the steps before it (the rows after it belong to
@@ -96,35 +102,27 @@ class RunDir:
     # --------------------------------------------------------------------- end-of-run files
 
     def write(self, name: str, content: str | bytes | Callable[[Path], None]) -> None:
-        """Write `name` whole or not at all: under a temporary name, fsynced, then renamed.
-        `content` is the text or bytes, or a function that writes the file at the path it is given."""
-        final = self.path / name
-        tmp = self.path / f".{name}.tmp-{os.getpid()}"
-        try:
-            if callable(content):
-                content(tmp)
-            else:
-                with open(tmp, "wb") as f:
-                    f.write(content.encode() if isinstance(content, str) else content)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
+        """Write `name` whole or not at all: under a fresh temporary name, fsynced, then renamed
+        (`replace_file`). `content` is the text or bytes, or a function that writes the file at
+        the path it is given."""
+        replace_file(self.path / name, content, private=self.private)
 
-    def write_each(self, files: dict[str, str | bytes | Callable[[Path], None]]) -> list[str]:
-        """`write` every file, each independently of the others; one line per failure, naming the
-        file (returned, and printed on stderr)."""
+    def write_each(self, files: dict[str, str | bytes | Callable[[Path], None]]) -> list[dict[str, str]]:
+        """`write` every file, each independently of the others; one {"file", "path", "error"}
+        per failure (returned, and printed on stderr)."""
         failed = []
         for name, content in files.items():
             try:
                 self.write(name, content)
             except Exception as e:
-                failed.append(f"{self.path / name}: not written ({type(e).__name__}: {e})")
-                print(f"tierzero train: error: {failed[-1]}", file=sys.stderr)
+                failed.append(not_written(name, self.path / name, e))
         return failed
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"
+
+
+def not_written(name: str, path: Path, e: BaseException) -> dict[str, str]:
+    """summary.json's record of an end-of-run file that failed (printed on stderr too)."""
+    print(f"tierzero train: error: {path}: not written ({type(e).__name__}: {e})", file=sys.stderr)
+    return {"file": name, "path": str(path), "error": f"{type(e).__name__}: {e}"}

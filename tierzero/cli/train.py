@@ -53,18 +53,18 @@ import torch
 import torch.distributed as dist
 
 import tierzero as tz
-from io_engine.progress import Progress
+from io_engine import Progress
 from tierzero.checkpoint import latest_checkpoint
 from tierzero.cli.flags import (activations_from_flags, add_activation_flags, add_placement_flags, add_rate_flags,
                                 add_zero_flags, placement_from_flags, rates_from_flags, zero_from_flags)
 from tierzero.cli.harness import (check_room, corpus, heads, meta_model, peak_rss, pretrained,
                                   with_lora)
 from tierzero.cli.micro_batches import add_micro_batch_flag, check_micro_batches, forward_backward
+from tierzero.cli.outputs import check_outputs
 from tierzero.cli.plots import plot_run
-from tierzero.cli.run_dir import RunDir
+from tierzero.cli.run_dir import RunDir, not_written
 from tierzero.cli.stop import Stopped, StopSignals
 from tierzero.config import TIER_NAMES, format_size
-from tierzero.formats import check_folder_target
 from tierzero.formats import corpus as tzdata
 from tierzero.models import CONFIGS
 from tierzero.placement import MAX_EVENTS, PlacementManager
@@ -107,6 +107,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lora", type=int, default=0, metavar="R", help="train LoRA adapters of rank R on every "
                    "linear layer of a transformers folder's model, the base frozen (needs peft: the lora extra)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--file-mode", choices=("private", "umask"), default="private", help="permissions of the run "
+                   "folder, checkpoints and export: private (0700 / 0600, the default) or umask (docs/safety.md)")
     p.add_argument("--collective-timeout", type=float, default=tz.Config.collective_timeout_s,
                    help="seconds a collective waits for the other ranks before the run fails "
                         "(under torchrun)")
@@ -146,6 +148,7 @@ def _config(args: argparse.Namespace) -> tz.Config:
     return tz.Config(device_budget=args.device_budget, host_budget=args.host_budget,
                      nvme_dir=args.nvme_dir, nvme_budget=args.nvme_budget,
                      collective_timeout_s=args.collective_timeout, step_in_backward=args.step_in_backward,
+                     file_mode=args.file_mode,
                      **placement_from_flags(args), **zero_from_flags(args), **activations_from_flags(args))
 
 
@@ -212,14 +215,14 @@ class _Folders:
     ckpt: RunDir | None = None
 
     @classmethod
-    def open(cls, args: argparse.Namespace, rank: int) -> "_Folders":
+    def open(cls, args: argparse.Namespace, rank: int, *, private: bool = True) -> "_Folders":
         if rank != 0:
             return cls()
-        folders = cls(RunDir(args.run_dir))
+        folders = cls(RunDir(args.run_dir, private=private))
         try:
             ckpt = _ckpt_dir(args).absolute()
             if args.checkpoint_every and not ckpt.is_relative_to(folders.run.path.absolute()):
-                folders.ckpt = RunDir(ckpt, flag="--checkpoint-dir")
+                folders.ckpt = RunDir(ckpt, flag="--checkpoint-dir", private=private)
         except BaseException:
             folders.close()
             raise
@@ -303,9 +306,8 @@ def run(args: argparse.Namespace, outcome: _Outcome | None = None) -> dict:
     if args.batch % world_size:  # main() prefixes the rank
         raise ValueError(f"--batch {args.batch} is the global batch and must split evenly "
                          f"over {world_size} ranks; give a multiple of {world_size}")
-    if args.export:
-        check_folder_target(args.export)
-    folders = _Folders.open(args, rank)
+    check_outputs(args, _ckpt_dir(args))
+    folders = _Folders.open(args, rank, private=cfg.private_files)
     try:
         return _run(args, cfg, rank, world_size, rates, folders, outcome)
     except BaseException as e:
@@ -344,9 +346,10 @@ def _run(args: argparse.Namespace, cfg: tz.Config, rank: int, world_size: int, r
             stop.at_step_boundary = False  # past the last step: a signal stops what follows at once
             if stop.requested is not None:
                 raise Stopped(stop.requested)
-            if args.export:  # before the run folder's files: a full disk there cannot lose the model
-                _export(r, tokenizer)
-            return _finish(r, est, n_params, last_loss, started)
+            # The export first (a full disk under the run folder cannot lose the model), then the
+            # run folder's files whatever the export did; summary.json names what failed.
+            failed = _export(r, tokenizer) if args.export else []
+            return _finish(r, est, n_params, last_loss, started, failed)
     finally:
         close(model)  # frees host memory and removes the swap files
 
@@ -366,13 +369,18 @@ def _write_failure(folder: RunDir, args: argparse.Namespace, outcome: _Outcome, 
         folder.write_each(files)
 
 
-def _export(r: _Run, tokenizer: tzdata.Tokenizer | None) -> None:
-    """--export: the trained model as a transformers folder (every rank gathers, rank 0 writes)."""
-    out = tz.save_pretrained(r.model, r.args.export, merge_adapters=bool(r.args.lora))
-    if r.rank == 0:
-        if tokenizer is not None:
+def _export(r: _Run, tokenizer: tzdata.Tokenizer | None) -> list[dict[str, str]]:
+    """--export: the trained model as a transformers folder (every rank gathers, rank 0 writes);
+    a failure is returned (for summary.json), not raised."""
+    try:
+        out = tz.save_pretrained(r.model, r.args.export, merge_adapters=bool(r.args.lora))
+        if r.rank == 0 and tokenizer is not None:
             tokenizer.save_pretrained(out)
+    except Exception as e:
+        return [not_written("export", Path(r.args.export).absolute(), e)]
+    if r.rank == 0:
         print(f"tierzero train: exported the model to {out}", file=sys.stderr)
+    return []
 
 
 def _train(r: _Run, start: int, outcome: _Outcome) -> float:
@@ -456,9 +464,10 @@ def _progress_text(row: dict) -> str:
             f"nvme {format_size(row['bytes']['nvme'])} io {nvme_gbps:.2f} GB/s")
 
 
-def _finish(r: _Run, est: Estimate, n_params: int, last_loss: float, started: float) -> dict:
+def _finish(r: _Run, est: Estimate, n_params: int, last_loss: float, started: float,
+            failed: list[dict[str, str]]) -> dict:
     """The run's summary, from every rank's peaks; rank 0 writes trace.json, summary.json and
-    tiers.png."""
+    tiers.png, each whatever the others (and the export: `failed`) did."""
     args, pm, world_size = r.args, r.pm, r.world_size
     settle(r.model)  # the last step's overlapped updates, and every write
     peaks = _per_rank({t: pm.peak_bytes(t) for t in TIER_NAMES}, world_size)
@@ -479,13 +488,13 @@ def _finish(r: _Run, est: Estimate, n_params: int, last_loss: float, started: fl
     if r.folders.run is not None:
         run_dir = r.folders.run.path
         trace = pm.telemetry.chrome_trace()
-        failed = r.folders.run.write_each({
+        failed = failed + r.folders.run.write_each({
             "trace.json": lambda out: _dump_json(trace, out),
             "tiers.png": lambda out: plot_run(run_dir, out, trace=trace, summary=summary)})
         summary["files_not_written"] = failed  # summary.json last: it lists what the others lacked
         failed += r.folders.run.write_each({"summary.json": json.dumps(summary, indent=2, default=str)})
     else:
-        summary["files_not_written"] = []
+        summary["files_not_written"] = failed
     return summary
 
 
@@ -549,7 +558,7 @@ def main(argv: list[str]) -> int:
     finally:
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
-    if any(not line.startswith(str(Path(args.run_dir) / "tiers.png")) for line in summary["files_not_written"]):
+    if any(f["file"] != "tiers.png" for f in summary["files_not_written"]):
         return 1  # the run folder lacks a file its contract promises (a plot that failed is a notice only)
     if summary["world_size"] > 1 and int(os.environ.get("RANK", "0")) != 0:
         return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,8 @@ def _check_bool(what: str, value: Any) -> None:
 def _check_number(what: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{what}: expected a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{what}: expected a finite number, got {value!r}")
 
 
 def _check_choice(what: str, value: Any, choices: tuple[Any, ...]) -> None:
@@ -205,6 +208,11 @@ class Config:
     """Seconds a collective may wait for other ranks before the run fails instead of hanging.
     `tierzero train` gives it to torch.distributed.init_process_group; a script that creates the
     process group itself passes `timeout=datetime.timedelta(seconds=config.collective_timeout_s)`."""
+    file_mode: Literal["private", "umask"] = "private"
+    """The permissions of what tierzero writes (checkpoints, exports, `tierzero train`'s run
+    folder): "private" 0700 folders and 0600 files, readable by this user alone (they hold a
+    model's weights); "umask" the usual 0777 / 0666 less the process's umask. Swap files are
+    always private. See docs/safety.md."""
     device: str | None = None
     """The device tier's device: "cuda:1", "cpu"; None: the current CUDA device, else the CPU.
     With several ranks on CUDA give each rank its own (f"cuda:{local_rank}"), or call
@@ -258,6 +266,7 @@ class Config:
         for name in ("step_in_backward", "overlap_step", "checksums", "activation_checkpointing"):
             _check_bool(name, getattr(self, name))
         _check_number("collective_timeout_s", self.collective_timeout_s)
+        _check_choice("file_mode", self.file_mode, ("private", "umask"))
         if self.collective_timeout_s <= 0:
             raise ValueError(f"collective_timeout_s: expected > 0, got {self.collective_timeout_s}")
         if self.nvme_dir is not None and not isinstance(self.nvme_dir, (str, os.PathLike)):
@@ -271,6 +280,11 @@ class Config:
                 "is not set; give nvme_dir='/path/on/nvme' or place that state on 'host'")
         if self.nvme_dir is not None:
             object.__setattr__(self, "nvme_dir", os.fspath(self.nvme_dir))
+
+    @property
+    def private_files(self) -> bool:
+        """Whether what tierzero writes is private (`file_mode`)."""
+        return self.file_mode == "private"
 
     @property
     def uses_nvme(self) -> bool:

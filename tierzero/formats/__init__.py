@@ -5,10 +5,12 @@
     conversions.py       transformers' weight conversions (MoE experts merged, ...) run a block at a time
     load_rules.py        transformers' loading rules: names (peft's too), ignored and missing keys
     buffers.py           buffers and missing parameters: loaded, or computed by the model's initialisation
+    checksums.py         the checksum record of a model folder tierzero writes, and its check
     hf_folder.py         transformers' model folder: config files, shards, index, the meta-device build
     corpus.py            training text: the standard library's source, text and JSONL files, batches
 """
 
+from tierzero.formats.checksums import RECORD as CHECKSUM_RECORD, verify_folder
 from tierzero.formats.buffers import check_buffers, init_buffers, init_params, load_buffers, persistent_buffers
 from tierzero.formats.conversions import original_format_specs
 from tierzero.formats.corpus import VOCAB_SIZE, BatchSampler, Tokenizer, file_corpus, stdlib_corpus
@@ -27,4 +29,5 @@ __all__ = ["original_format_specs", "VOCAB_SIZE", "BatchSampler", "Tokenizer", "
            "saved_dtype", "write_config_files", "write_synced", "write_weights_folder", "TensorSpec", "fsync_dir",
            "save_safetensors", "write_safetensors", "LoadedShard", "ShardRequest", "WeightSource", "check_buffers",
            "init_buffers", "init_params", "load_buffers", "load_safetensors", "open_weights", "persistent_buffers",
-           "PEFT_PREFIX", "adapter_params", "base_model", "checkpoint_name", "is_peft", "peft_base_name"]
+           "PEFT_PREFIX", "adapter_params", "base_model", "checkpoint_name", "is_peft", "peft_base_name",
+           "CHECKSUM_RECORD", "verify_folder"]

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from io_engine.owners import owner_gone, temp_name
+from io_engine import MARKER, folder_mode, make_private, mark_own, marked_own, owner_gone, temp_name
+from tierzero.formats.checksums import RECORD, record_text
 from tierzero.formats.corpus import Tokenizer
 from tierzero.formats.safetensors_file import TensorSpec, fsync_dir, write_safetensors
 
@@ -74,6 +75,7 @@ def meta_model(path: str | os.PathLike[str], *, dtype: torch.dtype | str | None 
         raise ValueError(f"from_pretrained: {str(folder)!r} holds no {CONFIG_FILE}; give a local folder "
                          "written by save_pretrained (download a hub model first, e.g. with "
                          "`huggingface-cli download`)")
+    check_config_sizes(folder / CONFIG_FILE)
     torch_dtype = kwargs.pop("torch_dtype", None)
     dtype = _as_dtype(dtype if dtype is not None else torch_dtype)
     config_cls = getattr(model_cls, "config_class", None) or transformers.AutoConfig
@@ -106,6 +108,37 @@ def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
         raise ValueError(f"from_pretrained: dtype {dtype!r} is not a torch dtype; give one such as torch.bfloat16, "
                          "'bfloat16', or 'auto' (the folder's config.json)")
     return value
+
+
+_SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "vocab_size", "max_position_embeddings", "head_dim", "n_embd", "n_layer", "n_head", "n_positions",
+              "n_inner", "d_model", "num_layers", "ffn_dim")
+"""config.json's sizes (transformers' names across model families): each an int >= 1 when given."""
+MAX_LAYERS = 1024
+"""More blocks than any model has (the largest have ~130): a config asking for more is refused
+at once instead of building for minutes."""
+
+
+def check_config_sizes(path: Path) -> None:
+    """ValueError naming the key when a size in config.json is not an int >= 1 (a string, a
+    negative number, a float) or the layer count is absurd; checked before anything is built."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{str(path)!r} is not a readable JSON config ({e}); restore the model folder's "
+                         f"{CONFIG_FILE}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{str(path)!r}: expected a JSON object, got {type(config).__name__}")
+    for key in _SIZE_KEYS:
+        value = config.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{str(path)!r}: {key}: expected an int >= 1, got {type(value).__name__} {value!r}; "
+                             "fix the config (sizes are plain JSON numbers)")
+        if key in ("num_hidden_layers", "n_layer", "num_layers") and value > MAX_LAYERS:
+            raise ValueError(f"{str(path)!r}: {key}: expected at most {MAX_LAYERS} layers, got {value}; the config "
+                             "is damaged or not a model's")
 
 
 def require_causal_lm(path: str | os.PathLike[str]) -> None:
@@ -229,11 +262,13 @@ def plan_shards(specs: Sequence[TensorSpec], max_shard_size: int) -> list[Shard]
 
 
 def write_weights_folder(out_dir: Path, specs: Sequence[TensorSpec], max_shard_size: int,
-                         write_configs: Callable[[Path], None]) -> Path:
+                         write_configs: Callable[[Path], None], *, private: bool = True) -> Path:
     """Write `out_dir` whole (per `staged_folder`): the config files (`write_configs(folder)`),
-    then the shards of `specs` in order, and the index when there are several."""
+    then the shards of `specs` in order, the index when there are several, and the checksum
+    record of them all (tierzero/formats/checksums.py). private: the folder 0700, its files 0600
+    (else as the umask makes them)."""
     shards = plan_shards(specs, max_shard_size)
-    with staged_folder(out_dir) as tmp:
+    with staged_folder(out_dir, private=private) as tmp:
         write_configs(tmp)
         for shard in shards:
             write_safetensors(tmp / shard.file, shard.specs, _METADATA)
@@ -241,6 +276,9 @@ def write_weights_folder(out_dir: Path, specs: Sequence[TensorSpec], max_shard_s
             index = {"metadata": {"total_size": sum(spec_nbytes(s) for s in specs)},
                      "weight_map": {s.name: shard.file for shard in shards for s in shard.specs}}
             write_synced(tmp / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True) + "\n")
+        write_synced(tmp / RECORD, record_text(tmp))
+        if private:
+            make_private(tmp)
     return out_dir
 
 
@@ -294,13 +332,13 @@ def check_folder_target(out_dir: str | os.PathLike[str]) -> Path:
     return out
 
 
-STAGING_MARK = ".tierzero-staging"
+STAGING_MARK = MARKER
 """A file in a folder a save is writing (`.tmp-<name>-<pid>`) or has just replaced
 (`.old-<name>-<pid>`): what a later save may remove when that process is gone."""
 
 
 @contextlib.contextmanager
-def staged_folder(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
+def staged_folder(out_dir: str | os.PathLike[str], *, private: bool = True) -> Iterator[Path]:
     """A temporary folder next to `out_dir` to write into; on a clean exit it is fsynced and
     renamed to `out_dir` (an existing one renamed away first, then deleted, the other files it
     held carried over first: a tokenizer saved beside the model stays, symlinks stay symlinks,
@@ -315,9 +353,10 @@ def staged_folder(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_dead_staging(out.parent)
     tmp = out.with_name(temp_name(".tmp-", out.name))
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    (tmp / STAGING_MARK).write_text(f"{os.getpid()}\n")
+    if marked_own(tmp):  # this PID's, from a process that had it before
+        shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(mode=folder_mode(private))
+    mark_own(tmp)
     try:
         yield tmp
         if out.is_dir():  # what the folder holds besides the model (tokenizer, README, ...) stays
@@ -335,7 +374,7 @@ def staged_folder(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
                 os.rename(old, out)
                 raise
             fsync_dir(out.parent)
-            (old / STAGING_MARK).write_text(f"{os.getpid()}\n")
+            mark_own(old)
             shutil.rmtree(old)
         else:
             os.rename(tmp, out)
@@ -353,7 +392,7 @@ def remove_dead_staging(parent: Path) -> None:
         name = entry.name
         if not name.startswith((".tmp-", ".old-")) or not entry.is_dir(follow_symlinks=False):
             continue
-        if not (Path(entry.path) / STAGING_MARK).is_file() or not owner_gone(name):
+        if not marked_own(entry.path) or not owner_gone(name):
             continue
         if name.startswith(".old-") and not (parent / name[len(".old-"):].rpartition("-")[0]).is_dir():
             continue  # killed between its renames: the replaced folder is the only whole copy

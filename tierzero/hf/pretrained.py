@@ -31,7 +31,8 @@ from torch import nn
 from tierzero import runtime
 from tierzero.config import Config, parse_size
 from tierzero.formats import (TensorSpec, adapter_params, base_model, kept_names, meta_model, original_format_specs,
-                              peft_base_name, persistent_buffers, saved_dtype, write_config_files, write_weights_folder)
+                              peft_base_name, persistent_buffers, saved_dtype, verify_folder, write_config_files,
+                              write_weights_folder)
 from tierzero.runtime import FlatParam, model_dtype
 
 
@@ -52,7 +53,10 @@ def from_pretrained(path: str | os.PathLike[str], config: Config, *, dtype: torc
     keywords, taken as it takes them: config attributes (num_labels, id2label, ...) change the
     config, attn_implementation chooses the attention, the others go to the model's constructor.
     The folder's generation_config.json, when there is one, becomes `model.generation_config`.
+    A folder `tz.save_pretrained` wrote holds a checksum record: every file it lists is checked
+    first, and a damaged one is a ValueError naming it (tierzero/formats/checksums.py).
     """
+    verify_folder(path)
     model = runtime.wrap(meta_model(path, dtype=dtype, model_cls=model_cls, **kwargs), config, weights=path,
                          strict=strict)
     return model.eval()  # as transformers' from_pretrained returns it; training sets train()
@@ -78,7 +82,9 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike[str], *, dtype:
     else is refused) is replaced only after the new folder is complete: it is renamed to
     `.old-<name>-<pid>`, the new one renamed into place, and the old one deleted. A failure
     leaves the old `out_dir` as it was and no temporary folder; a crash between the two renames
-    leaves both folders under those names.
+    leaves both folders under those names. Beside the files, `tierzero.checksums.json` records the
+    size and checksum of each (from_pretrained checks them; transformers ignores it). The folder
+    is private (0700, files 0600) unless the Config's `file_mode` is "umask".
 
     merge_adapters=True (a peft model with LoRA adapters over a wrapped base, in any order it was
     built): the folder is the base model with the adapters merged in, streamed block by block
@@ -108,7 +114,8 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike[str], *, dtype:
     failure: Exception | None = None
     if state.ctx.rank == 0:
         try:
-            write_weights_folder(out, specs, limit, lambda tmp: write_config_files(base, tmp, saved))
+            write_weights_folder(out, specs, limit, lambda tmp: write_config_files(base, tmp, saved),
+                                 private=state.config.private_files)
         except Exception as e:  # interrupted (BaseException): no collective may follow
             failure = e
     if state.ctx.world_size > 1:

@@ -58,7 +58,7 @@ from tierzero.placement.moves import Move, stall_sources, staging_needs
 from tierzero.placement.nvme import SwapRegion, SwapSpace
 from tierzero.placement.residency import Residency, ResidencyTable, TensorRecord, assert_in_states
 from tierzero.placement.streams import MUTATIONS, CopyEvent, CopyStreams, resolve_device
-from tierzero.placement.swap_dirs import close_at_exit, closed, exit_on_sigterm
+from tierzero.placement.swap_dirs import close_at_exit, closed, exit_on_sigterm, exiting
 from tierzero.placement.telemetry import Telemetry
 from tierzero.placement.tier_store import flat, tier_stores
 from tierzero.placement.tiers import Budget, HostPool, PinnedArena, round_up
@@ -66,6 +66,9 @@ from tierzero.placement.tiers import Budget, HostPool, PinnedArena, round_up
 __all__ = ["PlacementManager", "Residency", "TensorRecord", "EvictionPolicy", "LeastRecentlyUsed", "Move"]
 
 _T = TypeVar("_T")
+_EXIT_POLL_S = 0.5
+"""How often a waiting thread looks whether the program is exiting (then it fails: a thread left
+waiting would keep the interpreter from exiting)."""
 
 class PlacementManager:
     """Places registered tensors on the device, host and NVMe tiers within their budgets.
@@ -86,6 +89,10 @@ class PlacementManager:
                                      rank=rank, local_rank=None if local_rank is None else int(local_rank))
         self.wait_timeout_s = wait_timeout_s
         self.stuck_after_s = stuck_after_s
+        self._short: dict[int, Tier] = {}
+        """Threads waiting in `_wait_until` for room on a tier (under the lock)."""
+        self._abandoned: set[int] = set()
+        """Threads waiting for room with one that found none can come: they fail at once."""
         self.telemetry = Telemetry()
         self.streams = CopyStreams(self.device, config.stream_settings())
         self.budgets = {t: Budget(t, config.budget(t.value)) for t in Tier}
@@ -501,8 +508,13 @@ class PlacementManager:
         self._table.close()  # joins the workers, which take the lock to commit
         with self._cond:
             self._cond.notify_all()  # a call still waiting for room fails now, not after its timeout
-        for store in self._tiers.values():
-            store.close()
+        # Every store closes whatever another raised: the swap files go even when a host buffer
+        # is still held (a frame of an exception at exit keeps one alive).
+        for store in sorted(self._tiers.values(), key=lambda st: st.tier is not Tier.NVME):
+            try:
+                store.close()
+            except BaseException as e:
+                error = error or e
         self.streams.close()
         if error is not None:
             raise error
@@ -540,12 +552,22 @@ class PlacementManager:
         """Call `attempt` (under the lock) until it returns a result, sleeping until the next
         change while it returns None (waiting for a move) or a Shortfall (no room). A shortfall
         that nothing can end (no move in flight, every copy pinned on that tier pinned by this
-        thread itself) raises once nothing has changed for stuck_after_s; any wait raises past
-        wait_timeout_s. Both name what was
-        missing and the budget that would hold it. `subject` is the tensor waited for (a KeyError
-        if another thread unregisters it meanwhile), or the name of a new one."""
+        thread itself or by threads that wait for room there too) raises once nothing has changed
+        for stuck_after_s; any wait raises past wait_timeout_s. Both name what was missing and
+        the budget that would hold it. `subject` is the tensor waited for (a KeyError if another
+        thread unregisters it meanwhile), or the name of a new one."""
         deadline = time.monotonic() + self.wait_timeout_s
         name = subject if isinstance(subject, str) else subject.name
+        me = threading.get_ident()
+        try:
+            return self._wait_loop(attempt, subject, what, name, deadline)
+        finally:
+            self._short.pop(me, None)
+            self._abandoned.discard(me)
+
+    def _wait_loop(self, attempt: Callable[[], _T | Shortfall | None], subject: TensorRecord | str, what: str,
+                   name: str, deadline: float) -> _T:
+        me = threading.get_ident()
         stuck_since: float | None = None
         while True:
             self._check_open()
@@ -556,9 +578,17 @@ class PlacementManager:
                 return result
             now = time.monotonic()
             remaining = deadline - now
+            if isinstance(result, Shortfall):
+                self._short[me] = result.tier
+            else:
+                self._short.pop(me, None)
             if isinstance(result, Shortfall) and self._stuck(result.tier):
                 stuck_since = now if stuck_since is None else stuck_since
-                if now - stuck_since >= self.stuck_after_s:
+                if now - stuck_since >= self.stuck_after_s or me in self._abandoned:
+                    # the threads waiting with this one hold the rest: they fail too, at once
+                    # (a thread left waiting would keep the process from exiting)
+                    self._abandoned.update(t for t, tier in self._short.items() if tier is result.tier and t != me)
+                    self._cond.notify_all()
                     raise RuntimeError(f"{what}: {self._no_room_message(name, result, waited=False)}")
                 remaining = min(remaining, self.stuck_after_s - (now - stuck_since))
             else:
@@ -567,18 +597,24 @@ class PlacementManager:
                 if result is None:
                     raise RuntimeError(f"{what}: nothing changed for {self.wait_timeout_s} s")
                 raise RuntimeError(f"{what}: {self._no_room_message(name, result, waited=True)}")
-            if self._cond.wait(remaining):
+            if exiting() and threading.current_thread() is not threading.main_thread():
+                raise RuntimeError(f"{what}: the program is exiting (its main thread ended) while this thread waited "
+                                   f"for {'room' if isinstance(result, Shortfall) else 'a move'} ({name!r})")
+            if self._cond.wait(min(remaining, _EXIT_POLL_S)):
                 stuck_since = None  # something changed (a release may come from another thread)
 
     def _stuck(self, tier: Tier) -> bool:
         """Under the lock: no room on `tier` can ever come while this thread waits. Nothing is
         moving (no write-back will make a copy evictable, no fetch will end), and whatever is
-        pinned there (copies, scratch buffers) this very thread holds."""
+        pinned there (copies, scratch buffers) this very thread holds, or threads that wait for
+        room on that tier themselves."""
         if len(self._table.moves):
             return False
-        me = threading.get_ident()
-        return (not self._table.pinned_by_others(tier, me)
-                and all(owner == me for t, owner in self._scratch.values() if t is tier))
+        # The threads that will release nothing there: this one, and those waiting for room on
+        # the same tier (two threads each holding what the other waits for never move again).
+        blocked = {threading.get_ident(), *(t for t, short in self._short.items() if short is tier)}
+        return (not self._table.pinned_by_others(tier, blocked)
+                and all(owner in blocked for t, owner in self._scratch.values() if t is tier))
 
     def _no_room_message(self, name: str, short: Shortfall, *, waited: bool) -> str:
         tier = short.tier
@@ -586,7 +622,8 @@ class PlacementManager:
         b = self.budgets[tier]
         need = self._tiers[tier].reserved(short.nbytes)
         why = (f"after waiting {self.wait_timeout_s} s" if waited else
-               "and none can come: nothing is moving and this thread itself holds what is pinned there")
+               "and none can come: nothing is moving and what is pinned there is held by this thread, or by "
+               "threads waiting for room there too")
         return (f"tensor {name!r}: no room for {format_size(need)} on the {tier.value} tier {why}: "
                 f"{format_size(b.used)} of {format_size(b.limit)} reserved, {len(self._table.moves)} moves in flight, "
                 f"pinned copies (name, pins): {pinned[:8]}{' ...' if len(pinned) > 8 else ''}; raise "

@@ -3,7 +3,8 @@
 Layout: this run's locked folder nvme_dir/rank{r}/run-<time>-<pid>-<random>/ holds its chunk
 files (tierzero/placement/swap_dirs.py: two runs or two ranks never share a file, and what a
 killed run left is reclaimed safely by the next). Space grows in preallocated
-chunk files (at least CHUNK_BYTES, or one tensor's size if larger) up to the NVMe budget;
+chunk files (CHUNK_BYTES, or one tensor's size if larger, or half the disk's free space if
+less) up to the NVMe budget;
 extents are 4 KiB aligned, allocated first-fit and coalesced on free. A tensor takes one extent
 when a hole fits it, else pieces of the largest holes (a `SwapRegion`), so free space left in
 the tails of chunk files is never lost to fragmentation. All IO goes through
@@ -21,7 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from io_engine import IOEngine, IOFuture, PreallocatedFile
+from io_engine import IOEngine, IOFuture, PreallocatedFile, free_disk_bytes
 from tierzero.config import IOConfig
 from tierzero.placement.cow_home import CheckpointFiles, CheckpointHome, Segment
 from tierzero.placement.swap_dirs import FILE_MODE, RunFolder
@@ -191,7 +192,7 @@ class SwapSpace:
         try:
             ext = self.allocator.alloc(length)
             if ext is None and self.budget.limit - self.file_bytes >= length:
-                self._grow(min(max(self.chunk_bytes, length), self.budget.limit - self.file_bytes))
+                self._grow(self._chunk_size(length))
                 ext = self.allocator.alloc(length)
             if ext is not None:
                 return SwapRegion((ext,), length)
@@ -307,6 +308,15 @@ class SwapSpace:
             f.close()
         self._files.clear()
         self.folder.remove()  # what is already gone (the user removed nvme_dir) is no error
+
+    def _chunk_size(self, length: int) -> int:
+        """The next swap file's size for a region of `length`: `chunk_bytes` (or `length` when
+        larger) within the budget's room, and at most half the disk's free space when that is
+        less, so a small disk holding a small state is not refused for a 1 GiB chunk."""
+        size = min(max(self.chunk_bytes, length), self.budget.limit - self.file_bytes)
+        if size > length:
+            size = max(length, min(size, round_up(free_disk_bytes(self.run_dir) // 2)))
+        return size
 
     def _grow(self, size: int) -> None:
         size -= size % ALIGNMENT

@@ -25,7 +25,7 @@ import threading
 import time
 from enum import Enum
 from types import MappingProxyType
-from typing import Callable, Literal, Mapping, TypeVar
+from typing import Callable, Collection, Literal, Mapping, TypeVar
 
 import torch
 
@@ -208,12 +208,12 @@ class ResidencyTable:
         self.room.touch(rec.handle, tier)
         return copy
 
-    def pinned_by_others(self, tier: Tier, thread: int) -> bool:
-        """Whether a cached copy on `tier` is pinned by a thread other than `thread`, or by a
-        move (which will unpin it when it ends)."""
+    def pinned_by_others(self, tier: Tier, threads: Collection[int]) -> bool:
+        """Whether a cached copy on `tier` is pinned by a thread not in `threads`, or by a move
+        (which will unpin it when it ends)."""
         for rec in self._records.values():
             copy = rec._copies.get(tier) if tier is not rec.home else None
-            if copy is not None and copy.pins and (copy.pins != len(copy.holders) or set(copy.holders) != {thread}):
+            if copy is not None and copy.pins and (copy.pins != len(copy.holders) or not set(copy.holders) <= threads):
                 return True
         return False
 

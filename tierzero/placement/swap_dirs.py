@@ -13,8 +13,10 @@ removes only what tierzero made, and only where it is sure the owner is dead:
 - every step works relative to a directory opened with O_NOFOLLOW: no symlink is followed,
   at any level (a rank folder or a `run-*` entry that is a symlink is left alone);
 - a folder is a dead run's when its `.lock` is a regular file that no process holds (flock)
-  and whose PID names no live process; a folder that cannot be opened or locked (another
-  user's, on a shared scratch disk) is skipped;
+  and whose PID names no live process; a folder that cannot be opened or locked, or that
+  another user owns (root opens any folder), is skipped: on a shared scratch disk (nvme_dir
+  and its rank folders are made 1777 when tierzero makes them, as /tmp) each user reclaims
+  their own;
 - only `.lock` and `swapNNNN.bin` regular files are removed, then the folder if that emptied it
   (a folder holding anything else stays, and the reclaimer says so).
 """
@@ -36,7 +38,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from io_engine.owners import pid_alive, read_pid
+from io_engine import pid_alive, read_pid
 from tierzero.config import format_size
 
 LOCK = ".lock"
@@ -45,6 +47,8 @@ RUN_PREFIX = "run-"
 SWAP_FILE = re.compile(r"swap\d{4}\.bin")
 """The names of the swap files a run folder holds (SwapSpace names them so)."""
 FOLDER_MODE, FILE_MODE = 0o700, 0o600
+SHARED_MODE = 0o1777
+"""nvme_dir and its rank folders when tierzero makes them: shared, sticky (see `_shared_folder`)."""
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -80,8 +84,8 @@ class RunFolder:
         check_nvme_dir(base)
         rank_dir = base / f"rank{rank}"
         try:
-            base.mkdir(exist_ok=True)
-            rank_dir.mkdir(exist_ok=True)
+            _shared_folder(base)
+            _shared_folder(rank_dir)
         except PermissionError as e:
             raise PermissionError(e.errno, f"nvme_dir {str(base)!r}: cannot create {str(e.filename)!r} (permission "
                                   "denied); give a folder this user can write") from e
@@ -127,6 +131,16 @@ class RunFolder:
         return f"RunFolder({str(self.path)!r})"
 
 
+def _shared_folder(path: Path) -> None:
+    """`path` made, when missing, as a folder every user of a shared scratch disk can make their
+    own run folders in and none can remove another's (1777, as /tmp); an existing one is left."""
+    try:
+        path.mkdir(mode=SHARED_MODE)
+    except FileExistsError:
+        return
+    os.chmod(path, SHARED_MODE)  # past the umask
+
+
 def reclaim_dead_runs(rank_dir: Path) -> None:
     """Remove what dead runs left in `rank_dir` ([Note: reclaiming dead runs]); a line on stderr
     for each folder removed or left."""
@@ -148,6 +162,8 @@ def _reclaim(parent: int, name: str, rank_dir: Path) -> None:
     except OSError:
         return  # not a folder we may open (another user's), or gone
     try:
+        if os.fstat(run).st_uid != os.geteuid():
+            return  # another user's (root opens any folder): theirs to reclaim
         try:
             lock = os.open(LOCK, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=run)
         except OSError:
@@ -222,3 +238,17 @@ def _close_at_exit() -> None:
             owner.close(flush=False)  # the swap files go: writing dirty copies into them is waste
         except Exception as e:  # the interpreter is exiting: report, close the others
             print(f"tierzero: closing {owner!r} at exit failed: {e}", file=sys.stderr)
+
+
+_EXITING = threading.Event()
+
+
+def exiting() -> bool:
+    """Whether the interpreter is exiting: set before it joins the threads still running (a
+    thread waiting for room then fails instead of keeping the process alive)."""
+    return _EXITING.is_set()
+
+
+# threading's own at-exit hook runs before the interpreter joins non-daemon threads (the
+# updater's thread pool among them); atexit's run only after they are joined.
+threading._register_atexit(_EXITING.set)  # noqa: SLF001 (what concurrent.futures uses for the same)
