@@ -16,10 +16,6 @@ from builders import REPO
 from tierzero import cli
 
 README_MAX_LINES = 200
-PAGES_FROM_OTHER_BRANCHES = {"docs/split-placement.md", "docs/accumulate.md", "docs/compile.md", "docs/estimate.md",
-                             "docs/transformers-loading.md", "docs/safety.md"}
-"""Pages the README links that other branches of issue 41's round write; links to them may point at
-nothing until those branches are merged (then this set can go)."""
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 COMMAND = re.compile(r"tierzero(?:\.cli)? ((?:train|estimate|tune|export|bench-io)(?:\|(?:train|estimate|tune))*)\b")
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
@@ -67,8 +63,7 @@ def broken_links(page: Path, root: Path = REPO) -> list[str]:
         rel = dest.relative_to(root).as_posix() if dest.is_relative_to(root) else str(dest)
         here = page.relative_to(root).as_posix()
         if not dest.exists():
-            if rel not in PAGES_FROM_OTHER_BRANCHES:
-                found.append(f"{here}: {target}: no file {rel}")
+            found.append(f"{here}: {target}: no file {rel}")
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest.read_text()):
             found.append(f"{here}: {target}: no heading with that anchor in {rel}")
     return found
@@ -90,7 +85,6 @@ def test_the_readme_is_a_front_door_linking_every_page() -> None:
     linked = {(REPO / t.partition("#")[0]).resolve() for t in LINK.findall(text)}
     unlinked = [p.name for p in sorted((REPO / "docs").glob("*.md")) if p.resolve() not in linked]
     assert unlinked == [], "add each page of docs/ to the README's More list"
-    assert linked >= {(REPO / p).resolve() for p in PAGES_FROM_OTHER_BRANCHES}
 
 
 def test_the_readmes_two_commands_are_make_targets() -> None:
