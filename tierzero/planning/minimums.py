@@ -41,12 +41,14 @@ budgets, between the two elsewhere.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 from torch import nn
 
-from tierzero.config import MASTER_BYTES_PER_PARAM, TIER_NAMES, Config
-from tierzero.layout import ROOT, ZeroStage, blocks_of, fetched_bytes, flat_groups
+from tierzero.config import KINDS, MASTER_BYTES_PER_PARAM, TIER_NAMES, Config
+from tierzero.layout import ROOT, ZeroStage, block_tiers, blocks_of, fetched_bytes, flat_groups
+from tierzero.planning.placement import kind_sizes
 from tierzero.planning.traffic import Traffic
 
 PAGE = 4096
@@ -75,21 +77,35 @@ def flat_tensors(model: nn.Module, cfg: Config, world_size: int = 1) -> list[Fla
     zero = ZeroStage(cfg.zero_stage, world_size)
     dtype = getattr(torch, cfg.compute_dtype_name(cuda=torch.cuda.is_available()))
     grad = getattr(torch, cfg.grad_dtype).itemsize
-    shared = dtype.itemsize == 4 and cfg.params == cfg.optimizer_states and not zero.params_whole
+    tiers = _tiers_of_blocks(model, cfg, world_size)
     out = []
     for name, _, params in blocks_of(model, cfg):
+        on_params, on_grads, on_states = tiers.get(name, (cfg.params, cfg.grads, cfg.optimizer_states))
+        shared = dtype.itemsize == 4 and on_params == on_states and not zero.params_whole
         for ps, layout in flat_groups(params, world_size, dtype):
             whole, shard = layout.padded_numel, layout.shard_numel
             kept = whole if zero.params_whole else shard
             if not ps[0][1].requires_grad:
                 out.append(FlatTensor(name, "frozen", cfg.frozen_tier, dtype.itemsize * kept))
                 continue
-            out.append(FlatTensor(name, "params", cfg.params, dtype.itemsize * kept))
-            out.append(FlatTensor(name, "grads", cfg.grads, grad * (whole if zero.grads_whole else shard)))
+            out.append(FlatTensor(name, "params", on_params, dtype.itemsize * kept))
+            out.append(FlatTensor(name, "grads", on_grads, grad * (whole if zero.grads_whole else shard)))
             if not shared:
-                out.append(FlatTensor(name, "master", cfg.optimizer_states, MASTER_BYTES_PER_PARAM * shard))
-            out += [FlatTensor(name, "moments", cfg.optimizer_states, 4 * shard)] * 2
+                out.append(FlatTensor(name, "master", on_states, MASTER_BYTES_PER_PARAM * shard))
+            out += [FlatTensor(name, "moments", on_states, 4 * shard)] * 2
     return out
+
+
+def _tiers_of_blocks(model: nn.Module, cfg: Config, world_size: int) -> dict[str, tuple[str, str, str]]:
+    """Block name -> the tiers of its params, grads and optimizer states where a kind is split
+    (block by block, as tz.wrap places them: [Note: split placement]); empty where none is."""
+    if not any(isinstance(getattr(cfg, kind), Mapping) for kind in KINDS):
+        return {}
+    sizes, _ = kind_sizes(model, cfg, world_size)
+    blocks = [b[0] for b in blocks_of(model, cfg)]
+    names = [n for n in blocks if n == ROOT] + [n for n in blocks if n != ROOT]  # kind_sizes' order
+    placed = block_tiers(cfg, sizes)
+    return {n: (placed["params"][i], placed["grads"][i], placed["optimizer_states"][i]) for i, n in enumerate(names)}
 
 
 def least_budgets(model: nn.Module, cfg: Config, world_size: int = 1) -> dict[str, int]:
