@@ -4,8 +4,10 @@ NVMe fraction, and "auto" at a host budget that holds about half the states.
 The built-in GPT (default: 125m, GPT-2 124M's shape) in fp32, parameters and gradients on the
 host, optimizer states (fp32 master weights and AdamW's moments) split {"host": 1 - f, "nvme": f}
 for each fraction f of --fractions, block by block ([Note: split placement]). Each run trains
---steps steps of one batch; the first (which records the trace) is left out of the figures. Per
-run: the NVMe bytes read and written per steady step (tierzero's counters), the states' bytes on
+--steps steps of one batch; the first (which records the trace) is left out of the figures, and
+its update lands before the second starts (settled), as the last step's lands in it: each steady
+step counts one update's traffic. Per run: the NVMe bytes read and written per steady step
+(tierzero's counters, reads and writes apart), the states' bytes on
 NVMe (tz.tier_bytes), the step time. Then "auto" (optimizer_states="auto" under a host budget
 that holds the parameters, the gradients and about half the states beside the update's working
 set, and a device budget with no room for states) against the best fixed fraction that fits the
@@ -96,8 +98,10 @@ def run(model_args: argparse.Namespace, name: str, states: Any, host: int, devic
             tz.clip_grad_norm_(model, 1.0)
             opt.step()
             opt.zero_grad()
-            if i == len(data) - 1:
-                runtime.settle(model)  # the last step's overlapped updates count in its time and bytes
+            if i in (0, len(data) - 1):
+                # Step 0's update lands in step 0, the last step's in the last: each steady step
+                # then counts one update's bytes (its own), not its predecessor's beside its own.
+                runtime.settle(model)
             stats = runtime.step_stats(model)
             steps.append({"step_s": time.perf_counter() - t0, "loss": loss.item(),
                           "nvme_read": stats.nvme_read_bytes, "nvme_write": stats.nvme_write_bytes})
@@ -110,6 +114,8 @@ def run(model_args: argparse.Namespace, name: str, states: Any, host: int, devic
             "step_s": statistics.median(s["step_s"] for s in steady),
             "steps_s": [round(s["step_s"], 3) for s in steady],
             "nvme_bytes_per_step": statistics.mean(s["nvme_read"] + s["nvme_write"] for s in steady),
+            "nvme_read_per_step": statistics.mean(s["nvme_read"] for s in steady),
+            "nvme_write_per_step": statistics.mean(s["nvme_write"] for s in steady),
             "losses": [s["loss"] for s in steps]}
 
 
@@ -147,7 +153,8 @@ def report_line(r: dict[str, Any], args: argparse.Namespace) -> None:
     if not args.json:
         share = r["states_on_nvme"] / max(1, r["states_bytes"])
         print(f"{r['name']:>10s}: states on NVMe {format_size(r['states_on_nvme']):>10s} ({share:.0%}), "
-              f"NVMe {format_size(r['nvme_bytes_per_step']):>10s}/step, step {r['step_s']:.2f} s {r['steps_s']}",
+              f"NVMe {format_size(r['nvme_bytes_per_step']):>10s}/step (read {format_size(r['nvme_read_per_step'])}, "
+              f"written {format_size(r['nvme_write_per_step'])}), step {r['step_s']:.2f} s {r['steps_s']}",
               flush=True)
 
 

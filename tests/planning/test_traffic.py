@@ -204,3 +204,23 @@ def test_train_step_in_backward_needs_clip_off(tmp_path: Any, capsys: Any) -> No
 
     assert train.main(["--model", "tiny", "--steps", "1", "--step-in-backward", "--run-dir", str(tmp_path)]) == 2
     assert "give --clip 0 with it" in capsys.readouterr().err
+
+
+def test_estimate_predicts_the_step_floor_of_a_split(tmp_path: Any, capsys: Any) -> None:
+    """The split `tierzero estimate` is given: its predicted step floor from its NVMe traffic,
+    smaller for a smaller NVMe share."""
+    from tierzero.cli import main
+
+    floors = {}
+    for states in ("host=0.5,nvme=0.5", "nvme"):
+        args = ["estimate", "--model", "tiny", "--nvme-dir", str(tmp_path), "--optimizer-states", states,
+                "--read-gbps", "2", "--write-gbps", "1"]
+        assert main([*args, "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        floors[states] = out["predicted_step_floor_s"]
+        step = out["nvme_expected_step_bytes"]["most"]
+        assert floors[states]["most"] == pytest.approx(step["read"] / 2e9 + step["write"] / 1e9)
+        assert 0 < floors[states]["fewest"] <= floors[states]["most"]
+        assert main(args) == 0
+        assert f"predicted step for this placement: at least {floors[states]['fewest']:.2f} s" in capsys.readouterr().out
+    assert floors["host=0.5,nvme=0.5"]["most"] < floors["nvme"]["most"]

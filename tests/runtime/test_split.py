@@ -67,11 +67,7 @@ def _run(rank: int, world_size: int, runs: dict[str, dict[str, Any]], nvme: str,
     results = {}
     for name, kw in runs.items():
         (Path(nvme) / name).mkdir(exist_ok=True)
-        # Across ranks the "lookahead" policy: "adaptive" chooses the all-gathers it starts ahead
-        # from each rank's own times, which may differ between ranks (the collectives then come
-        # in another order on each: a hang), seen with device-homed blocks among host ones.
-        policy = {"prefetch": {"policy": "lookahead"}} if world_size > 1 else {}
-        model = tz.wrap(builders.gpt(layers=5, seq=SEQ), config(Path(nvme) / name, **kw, **policy))
+        model = tz.wrap(builders.gpt(layers=5, seq=SEQ), config(Path(nvme) / name, **kw))
         opt = tz.AdamW(model, lr=3e-3, weight_decay=0.1)
         losses = train(model, opt, batches(STEPS), rank, world_size)
         results[name] = {"losses": losses, "state": tz.full_state_dict(model),

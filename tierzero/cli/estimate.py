@@ -103,6 +103,7 @@ def main(argv: list[str]) -> int:
     fewest, most = expected_traffic(traffic, flat_tensors(model, cfg, args.world_size),
                                     {t: budgets[t] - least[t] for t in TIER_NAMES})
     floor = None if rates is None else rates.floor_s(traffic.read, traffic.write)
+    predicted = None if rates is None else {k: rates.floor_s(t.read, t.write) for k, t in (("fewest", fewest), ("most", most))}
     largest, placement = largest_trainable(machine, args.nvme_dir)
     result = {
         "model": args.model, "params": est.params, "state_bytes": est.state_bytes,
@@ -120,6 +121,7 @@ def main(argv: list[str]) -> int:
         "nvme_step_bytes": traffic.to_json(), "nvme_bytes_per_param": traffic.per_param(est.params),
         "nvme_expected_step_bytes": {"most": most.to_json(), "fewest": fewest.to_json()},
         "drive": None if rates is None else rates.to_json(), "nvme_floor_s": floor,
+        "predicted_step_floor_s": predicted,
     }
     acts = None
     if args.batch is not None:
@@ -130,6 +132,10 @@ def main(argv: list[str]) -> int:
         return 0
     _print_state(args, model, est, cfg, least, budgets)
     _print_traffic(est, traffic, (fewest, most), rates, floor)
+    if predicted is not None and (traffic.read or traffic.write):
+        print(f"  predicted step for this placement: at least {predicted['fewest']:.2f} s (the spare room caching all "
+              f"it can) to {predicted['most']:.2f} s (caching none): its NVMe traffic at the drive's rates; compute "
+              "is not in it (`tierzero tune` predicts the whole step from a recorded run)")
     if acts is not None:
         _print_activations(acts, least, cfg, budgets, args.micro_batches)
     print(f"this machine (free GPU/RAM/disk x0.8: "

@@ -62,6 +62,52 @@ def start_all_gather(shard: torch.Tensor, full: torch.Tensor, group: dist.Proces
     return _all_gather(full, shard, group, async_op=True)
 
 
+# [Note: gathers ahead agreed across ranks]
+# Which all-gathers a rank starts ahead is the prefetch policy's choice, and its inputs are the
+# rank's own: "adaptive" plans from the times this rank measured, a block whose overlapped update
+# is still running on this rank is skipped, and the device room counts packs still on their way.
+# Two ranks could then start different all-gathers at the same fetch: the collectives came in
+# another order on each, and training hung (seen with 2 ranks, stage 3, the asynchronous stream
+# stand-in and params split across device and host; latent without a split: any rank-dependent
+# choice does it, tests/runtime/test_gather_agreement.py). So every fetch that follows the trace
+# agrees the choice before any all-gather starts: each rank's choice (blocks to gather ahead,
+# gathers started earlier to keep) as 0/1 flags in one fixed order, all-reduced with MIN over a
+# gloo group of the same ranks kept for this (CPU tensors; a group apart from the data's, so the
+# agreement never waits behind the all-gathers in flight on it). A block is gathered ahead, and
+# a gather kept, only where every rank chose it; the ones agreed start in trace order. The cost:
+# one small CPU all-reduce per block fetch at stage 3 across ranks, where the fetch already
+# waits on a collective of the same ranks.
+_agreement_groups: dict[Any, Any] = {}
+
+
+def agreement_group(group: dist.ProcessGroup | None) -> Any:
+    """The gloo group over the ranks of `group` that agrees choices (see [Note: gathers ahead
+    agreed across ranks]); made once per group, by every rank of it at the same point (wrap)."""
+    key = group if group is not None else dist.group.WORLD
+    if key not in _agreement_groups:
+        ranks = dist.get_process_group_ranks(key)
+        _agreement_groups[key] = dist.new_group(ranks, backend="gloo", timeout=_timeout_of(key),
+                                                use_local_synchronization=True)
+    return _agreement_groups[key]
+
+
+def _timeout_of(group: Any) -> Any:
+    """The collective timeout `group` was made with (so a lost rank ends the agreement's wait as
+    soon as the data's); None (torch's default) where the backend does not say."""
+    for device in ("cuda", "cpu"):
+        with contextlib.suppress(Exception):
+            return group._get_backend(torch.device(device)).options._timeout
+    return None
+
+
+def agree_all(flags: list[bool], group: Any) -> list[bool]:
+    """Each flag true only where it is true on every rank of `group` (an agreement group); the
+    same list on every rank. Every rank must call it with as many flags, at the same point."""
+    t = torch.tensor([int(f) for f in flags] or [0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return [bool(v) for v in t.tolist()[:len(flags)]]
+
+
 class RankRuntimeError(RuntimeError):
     """A failure on one rank of a distributed run; the message starts with "rank N: ". (The name
     ends in RuntimeError so that logs still read "...RuntimeError: rank N: ...".)"""

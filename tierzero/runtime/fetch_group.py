@@ -23,9 +23,11 @@ stage 1).
 from __future__ import annotations
 
 import contextlib
+from typing import Sequence
 
 import torch
 
+from tierzero.runtime.collectives import agree_all, rank_errors
 from tierzero.runtime.flat_param import FlatParam
 from tierzero.runtime.gathers import discard_gather, drop_gather, finish_gather, start_gather
 from tierzero.runtime.step_context import PendingGather, StepContext
@@ -106,24 +108,48 @@ class FetchGroup:
         return f"FetchGroup({self.name!r}, {len(self.flats)} flat tensors, fetched={self._fetched is not None})"
 
 
-def gather_ahead(ctx: StepContext, groups: list[FetchGroup]) -> None:
+def gather_ahead(ctx: StepContext, groups: list[FetchGroup], every: Sequence[FetchGroup] = ()) -> None:
     """The prefetcher's choice when blocks are gathered (stage 3, world size > 1): start the
     all-gathers of `groups`; of those started earlier for blocks neither chosen now nor held,
     keep the ones that fit the device room left beside the chosen blocks, in the order they were
     started, and drop the rest (so what is in flight always fits the room the choice was made
     in, and a block the lookahead reached earlier, as it does across the turn from forward to
-    backward, is not gathered twice). Every rank makes the same choice."""
-    keep = {g.name for g in groups} | set(ctx.held)
+    backward, is not gathered twice). `every`: all the model's groups, in one order on every
+    rank; given (and an agreement group made), the choice is agreed across ranks first, so that
+    every rank starts the same all-gathers in the same order ([Note: gathers ahead agreed across
+    ranks] in collectives.py)."""
+    chosen = {g.name for g in groups}
+    keep = chosen | set(ctx.held)
     room = ctx.device_room() - sum(f.nbytes for g in groups for f in g.flats)
+    kept = set()
     for flat in ctx.gathered_flats():
         if flat.name in keep:
-            continue
-        if flat.nbytes <= room:
+            kept.add(flat)
+        elif flat.nbytes <= room:
             room -= flat.nbytes
-        else:
+            kept.add(flat)
+    if every and ctx.agree_group is not None:
+        flats = [f for g in every for f in g.flats]
+        with rank_errors(ctx.rank, ctx.world_size, "the agreement on the all-gathers to start ahead"):
+            agreed = agree_all([g.name in chosen for g in every] + [f in kept for f in flats], ctx.agree_group)
+        chosen = {g.name for g, yes in zip(every, agreed) if yes}
+        kept = {f for f, yes in zip(flats, agreed[len(every):]) if yes}
+        groups = _trace_order([g for g in every if g.name in chosen], ctx)
+    for flat in ctx.gathered_flats():
+        if flat not in kept:
             discard_gather(ctx, flat)
     for group in groups:
-        group.gather_ahead()
+        if group.name in chosen:
+            group.gather_ahead()
+
+
+def _trace_order(groups: list[FetchGroup], ctx: StepContext) -> list[FetchGroup]:
+    """`groups` nearest first in the trace the prefetcher follows (the same on every rank)."""
+    upcoming = ctx.prefetcher.next_units(1 << 30) if ctx.prefetcher is not None else ()
+    at = {}
+    for i, name in enumerate(upcoming):
+        at.setdefault(name, i)
+    return sorted(groups, key=lambda g: at.get(g.name, len(upcoming)))
 
 
 def discard_gathers(ctx: StepContext) -> None:

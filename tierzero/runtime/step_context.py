@@ -123,6 +123,9 @@ class StepContext:
     phase: Phase = field(default=Phase.IDLE, init=False)
     prefetcher: Prefetcher | None = field(default=None, init=False)
     gather_counts: GatherCounts = field(default_factory=GatherCounts, init=False)
+    agree_group: Any = field(default=None, init=False)
+    """The gloo group the ranks agree their all-gathers ahead in (stage 3, world size > 1: [Note:
+    gathers ahead agreed across ranks] in collectives.py); None: no agreement needed."""
     captures: int = field(default=0, init=False)
     """Flat gradients whose shares early capture summed on the device (grads.py), since wrap."""
     _largest_block: int = field(default=0, init=False)

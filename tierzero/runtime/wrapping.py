@@ -66,7 +66,7 @@ from tierzero.placement import PlacementManager
 from tierzero.prefetch import Prefetcher, Unit, policy_from_config, prefetch_units
 from tierzero.runtime.activations import Activations
 from tierzero.runtime.blocks import Block
-from tierzero.runtime.collectives import broadcast_from_first_, rank_errors, world
+from tierzero.runtime.collectives import agreement_group, broadcast_from_first_, rank_errors, world
 from tierzero.runtime.fetch_group import gather_ahead
 from tierzero.runtime.flat_param import FlatParam, borrows_checkpoint, shard_request
 from tierzero.runtime.optimizer_guard import refuse_other_optimizers
@@ -170,9 +170,11 @@ def _start(model: nn.Module, config: Config, ctx: StepContext, blocks: list[Bloc
     _broadcast_buffers(model, ctx)
     state = TieredState(model, config, ctx, blocks, activations)
     groups = {b.name: b.group for b in blocks}
+    if ctx.zero.gathers:
+        ctx.agree_group = agreement_group(ctx.group)
 
     def gather_units(units: list[Unit]) -> None:
-        gather_ahead(ctx, [groups[u.name] for u in units])
+        gather_ahead(ctx, [groups[u.name] for u in units], list(groups.values()))
 
     def fetch_units(units: list[Unit]) -> None:
         """Blocks fetched ahead bring their placed activations with them (before a backward)."""
