@@ -31,7 +31,7 @@ DELAY_SEEDS ?= 1 2
 .PHONY: install test test-async test-gpu demo bench-io clean
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu" tests
+	$(PY) -m pytest -q --durations=20 -m "not gpu" tests
 	$(MAKE) --no-print-directory test-async
 
 test-async: $(STAMP)
