@@ -23,6 +23,7 @@ install: $(STAMP)
 # reorder is exercised on every machine.
 ASYNC_TESTS := tests/runtime/test_parity.py tests/runtime/test_split.py tests/runtime/test_zero_stages.py \
 	tests/runtime/test_step_queue.py tests/runtime/test_activations.py tests/runtime/test_accumulate.py::test_gpt \
+	tests/runtime/test_gather_agreement.py \
 	tests/checkpoint/test_checkpoint.py tests/checkpoint/test_checkpoint_ranks.py \
 	tests/checkpoint/test_checkpoint_kill.py::test_sigterm_saves_at_the_step_boundary_and_resume_is_exact \
 	tests/placement/test_cow_home.py tests/hf/test_hf_trainer.py tests/formats/test_weights.py
