@@ -121,6 +121,16 @@ def marked_own(folder: str | os.PathLike[str]) -> bool:
             and st_dir.st_uid == uid and st.st_uid == uid)
 
 
+def remove_if_empty_own(folder: str | os.PathLike[str]) -> None:
+    """Remove `folder` when it is a real folder this user owns and it is empty: what a kill between
+    a temporary folder's mkdir and its marker (`mark_own`) leaves. rmdir removes no content, so a
+    folder holding anything stays; a link is not followed (rmdir refuses it)."""
+    with contextlib.suppress(OSError):
+        st = os.lstat(folder)
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+            os.rmdir(folder)
+
+
 def make_private(folder: str | os.PathLike[str]) -> None:
     """A folder this process just wrote, made private: it and every folder in it 0700, every
     regular file 0600 (links are not followed; their targets are not this folder's)."""

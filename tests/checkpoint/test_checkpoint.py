@@ -209,6 +209,22 @@ def test_leftover_of_an_interrupted_save_is_ignored_then_removed_by_its_owners_s
     assert all((p / "rank00000.bin").read_bytes() == b"half" for p in look_alikes)
 
 
+def test_a_save_killed_between_its_mkdir_and_its_marker_leaves_nothing_behind(make, tmp_path):
+    """A kill right after a save made its temporary folder, before the marker: the folder is empty,
+    and the next save removes it (rmdir, which takes no content); the same name holding a file,
+    unmarked, is not tierzero's to remove and stays."""
+    a, opt = make("host")
+    tz.save_checkpoint(tmp_path / "ck", a, opt, extra=1)
+    empty = tmp_path / "ck" / f".tmp-ckpt-00000002-{DEAD_PID}"
+    full = tmp_path / "ck" / f".tmp-ckpt-00000005-{DEAD_PID}"
+    for folder in (empty, full):
+        folder.mkdir()
+    (full / "notes.txt").write_text("mine")
+    tz.save_checkpoint(tmp_path / "ck", a, opt, extra=2)
+    assert not empty.exists()
+    assert (full / "notes.txt").read_text() == "mine"
+
+
 def test_another_users_dead_leftover_is_left_to_them(make, tmp_path):
     """Root's save leaves another user's marked leftover of a dead process alone (a second uid)."""
     if os.geteuid() != 0:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import io
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -41,7 +42,8 @@ import torch.distributed as dist
 import xxhash
 from torch import nn
 
-from io_engine import MARKER, PAGE, folder_mode, make_folder, make_private, mark_own, marked_own, owner_gone, temp_name
+from io_engine import (MARKER, PAGE, folder_mode, make_folder, make_private, mark_own, marked_own, owner_gone,
+                       remove_if_empty_own, temp_name)
 from tierzero import runtime
 from tierzero.checkpoint.chunk_io import Reader, Source, double_buffered, open_engine, write_rank_files
 from tierzero.checkpoint.format import (CHUNK_BYTES, EXTRA_FILES, MANIFEST, PREFIX, TMP_PREFIX, TRASH_PREFIX,
@@ -53,6 +55,10 @@ from tierzero.formats import fsync_dir, persistent_buffers, write_config_files
 from tierzero.optim import TieredOptimizer
 from tierzero.placement import PlacementManager, TensorHandle
 from tierzero.runtime import FlatParam, model_dtype, world
+
+_UNMARKED_TMP = re.compile(re.escape(TMP_PREFIX) + r"\d{8}-\d+")
+"""The exact name of a save's temporary folder (`temp_name`): one without its marker yet is
+removed by a later save only when empty (a kill came between its mkdir and its marker)."""
 
 __all__ = ["save_checkpoint", "load_checkpoint", "persistent_buffers", "CheckpointError", "checkpoints",
            "latest_checkpoint"]
@@ -156,8 +162,12 @@ def save_checkpoint(dir: str | os.PathLike[str], model: nn.Module, optimizer: Ti
     if rank == 0:
         make_folder(root, private=private)
         for p in root.iterdir():  # leftovers of saves whose process was killed (only theirs: marked)
-            if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)) and marked_own(p) and owner_gone(p.name):
+            if not p.name.startswith((TMP_PREFIX, TRASH_PREFIX)) or not owner_gone(p.name):
+                continue
+            if marked_own(p):
                 shutil.rmtree(p, ignore_errors=True)
+            elif _UNMARKED_TMP.fullmatch(p.name):  # killed between its mkdir and its marker
+                remove_if_empty_own(p)
         seq = next_number(root)
         names = (temp_name(TMP_PREFIX, f"{seq:08d}"), f"{PREFIX}{seq:08d}")
         os.mkdir(root / names[0], folder_mode(private))
