@@ -54,9 +54,11 @@ class BlockTiers(NamedTuple):
         return cls(*(dict(zip(names, tiers[kind])) for kind in KINDS))
 
     @classmethod
-    def uniform(cls, names: Sequence[str], params: str, grads: str, optimizer_states: str) -> "BlockTiers":
-        """Every block of each kind on one tier."""
-        return cls(*({n: t for n in names} for t in (params, grads, optimizer_states)))
+    def uniform(cls, names: Sequence[str], config: Config) -> "BlockTiers":
+        """Every block of each kind on its one tier under `config` (no split); grads=None: with
+        the optimizer states on the device, else on the host (where the updates run)."""
+        grads = config.grads or ("device" if config.optimizer_states == "device" else "host")
+        return cls(*({n: t for n in names} for t in (config.params, grads, config.optimizer_states)))
 
 
 class KindSizes(NamedTuple):
@@ -88,6 +90,18 @@ def tier_totals(tiers: Mapping[str, list[str]], sizes: KindSizes) -> dict[str, d
             per[tier] += n
         out[kind] = per
     return out
+
+
+def state_room(config: Config, sizes: KindSizes, device_window: int, frozen: int = 0) -> tuple[dict[str, int], int]:
+    """What each tier offers the state once the step's own working set is set aside: the
+    `device_window` of fetched blocks on the device, three blocks' update read-ahead staged on
+    the host (not the root's, placed first on the fastest tier), and `frozen` bytes on the frozen
+    tier. Returns the room per tier and the largest block's bytes of all kinds."""
+    largest = max((sum(getattr(sizes, k)[b] for k in KINDS) for b in range(1, len(sizes.params))), default=0)
+    room = {"device": config.device_budget - device_window, "host": config.host_budget - 3 * largest,
+            "nvme": config.nvme_budget}
+    room[config.frozen_tier] -= frozen
+    return room, largest
 
 
 def resolve_auto(config: Config, sizes: KindSizes, room: Mapping[str, int]) -> Config:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from tierzero.config import KINDS, OPTIMIZER_BYTES_PER_PARAM, Config
-from tierzero.layout import ROOT, BlockTiers, KindSizes, ZeroStage, block_tiers, blocks_of, resolve_auto
+from tierzero.layout import ROOT, BlockTiers, KindSizes, ZeroStage, block_tiers, blocks_of, resolve_auto, state_room
 
 
 def kind_sizes(model: nn.Module, cfg: Config, world_size: int = 1) -> tuple[KindSizes, int]:
@@ -36,10 +36,7 @@ def resolve_placement(model: nn.Module, cfg: Config, world_size: int = 1, *, dev
     if not any(getattr(cfg, k) == "auto" for k in KINDS):
         return cfg
     sizes, window = kind_sizes(model, cfg, world_size)
-    # as tz.wrap: three blocks (not the root, placed first on the fastest tier) staged on the host
-    largest = max((sum(getattr(sizes, k)[b] for k in KINDS) for b in range(1, len(sizes.params))), default=0)
-    room = {"device": cfg.device_budget - window - device_extra, "host": cfg.host_budget - 3 * largest,
-            "nvme": cfg.nvme_budget}
+    room, _ = state_room(cfg, sizes, window + device_extra)  # as tz.wrap, frozen bytes not counted here
     return resolve_auto(cfg, sizes, room)
 
 
@@ -48,9 +45,7 @@ def planned_tiers(model: nn.Module, cfg: Config, world_size: int = 1) -> BlockTi
     resolved by [Note: split placement]'s rule)."""
     cfg = resolve_placement(model, cfg, world_size)
     if not cfg.is_split:
-        grads = cfg.grads or ("device" if cfg.optimizer_states == "device" else "host")
-        names = [name for name, _, _ in blocks_of(model, cfg)]
-        return BlockTiers.uniform(names, cfg.params, grads, cfg.optimizer_states)
+        return BlockTiers.uniform([name for name, _, _ in blocks_of(model, cfg)], cfg)
     sizes, _ = kind_sizes(model, cfg, world_size)
     blocks = blocks_of(model, cfg)
     names = [n for n, _, _ in blocks if n == ROOT] + [n for n, _, _ in blocks if n != ROOT]

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from tierzero.config import KINDS, MASTER_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, TIER_NAMES, Config, format_size
-from tierzero.layout import ROOT, BlockTiers, FlatLayout, KindSizes, ZeroStage, block_tiers, resolve_auto, tier_totals
+from tierzero.layout import (ROOT, BlockTiers, FlatLayout, KindSizes, ZeroStage, block_tiers, resolve_auto, state_room,
+                             tier_totals)
 from tierzero.placement import Kind
 from tierzero.runtime.state import state_of
 
@@ -50,17 +51,12 @@ def plan_tiers(config: Config, layouts: Layouts, zero: ZeroStage, compute: torch
     refused here, with the bytes it needs per tier."""
     names = [layouts[i][0] for i in placement_order(layouts)]
     if not config.is_split:
-        grads = config.grads or ("device" if config.optimizer_states == "device" else "host")
-        return BlockTiers.uniform(names, config.params, grads, config.optimizer_states)
+        return BlockTiers.uniform(names, config)
     order = placement_order(layouts)
     sizes, numels = kind_sizes(layouts, order, zero, compute, grad)
-    # the update's read-ahead stages three blocks on the host; the root goes first, to the fastest tier
-    largest = max((sum(getattr(sizes, k)[b] for k in KINDS) for b in range(1, len(names))), default=0)
     frozen = sum(layout.shard_numel for _, _, flats in layouts for ps, layout in flats
                  if not ps[0][1].requires_grad) * compute.itemsize
-    room = {"device": config.device_budget - device_window, "host": config.host_budget - 3 * largest,
-            "nvme": config.nvme_budget}
-    room[config.frozen_tier] -= frozen
+    room, largest = state_room(config, sizes, device_window, frozen)
     resolved = resolve_auto(config, sizes, room)
     tiers = block_tiers(resolved, sizes)
     _check_fits(config, resolved, tiers, sizes, numels, frozen, device_window, largest, zero, compute)
