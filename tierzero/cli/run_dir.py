@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import json
 import os
@@ -25,6 +26,7 @@ from typing import IO, Callable
 
 from io_engine import free_disk_bytes, make_folder, open_own, replace_file
 from tierzero.config import format_size
+from tierzero.placement import MAX_EVENTS
 
 LOCK = ".lock"
 METRICS = "metrics.jsonl"
@@ -126,3 +128,54 @@ def not_written(name: str, path: Path, e: BaseException) -> dict[str, str]:
     """summary.json's record of an end-of-run file that failed (printed on stderr too)."""
     print(f"tierzero train: error: {path}: not written ({type(e).__name__}: {e})", file=sys.stderr)
     return {"file": name, "path": str(path), "error": f"{type(e).__name__}: {e}"}
+
+
+def checkpoint_dir(args: argparse.Namespace) -> Path:
+    """Where `tierzero train` saves its checkpoints: --checkpoint-dir, or RUN_DIR/checkpoints."""
+    return Path(args.checkpoint_dir) if args.checkpoint_dir else Path(args.run_dir) / "checkpoints"
+
+
+METRICS_ROW_BYTES = 2048
+TRACE_EVENTS_PER_STEP, TRACE_EVENT_BYTES = 4096, 200
+"""What the room check counts for a step's metrics row and trace (generous: it guards a full disk)."""
+
+
+class RunFolders:
+    """Rank 0's locked run folder, and the checkpoint folder when it is elsewhere (other ranks:
+    none; they only read checkpoints)."""
+
+    def __init__(self, run: RunDir | None = None, ckpt: RunDir | None = None) -> None:
+        self.run = run
+        self.ckpt = ckpt
+
+    @classmethod
+    def open(cls, args: argparse.Namespace, rank: int, *, private: bool = True) -> "RunFolders":
+        if rank != 0:
+            return cls()
+        folders = cls(RunDir(args.run_dir, private=private))
+        try:
+            ckpt = checkpoint_dir(args).absolute()
+            if args.checkpoint_every and not ckpt.is_relative_to(folders.run.path.absolute()):
+                folders.ckpt = RunDir(ckpt, flag="--checkpoint-dir", private=private)
+        except BaseException:
+            folders.close()
+            raise
+        return folders
+
+    def check_room(self, args: argparse.Namespace, state_bytes: int) -> None:
+        """The disks under the folders hold what the run writes there: each step's metrics row
+        and trace, and the checkpoints kept (`state_bytes` each)."""
+        if self.run is None:
+            return
+        files = args.steps * METRICS_ROW_BYTES + min(args.steps * TRACE_EVENTS_PER_STEP, MAX_EVENTS) * TRACE_EVENT_BYTES
+        checkpoints = (args.keep_last + 1) * state_bytes if args.checkpoint_every else 0
+        if self.ckpt is None:
+            self.run.check_room(files + checkpoints, "the run folder (metrics, trace, plot, checkpoints)")
+        else:
+            self.run.check_room(files, "the run folder (metrics, trace, plot)")
+            self.ckpt.check_room(checkpoints, f"{args.keep_last + 1} checkpoints")
+
+    def close(self) -> None:
+        for folder in (self.ckpt, self.run):
+            if folder is not None:
+                folder.close()
