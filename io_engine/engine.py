@@ -1,28 +1,7 @@
 """IOEngine: pread/pwrite of any buffer, split into blocks served by a persistent thread pool.
 
-Data flow of one request
-------------------------
-1. Submit (caller thread): the buffer becomes a flat byte view (no copy); the file is resolved to
-   a FileHandle (paths are opened once and cached; PreallocatedFile and ReadOnlyFile bring their
-   own fds; raw fds are used as given). The byte range is planned as pieces: when O_DIRECT is on and the buffer's
-   memory and the file offset agree modulo 4096, the page-aligned middle goes through the
-   O_DIRECT fd in `block_size` pieces and the unaligned head and tail (< 4096 bytes each) through
-   the buffered fd; otherwise every piece is buffered. Pieces are queued as typed records.
-2. Transfer (worker threads): each piece is one os.preadv/os.pwritev straight into/out of the
-   caller's memory (the GIL is released for the syscall). Short transfers are retried until
-   complete, the remainder through the buffered fd (it may no longer be aligned); a read that
-   returns 0 bytes is a read past end of file and fails the request.
-3. Checksum (worker threads): with checksum=True, pieces are fed in buffer order to one
-   streaming xxh3_64 state by whichever worker completes the next piece in order, so the digest
-   overlaps with the transfer of later pieces and the caller never pays for it.
-4. Completion: the last piece (or the last hash update) completes the IOFuture.
-
-Page-cache coherence: one request never puts buffered and O_DIRECT IO on the same page (the split
-is at page boundaries). Across requests, Linux's direct-IO path writes back dirty cached pages of
-the range before an O_DIRECT read or write and invalidates them after an O_DIRECT write
-(filemap_write_and_wait_range / invalidate_inode_pages2_range), so an O_DIRECT read sees data
-written buffered before it, and a buffered read sees data written with O_DIRECT
-(tests/test_io_engine.py checks both).
+How one request flows, and why buffered and O_DIRECT IO never disagree: the comment
+blocks above `_Request` ([Note: page-cache coherence]).
 """
 
 from __future__ import annotations
@@ -66,6 +45,29 @@ class _Piece(NamedTuple):
     """Absolute file offset of view[0]."""
 
 
+# Data flow of one request:
+# 1. Submit (caller thread): the buffer becomes a flat byte view (no copy); the file is resolved to
+#    a FileHandle (paths are opened once and cached; PreallocatedFile and ReadOnlyFile bring their
+#    own fds; raw fds are used as given). The byte range is planned as pieces: when O_DIRECT is on and the buffer's
+#    memory and the file offset agree modulo 4096, the page-aligned middle goes through the
+#    O_DIRECT fd in `block_size` pieces and the unaligned head and tail (< 4096 bytes each) through
+#    the buffered fd; otherwise every piece is buffered. Pieces are queued as typed records.
+# 2. Transfer (worker threads): each piece is one os.preadv/os.pwritev straight into/out of the
+#    caller's memory (the GIL is released for the syscall). Short transfers are retried until
+#    complete, the remainder through the buffered fd (it may no longer be aligned); a read that
+#    returns 0 bytes is a read past end of file and fails the request.
+# 3. Checksum (worker threads): with checksum=True, pieces are fed in buffer order to one
+#    streaming xxh3_64 state by whichever worker completes the next piece in order, so the digest
+#    overlaps with the transfer of later pieces and the caller never pays for it.
+# 4. Completion: the last piece (or the last hash update) completes the IOFuture.
+#
+# [Note: page-cache coherence]
+# One request never puts buffered and O_DIRECT IO on the same page (the split is at page
+# boundaries). Across requests, Linux's direct-IO path writes back dirty cached pages of the
+# range before an O_DIRECT read or write and invalidates them after an O_DIRECT write
+# (filemap_write_and_wait_range / invalidate_inode_pages2_range), so an O_DIRECT read sees data
+# written buffered before it, and a buffered read sees data written with O_DIRECT
+# (tests/test_io_engine.py checks both).
 class _Request:
     """One pread/pwrite in flight: pieces outstanding, first error, checksum progress."""
 

@@ -1,23 +1,6 @@
 """transformers' loading rules for a streamed load: which checkpoint key gives which of a model's
 state-dict names, which keys are ignored, and what the load leaves to initialise.
-
-- names: the class's renamings (a legacy `_checkpoint_conversion_mapping` dict, else
-  transformers' conversion registry), then `base_model_prefix` added or stripped (a
-  `LlamaModel` checkpoint into `LlamaForCausalLM` and the reverse, whose head weights are then
-  left unused); tied parameters take any one of their names. A peft model's names are its base
-  model's ([Note: peft names]).
-- ignored: keys the class lists in `_keys_to_ignore_on_load_unexpected`, and the generic rules
-  transformers adds: `rotary_emb.inv_freq` and `position_ids` keys for models with such buffers
-  (older checkpoints saved them as persistent buffers).
-- reported: keys the model does not use and names the checkpoint does not give (newly
-  initialised, but those `_keys_to_ignore_on_load_missing` lists and peft's adapters), in one
-  warning, as transformers' load report; with `strict=True` they are a ValueError instead.
-  Mis-shaped keys and conversions that fail are always an error. All of it is decided before
-  the model changes.
-- converted: keys a transformers converter takes (per-expert MoE tensors merged into one fused
-  tensor, ...) give the model's tensors its outputs name, run block by block at read time
-  ([Note: streamed conversions] in conversions.py).
-"""
+The rules, and where each is applied, are written beside `plan_weights`."""
 
 from __future__ import annotations
 
@@ -46,16 +29,16 @@ def base_model(model: nn.Module) -> nn.Module:
     return model.get_base_model() if is_peft(model) else model
 
 
+# [Note: peft names]
+# peft wraps the model (`base_model.model.` before every name) and each
+# layer it adapts: the base layer's weight becomes `q_proj.base_layer.weight` beside the
+# adapters' `q_proj.lora_A.default.weight`, and a module to save is kept twice, as
+# `original_module` and `modules_to_save.<adapter>`. Dropping those parts gives the base
+# model's names, so a peft model built on a meta base streams the base from its pretrained
+# folder (both copies of a module to save from the one key); the adapters are in no such
+# checkpoint: peft initialises them (buffers.init_params).
 def checkpoint_name(model: nn.Module) -> Callable[[str], str]:
-    """A state-dict name of `model` as its base model's checkpoint names it.
-
-    [Note: peft names] peft wraps the model (`base_model.model.` before every name) and each
-    layer it adapts: the base layer's weight becomes `q_proj.base_layer.weight` beside the
-    adapters' `q_proj.lora_A.default.weight`, and a module to save is kept twice, as
-    `original_module` and `modules_to_save.<adapter>`. Dropping those parts gives the base
-    model's names, so a peft model built on a meta base streams the base from its pretrained
-    folder (both copies of a module to save from the one key); the adapters are in no such
-    checkpoint: peft initialises them (buffers.init_params)."""
+    """A state-dict name of `model` as its base model's checkpoint names it ([Note: peft names])."""
     return peft_base_name if is_peft(model) else lambda name: name
 
 
@@ -115,8 +98,25 @@ class _Renamer:
         return key
 
 
+# The loading rules, as transformers applies them:
+# - names: the class's renamings (a legacy `_checkpoint_conversion_mapping` dict, else
+#   transformers' conversion registry), then `base_model_prefix` added or stripped (a
+#   `LlamaModel` checkpoint into `LlamaForCausalLM` and the reverse, whose head weights are then
+#   left unused); tied parameters take any one of their names. A peft model's names are its base
+#   model's ([Note: peft names]).
+# - ignored: keys the class lists in `_keys_to_ignore_on_load_unexpected`, and the generic rules
+#   transformers adds: `rotary_emb.inv_freq` and `position_ids` keys for models with such buffers
+#   (older checkpoints saved them as persistent buffers).
+# - reported: keys the model does not use and names the checkpoint does not give (newly
+#   initialised, but those `_keys_to_ignore_on_load_missing` lists and peft's adapters), in one
+#   warning, as transformers' load report; with `strict=True` they are a ValueError instead.
+#   Mis-shaped keys and conversions that fail are always an error. All of it is decided before
+#   the model changes.
+# - converted: keys a transformers converter takes (per-expert MoE tensors merged into one fused
+#   tensor, ...) give the model's tensors its outputs name, run block by block at read time
+#   ([Note: streamed conversions] in conversions.py).
 def plan_weights(model: nn.Module, source: WeightSource, *, strict: bool = False) -> WeightPlan:
-    """Map `source`'s keys to `model`'s state-dict names by the rules of the module docstring;
+    """Map `source`'s keys to `model`'s state-dict names by the loading rules above;
     ValueError naming the files and the keys when they do not match. Works on a model on the
     meta device (only shapes are looked at) and on a wrapped one."""
     expected = _expected(model)

@@ -1,38 +1,7 @@
 """Pretrained weights streamed tensor by tensor from safetensors files (the `safetensors` library).
 
-Phases of `tz.wrap(model, config, weights=PATH)` (and of `tz.load_weights(model, FOLDER)`):
-
-1. open (`WeightSource`): PATH is a transformers model folder (one `model.safetensors`, or the
-   shards listed in `model.safetensors.index.json`) or one `.safetensors` file. Only the headers
-   are read: every key's file, shape and dtype. A shard the index names that is not there, or a
-   file that is not a safetensors file, is a ValueError naming it.
-2. resolve (load_rules.py, `plan_weights`): each checkpoint key is mapped to the model's
-   state-dict names by transformers' rules for the model's class (renamings, base-model prefix,
-   ignored keys; peft's names mapped to its base model's; keys its converters merge or split,
-   such as a MoE's per-expert tensors, converted when their block is read, see conversions.py);
-   keys the model lacks are reported,
-   parameters the checkpoint lacks are initialised as transformers initialises new modules.
-3. buffers and missing parameters (buffers.py): non-persistent buffers still on the meta device
-   (rotary `inv_freq`, computed in `__init__` and in no checkpoint) are made real and computed
-   as transformers computes them on load: the nearest transformers model's `_init_weights(module)`,
-   called while the parameters are still meta so none is touched (`reset_parameters()` for
-   other modules); persistent buffers are read from the checkpoint. Parameters the checkpoint
-   lacks are initialised the same way (peft's adapters by peft) and read from memory.
-4. blocks (`WeightPlan.read_shard`): for each flat tensor of each block, the rows of each
-   tensor that this rank's shard needs are read (`get_slice(key)[lo:hi]`), cast to the
-   parameter's dtype (what `model.to(dtype)` holds), then into one shard buffer that the block
-   registers and drops: in the compute dtype when every parameter has it, else fp32
-   (`FlatParam.load_dtype`: fp32 master weights are written at load only when the parameters
-   cannot hold the values). The library reads zero-copy from a memory map whose touched pages
-   stay resident while the file is mapped, so the files are unmapped after each block: host
-   memory holds one block's shard and the checkpoint pages of its rows, never the model. Every
-   rank reads the same files, so nothing is broadcast. `read_shards` reads the next flat
-   tensor's shard on a thread while the caller registers this one (two shards in memory).
-   A shard whose bytes are exactly the checkpoint's (`ShardRequest.borrow`, every slot stored
-   in the shard's dtype: no conversion) is read instead with io_engine from its segments of
-   the files (`WeightPlan.segments`), which then serve as its NVMe home until its first write
-   (see [Note: copy-on-write home] in tierzero/placement/cow_home.py): nothing is copied to the swap files.
-"""
+The phases of a streamed load (`tz.wrap(model, config, weights=PATH)`, `tz.load_weights`):
+[Note: streamed weights]."""
 
 from __future__ import annotations
 
@@ -79,8 +48,41 @@ class TensorInfo(NamedTuple):
     """Byte offset of its data in the file."""
 
 
+# [Note: streamed weights]
+# Phases of `tz.wrap(model, config, weights=PATH)` (and of `tz.load_weights(model, FOLDER)`):
+#
+# 1. open (`WeightSource`): PATH is a transformers model folder (one `model.safetensors`, or the
+#    shards listed in `model.safetensors.index.json`) or one `.safetensors` file. Only the headers
+#    are read: every key's file, shape and dtype. A shard the index names that is not there, or a
+#    file that is not a safetensors file, is a ValueError naming it.
+# 2. resolve (load_rules.py, `plan_weights`): each checkpoint key is mapped to the model's
+#    state-dict names by transformers' rules for the model's class (renamings, base-model prefix,
+#    ignored keys; peft's names mapped to its base model's; keys its converters merge or split,
+#    such as a MoE's per-expert tensors, converted when their block is read, see conversions.py);
+#    keys the model lacks are reported,
+#    parameters the checkpoint lacks are initialised as transformers initialises new modules.
+# 3. buffers and missing parameters (buffers.py): non-persistent buffers still on the meta device
+#    (rotary `inv_freq`, computed in `__init__` and in no checkpoint) are made real and computed
+#    as transformers computes them on load: the nearest transformers model's `_init_weights(module)`,
+#    called while the parameters are still meta so none is touched (`reset_parameters()` for
+#    other modules); persistent buffers are read from the checkpoint. Parameters the checkpoint
+#    lacks are initialised the same way (peft's adapters by peft) and read from memory.
+# 4. blocks (`WeightPlan.read_shard`): for each flat tensor of each block, the rows of each
+#    tensor that this rank's shard needs are read (`get_slice(key)[lo:hi]`), cast to the
+#    parameter's dtype (what `model.to(dtype)` holds), then into one shard buffer that the block
+#    registers and drops: in the compute dtype when every parameter has it, else fp32
+#    (`FlatParam.load_dtype`: fp32 master weights are written at load only when the parameters
+#    cannot hold the values). The library reads zero-copy from a memory map whose touched pages
+#    stay resident while the file is mapped, so the files are unmapped after each block: host
+#    memory holds one block's shard and the checkpoint pages of its rows, never the model. Every
+#    rank reads the same files, so nothing is broadcast. `read_shards` reads the next flat
+#    tensor's shard on a thread while the caller registers this one (two shards in memory).
+#    A shard whose bytes are exactly the checkpoint's (`ShardRequest.borrow`, every slot stored
+#    in the shard's dtype: no conversion) is read instead with io_engine from its segments of
+#    the files (`WeightPlan.segments`), which then serve as its NVMe home until its first write
+#    (see [Note: copy-on-write home] in tierzero/placement/cow_home.py): nothing is copied to the swap files.
 class WeightSource:
-    """The tensors of a safetensors checkpoint (see the module docstring, phase 1), read one
+    """The tensors of a safetensors checkpoint (see [Note: streamed weights], phase 1), read one
     tensor (or a range of its rows) at a time; a file is mapped from its first read to the next
     `release()` or `close()`."""
 

@@ -1,15 +1,5 @@
-"""The next-token loss of a causal LM without the logits of the whole sequence.
-
-[Note: chunked loss]
-A causal LM's head makes seq x vocabulary logits, and the loss over them keeps about three such
-tensors alive through backward (the fp32 logits, cross-entropy's log-probabilities, then their
-gradients): at GPT-2's 50257 tokens, 393 MiB each at seq 2048, more than the twelve blocks'
-activations placed elsewhere. `chunked_cross_entropy` takes the hidden states and the head's
-weight instead: forward computes the logits of `chunk` tokens at a time and keeps only each
-token's log-sum-exp; backward computes each chunk's logits again and turns them into the
-chunk's gradients, so one chunk's logits live at a time. The price is the head's matmul once
-more in backward. Numerically it is cross_entropy over `F.linear(hidden, weight, bias).float()`
-summed in another order (the same within fp32 rounding, not bit for bit).
+"""The next-token loss of a causal LM without the logits of the whole sequence
+([Note: chunked loss]).
 
 `causal_lm_loss` runs it on a transformers causal LM, inside the model's forward: a forward hook
 on its decoder keeps the last hidden states, the model computes the logits of the last position
@@ -40,6 +30,16 @@ _CHECKED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 """Models whose last-position logits matched the plain head over the decoder's output."""
 
 
+# [Note: chunked loss]
+# A causal LM's head makes seq x vocabulary logits, and the loss over them keeps about three such
+# tensors alive through backward (the fp32 logits, cross-entropy's log-probabilities, then their
+# gradients): at GPT-2's 50257 tokens, 393 MiB each at seq 2048, more than the twelve blocks'
+# activations placed elsewhere. `chunked_cross_entropy` takes the hidden states and the head's
+# weight instead: forward computes the logits of `chunk` tokens at a time and keeps only each
+# token's log-sum-exp; backward computes each chunk's logits again and turns them into the
+# chunk's gradients, so one chunk's logits live at a time. The price is the head's matmul once
+# more in backward. Numerically it is cross_entropy over `F.linear(hidden, weight, bias).float()`
+# summed in another order (the same within fp32 rounding, not bit for bit).
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                           targets: torch.Tensor, *, ignore_index: int = -100, chunk: int | None = None,
                           num_items: torch.Tensor | int | None = None) -> torch.Tensor:

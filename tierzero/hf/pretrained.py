@@ -1,21 +1,7 @@
 """`tz.from_pretrained` and `tz.save_pretrained`: transformers model folders streamed into the
 tiers and back out, one block at a time (the folder format is tierzero/formats/hf_folder.py).
 
-Phases of `save_pretrained` (every rank calls it):
-
-1. plan (every rank, no data): one `TensorSpec` per saved tensor, block by block in the
-   model's flat order, then the buffers; the specs are cut into shards in that order
-   (`plan_shards`), so the files are written in the order the blocks are read.
-2. write (rank 0): into a temporary folder next to `out_dir` (`staged_folder`), config files
-   first, then each shard through the streaming safetensors writer, which asks for one tensor
-   at a time; the first tensor of a flat tensor reads that flat tensor's full values
-   (`FlatParam.read_full`), after the previous one's were dropped (`_FlatValues`), so one
-   block's values are in memory at a time.
-3. gather (ranks > 0): `read_full` is a collective, so the other ranks read the same flat
-   tensors in the same order and drop them (`_FlatValues.drain`); rank 0 drains what is left
-   when its write failed, then every rank learns rank 0's outcome.
-4. publish (rank 0): files and folder fsynced, the folder renamed to `out_dir` (see
-   `staged_folder` for what happens to an existing one).
+The phases of `save_pretrained`: the comment beside it.
 """
 
 from __future__ import annotations
@@ -62,11 +48,26 @@ def from_pretrained(path: str | os.PathLike[str], config: Config, *, dtype: torc
     return model.eval()  # as transformers' from_pretrained returns it; training sets train()
 
 
+# Phases of `save_pretrained` (every rank calls it):
+#
+# 1. plan (every rank, no data): one `TensorSpec` per saved tensor, block by block in the
+#    model's flat order, then the buffers; the specs are cut into shards in that order
+#    (`plan_shards`), so the files are written in the order the blocks are read.
+# 2. write (rank 0): into a temporary folder next to `out_dir` (`staged_folder`), config files
+#    first, then each shard through the streaming safetensors writer, which asks for one tensor
+#    at a time; the first tensor of a flat tensor reads that flat tensor's full values
+#    (`FlatParam.read_full`), after the previous one's were dropped (`_FlatValues`), so one
+#    block's values are in memory at a time.
+# 3. gather (ranks > 0): `read_full` is a collective, so the other ranks read the same flat
+#    tensors in the same order and drop them (`_FlatValues.drain`); rank 0 drains what is left
+#    when its write failed, then every rank learns rank 0's outcome.
+# 4. publish (rank 0): files and folder fsynced, the folder renamed to `out_dir` (see
+#    `staged_folder` for what happens to an existing one).
 def save_pretrained(model: nn.Module, out_dir: str | os.PathLike[str], *, dtype: torch.dtype | None = None,
                     max_shard_size: int | str = "5GB", merge_adapters: bool = False,
                     save_original_format: bool = True) -> Path:
     """Write the wrapped transformers model as a folder `transformers.AutoModelForCausalLM.
-    from_pretrained(out_dir)` loads (see the module docstring), one block's values in memory at
+    from_pretrained(out_dir)` loads (see the phases above), one block's values in memory at
     a time; returns `out_dir`.
 
     dtype: the saved values' dtype for floating tensors (None: the parameters' original dtypes);

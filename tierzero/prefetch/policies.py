@@ -1,28 +1,14 @@
 """Prefetch policies: what to fetch next and to which tier, and what to evict first.
 
-A policy is a small object implementing `PrefetchPolicy` (`tz.PrefetchPolicy`). At every block
-fetch that follows the recorded trace, the prefetcher (prefetcher.py) hands it a `PrefetchView`:
-the trace (the block order of one iteration, recorded in the first), the position of the fetch
-happening now, the units (blocks) with their bytes, the blocks held on the device, the room on
-the device and host tiers, which tiers already hold a copy of a unit, and the times learned from
-earlier iterations (`BlockTimes`). `plan(view)` answers with `Fetch(unit, tier)` records,
-nearest first: copies toward the device, and reads of NVMe-homed units into host memory (so
-the device copy later starts from host). `victims(view, candidates)` orders cached copies for
-eviction, victims first (by default the copy used farthest in the future goes first: Belady's
-rule on the trace).
-
-A policy only asks. The prefetcher drops device fetches past the device room (budget minus
-device homes minus held blocks) and host fetches past the host room (free host bytes plus the
-evictable host copies of units), and the placement manager reserves every byte before a copy
-starts, evicting only unpinned cached copies: no answer of a policy can put a tier over budget.
-
 Built-ins: `NoPrefetch` (on demand), `Lookahead(depth)` (the next `depth` blocks), `BytesAhead
 (reserve)` (as many blocks as fit `reserve` bytes), and `Adaptive` (from the learned times, each
 copy just early enough; see its docstring). Each built-in also reads the next `nvme_depth`
 NVMe-homed units into host memory (Adaptive: those its times say are needed). A user's class is
 given as an object, `Config(prefetch=MyPolicy())`, or by dotted path in a config file,
 `[prefetch] policy = "mypkg.policies.MyPolicy"` with keyword arguments in `[prefetch.options]`.
-"""
+
+What a policy sees and answers: see PrefetchPolicy; why no answer can put a tier over budget:
+[Note: a policy only asks]."""
 
 from __future__ import annotations
 
@@ -137,7 +123,7 @@ class BlockTimes:
 
 @dataclass(frozen=True, eq=False)
 class PrefetchView:
-    """What a policy sees at one fetch (see the module docstring). Read-only."""
+    """What a policy sees at one fetch (see PrefetchPolicy). Read-only."""
 
     trace: tuple[TraceEvent, ...]
     """The recorded block order of one iteration; read cyclically (the end of a backward looks
@@ -190,8 +176,24 @@ class PrefetchView:
         return sum(self.times.compute_s(self.pos + i) for i in range(distance))
 
 
+# What a policy sees and answers: a policy is a small object implementing `PrefetchPolicy`
+# (`tz.PrefetchPolicy`). At every block fetch that follows the recorded trace, the prefetcher
+# (prefetcher.py) hands it a `PrefetchView`: the trace (the block order of one iteration,
+# recorded in the first), the position of the fetch happening now, the units (blocks) with their
+# bytes, the blocks held on the device, the room on the device and host tiers, which tiers
+# already hold a copy of a unit, and the times learned from earlier iterations (`BlockTimes`).
+# `plan(view)` answers with `Fetch(unit, tier)` records, nearest first: copies toward the device,
+# and reads of NVMe-homed units into host memory (so the device copy later starts from host).
+# `victims(view, candidates)` orders cached copies for eviction, victims first (by default the
+# copy used farthest in the future goes first: Belady's rule on the trace).
+#
+# [Note: a policy only asks]
+# A policy only asks. The prefetcher drops device fetches past the device room (budget minus
+# device homes minus held blocks) and host fetches past the host room (free host bytes plus the
+# evictable host copies of units), and the placement manager reserves every byte before a copy
+# starts, evicting only unpinned cached copies: no answer of a policy can put a tier over budget.
 class PrefetchPolicy(Protocol):
-    """What a prefetch policy implements (`tz.PrefetchPolicy`; see the module docstring).
+    """What a prefetch policy implements (`tz.PrefetchPolicy`; see the comment above).
 
     Subclass it (to inherit `victims`), or implement `plan` on any class.
     """
@@ -306,17 +308,8 @@ class Adaptive(PrefetchPolicy):
     unit after the device plan, so device copies start from a host copy (which stays cached,
     evictable, and saves the next read of it), and the next `nvme_depth` units, so reads stay
     in flight beside compute when the times say they could wait (host room is cheaper than a
-    stall). Until one iteration is measured it acts as Lookahead(1, nvme_depth).
-
-    [Note: read ahead only what Belady would keep] A read into host memory that the room
-    holds only by evicting a copy used sooner is undone before its use: the evicted copy is
-    read again first, and it pushes the read-ahead out in turn. With a host room below a frozen
-    base on NVMe (benchmarks/lora.py: 1.5 GiB beside a 2.05 GiB base) the reads ran as far as
-    the times asked, evicting the host copies of blocks due sooner; a tiny run with the times
-    of a slow disk read the base 1.3-2.0x a step where Lookahead(2) read it 0.4-1.1x, some
-    blocks twice in one pass (tests/prefetch/test_read_once.py). So reads stop where the host
-    copies of every unit up to the next one, cached or read now, no longer fit the host room
-    together: eviction (farthest next use first) then only takes copies used later.
+    stall). Until one iteration is measured it acts as Lookahead(1, nvme_depth). Host reads stop
+    at the host room: see [Note: read ahead only what Belady would keep].
     """
 
     margin: float = 1.5
@@ -368,11 +361,20 @@ class Adaptive(PrefetchPolicy):
         return device + _reads_in_room(ups[:host_far], {f.unit for f in device}, rooms[Tier.HOST])
 
 
+# [Note: read ahead only what Belady would keep]
+# A read into host memory that the room holds only by evicting a copy used sooner is undone
+# before its use: the evicted copy is read again first, and it pushes the read-ahead out in turn.
+# With a host room below a frozen base on NVMe (benchmarks/lora.py: 1.5 GiB beside a 2.05 GiB
+# base) the reads ran as far as the times asked, evicting the host copies of blocks due sooner; a
+# tiny run with the times of a slow disk read the base 1.3-2.0x a step where Lookahead(2) read it
+# 0.4-1.1x, some blocks twice in one pass (tests/prefetch/test_read_once.py). So reads stop where
+# the host copies of every unit up to the next one, cached or read now, no longer fit the host
+# room together: eviction (farthest next use first) then only takes copies used later.
 def _reads_in_room(ups: Sequence[tuple[Upcoming, frozenset[Tier]]], chosen: set[str], room: int) -> list[Fetch]:
     """Host reads of the NVMe-homed units among `ups` (nearest first, with the tiers caching
     each) that the device plan (`chosen`) does not bring, while the host copies of every unit
-    up to each, read now or cached already, fit the host `room` together (see [Note: read
-    ahead only what Belady would keep])."""
+    up to each, read now or cached already, fit the host `room` together
+    (see [Note: read ahead only what Belady would keep])."""
     out: list[Fetch] = []
     for up, where in ups:
         unit = up.unit

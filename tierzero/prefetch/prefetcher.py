@@ -1,24 +1,5 @@
-"""Trace-based prefetch: record the block order of one step, fetch ahead of it in later steps.
-
-Phases of one iteration (a forward and its backward):
-
-1. The runtime calls `Prefetcher.begin(key)` at the root module's forward; `key` tells apart
-   traces that differ by mode (training with grad, inference).
-2. Before each block is fetched it calls `on_fetch(event, held)`, and `fetched()` once the block
-   is on the device. The event (phase, unit) is recorded and timed. When a trace of this key
-   exists and the event is the one it expects next, the policy (policies.py) is shown a
-   `PrefetchView` of the trace at this position and answers what to fetch toward which tier;
-   the prefetcher starts the device copies that fit the device room left beside the held
-   blocks (copies, or all-gathers across ranks) and the reads into host memory that fit the
-   host room. The placement manager reserves every byte before a copy starts.
-3. `end()` at the end of the backward (or of an inference forward) adopts the new recording
-   when it differs, writes one span per fetch to the telemetry's Chrome trace (track "blocks":
-   each fetch to the next, with its stall), and learns the iteration's times (`BlockTimes`):
-   compute per trace position (the span less the stalls in it; on CUDA, where the host only
-   queues kernels, the GPU's time from the block's copy landing to the next fetch, between
-   timing events on the compute stream) and copy time per unit and tier (from the
-   telemetry's moves). A fetch that deviates from the trace (dynamic control
-   flow) warns once and turns this iteration into on-demand fetching.
+"""Trace-based prefetch: record the block order of one step, fetch ahead of it in later steps
+(the phases: beside `Prefetcher`).
 
 Speculative reads past the first unit of a plan: [Note: read further ahead only into free room].
 
@@ -59,8 +40,8 @@ def prefetch_unit(pm: PlacementManager, unit: Unit, tier: Tier, *, speculative: 
 
 _bringing = threading.local()
 """`unit`: the name of the unit a speculative fetch on this thread brings now (None: none), so
-that `Prefetcher.order` offers only copies used after it (see [Note: read further ahead only
-into free room])."""
+that `Prefetcher.order` offers only copies used after it
+(see [Note: read further ahead only into free room])."""
 
 
 # [Note: read further ahead only into free room]
@@ -136,6 +117,25 @@ class _Pending(NamedTuple):
     stall: float
 
 
+# Phases of one iteration (a forward and its backward):
+#
+# 1. The runtime calls `Prefetcher.begin(key)` at the root module's forward; `key` tells apart
+#    traces that differ by mode (training with grad, inference).
+# 2. Before each block is fetched it calls `on_fetch(event, held)`, and `fetched()` once the block
+#    is on the device. The event (phase, unit) is recorded and timed. When a trace of this key
+#    exists and the event is the one it expects next, the policy (policies.py) is shown a
+#    `PrefetchView` of the trace at this position and answers what to fetch toward which tier;
+#    the prefetcher starts the device copies that fit the device room left beside the held
+#    blocks (copies, or all-gathers across ranks) and the reads into host memory that fit the
+#    host room. The placement manager reserves every byte before a copy starts.
+# 3. `end()` at the end of the backward (or of an inference forward) adopts the new recording
+#    when it differs, writes one span per fetch to the telemetry's Chrome trace (track "blocks":
+#    each fetch to the next, with its stall), and learns the iteration's times (`BlockTimes`):
+#    compute per trace position (the span less the stalls in it; on CUDA, where the host only
+#    queues kernels, the GPU's time from the block's copy landing to the next fetch, between
+#    timing events on the compute stream) and copy time per unit and tier (from the
+#    telemetry's moves). A fetch that deviates from the trace (dynamic control
+#    flow) warns once and turns this iteration into on-demand fetching.
 class Prefetcher:
     """Records traces and times, asks the policy what to fetch, and orders eviction victims."""
 

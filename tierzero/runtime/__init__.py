@@ -10,6 +10,7 @@ Each module imports only those above it in this list (the way FSDP2 splits its l
     placeholders.py     parameters that refuse to be read while they hold no data
     flat_param.py       FlatParam: one flat tensor and the nn.Parameters that view it
     fetch_group.py      FetchGroup: a block's flat tensors fetched and reduced together
+    activation_pack.py  ActivationPack: one block call's saved tensors, as one placed tensor
     activations.py      Activations: what autograd saves in a block call, placed on its tier
     recompute.py        Frame: activation checkpointing's recompute of a block call
     blocks.py           Block: the hooks of forward, backward, recomputation
@@ -20,7 +21,7 @@ Each module imports only those above it in this list (the way FSDP2 splits its l
     accumulate.py       tz.accumulate: gradient accumulation layer by layer over k micro-batches
     compile.py          tz.compile: each block's forward compiled, the hooks outside the graphs
 
-See wrapping.py's module docstring for the phases of a step.
+The phases of a step: [Note: a wrapped step] in wrapping.py.
 """
 
 from tierzero.runtime.accumulate import accumulate

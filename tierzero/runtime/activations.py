@@ -1,38 +1,6 @@
 """Saved activations on a tier (Config.activations): what autograd saves inside a block call,
 packed into one placed tensor per call, written during forward, fetched back before backward.
-
-[Note: placed activations]
-During the root module's forward the saved-tensor hooks (blocks.SavedParamViews) hand every
-tensor autograd saves to the innermost block call running, its *scope*. Views of parameters
-stay references into the block ([Note: saved parameter views]); the rest are the call's
-activations. An `ActivationPack` gathers them, one segment per storage they view
-(tierzero.layout.PackLayout), and gives autograd a small `SavedActivation` record instead of
-each tensor. At the block's post-forward the pack is sealed: one tensor of Kind.ACTIVATION (its
-bytes) is registered with the placement manager, homed on the tier Config.activations names
-("auto": the device while it fits the room the blocks leave, else host, else NVMe), and the
-writer thread copies the segments into it (device tensors on the copy stream; an NVMe home
-through a host copy, which stays cached while the host budget allows) and drops the
-originals, whose device memory is then free. Compute goes on meanwhile; a forward more than
-`MAX_UNWRITTEN` packs ahead of the writer waits for it.
-
-Backward: when the prefetcher starts a block's fetch ahead of its backward (the policy's choice,
-from the recorded trace), the block's pending pack is copied to the device too, within the
-device room, and NVMe-homed packs further back are read into host memory (`prefetch`); a pack
-the writer has not finished yet is copied by the writer as soon as it has. The first
-unpack acquires the device copy (waiting if it is not there yet) and each tensor comes back as a
-view into it with its own strides. A pack is freed (copy released, tensor unregistered) when
-autograd drops its last record, at the block call's post-backward, or at the end of backward,
-whichever comes first; the placement work is done at the next safe point (`collect`), never in
-a finalizer, which may run on any thread at any time. At the end of backward the device tier
-gives back the free buffers it cached for the packs' sizes: nothing asks the device for those
-again before the next forward's last blocks, and kept they would hold device room (and, with the
-device on the CPU, the process's memory) through the forward. (The host tier keeps its own: the
-next forward's packs are written through them.)
-
-Tensors saved outside every block (the loss head's), tensors of another device or layout, and
-all of them under activations="device" stay as autograd made them; every one is counted
-(StepStats.activation_bytes), so "device" is today's behaviour, measured.
-"""
+The packs themselves: activation_pack.py."""
 
 from __future__ import annotations
 
@@ -41,16 +9,15 @@ import concurrent.futures as cf
 import threading
 import time
 import warnings
-import weakref
-from enum import Enum
-from typing import Any, NamedTuple, Protocol, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from tierzero.config import Config, Tier, format_size
-from tierzero.layout import ROOT, PackLayout, SavedSpan, saved_span
-from tierzero.placement import ACTIVATIONS_TRACK, Kind, Residency, TensorHandle
+from tierzero.layout import ROOT
+from tierzero.placement import ACTIVATIONS_TRACK, Kind, Residency
 from tierzero.prefetch import Unit
+from tierzero.runtime.activation_pack import ActivationPack, PackState
 from tierzero.runtime.step_context import StepContext
 
 MAX_UNWRITTEN = 2
@@ -62,175 +29,37 @@ TRACK = ACTIVATIONS_TRACK
 reads backward's "fetch" spans: planning/recording.py)."""
 
 
-class SlotOwner(Protocol):
-    """A pack or a recompute frame (recompute.py): what its saved-tensor records call."""
-
-    def unpack(self, index: int) -> torch.Tensor: ...
-
-    def slot_died(self) -> None: ...
-
-
-class SavedActivation:
-    """What autograd keeps in the graph for one saved tensor of a pack or a recompute frame;
-    backward unpacks it, and its death (the graph let it go) tells its owner."""
-
-    __slots__ = ("owner", "index")
-
-    def __init__(self, owner: SlotOwner, index: int) -> None:
-        self.owner = owner
-        self.index = index
-
-    def unpack(self) -> torch.Tensor:
-        return self.owner.unpack(self.index)
-
-    def __del__(self) -> None:
-        self.owner.slot_died()
-
-
-class _Entry(NamedTuple):
-    """One saved tensor of a pack: where it is (segment, span) and what it looks like."""
-
-    segment: int
-    span: SavedSpan
-    dtype: torch.dtype
-    size: torch.Size
-    stride: tuple[int, ...]
-    version: int
-    """The tensor's version counter when saved: a later in-place change is autograd's error
-    (-1: changed before the pack was written)."""
-    ref: "weakref.ref[torch.Tensor]"
-
-    def changed(self) -> torch.Tensor | None:
-        """The tensor, if it was changed in place since it was saved."""
-        t = self.ref()
-        return t if self.version < 0 or t is not None and t._version != self.version else None
-
-
-def placeable(t: torch.Tensor, device: torch.device) -> bool:
-    """Whether a saved tensor can be packed as bytes: a plain strided tensor with elements on
-    the device (subclasses, sparse or quantized tensors and other devices stay as they are)."""
-    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout is torch.strided and not t.is_quantized
-            and t.device == device and t.numel() > 0)
-
-
-class PackState(Enum):
-    """Where a pack is in its life (memory it holds in each state).
-
-    OPEN     collecting tensors during its block call's forward (the tensors themselves).
-    SEALED   registered and written (or being written) to its tier: its bytes there, plus a
-             device copy while acquired for backward.
-    FREED    given up: its placement is undone at the next `collect`.
-    """
-
-    OPEN = "open"
-    SEALED = "sealed"
-    FREED = "freed"
-
-
-class ActivationPack:
-    """The activations one block call saved (see [Note: placed activations]); `placed` False:
-    only counted (activations="device", or bytes autograd keeps anyway)."""
-
-    def __init__(self, store: "Activations", block: str, *, placed: bool) -> None:
-        self.store = store
-        self.block = block
-        self.placed = placed
-        self.layout = PackLayout()
-        self.entries: list[_Entry] = []
-        self._storages: list[torch.UntypedStorage] = []
-        """Per segment, the storage its bytes are copied from (held until written)."""
-        self.handle: TensorHandle | None = None
-        self.written: cf.Future[None] | None = None
-        self.acquired = False
-        """The device copy is pinned for backward (from the first unpack to the free)."""
-        self.landed = False
-        """The writer filled the home (under Activations.lock, with `wanted`)."""
-        self.wanted = False
-        """The prefetcher asked for the device copy before the write landed: the writer starts it."""
-        self._device: torch.Tensor | None = None
-        self._live = 0
-        self.state = PackState.OPEN
-
-    @property
-    def nbytes(self) -> int:
-        return self.layout.nbytes
-
-    def save(self, t: torch.Tensor, param_view: bool) -> SavedActivation | None:
-        """The scope's answer for one saved tensor: None leaves it to the caller (views of
-        parameters, tensors that cannot be packed, a pack that only counts)."""
-        if param_view or not placeable(t, self.store.device):
-            return None
-        storage = t.untyped_storage()
-        span = saved_span(t)
-        known = len(self.layout.segments)
-        segment = self.layout.add(id(storage), storage.data_ptr(), span)
-        if len(self.layout.segments) > known:
-            self._storages.append(storage)  # also keeps id(storage) from being reused meanwhile
-        if not self.placed:
-            return None
-        self.entries.append(_Entry(segment, span, t.dtype, t.shape, t.stride(), t._version, weakref.ref(t)))
-        self._live += 1
-        return SavedActivation(self, len(self.entries) - 1)
-
-    # ------------------------------------------------------------------------------ life
-
-    def pieces(self) -> list[tuple[int, torch.Tensor]]:
-        """(byte offset in the pack, the bytes) of every segment, viewing the saved storages;
-        handed to the writer, which drops them once copied."""
-        out = []
-        for seg, storage in zip(self.layout.segments, self._storages):
-            src = torch.empty(0, dtype=torch.uint8, device=self.store.device).set_(storage, seg.start, (seg.nbytes,))
-            out.append((seg.offset, src))
-        self.drop_storages()
-        return out
-
-    def mark_changed(self) -> None:
-        """Entries whose tensor changed in place since saved (before the copy: backward raises)."""
-        self.entries = [e._replace(version=-1) if e.changed() is not None else e for e in self.entries]
-
-    def drop_storages(self) -> None:
-        self._storages.clear()
-
-    def unpack(self, index: int) -> torch.Tensor:
-        e = self.entries[index]
-        if self.state is PackState.FREED:
-            raise RuntimeError(
-                f"tierzero: backward needs an activation that {self.block!r} saved, but its pack was freed after "
-                "the block's backward; a second backward through the same graph (retain_graph=True), or a gradient "
-                "of the block reached after the block's own backward, is not supported with Config.activations "
-                f"{self.store.mode!r}")
-        if e.version < 0 or e.changed() is not None:
-            raise RuntimeError(
-                f"one of the variables needed for gradient computation has been modified by an inplace operation: "
-                f"a {e.dtype} tensor of size {tuple(e.size)} saved by {self.block!r} was changed after autograd "
-                "saved it (tierzero keeps saved tensors by value)")
-        buf = self._device_copy()
-        flat = buf[self.layout.byte_offset(e.segment, e.span):][: e.span.end - e.span.first].view(e.dtype)
-        return flat.as_strided(e.size, e.stride, flat.storage_offset())
-
-    def _device_copy(self) -> torch.Tensor:
-        if self._device is None:
-            self._device = self.store.acquire(self)
-        return self._device
-
-    def slot_died(self) -> None:
-        self._live -= 1
-        if self._live == 0:
-            self.free()
-
-    def free(self) -> None:
-        """Give the pack up (idempotent; safe from a finalizer): `collect` undoes its placement."""
-        if self.state is PackState.FREED:
-            return
-        self.state = PackState.FREED
-        self._device = None
-        self.entries = []
-        self.store.dead.append(self)
-
-    def __repr__(self) -> str:
-        where = self.handle.home.value if self.handle is not None else "unplaced"
-        return (f"ActivationPack({self.block!r}, {len(self.entries)} tensors, {self.nbytes} bytes, {where}, "
-                f"{self.state.value})")
+# [Note: placed activations]
+# During the root module's forward the saved-tensor hooks (blocks.SavedParamViews) hand every
+# tensor autograd saves to the innermost block call running, its *scope*. Views of parameters
+# stay references into the block ([Note: saved parameter views]); the rest are the call's
+# activations. An `ActivationPack` gathers them, one segment per storage they view
+# (tierzero.layout.PackLayout), and gives autograd a small `SavedActivation` record instead of
+# each tensor. At the block's post-forward the pack is sealed: one tensor of Kind.ACTIVATION (its
+# bytes) is registered with the placement manager, homed on the tier Config.activations names
+# ("auto": the device while it fits the room the blocks leave, else host, else NVMe), and the
+# writer thread copies the segments into it (device tensors on the copy stream; an NVMe home
+# through a host copy, which stays cached while the host budget allows) and drops the
+# originals, whose device memory is then free. Compute goes on meanwhile; a forward more than
+# `MAX_UNWRITTEN` packs ahead of the writer waits for it.
+#
+# Backward: when the prefetcher starts a block's fetch ahead of its backward (the policy's choice,
+# from the recorded trace), the block's pending pack is copied to the device too, within the
+# device room, and NVMe-homed packs further back are read into host memory (`prefetch`); a pack
+# the writer has not finished yet is copied by the writer as soon as it has. The first
+# unpack acquires the device copy (waiting if it is not there yet) and each tensor comes back as a
+# view into it with its own strides. A pack is freed (copy released, tensor unregistered) when
+# autograd drops its last record, at the block call's post-backward, or at the end of backward,
+# whichever comes first; the placement work is done at the next safe point (`collect`), never in
+# a finalizer, which may run on any thread at any time. At the end of backward the device tier
+# gives back the free buffers it cached for the packs' sizes: nothing asks the device for those
+# again before the next forward's last blocks, and kept they would hold device room (and, with the
+# device on the CPU, the process's memory) through the forward. (The host tier keeps its own: the
+# next forward's packs are written through them.)
+#
+# Tensors saved outside every block (the loss head's), tensors of another device or layout, and
+# all of them under activations="device" stay as autograd made them; every one is counted
+# (StepStats.activation_bytes), so "device" is today's behaviour, measured.
 
 
 class Activations:

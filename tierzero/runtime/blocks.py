@@ -27,7 +27,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from tierzero.config import Tier
 from tierzero.layout import ROOT
 from tierzero.prefetch import FetchPhase, TraceEvent, Unit
-from tierzero.runtime.activations import ActivationPack, Activations, SavedActivation
+from tierzero.runtime.activation_pack import ActivationPack, SavedActivation
+from tierzero.runtime.activations import Activations
 from tierzero.runtime.fetch_group import FetchGroup
 from tierzero.runtime.flat_param import FlatParam, SavedView
 from tierzero.runtime.recompute import Frame
@@ -55,19 +56,18 @@ class _Outer(NamedTuple):
     packed: Any
 
 
+# [Note: saved parameter views]
+# Autograd saves parameters that are leaves by reference (backward reads their current .data),
+# but ops also save views of them (F.linear saves weight.t() for its backward). Those would
+# keep the forward's device copy alive until backward, or read a reused buffer. Instead a
+# saved tensor whose storage is a held block's device copy is packed as (flat, size, stride,
+# offset) and rebuilt from the copy the pre-backward hook fetched. The running block call's
+# scope answers first (tierzero's activation checkpointing recomputes views of parameters too;
+# placed activations are packed: [Note: placed activations] in activations.py). Other tensors
+# go to the hooks that were active outside the forward (e.g. torch.autograd.graph.save_on_cpu),
+# or are saved as they are; torch.utils.checkpoint installs its own hooks inside, which win.
 class SavedParamViews:
-    """[Note: saved parameter views] Saved-tensor hooks active during the root module's forward.
-
-    Autograd saves parameters that are leaves by reference (backward reads their current .data),
-    but ops also save views of them (F.linear saves weight.t() for its backward). Those would
-    keep the forward's device copy alive until backward, or read a reused buffer. Instead a
-    saved tensor whose storage is a held block's device copy is packed as (flat, size, stride,
-    offset) and rebuilt from the copy the pre-backward hook fetched. The running block call's
-    scope answers first (tierzero's activation checkpointing recomputes views of parameters too;
-    placed activations are packed: [Note: placed activations] in activations.py). Other tensors
-    go to the hooks that were active outside the forward (e.g. torch.autograd.graph.save_on_cpu),
-    or are saved as they are; torch.utils.checkpoint installs its own hooks inside, which win.
-    """
+    """Saved-tensor hooks active during the root module's forward (see [Note: saved parameter views])."""
 
     def __init__(self, ctx: StepContext, activations: Activations) -> None:
         self.ctx = ctx

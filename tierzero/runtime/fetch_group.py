@@ -1,17 +1,6 @@
 """`FetchGroup`: the device copies and collectives of one block's flat tensors, issued together.
 
-A block has one or two flat tensors (its trainable parameters, its frozen ones). The group
-brings them to the device as one: for each, this rank's shard is acquired on the device tier
-(the placement manager's copy stream, from host or NVMe); at world size N > 1 a scratch buffer
-for the full tensor is reserved on the device tier and the all-gather of every rank's shard
-into it starts (async); at stages 1 and 2 every rank keeps the whole tensor, which is fetched
-as at world size 1. Every flat tensor of the block is started before any is waited for, so
-the collectives of a block are in flight together. An all-gather the prefetcher starts ahead
-waits in the StepContext (a `PendingGather` record) until its block's fetch takes it; a release
-frees the scratch buffer or, when the same block is fetched next (the last block: forward, then
-its backward), parks the finished gather for that fetch. At world size 1 the shard is the whole
-tensor, the fetched copy is the shard's device copy, and no collective runs (so at stages 1
-and 2, with the whole tensor on every rank).
+How a block is fetched: the comment above `FetchGroup`.
 
 The fetch of each flat tensor is gathers.py's (plain functions, below the flat tensors).
 
@@ -33,8 +22,20 @@ from tierzero.runtime.gathers import discard_gather, drop_gather, finish_gather,
 from tierzero.runtime.step_context import PendingGather, StepContext
 
 
+# A block has one or two flat tensors (its trainable parameters, its frozen ones). The group
+# brings them to the device as one: for each, this rank's shard is acquired on the device tier
+# (the placement manager's copy stream, from host or NVMe); at world size N > 1 a scratch buffer
+# for the full tensor is reserved on the device tier and the all-gather of every rank's shard
+# into it starts (async); at stages 1 and 2 every rank keeps the whole tensor, which is fetched
+# as at world size 1. Every flat tensor of the block is started before any is waited for, so
+# the collectives of a block are in flight together. An all-gather the prefetcher starts ahead
+# waits in the StepContext (a `PendingGather` record) until its block's fetch takes it; a release
+# frees the scratch buffer or, when the same block is fetched next (the last block: forward, then
+# its backward), parks the finished gather for that fetch. At world size 1 the shard is the whole
+# tensor, the fetched copy is the shard's device copy, and no collective runs (so at stages 1
+# and 2, with the whole tensor on every rank).
 class FetchGroup:
-    """One block's flat tensors, fetched, released and reduced together (module docstring)."""
+    """One block's flat tensors, fetched, released and reduced together (see the comment above)."""
 
     def __init__(self, name: str, flats: list[FlatParam], ctx: StepContext) -> None:
         self.name = name

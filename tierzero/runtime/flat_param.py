@@ -4,32 +4,12 @@ A block's trainable parameters (or its frozen ones) are packed into one flat ten
 shard for this rank (the whole tensor at world size 1) lives in the placement manager
 (`param`, Kind.PARAM or Kind.FROZEN, in the compute dtype). A trainable one also has its
 gradient (`grad`, a FlatGrad) and, when the optimizer needs them, fp32 master weights
-(`master`). [Note: master weights] They are registered at wrap only when the values given are wider than the
-parameters (fp32 values, a narrower compute dtype): the parameters alone would lose bits.
-Otherwise (fp32 compute; or values already in the compute dtype, such as a bf16 model's
-weights loaded for bf16 compute) the parameters hold the values exactly, and `ensure_master`
-makes the master weights when the optimizer asks for them: the parameters themselves when
-they are fp32 and live on the optimizer states' tier (`master is param`: one copy, no
-separate write), else their values upcast to fp32, bit for bit what registering them at wrap
-would have written. A load saves that write (two thirds of a bf16 model's swap writes); every
-reader of the values before then (state dicts, checkpoints, export) reads the parameters.
-This holds at every ZeRO stage: the master weights are this rank's shard, cut from the
-parameters' whole flat tensor at stages 1 and 2.
+(`master`: see [Note: master weights]).
 
 At ZeRO stages 1 and 2 (`ZeroStage.params_whole`) `param` holds the whole flat tensor on every
 rank instead of the shard, while the master weights stay this rank's shard (so they are never
 the parameters themselves): new values of the shard (an optimizer step, a load) are cast to the
 compute dtype and all-gathered, in a device scratch buffer, into every rank's whole copy.
-
-A shard loaded from a checkpoint whose bytes it is exactly (the same case: values in the compute
-dtype) is registered with the checkpoint's files as its NVMe home until its first write, so a
-load writes nothing to the swap files (see [Note: copy-on-write home] in tierzero/placement/cow_home.py).
-
-Parameters are never replaced: each stays the same nn.Parameter object, and its `.data` is set
-to a view into the device copy while HELD, and to a one-element zero-stride placeholder of the
-same shape, dtype and device otherwise, which refuses to be read (placeholders.py). Autograd saves parameters (leaves) by reference, so a
-backward sees whatever `.data` holds then: the copy the pre-backward hook fetched. Only
-`install`, `install_scratch` and `uninstall` change the state, as their last line.
 """
 
 from __future__ import annotations
@@ -51,6 +31,12 @@ from tierzero.runtime.placeholders import guard, unguard
 from tierzero.runtime.step_context import StepContext
 
 
+# Parameters are never replaced: each stays the same nn.Parameter object, and its `.data` is set
+# to a view into the device copy while HELD, and to a one-element zero-stride placeholder of the
+# same shape, dtype and device otherwise, which refuses to be read (placeholders.py). Autograd
+# saves parameters (leaves) by reference, so a backward sees whatever `.data` holds then: the
+# copy the pre-backward hook fetched. Only `install`, `install_scratch` and `uninstall` change
+# the state, as their last line.
 class ParamState(Enum):
     """What a FlatParam's nn.Parameters hold.
 
@@ -74,8 +60,25 @@ class SavedView(NamedTuple):
     offset: int
 
 
+# [Note: master weights]
+# The master weights are registered at wrap only when the values given are wider than the
+# parameters (fp32 values, a narrower compute dtype): the parameters alone would lose bits.
+# Otherwise (fp32 compute; or values already in the compute dtype, such as a bf16 model's
+# weights loaded for bf16 compute) the parameters hold the values exactly, and `ensure_master`
+# makes the master weights when the optimizer asks for them: the parameters themselves when
+# they are fp32 and live on the optimizer states' tier (`master is param`: one copy, no
+# separate write), else their values upcast to fp32, bit for bit what registering them at wrap
+# would have written. A load saves that write (two thirds of a bf16 model's swap writes); every
+# reader of the values before then (state dicts, checkpoints, export) reads the parameters.
+# This holds at every ZeRO stage: the master weights are this rank's shard, cut from the
+# parameters' whole flat tensor at stages 1 and 2.
+#
+# A shard loaded from a checkpoint whose bytes it is exactly (the same case: values in the
+# compute dtype) is registered with the checkpoint's files as its NVMe home until its first
+# write, so a load writes nothing to the swap files (see [Note: copy-on-write home] in
+# tierzero/placement/cow_home.py).
 class FlatParam:
-    """One flat tensor of a block and the nn.Parameters that view it (see module docstring)."""
+    """One flat tensor of a block and the nn.Parameters that view it (see the module docstring)."""
 
     def __init__(self, name: str, params: list[nn.Parameter], layout: FlatLayout,
                  orig_dtypes: list[torch.dtype], ctx: StepContext, home: Tier) -> None:
@@ -159,8 +162,8 @@ class FlatParam:
                   borrowed: CheckpointHome | None = None) -> None:
         """Register the parameters (`whole` when every rank keeps them whole, else `shard`, with
         its checkpoint home when `borrowed`), and the gradient of a trainable flat tensor, with
-        its master weights when the parameters cannot hold `shard`'s values exactly (see the
-        module docstring)."""
+        its master weights when the parameters cannot hold `shard`'s values exactly
+        ([Note: master weights])."""
         ctx = self.ctx
         assert shard.numel() == self.layout.shard_numel, (self.name, shard.shape)
         kind = Kind.PARAM if self.trainable else Kind.FROZEN

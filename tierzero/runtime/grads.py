@@ -2,51 +2,7 @@
 
 This rank's shard of the flat gradient, in `config.grad_dtype`, lives in the placement manager
 on `config.grads` (at ZeRO stage 1 the whole flat gradient, of which readers see this rank's
-shard). Its life in a step:
-
-    accumulate  after the block's backward, the parameters' .grad (what early capture, below,
-                did not take already) are flattened (and
-                reduce-scattered, averaged, across ranks; all-reduced at stage 1) into the
-                stored gradient, in its dtype: the first time in a step it is overwritten,
-                later times (gradient accumulation) added to
-    norms       with clipping on (StepContext.clip_norm_type, set by the first tz.clip_grad_norm_),
-                each accumulate computes the shard's norms while the bytes are at hand, so
-                clipping reads no gradient: they stand until the stored gradient changes
-    scale       tz.clip_grad_norm_ records a factor without touching the stored bytes
-    scaled      readers (the optimizer, the norm) see the gradient in fp32 times the pending
-                factor; the next accumulate folds the factor into the stored bytes first
-    clear       zero_grad(): forgotten (set_to_none) or zeros
-
-`empty` is set_to_none's state: no gradient since the last zero_grad().
-
-[Note: early gradient capture] Early capture (`GradCapture`): each share of a parameter's gradient is summed into the stored
-gradient as autograd sends it (a post hook on the node that sends it), in the order autograd
-would sum it, so the bits are the same, and None goes on in its place: autograd neither buffers
-it nor sets `.grad`. Without it the root block (embedding, LM head, final norm), fetched before
-the first block and done after the last, has its gradients held by autograd from the LM head's
-backward to the end of backward (a tied embedding / LM head's share waits in autograd's input
-buffer for the embedding's: vocab x width x 4 bytes, 0.5 GB at 50k x 2560), and every block's
-`.grad` exist whole beside its stored gradient before the flattening: all outside the budgets.
-Where the shares are summed:
-
-    the stored gradient   synchronous CPU copies, one rank, gradients stored in the parameters'
-                          dtype, the first backward since zero_grad() (a second one adds to the
-                          stored sum, which autograd's order would not): acquired (overwrite) at
-                          the first share and held until the block's accumulate
-    a device buffer       wherever copies are asynchronous (CUDA, the stream stand-in) or there
-                          are several ranks: the whole flat gradient of this backward, in the
-                          parameters' dtype, reserved (device budget) at the first share when
-                          there is room now; at accumulate it is what the reduce-scatter (or
-                          all-reduce) reads and what the device-to-host copy takes to the
-                          stored gradient, exactly as the flattened `.grad` would be
-
-A share that arrives otherwise (a recompute in backward, no room for the buffer) is added at
-accumulate; on one rank with nothing captured, each parameter's `.grad` goes straight into its
-slice of the stored gradient, with no flat temporary on the device (`_write_straight`). The
-device-to-host copy of a gradient runs on the copy stream: backward goes on at once, and the
-stored gradient's readers wait for the copy's event (PlacementManager.release's `written`); its
-norms are taken on the device before it leaves.
-"""
+shard). Early capture, beside GradCapture, sums gradients into it as autograd sends them."""
 
 from __future__ import annotations
 
@@ -63,8 +19,25 @@ from tierzero.runtime.collectives import all_reduce_flat, rank_errors, reduce_sc
 from tierzero.runtime.step_context import StepContext
 
 
+# [Note: a flat gradient's life]
+# A FlatGrad's life in a step:
+#
+#     accumulate  after the block's backward, the parameters' .grad (what early capture did not
+#                 take already: [Note: early gradient capture]) are flattened (and
+#                 reduce-scattered, averaged, across ranks; all-reduced at stage 1) into the
+#                 stored gradient, in its dtype: the first time in a step it is overwritten,
+#                 later times (gradient accumulation) added to
+#     norms       with clipping on (StepContext.clip_norm_type, set by the first tz.clip_grad_norm_),
+#                 each accumulate computes the shard's norms while the bytes are at hand, so
+#                 clipping reads no gradient: they stand until the stored gradient changes
+#     scale       tz.clip_grad_norm_ records a factor without touching the stored bytes
+#     scaled      readers (the optimizer, the norm) see the gradient in fp32 times the pending
+#                 factor; the next accumulate folds the factor into the stored bytes first
+#     clear       zero_grad(): forgotten (set_to_none) or zeros
+#
+# `empty` is set_to_none's state: no gradient since the last zero_grad().
 class FlatGrad:
-    """The gradient shard of one trainable flat tensor (see the module docstring)."""
+    """The gradient shard of one trainable flat tensor (see [Note: a flat gradient's life])."""
 
     def __init__(self, owner: str, layout: FlatLayout, ctx: StepContext) -> None:
         self.layout = layout
@@ -86,8 +59,8 @@ class FlatGrad:
         self._captured: set[int] = set()
         """Early capture: parameters (by index) with contributions summed into `_held`."""
         self._held: torch.Tensor | None = None
-        """Early capture: where this backward's shares are summed (module docstring): the stored
-        gradient, acquired (overwrite) at the first share and pinned until accumulate folds in
+        """Early capture ([Note: early gradient capture]): where this backward's shares are summed:
+        the stored gradient, acquired (overwrite) at the first share and pinned until accumulate folds in
         the rest, or a view of `_scratch`."""
         self._scratch: torch.Tensor | None = None
         """Early capture on the device: the buffer `_held` views, given back at accumulate."""
@@ -160,11 +133,12 @@ class FlatGrad:
 
     @property
     def _on_device(self) -> bool:
-        """Early capture sums into a device buffer (module docstring), not the stored gradient."""
+        """Early capture sums into a device buffer, not the stored gradient
+        ([Note: early gradient capture])."""
         return self.ctx.pm.streams.asynchronous or self.ctx.world_size > 1
 
     def can_capture(self, dtype: torch.dtype) -> bool:
-        """Early capture applies now to a contribution of `dtype` (see the module docstring)."""
+        """Early capture applies now to a contribution of `dtype` (see [Note: early gradient capture])."""
         if self._held is not None:
             return dtype == self._held.dtype
         if self._on_device:
@@ -189,7 +163,8 @@ class FlatGrad:
         return True
 
     def _start_capture(self) -> bool:
-        """The first share of a backward: take where the shares are summed (module docstring)."""
+        """The first share of a backward: take where the shares are summed
+        ([Note: early gradient capture])."""
         ctx, h = self.ctx, self.handle
         with torch.profiler.record_function(f"tierzero::capture_grad {h.owner}"):
             if not self._on_device:  # not zeroed: accumulate zeroes what no share reached
@@ -370,9 +345,37 @@ class FlatGrad:
         return f"FlatGrad({self.handle.name!r}, empty={self.empty}, scaled={self.scale is not None})"
 
 
+# [Note: early gradient capture]
+# Early capture (`GradCapture`): each share of a parameter's gradient is summed into the stored
+# gradient as autograd sends it (a post hook on the node that sends it), in the order autograd
+# would sum it, so the bits are the same, and None goes on in its place: autograd neither buffers
+# it nor sets `.grad`. Without it the root block (embedding, LM head, final norm), fetched before
+# the first block and done after the last, has its gradients held by autograd from the LM head's
+# backward to the end of backward (a tied embedding / LM head's share waits in autograd's input
+# buffer for the embedding's: vocab x width x 4 bytes, 0.5 GB at 50k x 2560), and every block's
+# `.grad` exist whole beside its stored gradient before the flattening: all outside the budgets.
+# Where the shares are summed:
+#
+#     the stored gradient   synchronous CPU copies, one rank, gradients stored in the parameters'
+#                           dtype, the first backward since zero_grad() (a second one adds to the
+#                           stored sum, which autograd's order would not): acquired (overwrite) at
+#                           the first share and held until the block's accumulate
+#     a device buffer       wherever copies are asynchronous (CUDA, the stream stand-in) or there
+#                           are several ranks: the whole flat gradient of this backward, in the
+#                           parameters' dtype, reserved (device budget) at the first share when
+#                           there is room now; at accumulate it is what the reduce-scatter (or
+#                           all-reduce) reads and what the device-to-host copy takes to the
+#                           stored gradient, exactly as the flattened `.grad` would be
+#
+# A share that arrives otherwise (a recompute in backward, no room for the buffer) is added at
+# accumulate; on one rank with nothing captured, each parameter's `.grad` goes straight into its
+# slice of the stored gradient, with no flat temporary on the device (`_write_straight`). The
+# device-to-host copy of a gradient runs on the copy stream: backward goes on at once, and the
+# stored gradient's readers wait for the copy's event (PlacementManager.release's `written`); its
+# norms are taken on the device before it leaves.
 class GradCapture:
-    """Early capture (module docstring) for a wrapped model's trainable parameters: after each
-    forward with autograd, a walk of the graph from the outputs finds every edge into one of
+    """Early capture for a wrapped model's trainable parameters ([Note: early gradient capture]):
+    after each forward with autograd, a walk of the graph from the outputs finds every edge into one of
     those parameters' AccumulateGrad nodes and puts a post hook on the node that sends it; the
     hook gives the share to the parameter's FlatGrad (`capture`) and passes None on in its
     place."""

@@ -1,18 +1,8 @@
 """Parameters that refuse to be read while they hold no data.
 
 Outside its block's forward and backward a wrapped parameter is a placeholder: a one-element
-zero-stride tensor of the right shape and dtype (flat_param.py). Read as it is, it would give
-zeros, silently. [Note: unfetched parameters] So while FREE a parameter's class is a subclass of
-its own (`Unfetched<Class>`, made once per class, as torch's parametrizations make a module's)
-whose `__torch_function__` lets through what needs no data (shape, dtype, device,
-requires_grad, grad, hooks, ...) and refuses everything else with an error naming the parameter
-and the ways to read it (`tz.gathered_params`, `model.state_dict()`). `p.data` and `p.detach()`
-give an `UnfetchedTensor` that refuses the same way (a state dict's values are replaced by the
-real ones before the caller sees them). A conversion (`model.to(dtype)`, `.half()`,
-`.to(device)`) is refused naming Config.compute_dtype, unless it changes nothing. When the block
-is fetched the parameter gets its own class back: a forward runs on plain parameters, at no
-cost. The class is the only state on the parameter; its name is kept in a side table.
-"""
+zero-stride tensor of the right shape and dtype (flat_param.py), which refuses to be read
+([Note: unfetched parameters])."""
 
 from __future__ import annotations
 
@@ -57,8 +47,19 @@ _TARGET_DTYPE = {torch.Tensor.half: torch.float16, torch.Tensor.float: torch.flo
                  torch.Tensor.double: torch.float64, torch.Tensor.bfloat16: torch.bfloat16}
 
 
+# [Note: unfetched parameters]
+# A placeholder read as it is would give zeros, silently. So while FREE a parameter's class is a
+# subclass of its own (`Unfetched<Class>`, made once per class, as torch's parametrizations make
+# a module's) whose `__torch_function__` lets through what needs no data (shape, dtype, device,
+# requires_grad, grad, hooks, ...) and refuses everything else with an error naming the parameter
+# and the ways to read it (`tz.gathered_params`, `model.state_dict()`). `p.data` and `p.detach()`
+# give an `UnfetchedTensor` that refuses the same way (a state dict's values are replaced by the
+# real ones before the caller sees them). A conversion (`model.to(dtype)`, `.half()`,
+# `.to(device)`) is refused naming Config.compute_dtype, unless it changes nothing. When the
+# block is fetched the parameter gets its own class back: a forward runs on plain parameters, at
+# no cost. The class is the only state on the parameter; its name is kept in a side table.
 class _Unfetched:
-    """The behaviour of an unfetched parameter (see the module docstring)."""
+    """The behaviour of an unfetched parameter (see [Note: unfetched parameters])."""
 
     _plain: type
     """The class the parameter has while fetched."""

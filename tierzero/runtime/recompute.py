@@ -1,22 +1,6 @@
 """Activation checkpointing by tierzero (Config.activation_checkpointing): each block call keeps
 only its input and runs its forward again in backward, as torch.utils.checkpoint's
-non-reentrant mode does, without the user wrapping modules.
-
-[Note: recompute frames]
-A block call's pre-forward opens a `Frame`. The call's tensor inputs (as the block's own hook
-passes them on: what autograd propagates to) go into an ActivationPack of their own, sealed at
-once so that the writer places them (Config.activations) while the block computes; the random
-generators' states and the autocast state are kept. During the call's forward every tensor
-autograd saves gets a `SavedActivation` numbered in save order, and nothing is kept. The first
-unpack in backward runs the call again, `module(*args, **kwargs)` with the inputs restored from
-the pack: the block is held for its backward then, so its hooks treat the call as a recompute
-(blocks.py). Saved-tensor hooks keep what the recompute saves, number by number, and each
-unpack takes its tensor. A recompute that saves other shapes or dtypes than the forward did (a
-mutable object passed in, such as a transformers cache; control flow that changed) raises, as
-torch's determinism check does, instead of giving wrong gradients. The frame, what it
-recomputed and its input pack are freed when autograd drops its last record, or at the block
-call's post-backward.
-"""
+non-reentrant mode does, without the user wrapping modules."""
 
 from __future__ import annotations
 
@@ -27,7 +11,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from tierzero.runtime.activations import ActivationPack, Activations, SavedActivation
+from tierzero.runtime.activation_pack import ActivationPack, SavedActivation
+from tierzero.runtime.activations import Activations
 
 
 class _Saved(NamedTuple):
@@ -45,6 +30,20 @@ class _Input(NamedTuple):
     requires_grad: bool
 
 
+# [Note: recompute frames]
+# A block call's pre-forward opens a `Frame`. The call's tensor inputs (as the block's own hook
+# passes them on: what autograd propagates to) go into an ActivationPack of their own, sealed at
+# once so that the writer places them (Config.activations) while the block computes; the random
+# generators' states and the autocast state are kept. During the call's forward every tensor
+# autograd saves gets a `SavedActivation` numbered in save order, and nothing is kept. The first
+# unpack in backward runs the call again, `module(*args, **kwargs)` with the inputs restored from
+# the pack: the block is held for its backward then, so its hooks treat the call as a recompute
+# (blocks.py). Saved-tensor hooks keep what the recompute saves, number by number, and each
+# unpack takes its tensor. A recompute that saves other shapes or dtypes than the forward did (a
+# mutable object passed in, such as a transformers cache; control flow that changed) raises, as
+# torch's determinism check does, instead of giving wrong gradients. The frame, what it
+# recomputed and its input pack are freed when autograd drops its last record, or at the block
+# call's post-backward.
 class Frame:
     """One block call under activation checkpointing (see [Note: recompute frames])."""
 

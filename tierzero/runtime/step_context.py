@@ -1,23 +1,8 @@
 """`StepContext`: what the blocks of one wrapped model share, and the one module that changes it.
 
 The root state (state.py), the blocks (blocks.py, fetch_group.py, flat_param.py) and the
-tiered optimizer (tierzero.optim) all read the context; every field is written only by the
-methods below, so the life of a step can be read in one place:
-
-    begin_iteration   the root's forward starts: phase FORWARD (IDLE without grad), the calling
-                      thread its owner (`check_thread` refuses another's until the step ends);
-                      all-gathers started ahead for the previous iteration are dropped by the caller
-    hold / release    a block is fetched / released (the held set, and device room beside it;
-                      a forward's first fetches give `forward_order` when its backward ends)
-    add_activation_bytes  placed activations kept on the device (less device room)
-    track / untrack   a held flat tensor's device storage (saved-tensor hooks find it by pointer)
-    put / take gather an all-gather started ahead waits here for its block's fetch
-    begin_backward    the first pre-backward hook: phase BACKWARD, the final callback queued once
-                      (after the last step's overlapped updates, which it waits for)
-    end_iteration     the final callback of a backward (or the end of an inference forward)
-
-A backward that raises never runs its final callback: the phase stays BACKWARD after it.
-`backward_died()` tells the next root forward so, which then ends that iteration first.
+tiered optimizer (tierzero.optim) all read the context; every field is written only by its
+methods, so the life of a step can be read in one place (beside `StepContext`).
 
 The context sits below the flat tensors and blocks that share it: it knows them by the small
 Protocols `FlatRef` and `HeldBlock`, never by their classes.
@@ -101,9 +86,25 @@ class GatherCounts:
     on_demand: int = 0
 
 
+# The life of a step, by the methods that write the context:
+#
+#     begin_iteration   the root's forward starts: phase FORWARD (IDLE without grad), the calling
+#                       thread its owner (`check_thread` refuses another's until the step ends);
+#                       all-gathers started ahead for the previous iteration are dropped by the caller
+#     hold / release    a block is fetched / released (the held set, and device room beside it;
+#                       a forward's first fetches give `forward_order` when its backward ends)
+#     add_activation_bytes  placed activations kept on the device (less device room)
+#     track / untrack   a held flat tensor's device storage (saved-tensor hooks find it by pointer)
+#     put / take gather an all-gather started ahead waits here for its block's fetch
+#     begin_backward    the first pre-backward hook: phase BACKWARD, the final callback queued once
+#                       (after the last step's overlapped updates, which it waits for)
+#     end_iteration     the final callback of a backward (or the end of an inference forward)
+#
+# A backward that raises never runs its final callback: the phase stays BACKWARD after it.
+# `backward_died()` tells the next root forward so, which then ends that iteration first.
 @dataclass(eq=False)
 class StepContext:
-    """State shared by every block of one wrapped model (see the module docstring)."""
+    """State shared by every block of one wrapped model (see the comment above)."""
 
     pm: PlacementManager
     compute_dtype: torch.dtype

@@ -1,39 +1,4 @@
-"""`StepQueue`: the optimizer step's block updates running under the next forward.
-
-[Note: overlapped step] With params, gradients and optimizer states on NVMe, a step is a
-stream of reads and writes (26-28 bytes per parameter at 1b) during which the compute sits
-idle, and the next forward (compute, few bytes) cannot start until the step returns. Yet
-forward needs block k only once block k is updated, and the step updates the blocks in
-forward order. So `opt.step()` queues one update per block on a thread of its own and
-returns; the next forward computes block k as soon as block k's update is done, while the
-updates of the blocks after it read and write the drive. The values are those of a step that
-ran to the end before the forward: every read of an updated tensor waits for its update.
-
-Who waits, and for what (the queue is FIFO on one thread, so updates finish in step order):
-
-    a block's fetch            its flats' updates (Block.hold; the wait counts as a host stall)
-    a prefetch                 none: a unit whose update is queued is not prefetched yet; the
-                               prefetcher plans again as each update ends (`on_done`), so the
-                               block is brought while the one before it computes
-    zero_grad                  none: a flat whose update is queued clears its gradient right
-                               after the update (`clear_after`)
-    backward, clipping, the    every update (`drain`): their reads span all blocks, and a flat
-    next step, state dicts,    no forward fetched (its block skipped) may still be queued
-    checkpoints, close
-
-An update that raises stops the queue: the updates after it are not run (the model holds a
-partial step), and every later wait raises an error naming the block that failed, from the
-update's error, until the model is closed.
-
-Any world size, any device. An update's collectives (across ranks: the all-gather of the new
-parameters at stages 1 and 2, dropping an all-gather started ahead at stage 3) are not run on
-the update thread: the update returns them, and the thread that waits for the update (a
-fetch, a drain: the one that drives the model's collectives) runs them, in step order, so that
-every rank issues the same collectives in the same order, never beside the training loop's own.
-A flat whose collectives are still to run counts as updating. The update's device work runs on
-the copy streams (its thread makes the device current) and is ordered against the next
-forward's compute by their events.
-"""
+"""`StepQueue`: the optimizer step's block updates running under the next forward."""
 
 from __future__ import annotations
 
@@ -52,6 +17,40 @@ class StepFailed(RuntimeError):
     """An update of an overlapped step raised; the model holds a partial step."""
 
 
+# [Note: overlapped step]
+# With params, gradients and optimizer states on NVMe, a step is a
+# stream of reads and writes (26-28 bytes per parameter at 1b) during which the compute sits
+# idle, and the next forward (compute, few bytes) cannot start until the step returns. Yet
+# forward needs block k only once block k is updated, and the step updates the blocks in
+# forward order. So `opt.step()` queues one update per block on a thread of its own and
+# returns; the next forward computes block k as soon as block k's update is done, while the
+# updates of the blocks after it read and write the drive. The values are those of a step that
+# ran to the end before the forward: every read of an updated tensor waits for its update.
+#
+# Who waits, and for what (the queue is FIFO on one thread, so updates finish in step order):
+#
+#     a block's fetch            its flats' updates (Block.hold; the wait counts as a host stall)
+#     a prefetch                 none: a unit whose update is queued is not prefetched yet; the
+#                                prefetcher plans again as each update ends (`on_done`), so the
+#                                block is brought while the one before it computes
+#     zero_grad                  none: a flat whose update is queued clears its gradient right
+#                                after the update (`clear_after`)
+#     backward, clipping, the    every update (`drain`): their reads span all blocks, and a flat
+#     next step, state dicts,    no forward fetched (its block skipped) may still be queued
+#     checkpoints, close
+#
+# An update that raises stops the queue: the updates after it are not run (the model holds a
+# partial step), and every later wait raises an error naming the block that failed, from the
+# update's error, until the model is closed.
+#
+# Any world size, any device. An update's collectives (across ranks: the all-gather of the new
+# parameters at stages 1 and 2, dropping an all-gather started ahead at stage 3) are not run on
+# the update thread: the update returns them, and the thread that waits for the update (a
+# fetch, a drain: the one that drives the model's collectives) runs them, in step order, so that
+# every rank issues the same collectives in the same order, never beside the training loop's own.
+# A flat whose collectives are still to run counts as updating. The update's device work runs on
+# the copy streams (its thread makes the device current) and is ordered against the next
+# forward's compute by their events.
 class StepQueue:
     """The FIFO of block updates of the current step, keyed by each flat's parameter handle."""
 
@@ -65,7 +64,7 @@ class StepQueue:
         self._clear: dict[TensorHandle, Callable[[], None]] = {}
         """Gradient clears zero_grad asked for while the flat's update was queued."""
         self._collectives: dict[TensorHandle, tuple[str, Callable[[], None]]] = {}
-        """Finished updates' collectives still to run, in step order (see the module docstring)."""
+        """Finished updates' collectives still to run, in step order (see [Note: overlapped step])."""
         self._failed: StepFailed | None = None
         self._on_wait = on_wait
         """Told the seconds a fetch waited for updates (the telemetry's host stall)."""

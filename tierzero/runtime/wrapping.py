@@ -1,49 +1,14 @@
 """`tz.wrap(model, config)`: transparent tiered training of an unchanged nn.Module.
 
-Phases of one training step, once wrapped:
-
-1. wrap (once): parameters are grouped into blocks (the repeated children, e.g. transformer
-   layers, plus a root block for everything else and for parameters shared between blocks);
-   each block's parameters are packed into flat tensors registered with the placement manager
-   on `config.params` in the compute dtype, with gradients on `config.grads`; the
-   parameters become placeholders; hooks are registered once. With `weights=` the flat tensors
-   are read from a checkpoint instead, one block at a time (tierzero/formats/weights.py), so the model
-   may be built on the meta device.
-2. forward: the root's pre-hook starts an iteration of the prefetcher; each block's pre-hook
-   fetches it to the device (the prefetcher starts copies of the blocks ahead per the trace) and
-   points its parameters at the device copy; its post-hook releases it and hooks its outputs.
-3. backward: the hook on a block's outputs fetches it again; after the block's backward
-   (`RegisterPostBackward` on its inputs) the parameters' .grad are added into the flat
-   gradient (Config.grad_dtype) and released; a final callback per backward sweeps up what is
-   left (the root block, blocks whose inputs needed no gradient) and ends the prefetcher's
-   iteration.
-4. step: tz.AdamW / tz.SGD / tz.clip_grad_norm_ (tierzero.optim) read the flat gradients, update
-   fp32 master weights block by block, and store the new parameters on their home tier.
-
-The parameters' `.grad` stay None: gradients live in the flat gradients, which the
-clip function and the optimizers read and `optimizer.zero_grad()` clears. Outside a block's
-forward and backward its parameters hold no data (a zero-stride placeholder of the right shape
-and dtype that refuses to be read: placeholders.py): read values with `model.state_dict()`,
+The parameters' `.grad` stay None: gradients live in the flat gradients, which the clip
+function and the optimizers read and `optimizer.zero_grad()` clears. Outside a block's forward
+and backward its parameters hold no data (a zero-stride placeholder of the right shape and
+dtype that refuses to be read: placeholders.py): read values with `model.state_dict()`,
 `tz.full_state_dict(model)` or inside `tz.gathered_params(model)`, write them with
 `model.load_state_dict()` or inside `tz.gathered_params(model, writable=True)`. Parameters
-added or frozen after wrap (peft over a wrapped base) are taken in by `refresh`. During the
-root's forward, tensors autograd saves that view a block's device copy are saved as references
-into the block (blocks.SavedParamViews), so the copy is really freed after the forward and
-rebuilt for backward; the other tensors a block call
-saves are placed per Config.activations, or recomputed (Config.activation_checkpointing): see
-activations.py and recompute.py.
+added or frozen after wrap (peft over a wrapped base) are taken in by `refresh`.
 
-Data parallelism (ZeRO, Config.zero_stage): with torch.distributed initialised, wrap uses the
-default process group (or `process_group=`). At stage 3 each rank tiers only its shard of every
-flat tensor, fetches all-gather the blocks (started ahead by the prefetcher), gradients are
-reduce-scattered and averaged, the optimizers step on shards; at stage 2 every rank keeps the
-whole parameters (fetched without communication; updated shards all-gathered after the step),
-at stage 1 the whole gradients too (all-reduced; tierzero.layout.ZeroStage). tz.clip_grad_norm_ takes
-the global norm; buffers and parameters are broadcast from the group's first rank at wrap (see
-blocks.py and state.py). Every rank must
-run the same blocks in the same order (no rank-dependent control flow), and call state_dict(),
-load_state_dict() and tz.full_state_dict() together: they gather.
-
+The phases of a step: [Note: a wrapped step]; across ranks: [Note: ZeRO in a wrapped model].
 Limits: blocks run outside the root module's forward are fetched but their saved views and
 activations are not managed; a second backward through one graph (retain_graph=True) is not
 supported.
@@ -77,9 +42,47 @@ from tierzero.runtime.step_context import Phase, StepContext
 # ------------------------------------------------------------------------------- public API
 
 
+# [Note: a wrapped step]
+# Phases of one training step, once wrapped:
+#
+# 1. wrap (once): parameters are grouped into blocks (the repeated children, e.g. transformer
+#    layers, plus a root block for everything else and for parameters shared between blocks);
+#    each block's parameters are packed into flat tensors registered with the placement manager
+#    on `config.params` in the compute dtype, with gradients on `config.grads`; the
+#    parameters become placeholders; hooks are registered once. With `weights=` the flat tensors
+#    are read from a checkpoint instead, one block at a time (tierzero/formats/weights.py), so the model
+#    may be built on the meta device.
+# 2. forward: the root's pre-hook starts an iteration of the prefetcher; each block's pre-hook
+#    fetches it to the device (the prefetcher starts copies of the blocks ahead per the trace) and
+#    points its parameters at the device copy; its post-hook releases it and hooks its outputs.
+# 3. backward: the hook on a block's outputs fetches it again; after the block's backward
+#    (`RegisterPostBackward` on its inputs) the parameters' .grad are added into the flat
+#    gradient (Config.grad_dtype) and released; a final callback per backward sweeps up what is
+#    left (the root block, blocks whose inputs needed no gradient) and ends the prefetcher's
+#    iteration.
+# 4. step: tz.AdamW / tz.SGD / tz.clip_grad_norm_ (tierzero.optim) read the flat gradients, update
+#    fp32 master weights block by block, and store the new parameters on their home tier.
+#
+# During the root's forward, tensors autograd saves that view a block's device copy are saved as
+# references into the block (blocks.SavedParamViews), so the copy is really freed after the
+# forward and rebuilt for backward; the other tensors a block call saves are placed per
+# Config.activations, or recomputed (Config.activation_checkpointing): see activations.py and
+# recompute.py.
+#
+# [Note: ZeRO in a wrapped model]
+# Data parallelism (Config.zero_stage): with torch.distributed initialised, wrap uses the default
+# process group (or `process_group=`). At stage 3 each rank tiers only its shard of every flat
+# tensor, fetches all-gather the blocks (started ahead by the prefetcher), gradients are
+# reduce-scattered and averaged, the optimizers step on shards; at stage 2 every rank keeps the
+# whole parameters (fetched without communication; updated shards all-gathered after the step),
+# at stage 1 the whole gradients too (all-reduced; tierzero.layout.ZeroStage). tz.clip_grad_norm_
+# takes the global norm; buffers and parameters are broadcast from the group's first rank at wrap
+# (see blocks.py and state.py). Every rank must run the same blocks in the same order (no
+# rank-dependent control flow), and call state_dict(), load_state_dict() and tz.full_state_dict()
+# together: they gather.
 def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
          weights: str | os.PathLike[str] | None = None, strict: bool = False) -> nn.Module:
-    """Make `model` train with its state on tiers (see the module docstring); returns `model`.
+    """Make `model` train with its state on tiers (see [Note: a wrapped step]); returns `model`.
 
     `weights`: a transformers model folder (sharded safetensors) or a .safetensors file to fill
     the tiers from, block by block, instead of the model's own values; the model may then be
