@@ -108,6 +108,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def _config(args: argparse.Namespace) -> tz.Config:
+    """The run's Config, from the flags (placement, ZeRO and activation flags: flags.py)."""
     return tz.Config(device_budget=args.device_budget, host_budget=args.host_budget,
                      nvme_dir=args.nvme_dir, nvme_budget=args.nvme_budget,
                      collective_timeout_s=args.collective_timeout, step_in_backward=args.step_in_backward,
