@@ -1,28 +1,10 @@
 """Checkpoints of a wrapped model: save and load its tiered state (and its optimizer's).
 
-The format on disk is format.py's; the checksummed file IO is chunk_io.py's;
-the resharding plans are reshard.py's. This module is the orchestration around them and
-the only part that touches the model's runtime objects (its flat tensors and this rank's shards
-of their values and the optimizer's states), which it turns into region keys and bytes.
-
-Phases of a save (every rank): rank 0 picks the next number and makes `.tmp-ckpt-N/`; each
-rank preallocates its data file (a full disk fails here, before anything is written) and
-streams its tensors block by block: a tensor is read from its home tier into one of two
-page-aligned buffers (NVMe homes through io_engine) while the previous buffer's chunks are
-written with io_engine (O_DIRECT, checksummed as they go); files are fsynced; every rank
-learns every rank's outcome; rank 0 writes the model's transformers config.json when it has
-one (for `tierzero export --to DIR`), then the manifest last, fsyncs it and the folder,
-renames the folder to `ckpt-N` and fsyncs DIR, then prunes to `keep_last`. A crash at any
-moment leaves either the old set of complete checkpoints or the new one; `.tmp-*` leftovers
-are ignored by load and removed by the next save.
-
-Phases of a load: the manifest's checksum, the model's layouts (a different model is refused
-before anything is touched), every rank file's presence and size are checked first; then each
-tensor's shard for this rank is planned from the saved layout (`reshard_plan`: a pure function
-of the old layout, the new one and the rank, so N ranks load into M), only the chunks holding
-those bytes are read and verified, and the tensor is stored to its home tier while the next one
-is read. A corrupt chunk fails the load with an error naming the file and byte range; the model
-is then partially loaded and must be loaded again before use.
+The format on disk is format.py's; the checksummed file IO is chunk_io.py's; the resharding
+plans are reshard.py's. This module is the orchestration around them and the only part that
+touches the model's runtime objects (its flat tensors and this rank's shards of their values and
+of the optimizer's states: the runtime's RankShard), which it turns into region keys and bytes.
+The steps of each: [Note: phases of a save] and [Note: phases of a load].
 """
 
 from __future__ import annotations
@@ -135,6 +117,16 @@ class _Comm:
 # ----------------------------------------------------------------------------- save
 
 
+# [Note: phases of a save]
+# Every rank: rank 0 picks the next number and makes `.tmp-ckpt-N/`; each rank preallocates its
+# data file (a full disk fails here, before anything is written) and streams its tensors block
+# by block: a tensor is read from its home tier into one of two page-aligned buffers (NVMe homes
+# through io_engine) while the previous buffer's chunks are written with io_engine (O_DIRECT,
+# checksummed as they go); files are fsynced; every rank learns every rank's outcome; rank 0
+# writes the model's transformers config.json when it has one (for `tierzero export --to DIR`),
+# then the manifest last, fsyncs it and the folder, renames the folder to `ckpt-N` and fsyncs
+# DIR, then prunes to `keep_last`. A crash at any moment leaves either the old set of complete
+# checkpoints or the new one; `.tmp-*` leftovers are ignored by load and removed by the next save.
 def save_checkpoint(dir: str | os.PathLike[str], model: nn.Module, optimizer: TieredOptimizer | None = None,
                     extra: Any = None, keep_last: int | None = None) -> Path:
     """Save the model's tiered state (and the optimizer's) as a new checkpoint in `dir`; returns
@@ -286,6 +278,14 @@ def _write_rank(tmp: Path, rank: int, state: runtime.TieredState, optimizer: Tie
 # ----------------------------------------------------------------------------- load
 
 
+# [Note: phases of a load]
+# The manifest's checksum, the model's layouts (a different model is refused before anything is
+# touched), every rank file's presence and size are checked first; then each tensor's shard for
+# this rank is planned from the saved layout (`reshard_plan`: a pure function of the old layout,
+# the new one and the rank, so N ranks load into M), only the chunks holding those bytes are read
+# and verified, and the tensor is stored to its home tier while the next one is read. A corrupt
+# chunk fails the load with an error naming the file and byte range; the model is then partially
+# loaded and must be loaded again before use.
 def load_checkpoint(dir: str | os.PathLike[str], model: nn.Module,
                     optimizer: TieredOptimizer | None = None) -> Any:
     """Load the newest checkpoint in `dir` (or the checkpoint folder `dir`) into the wrapped
