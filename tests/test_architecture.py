@@ -99,12 +99,15 @@ def io_engine_face_violations(root: Path) -> list[str]:
 
 
 def one_way_in_violations(root: Path) -> list[str]:
-    """Imports of tierzero.placement, at any level, in the packages THROUGH_THE_RUNTIME, as 'file:line: what'."""
+    """In the packages THROUGH_THE_RUNTIME, imports of tierzero.placement at any level and reads
+    of the placement manager off a runtime object (`.pm`, `placement_manager`), as 'file:line: what'."""
     found = []
     for package in THROUGH_THE_RUNTIME:
         for path in sorted((root / "tierzero" / package).rglob("*.py")):
             rel = path.relative_to(root).as_posix()
             for node in ast.walk(ast.parse(path.read_text(), rel)):
+                if isinstance(node, ast.Attribute) and node.attr in ("pm", "placement_manager"):
+                    found.append(f"{rel}:{node.lineno}: reads the placement manager ({node.attr}), not through the runtime")
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
                 if isinstance(node, ast.ImportFrom) and not node.level and node.module:
                     names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
@@ -197,7 +200,9 @@ def test_a_planted_import_past_io_engines_face_is_found(tmp_path: Path, line: st
     ("tierzero/optim/adamw.py", "from tierzero.placement import Kind"),
     ("tierzero/checkpoint/export.py", "from tierzero import placement"),
     ("tierzero/checkpoint/reshard.py", "import tierzero.placement.handles"),
-], ids=["optim-from", "checkpoint-package", "checkpoint-module"])
+    ("tierzero/optim/clip.py", "runtime.state_of(model).pm.settle()"),
+    ("tierzero/checkpoint/save_load.py", "runtime.placement_manager(model)"),
+], ids=["optim-from", "checkpoint-package", "checkpoint-module", "optim-pm", "checkpoint-placement-manager"])
 def test_a_planted_import_of_placement_is_found(tmp_path: Path, file: str, line: str) -> None:
     root = tree_copy(tmp_path)
     plant(root, file, line, inside_function=True)

@@ -6,12 +6,13 @@ optimizer's flat states (moments) by name; `update()` pins the gradient, master 
 moments on the tier the update runs on, hands them over as an UpdateRoom, and on the way out
 stores the new parameters and releases the state dirty. `check_update_rooms` refuses at
 construction an update that could never fit; `update_queue` and `beside_compute` tie the
-overlapped step's queue and update threads to the trace.
+overlapped step's queue and update threads to the trace; `global_norm` is clipping's collective.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Callable, Iterator, Sequence, TypeVar
 
@@ -20,10 +21,12 @@ import torch
 from tierzero.config import Tier
 from tierzero.layout import ROOT
 from tierzero.placement import UPDATES_TRACK, Kind, TensorHandle
+from tierzero.runtime.collectives import all_reduce_, rank_errors
 from tierzero.runtime.flat_param import FlatParam
 from tierzero.runtime.grads import FlatGrad
 from tierzero.runtime.shards import RankShard
 from tierzero.runtime.state import TieredState
+from tierzero.runtime.step_context import StepContext
 from tierzero.runtime.step_queue import StepQueue
 
 Result = TypeVar("Result")
@@ -215,6 +218,20 @@ def beside_compute(state: TieredState, update: Callable[[], Result], name: str, 
                 telemetry.record_span(UPDATES_TRACK, f"update {name}", t0, time.perf_counter(),
                                       {"block": name, "wait_s": round(waited(), 6), "overlapped": overlapped})
     return beside
+
+
+def global_norm(shard_norms: list[torch.Tensor], norm_type: float, ctx: StepContext) -> torch.Tensor:
+    """The norm over every rank's gradient shards from this rank's per-shard norms (shards split
+    the flat gradients exactly, padding holds zeros), reduced on the device."""
+    local = torch.stack([n.to(ctx.device) for n in shard_norms])
+    streams = ctx.pm.streams
+    with rank_errors(ctx.rank, ctx.world_size, "all-reduce of the gradient norm"):
+        if math.isinf(norm_type):
+            return all_reduce_(streams.to_device(local.max()), ctx.group, ctx.world_size, streams, op="max",
+                               comm=ctx.comm)
+        powered = all_reduce_(streams.to_device(local.pow(norm_type).sum()), ctx.group, ctx.world_size, streams,
+                              comm=ctx.comm)
+    return powered.pow(1.0 / norm_type)
 
 
 def _gradient(flat: FlatParam) -> FlatGrad:
