@@ -12,7 +12,9 @@ tierzero.placement.residency), the path inside one package.
 The model: the built-in GPT (`--layers` blocks and the root), fp32, parameters, gradients and
 optimizer states homed on NVMe, the step inline (no overlap) so the update runs on this thread.
 (a) is the whole opt.step() divided by the blocks it updates; (b) is entering
-tz.gathered_params on one layer after its cached copies were dropped.
+tz.gathered_params on one layer after its cached copies were dropped. Also counted: the
+distinct (calling function, called function) pairs that cross, the places in the code a path
+goes over a package line however often it runs them.
 
     .venv/bin/python benchmarks/crossings.py --nvme-dir runs/crossings [--level module] [--json]
 """
@@ -48,8 +50,10 @@ def unit_of(module: str | None, level: str) -> str | None:
     return ".".join(parts[:2]) if parts[0] == "tierzero" and len(parts) > 1 else parts[0]
 
 
-def count(fn: Callable[[], Any], *, level: str = "package") -> collections.Counter[tuple[str, str]]:
-    """Run `fn` and count its crossings on this thread, by (from, to)."""
+def count(fn: Callable[[], Any], *, level: str = "package",
+          sites: set[tuple[str, str]] | None = None) -> collections.Counter[tuple[str, str]]:
+    """Run `fn` and count its crossings on this thread, by (from, to); `sites` (when given)
+    receives each distinct (calling function, called function) pair that crossed."""
     crossings: collections.Counter[tuple[str, str]] = collections.Counter()
 
     def profile(frame: Any, event: str, arg: Any) -> None:
@@ -64,6 +68,8 @@ def count(fn: Callable[[], Any], *, level: str = "package") -> collections.Count
             if unit is not None:
                 if unit != callee:
                     crossings[(unit, callee)] += 1
+                    if sites is not None:
+                        sites.add((_where(caller), _where(frame)))
                 return
             caller = caller.f_back
 
@@ -73,6 +79,10 @@ def count(fn: Callable[[], Any], *, level: str = "package") -> collections.Count
     finally:
         sys.setprofile(None)
     return crossings
+
+
+def _where(frame: Any) -> str:
+    return f"{frame.f_globals.get('__name__')}.{frame.f_code.co_qualname}"
 
 
 def build(nvme_dir: str, layers: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -99,7 +109,8 @@ def measure(nvme_dir: str, layers: int, level: str) -> dict[str, Any]:
     backward(model, opt)
     opt.step()  # the first step registers and warms what later steps reuse
     backward(model, opt)
-    update = count(opt.step, level=level)
+    update_sites: set[tuple[str, str]] = set()
+    update = count(opt.step, level=level, sites=update_sites)
     blocks = sum(1 for f in runtime.state_of(model).flat_params(trainable=True))
     runtime.settle(model)
     state = runtime.state_of(model)
@@ -111,12 +122,13 @@ def measure(nvme_dir: str, layers: int, level: str) -> dict[str, Any]:
             if h.home.value != tier:
                 pm.drop(h, tier)
     gathered = tz.gathered_params(model, modules=layer)
-    fetch = count(gathered.__enter__, level=level)
+    fetch_sites: set[tuple[str, str]] = set()
+    fetch = count(gathered.__enter__, level=level, sites=fetch_sites)
     gathered.__exit__(None, None, None)
     runtime.close(model)
     return {"tree": str(Path(tz.__file__).parents[1]), "level": level, "blocks_updated": blocks,
             "update_per_block": round(sum(update.values()) / blocks, 1), "update_step_total": sum(update.values()),
-            "fetch": sum(fetch.values()),
+            "fetch": sum(fetch.values()), "update_sites": len(update_sites), "fetch_sites": len(fetch_sites),
             "update_edges": {f"{a} -> {b}": n for (a, b), n in update.most_common()},
             "fetch_edges": {f"{a} -> {b}": n for (a, b), n in fetch.most_common()}}
 
@@ -135,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
         return 0
     print(f"tree {result['tree']}: {args.level} crossings: update of one block {result['update_per_block']} "
-          f"({result['update_step_total']} over {result['blocks_updated']} blocks), one NVMe fetch {result['fetch']}")
+          f"({result['update_step_total']} over {result['blocks_updated']} blocks), one NVMe fetch {result['fetch']}; "
+          f"distinct crossing calls (caller, callee): step {result['update_sites']}, fetch {result['fetch_sites']}")
     for what in ("update_edges", "fetch_edges"):
         print(f"  {what}:")
         for edge, n in result[what].items():

@@ -246,8 +246,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         todo.sort(key=lambda f: order.get(f.name, len(order)))
         self._stepped.clear()
         for i, flat in enumerate(todo):
-            update = functools.partial(self._step_flat, flat, groups,
-                                       then=lambda i=i: self._read_ahead(todo[i + 1:i + 1 + READ_AHEAD]))
+            update = functools.partial(self._step_flat, flat, groups, ahead=todo[i + 1:i + 1 + READ_AHEAD])
             if self._queue is None:
                 _then_collectives(update())
             else:
@@ -276,7 +275,7 @@ class TieredOptimizer(torch.optim.Optimizer):
 
         def update() -> Callable[[], None] | None:
             with torch.no_grad():
-                collectives = self._step_flat(flat, groups, then=lambda: self._read_ahead(ahead, grad=False))
+                collectives = self._step_flat(flat, groups, ahead=ahead, grads_ahead=False)
                 flat_grad(flat).clear()  # used up: its host room goes back now, and it never reaches NVMe
                 return collectives
 
@@ -319,19 +318,14 @@ class TieredOptimizer(torch.optim.Optimizer):
                 "tierzero/hf/trainer.py), a drop-in subclass of transformers.Trainer. In your own loop, drop "
                 "the optimizer.train() call: tz optimizers have no train/eval modes")
 
-    def _read_ahead(self, flats: list[FlatParam], *, grad: bool = True) -> None:
-        """Start reading the next blocks' gradients and state: the first for sure, the ones
-        after it only into room that needs no dirty copy written back (speculative)."""
-        for k, flat in enumerate(flats):
-            self._live_states(flat).prefetch(speculative=k > 0, grad=grad)
-
-    def _step_flat(self, flat: FlatParam, groups: list[dict[str, Any]], *,
-                   then: Callable[[], None]) -> Callable[[], None] | None:
-        """Update `flat` with its groups' hyper-parameters; `then` (the next block's prefetch)
-        runs once this block's state is pinned, so the read-ahead can never evict what this
-        update is about to use. Returns the update's collectives (FlatParam.master_updated) for
-        the caller to run on the thread that drives the model's."""
-        with self._live_states(flat).update(then=then) as room:
+    def _step_flat(self, flat: FlatParam, groups: list[dict[str, Any]], *, ahead: list[FlatParam],
+                   grads_ahead: bool = True) -> Callable[[], None] | None:
+        """Update `flat` with its groups' hyper-parameters; the blocks `ahead` start reading
+        their state (and gradients, `grads_ahead`) once this block's state is pinned
+        (BlockState.update). Returns the update's collectives (FlatParam.master_updated) for the
+        caller to run on the thread that drives the model's."""
+        states = self._live_states(flat)
+        with states.update(ahead=[self._live_states(f) for f in ahead], grads_ahead=grads_ahead) as room:
             steps = self._steps[flat]
             for j, g in enumerate(self._group_of[flat]):
                 if g is not None and j not in room.skip:

@@ -114,19 +114,21 @@ class BlockState:
             pm.prefetch(handle, tier, speculative=speculative)
 
     @contextlib.contextmanager
-    def update(self, *, then: Callable[[], None]) -> Iterator[UpdateRoom]:
+    def update(self, *, ahead: Sequence[BlockState] = (), grads_ahead: bool = True) -> Iterator[UpdateRoom]:
         """The gradient (copied to the master weights' tier if it lives apart), master weights
-        and states pinned; `then` (the next blocks' read-ahead) runs once they are, so it can
-        never evict what this update is about to use. On a clean exit the master weights'
-        new values reach the parameters (the room's `collectives` say what is left for the
-        caller); the state is released dirty either way."""
+        and states pinned; then the blocks `ahead` start reading their state (and gradients,
+        `grads_ahead`): the first for sure, the others speculatively, so the read-ahead can
+        never evict what this update is about to use. On a clean exit the master weights' new
+        values reach the parameters (the room's `collectives` say what is left for the caller);
+        the state is released dirty either way."""
         flat, pm = self.flat, self.flat.ctx.pm
         handles, where = list(self._handles.values()), self._staging[0]
         with torch.profiler.record_function(f"tierzero::optimizer_step {flat.name}"), pm.streams.context(), \
                 self.gradient.acquire(tier=where) as grad:
             tensors = [pm.acquire(h, t) for h, t in zip(handles, self._staging)]
             try:
-                then()
+                for k, block in enumerate(ahead):
+                    block.prefetch(speculative=k > 0, grad=grads_ahead)
                 room = UpdateRoom(self.gradient, grad, tensors)
                 room.skip = self.gradient.unreached()
                 yield room
