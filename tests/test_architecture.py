@@ -4,7 +4,8 @@ import-linter checks the layers, io_engine's independence, the CLI above the lib
 absence of cycles (pyproject.toml, [tool.importlinter]); an `ast` walk checks what it cannot
 express: imports across packages go through the package's face, no `_private` name is imported
 from another module, function-level imports only for optional dependencies and the CLI
-dispatcher; and a fresh interpreter shows that importing the config loads no torch.
+dispatcher; that the optimizer and checkpoints reach placement only through the runtime (one way
+in, checked by both); and a fresh interpreter shows that importing the config loads no torch.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ FUNCTION_LEVEL_ALLOWED = {
 }
 """(file, module) function-level imports allowed besides OPTIONAL and the CLI dispatcher."""
 DISPATCHER = "tierzero/cli/dispatch.py"
+THROUGH_THE_RUNTIME = ("optim", "checkpoint")
+"""Packages that reach placement only through the runtime: they never import tierzero.placement."""
+
 def lint_imports(root: Path) -> subprocess.CompletedProcess:
     code = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True, no_logo=True))"
     env = {**os.environ, "PYTHONPATH": str(root)}
@@ -94,6 +98,24 @@ def io_engine_face_violations(root: Path) -> list[str]:
     return found
 
 
+def one_way_in_violations(root: Path) -> list[str]:
+    """In the packages THROUGH_THE_RUNTIME, imports of tierzero.placement at any level and reads
+    of the placement manager off a runtime object (`.pm`, `placement_manager`), as 'file:line: what'."""
+    found = []
+    for package in THROUGH_THE_RUNTIME:
+        for path in sorted((root / "tierzero" / package).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            for node in ast.walk(ast.parse(path.read_text(), rel)):
+                if isinstance(node, ast.Attribute) and node.attr in ("pm", "placement_manager"):
+                    found.append(f"{rel}:{node.lineno}: reads the placement manager ({node.attr}), not through the runtime")
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                    names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                if any(n == "tierzero.placement" or n.startswith("tierzero.placement.") for n in names):
+                    found.append(f"{rel}:{node.lineno}: imports tierzero.placement, not through the runtime")
+    return found
+
+
 def tree_copy(tmp_path: Path) -> Path:
     for name in ("tierzero", "io_engine"):
         shutil.copytree(REPO / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
@@ -123,6 +145,10 @@ def test_io_engine_is_imported_through_its_face() -> None:
     assert io_engine_face_violations(REPO) == []
 
 
+def test_the_optimizer_and_checkpoints_reach_placement_through_the_runtime() -> None:
+    assert one_way_in_violations(REPO) == []
+
+
 def test_the_config_imports_no_torch() -> None:
     code = "import sys, tierzero.config; assert 'torch' not in sys.modules, 'tierzero.config imported torch'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
@@ -139,7 +165,8 @@ def test_the_config_imports_no_torch() -> None:
     ("tierzero/hf/pretrained.py", "from tierzero.cli import main", True, "the library never imports the command line"),
     # a cycle inside one package: blocks imports wrapping, which imports blocks
     ("tierzero/runtime/blocks.py", "from tierzero.runtime import wrapping", True, "no import cycle"),
-], ids=["upward-in-function", "upward-type-checking", "io_engine", "library-cli", "cycle"])
+    ("tierzero/optim/clip.py", "from tierzero.placement import Kind", True, "reach placement only through the runtime"),
+], ids=["upward-in-function", "upward-type-checking", "io_engine", "library-cli", "cycle", "one-way-in"])
 def test_a_planted_import_breaks_its_contract(tmp_path: Path, file: str, line: str, inside: bool, broken: str) -> None:
     root = tree_copy(tmp_path)
     plant(root, file, line, inside_function=inside)
@@ -167,3 +194,17 @@ def test_a_planted_import_past_io_engines_face_is_found(tmp_path: Path, line: st
     found = io_engine_face_violations(root)
     assert len(found) == 1 and "past the face of io_engine" in found[0], found
     assert found[0].startswith("tierzero/checkpoint/export.py"), found
+
+
+@pytest.mark.parametrize("file,line", [
+    ("tierzero/optim/adamw.py", "from tierzero.placement import Kind"),
+    ("tierzero/checkpoint/export.py", "from tierzero import placement"),
+    ("tierzero/checkpoint/reshard.py", "import tierzero.placement.handles"),
+    ("tierzero/optim/clip.py", "runtime.state_of(model).pm.settle()"),
+    ("tierzero/checkpoint/save_load.py", "runtime.placement_manager(model)"),
+], ids=["optim-from", "checkpoint-package", "checkpoint-module", "optim-pm", "checkpoint-placement-manager"])
+def test_a_planted_import_of_placement_is_found(tmp_path: Path, file: str, line: str) -> None:
+    root = tree_copy(tmp_path)
+    plant(root, file, line, inside_function=True)
+    found = one_way_in_violations(root)
+    assert len(found) == 1 and found[0].startswith(file) and "not through the runtime" in found[0], found

@@ -509,10 +509,10 @@ def _synthetic_checkpoint(folder: Path, model: nn.Module, opt: Any, world: int, 
     for flat in state.flat_params():
         layout = FlatLayout.build([s.fqn for s in flat.layout.slots], [s.shape for s in flat.layout.slots], world,
                                   itemsize=2)
-        names = {"values": flat.values,
-                 **({k.value: h for k, h in opt.state_handles(flat).items()} if flat.trainable else {})}
-        for kind, handle in names.items():
-            values = pm.read(handle).numpy()
+        states = opt.block_state(flat) if flat.trainable else None
+        names = ["values", *(states.states if states is not None else [])]
+        for kind in names:
+            values = (pm.read(flat.values) if states is None or kind == "values" else states.read(kind)).numpy()
             slots = [values[s.offset:s.offset + s.numel] for s in flat.layout.slots]
             full[f"{flat.param.name}/{kind}"] = slots
             for r, shard in enumerate(_shards(layout, slots)):

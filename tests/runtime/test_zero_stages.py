@@ -95,15 +95,14 @@ def snapshot(model: torch.nn.Module, opt: tz.AdamW, rank: int, world_size: int) 
     """Rank 0: the full parameters and the AdamW moments of every parameter, gathered from every
     rank's shards (other ranks: {}). Every rank calls it."""
     out = tz.full_state_dict(model)
-    pm = runtime.placement_manager(model)
     for flat in opt.flat_params:
-        for kind, handle in opt.state_handles(flat).items():
-            shards: list[Any] = [pm.read(handle)]
+        for kind in (states := opt.block_state(flat)).states:
+            shards: list[Any] = [states.read(kind)]
             if world_size > 1:
                 shards = [None] * world_size
-                dist.all_gather_object(shards, pm.read(handle))
+                dist.all_gather_object(shards, states.read(kind))
             for slot, value in zip(flat.layout.slots, flat.layout.views(torch.cat(shards))):
-                out[f"{slot.fqn}.{kind.value}"] = value.clone()
+                out[f"{slot.fqn}.{kind}"] = value.clone()
     return out if rank == 0 else {}
 
 

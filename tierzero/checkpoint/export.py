@@ -194,4 +194,4 @@ def _load_folder(state: runtime.TieredState, path: Path) -> None:
         for flat, shard in zip(flats, shards):
             with torch.profiler.record_function(f"tierzero::load_weights {flat.name}"):
                 flat.store_values(shard.values)
-        load_buffers(state.model, plan, state.pm.device)
+        load_buffers(state.model, plan, state.ctx.device)

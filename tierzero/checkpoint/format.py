@@ -1,28 +1,8 @@
 """The checkpoint format on disk: folder names, the manifest, and finding checkpoints.
 
-A checkpoint is a folder `DIR/ckpt-NNNNNNNN/` holding
-
-    manifest.json     one header line "tierzero-checkpoint 1 xxh3=<hex>" (the xxh3 of the rest),
-                      then JSON: world size, the optimizer, and per flat tensor of every block its
-                      FlatLayout (names, shapes, offsets, original dtypes), its stored tensors
-                      (kind -> dtype) and step count; per rank its files, sizes and the xxh3 of
-                      every chunk of every region; aliases (tied parameters' other names)
-    rankRRRRR.bin     written by rank R: its shard of every stored tensor, each in a region that
-                      starts on a 4 KiB boundary and is padded with zeros to a whole page, so
-                      every byte of the file lies in some chunk whose checksum the manifest holds
-    rankRRRRR.pt      written by rank R: the optimizer's param_groups, the model's persistent
-                      buffers (outside the tiers) and the caller's `extra` (RNG states, data
-                      position, step, scheduler), torch.save'd, checksummed
-    config.json       only for a model with a transformers `config`: its config (and
-                      generation_config.json), written by rank 0 before the manifest, so that
-                      `tierzero export CKPT --to DIR` writes a transformers model folder
-
-The manifest is written last: a `ckpt-N` folder holding one is complete. A save in progress
-writes into `.tmp-ckpt-N/` and renames it; pruning renames a folder to `.trash-ckpt-N` before
-deleting it; both kinds of leftovers are never read.
-
 This module is the format's data (the manifest's records, their JSON, the names of folders and
-files) and nothing else: the bytes of the rank files are written and read by tierzero.ckpt_io.
+files) and nothing else: the bytes of the rank files are written and read by chunk_io.py. The
+layout of a checkpoint folder: [Note: checkpoint layout].
 """
 
 from __future__ import annotations
@@ -42,6 +22,27 @@ from tierzero.layout import FlatLayout, ParamSlot
 
 FORMAT = "tierzero-checkpoint"
 VERSION = 1
+# [Note: checkpoint layout]
+# A checkpoint is a folder `DIR/ckpt-NNNNNNNN/` holding
+#
+#     manifest.json     one header line "tierzero-checkpoint 1 xxh3=<hex>" (the xxh3 of the rest),
+#                       then JSON: world size, the optimizer, and per flat tensor of every block its
+#                       FlatLayout (names, shapes, offsets, original dtypes), its stored tensors
+#                       (kind -> dtype) and step count; per rank its files, sizes and the xxh3 of
+#                       every chunk of every region; aliases (tied parameters' other names)
+#     rankRRRRR.bin     written by rank R: its shard of every stored tensor, each in a region that
+#                       starts on a 4 KiB boundary and is padded with zeros to a whole page, so
+#                       every byte of the file lies in some chunk whose checksum the manifest holds
+#     rankRRRRR.pt      written by rank R: the optimizer's param_groups, the model's persistent
+#                       buffers (outside the tiers) and the caller's `extra` (RNG states, data
+#                       position, step, scheduler), torch.save'd, checksummed
+#     config.json       only for a model with a transformers `config`: its config (and
+#                       generation_config.json), written by rank 0 before the manifest, so that
+#                       `tierzero export CKPT --to DIR` writes a transformers model folder
+#
+# The manifest is written last: a `ckpt-N` folder holding one is complete. A save in progress
+# writes into `.tmp-ckpt-N/` and renames it; pruning renames a folder to `.trash-ckpt-N` before
+# deleting it; both kinds of leftovers are never read.
 MANIFEST = "manifest.json"
 CHUNK_BYTES = 8 << 20
 """Bytes covered by one checksum: the unit a partial (resharding) read fetches and verifies."""

@@ -1,28 +1,10 @@
 """Checkpoints of a wrapped model: save and load its tiered state (and its optimizer's).
 
-The format on disk is format.py's; the checksummed file IO is chunk_io.py's;
-the resharding plans are reshard.py's. This module is the orchestration around them and
-the only part that touches the model's runtime objects (its flat tensors, the placement
-manager's records, the optimizer's states), which it turns into region keys and bytes.
-
-Phases of a save (every rank): rank 0 picks the next number and makes `.tmp-ckpt-N/`; each
-rank preallocates its data file (a full disk fails here, before anything is written) and
-streams its tensors block by block: a tensor is read from its home tier into one of two
-page-aligned buffers (NVMe homes through io_engine) while the previous buffer's chunks are
-written with io_engine (O_DIRECT, checksummed as they go); files are fsynced; every rank
-learns every rank's outcome; rank 0 writes the model's transformers config.json when it has
-one (for `tierzero export --to DIR`), then the manifest last, fsyncs it and the folder,
-renames the folder to `ckpt-N` and fsyncs DIR, then prunes to `keep_last`. A crash at any
-moment leaves either the old set of complete checkpoints or the new one; `.tmp-*` leftovers
-are ignored by load and removed by the next save.
-
-Phases of a load: the manifest's checksum, the model's layouts (a different model is refused
-before anything is touched), every rank file's presence and size are checked first; then each
-tensor's shard for this rank is planned from the saved layout (`reshard_plan`: a pure function
-of the old layout, the new one and the rank, so N ranks load into M), only the chunks holding
-those bytes are read and verified, and the tensor is stored to its home tier while the next one
-is read. A corrupt chunk fails the load with an error naming the file and byte range; the model
-is then partially loaded and must be loaded again before use.
+The format on disk is format.py's; the checksummed file IO is chunk_io.py's; the resharding
+plans are reshard.py's. This module is the orchestration around them and the only part that
+touches the model's runtime objects (its flat tensors and this rank's shards of their values and
+of the optimizer's states: the runtime's RankShard), which it turns into region keys and bytes.
+The steps of each: [Note: phases of a save] and [Note: phases of a load].
 """
 
 from __future__ import annotations
@@ -53,8 +35,7 @@ from tierzero.checkpoint.format import (CHUNK_BYTES, EXTRA_FILES, MANIFEST, PREF
 from tierzero.checkpoint.reshard import reshard_plan
 from tierzero.formats import fsync_dir, persistent_buffers, write_config_files
 from tierzero.optim import TieredOptimizer
-from tierzero.placement import PlacementManager, TensorHandle
-from tierzero.runtime import FlatParam, model_dtype, world
+from tierzero.runtime import FlatParam, RankShard, model_dtype, values_shard, world
 
 _UNMARKED_TMP = re.compile(re.escape(TMP_PREFIX) + r"\d{8}-\d+")
 """The exact name of a save's temporary folder (`temp_name`): one without its marker yet is
@@ -69,35 +50,28 @@ __all__ = ["save_checkpoint", "load_checkpoint", "persistent_buffers", "Checkpoi
 
 class _Job(NamedTuple):
     """One stored tensor of this rank: its region key, its kind in the checkpoint ("values" or
-    a moment's kind), and its handle. A checkpoint holds this rank's shard of it, whatever the
-    ZeRO stage: a rank that keeps the whole parameters (stages 1 and 2) saves its shard."""
+    a moment's kind), and this rank's shard of it (whatever the ZeRO stage: a rank that keeps the
+    whole parameters, stages 1 and 2, saves its shard)."""
 
     key: str
     flat: FlatParam
     kind: str
-    handle: TensorHandle
+    shard: RankShard
 
     @property
     def numel(self) -> int:
-        return self.flat.layout.shard_numel
+        return self.shard.numel
 
     @property
     def nbytes(self) -> int:
-        return self.numel * self.handle.dtype.itemsize
-
-    def read_into(self, pm: PlacementManager, buf: np.ndarray) -> None:
-        """This rank's shard of the tensor, into `buf`."""
-        if self.handle.shape.numel() == self.numel:
-            pm.read(self.handle, out=buf)
-        else:
-            torch.from_numpy(buf[:self.nbytes]).view(self.handle.dtype).copy_(pm.read(self.handle)[self.flat.shard])
+        return self.shard.nbytes
 
 
-def _stored(flat: FlatParam, optimizer: TieredOptimizer | None) -> dict[str, TensorHandle]:
+def _stored(flat: FlatParam, optimizer: TieredOptimizer | None) -> dict[str, RankShard]:
     """What a checkpoint stores of `flat`, by kind: its values (the fp32 master weights when
     there are any, else the parameters), and the optimizer's moments."""
-    moments = optimizer.state_handles(flat) if _steps(flat, optimizer) else {}
-    return {VALUES: flat.values, **{kind.value: h for kind, h in moments.items()}}
+    moments = optimizer.block_state(flat).shards() if _steps(flat, optimizer) else {}
+    return {VALUES: values_shard(flat), **moments}
 
 
 def _steps(flat: FlatParam, optimizer: TieredOptimizer | None) -> bool:
@@ -106,8 +80,8 @@ def _steps(flat: FlatParam, optimizer: TieredOptimizer | None) -> bool:
 
 
 def _jobs(state: runtime.TieredState, optimizer: TieredOptimizer | None) -> list[_Job]:
-    return [_Job(f"{flat.param.name}/{kind}", flat, kind, handle)
-            for flat in state.flat_params() for kind, handle in _stored(flat, optimizer).items()]
+    return [_Job(f"{flat.param.name}/{kind}", flat, kind, shard)
+            for flat in state.flat_params() for kind, shard in _stored(flat, optimizer).items()]
 
 
 def _check_optimizer(state: runtime.TieredState, optimizer: object) -> None:
@@ -143,6 +117,16 @@ class _Comm:
 # ----------------------------------------------------------------------------- save
 
 
+# [Note: phases of a save]
+# Every rank: rank 0 picks the next number and makes `.tmp-ckpt-N/`; each rank preallocates its
+# data file (a full disk fails here, before anything is written) and streams its tensors block
+# by block: a tensor is read from its home tier into one of two page-aligned buffers (NVMe homes
+# through io_engine) while the previous buffer's chunks are written with io_engine (O_DIRECT,
+# checksummed as they go); files are fsynced; every rank learns every rank's outcome; rank 0
+# writes the model's transformers config.json when it has one (for `tierzero export --to DIR`),
+# then the manifest last, fsyncs it and the folder, renames the folder to `ckpt-N` and fsyncs
+# DIR, then prunes to `keep_last`. A crash at any moment leaves either the old set of complete
+# checkpoints or the new one; `.tmp-*` leftovers are ignored by load and removed by the next save.
 def save_checkpoint(dir: str | os.PathLike[str], model: nn.Module, optimizer: TieredOptimizer | None = None,
                     extra: Any = None, keep_last: int | None = None) -> Path:
     """Save the model's tiered state (and the optimizer's) as a new checkpoint in `dir`; returns
@@ -254,7 +238,7 @@ def _manifest(state: runtime.TieredState, optimizer: TieredOptimizer | None, wor
               ranks: list[RankFiles], files: dict[str, int]) -> Manifest:
     flats = []
     for flat in state.flat_params():
-        kinds = {kind: str(h.dtype).removeprefix("torch.") for kind, h in _stored(flat, optimizer).items()}
+        kinds = {kind: str(shard.dtype).removeprefix("torch.") for kind, shard in _stored(flat, optimizer).items()}
         steps = optimizer.block_steps(flat) if _steps(flat, optimizer) else None
         flats.append(FlatEntry(name=flat.param.name, trainable=flat.trainable, layout=flat.layout,
                                dtypes=tuple(str(d).removeprefix("torch.") for d in flat.orig_dtypes),
@@ -286,8 +270,7 @@ def _training_blob(state: runtime.TieredState, optimizer: TieredOptimizer | None
 
 def _write_rank(tmp: Path, rank: int, state: runtime.TieredState, optimizer: TieredOptimizer | None,
                 extra: Any) -> RankFiles:
-    pm = state.pm
-    sources = [Source(j.key, j.nbytes, lambda buf, j=j: j.read_into(pm, buf)) for j in _jobs(state, optimizer)]
+    sources = [Source(j.key, j.nbytes, j.shard.read_into) for j in _jobs(state, optimizer)]
     blob = _training_blob(state, optimizer, extra, persistent_buffers(state.model))
     return write_rank_files(tmp, rank, sources, blob, state.config.io)
 
@@ -295,6 +278,14 @@ def _write_rank(tmp: Path, rank: int, state: runtime.TieredState, optimizer: Tie
 # ----------------------------------------------------------------------------- load
 
 
+# [Note: phases of a load]
+# The manifest's checksum, the model's layouts (a different model is refused before anything is
+# touched), every rank file's presence and size are checked first; then each tensor's shard for
+# this rank is planned from the saved layout (`reshard_plan`: a pure function of the old layout,
+# the new one and the rank, so N ranks load into M), only the chunks holding those bytes are read
+# and verified, and the tensor is stored to its home tier while the next one is read. A corrupt
+# chunk fails the load with an error naming the file and byte range; the model is then partially
+# loaded and must be loaded again before use.
 def load_checkpoint(dir: str | os.PathLike[str], model: nn.Module,
                     optimizer: TieredOptimizer | None = None) -> Any:
     """Load the newest checkpoint in `dir` (or the checkpoint folder `dir`) into the wrapped
@@ -319,7 +310,6 @@ def load_checkpoint(dir: str | os.PathLike[str], model: nn.Module,
                 f"this model has {sorted(buffers)[:6]}; load it into the model it was saved from")
         if optimizer is not None:
             _check_groups(folder / manifest.ranks[state_rank].state, saved["param_groups"], state, optimizer)
-        pm = state.pm
         plans = []
         for job in jobs:
             entry = manifest.flat(job.flat.param.name)
@@ -336,7 +326,7 @@ def load_checkpoint(dir: str | os.PathLike[str], model: nn.Module,
         # one thread reads the next shard while this one stores the current one to its tier
         with cf.ThreadPoolExecutor(1, thread_name_prefix="tierzero-ckpt-read") as ahead:
             double_buffered(len(jobs), size, lambda i, buf: [ahead.submit(read, i, buf)],
-                            lambda i, futures: _store(pm, jobs[i], futures[0].result()))
+                            lambda i, futures: jobs[i].shard.write(futures[0].result()))
     with torch.no_grad():
         for name, buf in buffers.items():
             buf.copy_(saved["buffers"][name])
@@ -363,13 +353,6 @@ def _check_groups(path: Path, saved: list[dict[str, Any]], state: runtime.Tiered
             raise CheckpointError(f"{str(path)!r}: param group {i} was saved with {len(theirs)} parameters, this "
                                   f"optimizer's has {len(ours)} (differing: {diff}); build the optimizer with the "
                                   "groups it was saved with")
-
-
-def _store(pm: PlacementManager, job: _Job, values: torch.Tensor) -> None:
-    if job.kind == VALUES:
-        job.flat.store_values(values)
-    else:
-        pm.store(job.handle, values.to(job.handle.dtype))
 
 
 def _check_model(path: Path, manifest: Manifest, state: runtime.TieredState, optimizer: TieredOptimizer | None,

@@ -9,7 +9,6 @@ from typing import Any
 import torch
 
 from tierzero.optim.base import ParamsT, TieredOptimizer
-from tierzero.placement import Kind
 
 
 class AdamW(TieredOptimizer):
@@ -18,7 +17,7 @@ class AdamW(TieredOptimizer):
     same bits as torch.optim.AdamW(fused=True). `params`: a wrapped model, or its parameters or
     param groups as torch takes them (each group may set lr, betas, eps, weight_decay)."""
 
-    state_kinds = (Kind.EXP_AVG, Kind.EXP_AVG_SQ)
+    state_kinds = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, params: ParamsT, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01) -> None:
@@ -49,9 +48,9 @@ class SGD(TieredOptimizer):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
 
     @property
-    def state_kinds(self) -> tuple[Kind, ...]:  # type: ignore[override]
+    def state_kinds(self) -> tuple[str, ...]:  # type: ignore[override]
         """Momentum buffers once a group has momentum (registered then, zeros)."""
-        return (Kind.MOMENTUM,) if any(g["momentum"] for g in self.param_groups) else ()
+        return ("momentum",) if any(g["momentum"] for g in self.param_groups) else ()
 
     def _check_group(self, group: dict[str, Any]) -> None:
         lr, momentum, wd = group["lr"], group["momentum"], group["weight_decay"]

@@ -1,42 +1,30 @@
-"""Tiered optimizers and gradient clipping over a wrapped model's flat gradients.
+"""The block-by-block step of tz.AdamW / tz.SGD (torch.optim.Optimizer subclasses, so torch's
+LR schedulers work) over a wrapped model's flat gradients.
 
-tz.AdamW / tz.SGD are torch.optim.Optimizer subclasses (param_groups with "lr" and friends, so
-torch's LR schedulers work) whose state lives in the placement manager on
-`config.optimizer_states`: fp32 master weights (owned by the runtime's FlatParam) and the
-moments, one flat tensor of each per block. A step walks the blocks in the last forward's order
-as a three-stage pipeline: block k+1's gradient, master weights and moments are being read (prefetched to the
-host) while block k is updated on the CPU in fp32 by torch's fused kernels (bit for bit what
-torch.optim.AdamW/SGD(fused=True) compute for the same parameters) and block k-1's updated
-state and new compute-dtype parameters are being written to their home tier (dirty releases
-and `store` write NVMe asynchronously; host budget reservations bound how far it runs ahead).
-With Config.step_in_backward each block is updated as soon as backward has made its gradient
-final, and step() updates what is left. Otherwise (Config.overlap_step) step() queues the
-blocks' updates and returns: they run under the next forward (note [Note: overlapped step] in
-tierzero/runtime/step_queue.py). The parameters' `.grad` are not used; `zero_grad()` clears the
-flat gradients.
-
-Parameter groups follow torch's contract: the optimizer takes a wrapped model (one group of its
-trainable parameters) or groups of its parameters (`model.named_parameters()` picked as users
-pick them; `add_param_group` later), each with its own hyper-parameters. A group may take some
-parameters of a block's flat tensor and another group the rest: see [Note: parameter groups].
+The state of each block (fp32 master weights, owned by the runtime's FlatParam, and the
+moments) lives on `config.optimizer_states`, reached through the runtime's BlockState. A step
+walks the blocks in the last forward's order as a pipeline: block k+1's gradient and state are
+read ahead while block k is updated on the CPU by torch's fused kernels (the bits of
+torch.optim.AdamW/SGD(fused=True)) and block k-1's new state is written home. With
+Config.step_in_backward each block is updated once backward has made its gradient final;
+otherwise (Config.overlap_step) step() queues the updates to run under the next forward
+([Note: overlapped step] in tierzero/runtime/step_queue.py). `.grad` is not used; zero_grad()
+clears the flat gradients. Parameter groups follow torch's contract ([Note: parameter groups]).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import functools
-import time
 import weakref
-from typing import Any, Callable, Iterable, Sequence, TypeVar, Union
+from typing import Any, Callable, Iterable, Sequence, Union
 
 import torch
 from torch import nn
 
 from tierzero import runtime
-from tierzero.config import Tier
-from tierzero.layout import ROOT, FlatLayout
-from tierzero.placement import UPDATES_TRACK, Kind, TensorHandle
-from tierzero.runtime import FlatGrad, FlatParam, StepQueue
+from tierzero.layout import FlatLayout
+from tierzero.runtime import MASTER, BlockState, FlatGrad, FlatParam, Piece, StepQueue
 
 READ_AHEAD = 2
 """Blocks whose gradient and state a step reads ahead of the one it updates: the drive always
@@ -46,10 +34,22 @@ UPDATE_CHUNK = 1 << 22
 """Elements updated at a time (16 MiB of fp32): bounds the scaled gradient's temporary."""
 
 
-Piece = tuple[int, int, int]
-"""(lo, hi, parameter index): a part of one parameter in shard coordinates."""
-
-
+# [Note: fused chunks]
+# torch's fused CPU kernels run a vector loop and then a scalar loop for the last
+# `numel % vector width` elements, whose roundings differ; cutting where a separate tensor per
+# parameter would end puts every element in the same loop as torch.optim.AdamW(fused=True) over
+# the model's parameters, so the bits are the same (at world size 1; a shard that cuts a
+# parameter moves its tail).
+#
+# [Note: parameter groups]
+# The optimizer takes a wrapped model (one group of its trainable parameters) or groups of its
+# parameters (`model.named_parameters()` picked as users pick them; `add_param_group` later),
+# each with its own hyper-parameters; a group may take some parameters of a block's flat tensor
+# and another group the rest. Each element's update depends only on its own hyper-parameters and
+# step count, and the fused kernel treats every tensor of its lists on its own: so the pieces of
+# one chunk that share hyper-parameters go to one kernel call, whichever groups they come from
+# and wherever they lie in the block (a group splits a flat tensor at parameter boundaries
+# only), and the bits are those of torch's optimizer over the same groups.
 def _update_batches(layout: FlatLayout, rank: int, skip: frozenset[int] = frozenset(),
                     classes: Sequence[int] | None = None) -> list[tuple[int, list[Piece]]]:
     """This rank's shard of `layout` as (lo, hi, parameter index) pieces, lo and hi in shard
@@ -58,19 +58,7 @@ def _update_batches(layout: FlatLayout, rank: int, skip: frozenset[int] = frozen
     inside one parameter (padding is never updated), and a parameter longer than UPDATE_CHUNK is
     cut at multiples of UPDATE_CHUNK from its own start. `classes` (by parameter index) sorts
     the pieces of each chunk of UPDATE_CHUNK elements into one batch per class: (class, pieces),
-    in the order each class first appears (None: one class, 0).
-
-    [Note: fused chunks] torch's fused CPU kernels run a vector loop and then a scalar loop for
-    the last `numel % vector width` elements, whose roundings differ; cutting where a separate
-    tensor per parameter would end puts every element in the same loop as
-    torch.optim.AdamW(fused=True) over the model's parameters, so the bits are the same (at
-    world size 1; a shard that cuts a parameter moves its tail).
-
-    [Note: parameter groups] Each element's update depends only on its own hyper-parameters and
-    step count, and the fused kernel treats every tensor of its lists on its own: so the pieces
-    of one chunk that share hyper-parameters go to one kernel call, whichever groups they come
-    from and wherever they lie in the block (a group splits a flat tensor at parameter
-    boundaries only), and the bits are those of torch's optimizer over the same groups."""
+    in the order each class first appears (None: one class, 0). See the Notes above."""
     start, stop = layout.shard_range(rank)
     chunks: list[list[Piece]] = [[]]
     room = UPDATE_CHUNK
@@ -95,25 +83,24 @@ def _update_batches(layout: FlatLayout, rank: int, skip: frozenset[int] = frozen
     return batches
 
 
-_C = TypeVar("_C")
-
 class TieredOptimizer(torch.optim.Optimizer):
     """The block-by-block step shared by AdamW and SGD; subclasses give the update math.
 
-    The optimizer owns the handles of its moments (registered here, zeros at the start, given
-    back when a newer optimizer of the same model replaces this one); the master weights belong
-    to the FlatParam (they hold the values), which this optimizer asks for."""
+    The optimizer owns its moments (registered in each block's BlockState, zeros at the start,
+    given back when a newer optimizer of the same model replaces this one); the master weights
+    belong to the FlatParam (they hold the values), which the BlockState asks for."""
 
     _tierzero_steps_flat_gradients = True  # runtime.TIERED_OPTIMIZER: the guard lets it step
-    state_kinds: tuple[Kind, ...] = ()
-    """Flat fp32 state tensors per block besides the master weights (zeros at the start)."""
+    state_kinds: tuple[str, ...] = ()
+    """Flat fp32 state tensors per block besides the master weights, by placed kind name
+    ("exp_avg", "momentum"; zeros at the start)."""
 
     def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
         self._model_state, groups = _owner_and_groups(params, type(self).__name__)
         if self._model_state.ctx.updates is not None:  # the last optimizer's step lands first
             self._model_state.ctx.updates.close()
-        self._states: dict[FlatParam, dict[Kind, TensorHandle]] = {}
-        """Per flat tensor a group covers: the master weights, then the moments, by kind."""
+        self._states: dict[FlatParam, BlockState] = {}
+        """Per flat tensor a group covers: its master weights and moments."""
         self._steps: dict[FlatParam, list[int]] = {}
         """Per flat tensor, updates applied to each parameter (by index): torch counts AdamW's
         steps per parameter, and skips a parameter without a gradient."""
@@ -147,10 +134,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         # collectives are handed back to the thread that drives the model's (StepQueue), and
         # their device work is ordered against compute by the copy streams' events.
         if config.overlap_step and not config.step_in_backward:
-            self._queue = StepQueue(on_wait=lambda s: ctx.pm.telemetry.record_stall(Tier.HOST, s, {"update": s}),
-                                    on_done=ctx.update_done)
-            ctx.pm.telemetry.info["update_read_ahead"] = READ_AHEAD  # the tier model replays the updates
-            ctx.overlap_step(self._queue)
+            self._queue = runtime.update_queue(self._model_state, READ_AHEAD)
             weakref.finalize(self, self._queue.close)
         if config.step_in_backward:
             ctx.on_grads_final(self._step_in_backward)
@@ -160,49 +144,6 @@ class TieredOptimizer(torch.optim.Optimizer):
             # backward's compute.
             self._updater = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierzero-update")
             weakref.finalize(self, self._updater.shutdown, wait=False)
-
-    def _check_update_room(self, flat: FlatParam) -> None:
-        """A block's update holds its gradient, master weights and moments at once on the tier
-        the CPU works on them in (and a staging buffer for the new parameters when they are
-        stored to an NVMe home apart from the master weights): refused now if that can never
-        fit, not at the first step."""
-        states = self._states[flat]
-        extra = []
-        if states[Kind.MASTER] is not flat.param and flat.param.home is Tier.NVME:
-            extra.append((Tier.HOST, flat.param.nbytes))
-        grad, where = flat_grad(flat).handle, states[Kind.MASTER].staging
-        if grad.staging is not where:  # a gradient placed apart is copied to the update's tier
-            extra.append((where, grad.nbytes))
-        held = self._held_through_backward(flat, where) if self._model_state.config.step_in_backward else []
-        beside = f", and the {ROOT!r} gradient backward holds meanwhile (step_in_backward)" if held else ""
-        self._model_state.pm.check_working_set(
-            f"{type(self).__name__}'s update of block {flat.name!r} (its gradient, master weights and moments{beside})",
-            [*([grad] if grad.staging is where else []), *states.values()], extra + held)
-
-    def _held_through_backward(self, flat: FlatParam, where: Tier) -> list[tuple[Tier, int]]:
-        """Config.step_in_backward: the room on `where` that backward keeps pinned while `flat`'s
-        update runs beside it, and that the update can therefore never take.
-
-        [Note: room held through backward] With step_in_backward a block's update (its
-        gradient, master weights and moments pinned at once) runs while backward goes on, and
-        backward holds the gradient it is summing into pinned until that gradient is final. The
-        root's gradient (the embedding and the head: its first contributions come before the
-        blocks', its last after) stays pinned through the whole backward. Were the update's
-        working set and that gradient more than the tier's free room, the update waits for room
-        that backward holds while backward waits for the room the update holds: both stuck
-        (issue 46, defect 7: the built-in tiny model, everything on NVMe, host_budget 3200KiB
-        failed in its first backward; 3330048 bytes, the update's four 776 KiB buffers and the
-        root's 145 KiB gradient, trains). So the check at construction counts it. The gradient
-        of the block backward computes next is not counted: backward takes it only once the
-        update before it has what it needs, and an update never waits for backward."""
-        extra = []
-        for other in self._model_state.flat_params(trainable=True):
-            if other is flat or other.name != ROOT or other.grad is None:
-                continue
-            held = flat_grad(other).handle
-            if held.staging is where and held.home is not where:  # a home is counted as homed
-                extra.append((where, held.nbytes))
-        return extra
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's add_param_group, for parameters of this optimizer's wrapped model: the
@@ -240,27 +181,20 @@ class TieredOptimizer(torch.optim.Optimizer):
                 if flat.grad is not None:  # a frozen flat tensor never has a gradient to step
                     where.setdefault(flat, [None] * len(flat.layout.slots))[i] = g
         flats = [f for f in state.flat_params(trainable=True) if f in where]
-        ctx = state.ctx
-        registered: list[tuple[FlatParam, Kind, TensorHandle]] = []
+        registered: list[tuple[FlatParam, str]] = []
         try:
             for flat in flats:
                 if flat not in self._steps:
-                    self._states[flat] = {Kind.MASTER: flat.ensure_master()}
+                    self._states[flat] = BlockState(flat)
                     self._steps[flat] = [0] * len(flat.layout.slots)
                 for kind in self.state_kinds:
-                    if kind not in self._states[flat]:
-                        handle = ctx.register(flat.name, torch.zeros(flat.layout.shard_numel),
-                                              ctx.master_tier(flat.name), kind=kind)
-                        self._states[flat][kind] = handle
-                        registered.append((flat, kind, handle))
-            ctx.pm.settle()  # the zero moments' NVMe writes landed (a disk error fails here)
-            ctx.pm.check_staging()  # host-homed states may leave no room to stage the NVMe ones
-            for flat in flats:
-                self._check_update_room(flat)
+                    if kind not in self._states[flat].states:
+                        self._states[flat].add(kind)
+                        registered.append((flat, kind))
+            runtime.check_update_rooms(state, [self._states[f] for f in flats], type(self).__name__)
         except BaseException:  # nothing half-registered stays behind: a retry starts clean
-            for flat, kind, handle in registered:
-                ctx.pm.unregister(handle)
-                del self._states[flat][kind]
+            for flat, kind in registered:
+                self._states[flat].remove(kind)
             for flat in flats:
                 if flat not in self._flats:
                     self._states.pop(flat, None)
@@ -275,10 +209,11 @@ class TieredOptimizer(torch.optim.Optimizer):
         forward's order)."""
         return list(self._flats)
 
-    def state_handles(self, flat: FlatParam) -> dict[Kind, TensorHandle]:
-        """The handles of `flat`'s moments, by kind (tierzero.checkpoint streams them)."""
+    def block_state(self, flat: FlatParam) -> BlockState:
+        """`flat`'s master weights and moments (tierzero.checkpoint streams the moments), once
+        the updates queued have landed."""
         self._model_state.ctx.drain_updates()
-        return {k: h for k, h in self._live_states(flat).items() if k is not Kind.MASTER}
+        return self._live_states(flat)
 
     def block_steps(self, flat: FlatParam) -> int | list[int]:
         """Updates applied to `flat`'s parameters so far (AdamW's bias correction counts them):
@@ -311,31 +246,13 @@ class TieredOptimizer(torch.optim.Optimizer):
         todo.sort(key=lambda f: order.get(f.name, len(order)))
         self._stepped.clear()
         for i, flat in enumerate(todo):
-            update = functools.partial(self._step_flat, flat, groups,
-                                       then=lambda i=i: self._read_ahead(todo[i + 1:i + 1 + READ_AHEAD]))
+            update = functools.partial(self._step_flat, flat, groups, ahead=todo[i + 1:i + 1 + READ_AHEAD])
             if self._queue is None:
                 _then_collectives(update())
             else:
-                self._queue.submit(flat.param, flat.name, self._beside_compute(update, flat.name, overlapped=True))
+                self._queue.submit(flat.param, flat.name,
+                                   runtime.beside_compute(self._model_state, update, flat.name, overlapped=True))
         return loss
-
-    def _beside_compute(self, update: Callable[[], _C], name: str, *, overlapped: bool) -> Callable[[], _C]:
-        """`update` of block `name` run on a thread beside compute: its waits for data are not
-        stalls of the training loop (telemetry counts them apart; the loop's waits for the
-        update are). Each update is a span of the trace's "updates" track, with the seconds it
-        waited for data and whether it is the overlapped step's (under the next forward) or
-        step_in_backward's: the tier model replays the former."""
-        telemetry = self._model_state.pm.telemetry
-
-        def beside() -> _C:
-            t0 = time.perf_counter()
-            with telemetry.background() as waited:
-                try:
-                    return update()
-                finally:
-                    telemetry.record_span(UPDATES_TRACK, f"update {name}", t0, time.perf_counter(),
-                                          {"block": name, "wait_s": round(waited(), 6), "overlapped": overlapped})
-        return beside
 
     @torch.no_grad()
     def _step_in_backward(self, flat: FlatParam) -> None:
@@ -358,14 +275,15 @@ class TieredOptimizer(torch.optim.Optimizer):
 
         def update() -> Callable[[], None] | None:
             with torch.no_grad():
-                collectives = self._step_flat(flat, groups, then=lambda: self._read_ahead(ahead, grad=False))
+                collectives = self._step_flat(flat, groups, ahead=ahead, grads_ahead=False)
                 flat_grad(flat).clear()  # used up: its host room goes back now, and it never reaches NVMe
                 return collectives
 
         if self._updater is None:
             _then_collectives(update())
         else:  # in order, one at a time, while backward goes on
-            self._pending.append(self._updater.submit(self._beside_compute(update, flat.name, overlapped=False)))
+            beside = runtime.beside_compute(self._model_state, update, flat.name, overlapped=False)
+            self._pending.append(self._updater.submit(beside))
 
     def _drain(self) -> None:
         """Wait for the updates started during this backward, then run their collectives here,
@@ -400,44 +318,22 @@ class TieredOptimizer(torch.optim.Optimizer):
                 "tierzero/hf/trainer.py), a drop-in subclass of transformers.Trainer. In your own loop, drop "
                 "the optimizer.train() call: tz optimizers have no train/eval modes")
 
-    def _read_ahead(self, flats: list[FlatParam], *, grad: bool = True) -> None:
-        """Start reading the next blocks' gradients and state: the first for sure, the ones
-        after it only into room that needs no dirty copy written back (speculative)."""
-        pm = self._model_state.pm
-        for k, flat in enumerate(flats):
-            if grad:
-                flat_grad(flat).prefetch(speculative=k > 0, tier=self._live_states(flat)[Kind.MASTER].staging)
-            for handle in self._live_states(flat).values():
-                pm.prefetch(handle, handle.staging, speculative=k > 0)
-
-    def _step_flat(self, flat: FlatParam, groups: list[dict[str, Any]], *,
-                   then: Callable[[], None]) -> Callable[[], None] | None:
-        """Update `flat` with its groups' hyper-parameters; `then` (the next block's prefetch)
-        runs once this block's state is pinned, so the read-ahead can never evict what this
-        update is about to use. Returns the update's collectives (FlatParam.master_updated) for
-        the caller to run on the thread that drives the model's."""
-        pm = self._model_state.pm
-        handles = list(self._live_states(flat).values())
-        gradient = flat_grad(flat)
-        where = handles[0].staging  # the master weights': the update runs there, its gradient copied in if need be
-        with torch.profiler.record_function(f"tierzero::optimizer_step {flat.name}"), pm.streams.context(), \
-                gradient.acquire(tier=where) as grad:
-            tensors = [pm.acquire(h, h.staging) for h in handles]
-            try:
-                then()
-                skip = gradient.unreached()
-                steps = self._steps[flat]
-                for j, g in enumerate(self._group_of[flat]):
-                    if g is not None and j not in skip:
-                        steps[j] += 1
-                for c, pieces in self._batches_of(flat, skip, groups):
-                    grads = [gradient.scaled(grad[lo:hi]) for lo, hi, _ in pieces]
-                    self._update(groups[c], [steps[j] for _, _, j in pieces], grads,
-                                 *([t[lo:hi] for lo, hi, _ in pieces] for t in tensors))
-                return flat.master_updated(tensors[0])
-            finally:
-                for h in handles:
-                    pm.release(h, h.staging, dirty=True)
+    def _step_flat(self, flat: FlatParam, groups: list[dict[str, Any]], *, ahead: list[FlatParam],
+                   grads_ahead: bool = True) -> Callable[[], None] | None:
+        """Update `flat` with its groups' hyper-parameters; the blocks `ahead` start reading
+        their state (and gradients, `grads_ahead`) once this block's state is pinned
+        (BlockState.update). Returns the update's collectives (FlatParam.master_updated) for the
+        caller to run on the thread that drives the model's."""
+        states = self._live_states(flat)
+        with states.update(ahead=[self._live_states(f) for f in ahead], grads_ahead=grads_ahead) as room:
+            steps = self._steps[flat]
+            for j, g in enumerate(self._group_of[flat]):
+                if g is not None and j not in room.skip:
+                    steps[j] += 1
+            for c, pieces in self._batches_of(flat, room.skip, groups):
+                grads, tensors = room.pieces(pieces)
+                self._update(groups[c], [steps[j] for _, _, j in pieces], grads, *tensors)
+        return room.collectives
 
     def _batches_of(self, flat: FlatParam, skip: frozenset[int],
                     groups: list[dict[str, Any]]) -> list[tuple[int, list[Piece]]]:
@@ -469,7 +365,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             if self._queue is None or not self._queue.clear_after(flat.param, clear):
                 clear()
 
-    def _live_states(self, flat: FlatParam) -> dict[Kind, TensorHandle]:
+    def _live_states(self, flat: FlatParam) -> BlockState:
         self._check_live()
         return self._states[flat]
 
@@ -480,11 +376,9 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def _give_back_states(self) -> None:
         """A newer optimizer of the same model takes over: unregister this one's moments."""
-        pm = self._model_state.pm
         for states in self._states.values():
-            for kind, handle in states.items():
-                if kind is not Kind.MASTER:
-                    pm.unregister(handle)
+            for kind in states.states:
+                states.remove(kind)
         self._states = {}
 
     # ------------------------------------------------------------------------- state dicts
@@ -505,16 +399,14 @@ class TieredOptimizer(torch.optim.Optimizer):
         fp32 master weights and moments (full CPU tensors)."""
         self._model_state.ctx.drain_updates()
         sd = super().state_dict()
-        pm = self._model_state.pm
         sd["state"] = {flat.name: {"step": self.block_steps(flat),
-                                   **{k.value: pm.read(h) for k, h in self._live_states(flat).items()}}
+                                   **{k: self._live_states(flat).read(k) for k in self._live_states(flat).kinds}}
                        for flat in self._flats}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._model_state.ctx.drain_updates()
         self.load_groups(state_dict["param_groups"], [len(g["params"]) for g in state_dict["param_groups"]])
-        pm = self._model_state.pm
         by_name = {flat.name: flat for flat in self._flats}
         unknown = sorted(set(state_dict["state"]) - set(by_name))
         if unknown:
@@ -523,9 +415,10 @@ class TieredOptimizer(torch.optim.Optimizer):
         for name, entry in state_dict["state"].items():
             flat = by_name[name]
             self.set_block_steps(flat, entry["step"])
-            for k, h in self._live_states(flat).items():
-                pm.store(h, entry[k.value])
-            _then_collectives(flat.master_updated(entry[Kind.MASTER.value]))
+            states = self._live_states(flat)
+            for k in states.kinds:
+                states.store(k, entry[k])
+            _then_collectives(flat.master_updated(entry[MASTER]))
 
 
 _OPTIMIZER_OF: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[TieredOptimizer]]" = weakref.WeakKeyDictionary()

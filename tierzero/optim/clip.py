@@ -3,28 +3,12 @@ from the norms backward computed as it wrote them (FlatGrad), global across rank
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from tierzero import runtime
 from tierzero.optim.base import flat_grad
-from tierzero.runtime import FlatParam, StepContext, all_reduce_, rank_errors
-
-
-def _global_norm(shard_norms: list[torch.Tensor], norm_type: float, ctx: StepContext) -> torch.Tensor:
-    """The norm over every rank's gradient shards from this rank's per-shard norms (shards split
-    the flat gradients exactly, padding holds zeros), reduced on the device."""
-    local = torch.stack([n.to(ctx.device) for n in shard_norms])
-    streams = ctx.pm.streams
-    with rank_errors(ctx.rank, ctx.world_size, "all-reduce of the gradient norm"):
-        if math.isinf(norm_type):
-            return all_reduce_(streams.to_device(local.max()), ctx.group, ctx.world_size, streams, op="max",
-                               comm=ctx.comm)
-        powered = all_reduce_(streams.to_device(local.pow(norm_type).sum()), ctx.group, ctx.world_size, streams,
-                              comm=ctx.comm)
-    return powered.pow(1.0 / norm_type)
+from tierzero.runtime import FlatParam, global_norm
 
 
 @torch.no_grad()
@@ -62,7 +46,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
         # it: the same bits as torch.nn.utils.clip_grad_norm_(model.parameters()).
         total = torch.linalg.vector_norm(torch.stack([norms[k] for k in state.param_order if k in norms]), norm_type)
     else:
-        total = _global_norm(list(norms.values()), float(norm_type), ctx)
+        total = global_norm(list(norms.values()), float(norm_type), ctx)
     if error_if_nonfinite and (total.isnan() or total.isinf()):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite "
                            f"({total.item()}); pass error_if_nonfinite=False to clip anyway")

@@ -1,0 +1,52 @@
+"""benchmarks/crossings.py: a crossing is counted once per call into another package, passing
+over frames outside tierzero; the optimizer's update reaches placement only through the runtime."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from builders import REPO
+
+
+@pytest.fixture
+def crossings(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import crossings
+
+    return crossings
+
+
+def test_units_are_packages_or_modules_of_tierzero_and_io_engine(crossings) -> None:
+    assert crossings.unit_of("tierzero.placement.manager", "package") == "tierzero.placement"
+    assert crossings.unit_of("tierzero.placement.manager", "module") == "tierzero.placement.manager"
+    assert crossings.unit_of("io_engine.files", "package") == "io_engine"
+    assert crossings.unit_of("torch.nn.modules.module", "package") is None
+    assert crossings.unit_of("contextlib", "module") is None
+
+
+def _function(module: str, source: str) -> Any:
+    """The function `source` defines, as if written in the module named `module`."""
+    namespace: dict[str, Any] = {"__name__": module}
+    exec(source, namespace)
+    return next(v for k, v in namespace.items() if callable(v) and not k.startswith("__"))
+
+
+def test_a_call_counts_once_from_the_nearest_watched_frame(crossings) -> None:
+    leaf = _function("tierzero.runtime.probe", "def leaf():\n    return 1\n")
+    through = _function("somelib", "def through(f):\n    return f()\n")  # not watched: passed over
+    caller = _function("tierzero.optim.probe", "def caller(leaf, through):\n"
+                       "    return [leaf(), through(leaf), *[leaf() for _ in range(2)]]\n")
+    assert crossings.count(leaf) == {}  # called from outside tierzero: no crossing
+    assert crossings.count(lambda: caller(leaf, through)) == {("tierzero.optim", "tierzero.runtime"): 4}
+    assert crossings.count(lambda: caller(leaf, through), level="module") == {
+        ("tierzero.optim.probe", "tierzero.runtime.probe"): 4}
+
+
+def test_the_update_and_the_fetch_are_measured(crossings, tmp_path) -> None:
+    result = crossings.measure(str(tmp_path / "nvme"), layers=1, level="package")
+    assert result["blocks_updated"] >= 1 and result["update_per_block"] > 0 and result["fetch"] > 0
+    out_of_optim = {edge for edge in result["update_edges"] if edge.startswith("tierzero.optim ->")}
+    assert out_of_optim == {"tierzero.optim -> tierzero.runtime"}, result["update_edges"]
+    assert result["tree"] == str(REPO)

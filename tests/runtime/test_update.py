@@ -1,0 +1,58 @@
+"""runtime/update.py and runtime/shards.py, the way optim and checkpoint reach placement: a
+block's state read and stored by name, this rank's shards read into a buffer and written back,
+and an update that fails midway leaves nothing pinned and its state as it was."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import tierzero as tz
+from builders import gpt, tier_config
+from io_engine import PAGE, aligned_empty
+from tierzero import runtime
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_block_state_and_shards_read_and_write_what_placement_holds(wrapped: Any, tmp_path: Any, tier: str) -> None:
+    model = wrapped(gpt(layers=2), tier_config(tmp_path / "nvme" if tier == "nvme" else None, tier=tier))
+    opt = tz.AdamW(model, lr=1e-3)
+    pm = runtime.placement_manager(model)
+    for flat in opt.flat_params:
+        states = opt.block_state(flat)
+        assert states.kinds == [runtime.MASTER, "exp_avg", "exp_avg_sq"] and states.states == states.kinds[1:]
+        new = torch.arange(flat.layout.shard_numel, dtype=torch.float32) / 7  # uneven values, not zeros
+        states.store("exp_avg", new)
+        assert torch.equal(states.read("exp_avg"), new)
+        shards = {"values": runtime.values_shard(flat), **states.shards()}
+        for kind, shard in shards.items():
+            buf = aligned_empty(-(-shard.nbytes // PAGE) * PAGE)  # whole pages, as a checkpoint's buffers
+            shard.read_into(buf)
+            got = torch.from_numpy(buf[:shard.nbytes].copy()).view(shard.dtype)
+            expected = pm.read(flat.values) if kind == "values" else states.read(kind)
+            assert torch.equal(got, expected), kind
+        shards["exp_avg_sq"].write((new * 3).double())  # any floating dtype, stored in the state's
+        assert torch.equal(states.read("exp_avg_sq"), (new * 3).double().float())
+
+
+def test_an_update_that_fails_releases_its_pins_and_stores_nothing(wrapped: Any) -> None:
+    model = wrapped(gpt(layers=2), tier_config(tier="host"))
+    opt = tz.AdamW(model, lr=1e-3)
+    x = torch.randint(0, 257, (2, 24))
+    model(x, x).loss.backward()
+    pm = runtime.placement_manager(model)
+    flat = opt.flat_params[0]
+    states = opt.block_state(flat)
+    before = {k: states.read(k) for k in states.kinds}
+    with pytest.raises(OSError, match="planted"):
+        with states.update() as room:
+            grads, tensors = room.pieces([(0, 3, 0)])
+            assert len(grads) == 1 and len(tensors) == 3 and grads[0].dtype == torch.float32
+            raise OSError("planted")
+    assert room.collectives is None
+    assert all(pm.record(h).pins(h.staging) == 0 for h in pm.handles)
+    assert all(torch.equal(states.read(k), v) for k, v in before.items())
+    opt.step()  # the model still steps
+    assert not torch.equal(opt.block_state(flat).read("exp_avg"), before["exp_avg"])

@@ -1,0 +1,43 @@
+"""This rank's shard of a tensor a checkpoint stores: a block's values or one of its optimizer
+states, read into a caller's buffer and written back to its home tier. tierzero.checkpoint reads
+and writes a model's state through these, never through the placement manager."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tierzero.placement import TensorHandle
+from tierzero.runtime.flat_param import FlatParam
+
+
+class RankShard:
+    """This rank's shard of one stored tensor of `flat`: its values (`values=True`: the fp32
+    master weights when there are any, else the parameters) or an optimizer state's handle."""
+
+    def __init__(self, flat: FlatParam, handle: TensorHandle, *, values: bool) -> None:
+        self.flat, self.handle, self.values = flat, handle, values
+        self.dtype: torch.dtype = handle.dtype
+        self.numel = flat.layout.shard_numel
+        self.nbytes = self.numel * self.dtype.itemsize
+
+    def read_into(self, buf: np.ndarray) -> None:
+        """This rank's shard of the tensor, as bytes, into `buf` (at least `nbytes` long)."""
+        pm = self.flat.ctx.pm
+        if self.handle.shape.numel() == self.numel:
+            pm.read(self.handle, out=buf)
+        else:  # the whole flat tensor is kept (stages 1 and 2): this rank's part of it
+            torch.from_numpy(buf[:self.nbytes]).view(self.dtype).copy_(pm.read(self.handle)[self.flat.shard])
+
+    def write(self, shard: torch.Tensor) -> None:
+        """New contents of this rank's shard, in any floating dtype: values go to the master
+        weights and the parameters (FlatParam.store_values), a state to its home tier."""
+        if self.values:
+            self.flat.store_values(shard)
+        else:
+            self.flat.ctx.pm.store(self.handle, shard.to(self.dtype))
+
+
+def values_shard(flat: FlatParam) -> RankShard:
+    """This rank's shard of `flat`'s values, as a checkpoint stores them."""
+    return RankShard(flat, flat.values, values=True)
