@@ -94,7 +94,7 @@ def test_in_one_pinned_region_the_check_counts_the_windows_and_the_number_it_nam
     and that number trains under the stand-in as a roomy synchronous run does, bit for bit."""
     source = tiny()
     model = tz.wrap(copy.deepcopy(source), config(tmp_path / "small", 3330048, "async", seed))
-    with pytest.raises(ValueError, match="free windows each needs") as err:
+    with pytest.raises(ValueError, match="needs a free run of its size between the others") as err:
         tz.AdamW(model, lr=1e-3)
     needed = int(re.search(r"raise host_budget to at least (\d+) bytes", str(err.value)).group(1))
     assert needed > 3330048

@@ -134,8 +134,9 @@ class Room:
             if nbytes > limit - homed:
                 names = ", ".join(h.name for h in handles if h.staging is tier and h.home is not tier)
                 held = sum(self.stores[tier].reserved(n) for n in tier_sizes)
-                windows = (f" (with {format_size(nbytes - held)} more for the free windows each needs in the "
-                           "host tier's one pinned region: [Note: working set windows])") if nbytes > held else ""
+                windows = (f" (and {format_size(nbytes - held)} more: in the {tier.value} tier's one pinned region "
+                           "the last one taken needs a free run of its size between the others, see [Note: working "
+                           "set windows])") if nbytes > held else ""
                 raise ValueError(
                     f"{what} holds {format_size(held)} on the {tier.value} tier at once ({names}){windows}, beside the "
                     f"{format_size(homed)} homed there, but the {tier.value} budget is {format_size(limit)}; "
