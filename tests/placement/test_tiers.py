@@ -1,3 +1,4 @@
+import itertools
 import os
 import threading
 import time
@@ -196,3 +197,42 @@ def test_host_pool_has_no_windows():
     pool = HostPool(Budget(Tier.HOST, 4 * ALIGNMENT))
     bufs = [pool.try_alloc(ALIGNMENT) for _ in range(4)]
     assert pool.victims(2 * ALIGNMENT, bufs) is None  # any bytes given back serve
+
+
+def _worst_gap(region: int, held: list[int], need: int) -> bool:
+    """Whether some placement of slices of `held` pages in `region` pages leaves no gap of
+    `need` pages (the rest free or evictable: only the held slices stay)."""
+    def place(at: int, rest: list[int], gap: int) -> bool:
+        if not rest:
+            return max(gap, region - at) < need
+        return any(place(start + rest[0], list(rest[1:]), max(gap, start - at))
+                   for start in range(at, region - sum(rest) + 1))
+    return any(place(0, order, 0) for order in set(itertools.permutations(held)))
+
+
+def test_pinned_arena_room_for_a_working_set_finds_its_last_window_wherever_the_first_were_cut():
+    """[Note: working set windows]: slices taken one at a time and held together need more than
+    their sum in one region: room_for is the least region in which the last (the largest) finds
+    a gap whatever the placement of the others; one page less and some placement leaves none,
+    though the free bytes would hold it."""
+    sizes = [2 * ALIGNMENT - 100, ALIGNMENT + 1, 3 * ALIGNMENT, 700]  # pages 2, 2, 3, 1
+    pool = PinnedArena(Budget(Tier.HOST, ALIGNMENT), pin=False)
+    room = pool.room_for(sizes)
+    assert room == (2 + 2 + 1) * ALIGNMENT + 4 * 2 * ALIGNMENT + ALIGNMENT  # 14 pages, not the sum's 8
+    assert not _worst_gap(room // ALIGNMENT, [2, 2, 1], 3)
+    assert _worst_gap(room // ALIGNMENT - 1, [2, 2, 1], 3)
+    assert HostPool(Budget(Tier.HOST, ALIGNMENT)).room_for(sizes) == 8 * ALIGNMENT  # separate buffers: the sum
+    # the adversarial placement cut for real, one page short: 2-page gaps that evicting would leave
+    arena = PinnedArena(Budget(Tier.HOST, room - ALIGNMENT), pin=False)
+    cached = [arena.try_alloc(2 * ALIGNMENT)]
+    held = [arena.try_alloc(sizes[0])]
+    cached.append(arena.try_alloc(2 * ALIGNMENT))
+    held.append(arena.try_alloc(sizes[1]))
+    cached.append(arena.try_alloc(2 * ALIGNMENT))
+    held.append(arena.try_alloc(sizes[3]))
+    for c in cached:  # every copy not held given back: 6 free pages, none 3 together
+        arena.free(c)
+    assert arena.budget.free >= 3 * ALIGNMENT and arena.try_alloc(sizes[2]) is None
+    for h in held:
+        arena.free(h)
+    arena.close()

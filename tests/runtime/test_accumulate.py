@@ -120,7 +120,8 @@ def test_gpt(k: int, wrapped: Callable[..., nn.Module], tmp_path: Path, fetches:
     twin = copy.deepcopy(model)
     mbs = [(x, y) for x, y in zip(token_mbs(k, 257), token_mbs(k, 257, seed=6))]
     loss_fn: LossFn = lambda out, mb: out.loss / k  # noqa: E731
-    wrapped(model, tier_config(tmp_path / "nvme", tier="nvme", host_budget="1MiB"))
+    # 1.25 MiB: a block's update in the stand-in's pinned region ([Note: working set windows])
+    wrapped(model, tier_config(tmp_path / "nvme", tier="nvme", host_budget="1.25MiB"))
     opt = tz.AdamW(model, lr=1e-3)
     losses = tz.accumulate(model, mbs, loss_fn)
     plain_losses, _ = plain_grads(twin, mbs, loss_fn)

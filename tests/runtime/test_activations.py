@@ -294,8 +294,9 @@ def test_no_pack_is_read_back_during_the_forward_that_wrote_it(tmp_path: Path) -
     """The NVMe read-ahead of packs serves the backward: during the forward the packs written so
     far are needed last, and reading them then only takes the disk from the step's updates and
     host room from the blocks (they were pushed out and read again). A host budget too small to
-    keep the packs' host copies, so that they are read from NVMe."""
-    cfg = config(tmp_path, "small", activations="nvme", host_budget="1MiB",
+    keep the packs' host copies, so that they are read from NVMe (1.25 MiB: what a block's
+    update needs in the stand-in's one pinned region, [Note: working set windows])."""
+    cfg = config(tmp_path, "small", activations="nvme", host_budget="1.25MiB",
                  prefetch=tz.PrefetchConfig(policy="lookahead", depth=1, nvme_depth=8))
     model = tz.wrap(builders.gpt(seq=24, layers=6), cfg)
     try:

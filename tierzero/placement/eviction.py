@@ -122,18 +122,23 @@ class Room:
                           extra: Sequence[tuple[Tier, int]] = ()) -> None:
         """ValueError when `handles` acquired on their staging tiers at once (plus `extra`
         buffers) can never fit beside the tensors homed there (PlacementManager.check_working_set)."""
-        need: dict[Tier, int] = {}
+        sizes: dict[Tier, list[int]] = {}
         for h in handles:
             if h.staging is not h.home:
-                need[h.staging] = need.get(h.staging, 0) + self.stores[h.staging].reserved(h.nbytes)
+                sizes.setdefault(h.staging, []).append(h.nbytes)
         for tier, nbytes in extra:
-            need[tier] = need.get(tier, 0) + self.stores[tier].reserved(nbytes)
-        for tier, nbytes in need.items():
+            sizes.setdefault(tier, []).append(nbytes)
+        for tier, tier_sizes in sizes.items():
             limit, homed = self.stores[tier].budget.limit, self._homes[tier]
+            nbytes = self.stores[tier].room_for(tier_sizes)
             if nbytes > limit - homed:
                 names = ", ".join(h.name for h in handles if h.staging is tier and h.home is not tier)
+                held = sum(self.stores[tier].reserved(n) for n in tier_sizes)
+                windows = (f" (and {format_size(nbytes - held)} more: in the {tier.value} tier's one pinned region "
+                           "the last one taken needs a free run of its size between the others, see [Note: working "
+                           "set windows])") if nbytes > held else ""
                 raise ValueError(
-                    f"{what} holds {format_size(nbytes)} on the {tier.value} tier at once ({names}), beside the "
+                    f"{what} holds {format_size(held)} on the {tier.value} tier at once ({names}){windows}, beside the "
                     f"{format_size(homed)} homed there, but the {tier.value} budget is {format_size(limit)}; "
                     f"raise {tier.value}_budget to at least {homed + nbytes} bytes, or split the model into "
                     "smaller blocks (Config.block_classes)")

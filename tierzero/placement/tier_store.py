@@ -63,6 +63,11 @@ class TierStore(Protocol):
         None where any bytes freed serve (see [Note: arena windows] in tiers.py)."""
         ...
 
+    def room_for(self, sizes: Sequence[int]) -> int:
+        """Bytes of budget in which buffers of `sizes`, taken one at a time and held together,
+        always fit (more than their sum where the memory is one region)."""
+        ...
+
     def view(self, buffer: Buffer, handle: TensorHandle) -> torch.Tensor | None:
         """The buffer as the handle's tensor (shape, dtype); None on a tier of bytes (NVMe)."""
         ...
@@ -181,6 +186,9 @@ class PoolTier:
     def victims(self, nbytes: int, candidates: Sequence[Buffer]) -> list[int] | None:
         return self.pool.victims(nbytes, [flat(c) for c in candidates])
 
+    def room_for(self, sizes: Sequence[int]) -> int:
+        return self.pool.room_for(sizes)
+
     def view(self, buffer: Buffer, handle: TensorHandle) -> torch.Tensor:
         return typed(flat(buffer), handle)
 
@@ -242,6 +250,9 @@ class CudaTier:
     def victims(self, nbytes: int, candidates: Sequence[Buffer]) -> None:
         return None  # the caching allocator's memory: any bytes freed serve
 
+    def room_for(self, sizes: Sequence[int]) -> int:
+        return sum(sizes)
+
     def view(self, buffer: Buffer, handle: TensorHandle) -> torch.Tensor:
         return typed(flat(buffer), handle)
 
@@ -277,6 +288,9 @@ class NvmeTier:
 
     def victims(self, nbytes: int, candidates: Sequence[Buffer]) -> None:
         return None  # a region may be pieces of several holes: any bytes freed serve
+
+    def room_for(self, sizes: Sequence[int]) -> int:
+        return sum(round_up(n) for n in sizes)
 
     def view(self, buffer: Buffer, handle: TensorHandle) -> None:
         return None
