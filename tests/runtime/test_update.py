@@ -56,3 +56,28 @@ def test_an_update_that_fails_releases_its_pins_and_stores_nothing(wrapped: Any)
     assert all(torch.equal(states.read(k), v) for k, v in before.items())
     opt.step()  # the model still steps
     assert not torch.equal(opt.block_state(flat).read("exp_avg"), before["exp_avg"])
+
+
+def test_an_update_whose_third_acquire_fails_releases_the_two_it_took(wrapped: Any, monkeypatch: Any) -> None:
+    model = wrapped(gpt(layers=2), tier_config(tier="host"))
+    opt = tz.AdamW(model, lr=1e-3)
+    x = torch.randint(0, 257, (2, 24))
+    model(x, x).loss.backward()
+    pm = runtime.placement_manager(model)
+    states = opt.block_state(opt.flat_params[0])
+    real, calls = pm.acquire, []
+
+    def acquire(handle: Any, tier: Any, **kw: Any) -> torch.Tensor:  # the gradient's, then the states'
+        calls.append(handle)
+        if len(calls) == 3:
+            raise OSError("planted at the third acquire")
+        return real(handle, tier, **kw)
+
+    monkeypatch.setattr(pm, "acquire", acquire)
+    with pytest.raises(OSError, match="planted at the third"):
+        with states.update():
+            pass
+    monkeypatch.undo()
+    assert len(calls) == 3
+    assert all(pm.record(h).pins(h.staging) == 0 for h in pm.handles)
+    opt.step()  # nothing left pinned: the model still steps

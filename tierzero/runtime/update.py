@@ -125,8 +125,10 @@ class BlockState:
         handles, where = list(self._handles.values()), self._staging[0]
         with torch.profiler.record_function(f"tierzero::optimizer_step {flat.name}"), pm.streams.context(), \
                 self.gradient.acquire(tier=where) as grad:
-            tensors = [pm.acquire(h, t) for h, t in zip(handles, self._staging)]
+            tensors: list[torch.Tensor] = []
             try:
+                for h, t in zip(handles, self._staging):  # on a failed acquire, release what was taken
+                    tensors.append(pm.acquire(h, t))
                 for k, block in enumerate(ahead):
                     block.prefetch(speculative=k > 0, grad=grads_ahead)
                 room = UpdateRoom(self.gradient, grad, tensors)
@@ -134,7 +136,7 @@ class BlockState:
                 yield room
                 room.collectives = flat.master_updated(tensors[0])
             finally:
-                for h, t in zip(handles, self._staging):
+                for h, t, _ in zip(handles, self._staging, tensors):
                     pm.release(h, t, dirty=True)
 
 
