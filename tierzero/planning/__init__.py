@@ -16,14 +16,14 @@ from tierzero.planning.activations import (PLACEMENTS, ActivationBytes, Activati
                                            measure_activations)
 from tierzero.planning.estimates import Estimate, estimate, largest_trainable, placements
 from tierzero.planning.minimums import FlatTensor, expected_traffic, flat_tensors, least_budgets
-from tierzero.planning.placement import resolve_placement
+from tierzero.planning.placement import planned_tiers, resolve_placement
 from tierzero.planning.recording import Recording
 from tierzero.planning.tier_model import CHANNELS, Rate, TierModel, simulate
 from tierzero.planning.tuning import SIMPLICITY, Measured, Option, choose, equivalent, explain, simplicity
 from tierzero.planning.traffic import DriveRates, Traffic, rates_from_bench, step_traffic
 from tierzero.planning.zero_model import StateSizes, ZeroModel, param_counts
 
-__all__ = ["resolve_placement", "Estimate", "estimate", "largest_trainable", "placements", "FlatTensor",
+__all__ = ["resolve_placement", "planned_tiers", "Estimate", "estimate", "largest_trainable", "placements", "FlatTensor",
            "expected_traffic", "flat_tensors", "least_budgets", "Recording", "TierModel", "simulate",
            "CHANNELS", "Rate",
            "DriveRates", "Traffic", "rates_from_bench", "step_traffic", "StateSizes", "ZeroModel", "param_counts",

@@ -40,59 +40,23 @@ budgets, between the two elsewhere.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from tierzero.config import MASTER_BYTES_PER_PARAM, TIER_NAMES, Config
-from tierzero.layout import ROOT, ZeroStage, blocks_of, fetched_bytes, flat_groups
-from tierzero.planning.placement import planned_tiers
+from tierzero.config import Config
+from tierzero.layout import (ROOT, FlatTensor, ZeroStage, blocks_of, fetched_bytes, flat_groups, round_up,
+                             state_tensors, tier_need)
+from tierzero.planning.placement import placed_blocks, planned_tiers
 from tierzero.planning.traffic import Traffic
-
-PAGE = 4096
-"""Bytes the tiers' allocators round every buffer up to (tierzero/placement/tiers.py's ALIGNMENT)."""
-
-
-def round_up(nbytes: int) -> int:
-    """The bytes a buffer of `nbytes` takes from a tier's budget."""
-    return -(-nbytes // PAGE) * PAGE
-
-
-@dataclass(frozen=True)
-class FlatTensor:
-    """One flat tensor `tz.wrap` registers: its block, kind, home tier and bytes."""
-
-    block: str
-    kind: str
-    """"params", "frozen", "grads", "master", "moments" (each moment apart)."""
-    home: str
-    nbytes: int
 
 
 def flat_tensors(model: nn.Module, cfg: Config, world_size: int = 1) -> list[FlatTensor]:
     """The flat tensors of `tz.wrap(model, cfg)` on one of `world_size` ranks (model may be on
-    the meta device)."""
+    the meta device), counted as wrap counts them (tierzero.layout.state_tensors)."""
     zero = ZeroStage(cfg.zero_stage, world_size)
-    dtype = getattr(torch, cfg.compute_dtype_name(cuda=torch.cuda.is_available()))
-    grad = getattr(torch, cfg.grad_dtype).itemsize
-    tiers = planned_tiers(model, cfg, world_size)
-    out = []
-    for name, _, params in blocks_of(model, cfg):
-        home = {kind: getattr(tiers, kind).get(name, "host") for kind in ("params", "grads", "optimizer_states")}
-        shared = dtype.itemsize == 4 and home["params"] == home["optimizer_states"] and not zero.params_whole
-        for ps, layout in flat_groups(params, world_size, dtype):
-            whole, shard = layout.padded_numel, layout.shard_numel
-            kept = whole if zero.params_whole else shard
-            if not ps[0][1].requires_grad:
-                out.append(FlatTensor(name, "frozen", cfg.frozen_tier, dtype.itemsize * kept))
-                continue
-            out.append(FlatTensor(name, "params", home["params"], dtype.itemsize * kept))
-            out.append(FlatTensor(name, "grads", home["grads"], grad * (whole if zero.grads_whole else shard)))
-            if not shared:
-                out.append(FlatTensor(name, "master", home["optimizer_states"], MASTER_BYTES_PER_PARAM * shard))
-            out += [FlatTensor(name, "moments", home["optimizer_states"], 4 * shard)] * 2
-    return out
+    compute = getattr(torch, cfg.compute_dtype_name(cuda=torch.cuda.is_available())).itemsize
+    return state_tensors(placed_blocks(model, cfg, world_size), planned_tiers(model, cfg, world_size),
+                         cfg.frozen_tier, zero, compute, getattr(torch, cfg.grad_dtype).itemsize)
 
 
 def least_budgets(model: nn.Module, cfg: Config, world_size: int = 1) -> dict[str, int]:
@@ -100,9 +64,7 @@ def least_budgets(model: nn.Module, cfg: Config, world_size: int = 1) -> dict[st
     activations are not counted (activations.py adds theirs)."""
     zero = ZeroStage(cfg.zero_stage, world_size)
     tensors = flat_tensors(model, cfg, world_size)
-    need = dict.fromkeys(TIER_NAMES, 0)
-    for t in tensors:
-        need[t.home] += round_up(t.nbytes)
+    need = tier_need(tensors)
     if cfg.params != "device" or zero.gathers:
         dtype = getattr(torch, cfg.compute_dtype_name(cuda=torch.cuda.is_available()))
         fetched = {name: sum(round_up(fetched_bytes(layout, dtype, gathered=zero.gathers))
