@@ -23,7 +23,8 @@ from tierzero.formats import meta_model
 from tierzero.models import CONFIGS, build
 from tierzero.planning import (PLACEMENTS, ActivationBytes, ActivationModel, DriveRates, Estimate, Traffic,
                                activation_model, estimate, expected_traffic, flat_tensors, largest_trainable,
-                               least_budgets, param_counts, resolve_placement, step_traffic)
+                               least_budgets, param_counts, resolve_placement, step_traffic,
+                               WorkingSet, working_set)
 
 
 def _meta_model(name: str) -> torch.nn.Module:
@@ -94,6 +95,13 @@ def main(argv: list[str]) -> int:
             model = with_lora(model, args.lora)
     except (ValueError, ImportError) as e:
         p.error(str(e))
+    ws = None
+    if args.batch is not None:
+        try:
+            cfg, ws = reserve_working_set(cfg, _measured_model(args, model), batch=args.batch, seq=args.seq,
+                                          micro_batches=args.micro_batches, chunked=args.chunked_loss, always=True)
+        except ValueError as e:
+            p.error(str(e))
     cfg = resolve_placement(model, cfg, args.world_size)  # "auto" as wrap would choose it
     est = estimate(model, cfg, args.world_size)
     assert est.per_rank is not None and est.layout_per_rank is not None and est.comm is not None
@@ -124,6 +132,9 @@ def main(argv: list[str]) -> int:
         "predicted_step_floor_s": predicted,
     }
     acts = None
+    if ws is not None:
+        result["device_working_set"] = {"batch": ws.batch, "seq": ws.seq, "peak": ws.peak,
+                                        "activations": ws.activations, "reserve": cfg.device_reserve}
     if args.batch is not None:
         acts = _activations(args, cfg, model)
         result["activations"] = _activations_json(acts, least, cfg, budgets, args.micro_batches)
@@ -136,6 +147,11 @@ def main(argv: list[str]) -> int:
         print(f"  predicted step for this placement: at least {predicted['fewest']:.2f} s (the spare room caching all "
               f"it can) to {predicted['most']:.2f} s (caching none): its NVMe traffic at the drive's rates; compute "
               "is not in it (`tierzero tune` predicts the whole step from a recorded run)")
+    if ws is not None:
+        print(f"  the device's working set at batch {ws.batch} x seq {ws.seq}: {format_size(ws.reserve)} (the largest "
+              f"block's temporaries and the loss head's {format_size(ws.peak)}, activations kept there "
+              f"{format_size(ws.activations)}), "
+              + (f"set aside before \"auto\" placed the state" if cfg.device_reserve else "not in any budget"))
     if acts is not None:
         _print_activations(acts, least, cfg, budgets, args.micro_batches)
     print(f"this machine (free GPU/RAM/disk x0.8: "
@@ -193,15 +209,39 @@ def _placed(value: object) -> str:
     return str(value)
 
 
+def _measured_model(args: argparse.Namespace, model: torch.nn.Module) -> torch.nn.Module:
+    """The model a step is measured on: a built-in GPT rebuilt for twice --seq (its position
+    table), a transformers folder's `model` as it is (with its adapters under --lora)."""
+    if args.model in CONFIGS:
+        return build(args.model, device="meta", vocab_size=formats.VOCAB_SIZE, seq_len=2 * args.seq)
+    return model
+
+
 def _activations(args: argparse.Namespace, cfg: Config, model: torch.nn.Module) -> ActivationModel:
     """The activations of a step of the model as `tierzero train` runs it (a built-in GPT on
     bytes of text; a transformers folder's `model`, with its adapters under --lora), measured
     at --seq and twice it."""
-    if args.model in CONFIGS:
-        model = build(args.model, device="meta", vocab_size=formats.VOCAB_SIZE, seq_len=2 * args.seq)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     loss = functools.partial(measured_loss, chunked=args.chunked_loss)
-    return activation_model(model, cfg, loss, batch=args.batch, seq=args.seq, device=device)
+    return activation_model(_measured_model(args, model), cfg, loss, batch=args.batch, seq=args.seq,
+                            device=_device())
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def reserve_working_set(cfg: Config, model: torch.nn.Module, *, batch: int, seq: int, micro_batches: int = 1,
+                        chunked: bool = False, always: bool = False) -> tuple[Config, WorkingSet | None]:
+    """`cfg` with `device_reserve` set to the device's working set of a step at `batch` x `seq`
+    (tierzero.planning.working_set), and that working set: when some kind is "auto" (or
+    `always`) and no reserve was given."""
+    if cfg.device_reserve or not (always or any(getattr(cfg, k) == "auto" for k in KINDS)):
+        return cfg, None
+    loss = functools.partial(measured_loss, chunked=chunked)
+    ws = working_set(model, cfg, loss, batch=batch, seq=seq, device=_device(), micro_batches=micro_batches)
+    if not any(getattr(cfg, k) == "auto" for k in KINDS):
+        return cfg, ws
+    return cfg.replace(device_reserve=ws.reserve), ws
 
 
 def measured_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, chunked: bool = False) -> torch.Tensor:

@@ -5,6 +5,7 @@ stall, computed beside the runtime and never importing it.
     estimates.py   bytes per tier for a model and a Config; the largest built-in model that fits
     minimums.py    the least budget of each tier, as the runtime checks them; a step's expected NVMe bytes
     activations.py the activation bytes of a step, measured on fake tensors, and what each placement fits
+    working_set.py the device's working set of a step (temporaries, logits, activations): Config.device_reserve
     placement.py   the split "auto" chooses for a model and a Config, as tz.wrap chooses it
     traffic.py     the least NVMe bytes a step moves for a placement, and the drive's floor
     recording.py   a run's Chrome trace read back as compute and copy times per block
@@ -21,9 +22,10 @@ from tierzero.planning.recording import Recording
 from tierzero.planning.tier_model import CHANNELS, Rate, TierModel, simulate
 from tierzero.planning.tuning import SIMPLICITY, Measured, Option, choose, equivalent, explain, simplicity
 from tierzero.planning.traffic import DriveRates, Traffic, rates_from_bench, step_traffic
+from tierzero.planning.working_set import WorkingSet, working_set
 from tierzero.planning.zero_model import StateSizes, ZeroModel, param_counts
 
-__all__ = ["resolve_placement", "planned_tiers", "Estimate", "estimate", "largest_trainable", "placements", "FlatTensor",
+__all__ = ["resolve_placement", "planned_tiers", "WorkingSet", "working_set", "Estimate", "estimate", "largest_trainable", "placements", "FlatTensor",
            "expected_traffic", "flat_tensors", "least_budgets", "Recording", "TierModel", "simulate",
            "CHANNELS", "Rate",
            "DriveRates", "Traffic", "rates_from_bench", "step_traffic", "StateSizes", "ZeroModel", "param_counts",

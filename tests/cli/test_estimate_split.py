@@ -1,0 +1,38 @@
+"""`tierzero estimate` with "auto" and --batch/--seq: the device's working set is measured and set
+aside before "auto" places the state (tierzero/planning/working_set.py)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tierzero.cli import estimate
+
+FLAGS = ["--model", "tiny", "--optimizer-states", "auto", "--device-budget", "13MiB", "--host-budget", "1GiB",
+         "--compute-dtype", "float32", "--json"]
+
+
+def run(capsys: Any, *argv: str) -> dict:
+    assert estimate.main([*FLAGS, *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def device_share(placed: object) -> float:
+    return {"device": 1.0}.get(placed, 0.0) if isinstance(placed, str) else placed["device"]
+
+
+def test_auto_sets_the_working_set_aside_and_it_grows_with_the_step(capsys: Any) -> None:
+    without = run(capsys)
+    small = run(capsys, "--batch", "2", "--seq", "32")
+    large = run(capsys, "--batch", "4", "--seq", "64")
+    assert "device_working_set" not in without
+    reserves = [r["device_working_set"]["reserve"] for r in (small, large)]
+    assert 0 < reserves[0] < reserves[1]
+    shares = [device_share(r["placement"]["optimizer_states"]) for r in (without, small, large)]
+    assert shares[0] > shares[1] > shares[2], shares
+
+
+def test_the_working_set_is_printed_with_what_it_holds(capsys: Any) -> None:
+    assert estimate.main([a for a in FLAGS if a != "--json"] + ["--batch", "2", "--seq", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "the device's working set at batch 2 x seq 32" in out and "set aside before \"auto\"" in out
