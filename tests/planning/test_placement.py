@@ -46,8 +46,8 @@ def test_auto_with_frozen_parameters_plans_what_wrap_places(wrapped: Any, tmp_pa
     sizes, room = sizes_and_room(probe, cfg)
     aside = {t: cfg.budget(t) - room[t] for t in ("device", "host")}  # fetched blocks; read-ahead and frozen
     assert aside["host"] > 3 * max(sizes.optimizer_states[1:])  # the frozen bytes are taken off the host
-    cfg = cfg.replace(device_budget=aside["device"] + 4096,  # no state on the device
-                      host_budget=aside["host"] + sum(sizes.params) + sum(sizes.grads) + sum(sizes.optimizer_states) // 2)
+    host = aside["host"] + sum(sizes.params) + sum(sizes.grads) + sum(sizes.optimizer_states) // 2
+    cfg = cfg.replace(device_budget=aside["device"] + 4096, host_budget=host)  # no state on the device
     resolved = resolve_placement(probe, cfg)
     assert isinstance(resolved.optimizer_states, dict) and resolved.optimizer_states["nvme"] > 0, resolved
     tiers = planned_tiers(probe, cfg)

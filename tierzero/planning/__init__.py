@@ -9,7 +9,9 @@ stall, computed beside the runtime and never importing it.
     placement.py   the split "auto" chooses for a model and a Config, as tz.wrap chooses it
     traffic.py     the least NVMe bytes a step moves for a placement, and the drive's floor
     recording.py   a run's Chrome trace read back as compute and copy times per block
-    tier_model.py  a simulation of a recording under a prefetch policy: the predicted stall
+    tier_rates.py  the rates of the tiers' channels, calibrated from a recording (TierModel)
+    replay.py      one replay of a recording under a prefetch policy (Replay)
+    tier_model.py  the predicted stall and step of a recording under a prefetch policy (simulate)
     tuning.py      choosing among noisy measurements (equivalent candidates), explaining the stall
 """
 

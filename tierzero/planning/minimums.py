@@ -1,41 +1,5 @@
 """The least budget of each tier that a model trains in under a Config, all at once, and the
 NVMe bytes a step is expected to move at given budgets (what the host caches is not read).
-
-[Note: least budgets]
-`estimate()`'s per-tier figures add the working sets prefetching wants (blocks ahead on the
-device, nvme_depth blocks of read-ahead and three blocks of optimizer streaming on the host):
-what makes a step fast, not what it needs. A run trains in less, and refusing a placement over
-them refused ones that train (issue 43: "needs 9.02 of 8.00 MiB" for a run whose host peaked at
-7.93). The least budgets follow the runtime's own checks instead, tensor by tensor:
-
-    every tier   the flat tensors homed there as `tz.wrap` registers them (tierzero.layout's
-                 FlatLayout, padded), each rounded up to the 4 KiB the tier's allocator takes
-    device       plus the root block and the largest block fetched at once (wrapping.py's
-                 check: "the root block plus the largest block"), unless every parameter
-                 lives there whole; plus the bytes policy's reserve
-    host         plus the larger of two working sets that never overlap: one block's update
-                 (its gradient, master weights and moments staged from NVMe, and the new
-                 parameters' staging buffer where they are not the master weights: the
-                 optimizer's check) and the staging of the largest NVMe-homed parameter
-                 tensor read toward the device
-
-Measured against bisection on tiny transformers folders (tests/planning/test_estimate_measured.py):
-a run trains at these budgets and is refused at 0.9x of any one of them.
-
-[Note: expected NVMe bytes]
-`step_traffic` is the traffic with nothing cached. A step moves less where memory keeps copies:
-blocks sweep forward then backward, so what stays cached from one pass is used first by the
-next. At the least budgets (the most a step reads) a frozen base's root block stays on the
-device and the block backward starts with is the one forward ended with: each pass reads the
-base less those (trainable parameters are rewritten by each step, so their reads stay as
-step_traffic counts them). Room beyond the least budgets caches more, how much depends on the
-prefetch policy and on compute against the disk (Adaptive reads far ahead into host memory
-where compute is slow; with fast compute it fetches two blocks ahead and the spare room caches
-little): the fewest reads count every spare byte of the host and the device as cache, the
-parameters first (read twice), then the optimizer states and gradients (read once, host room
-only). Writes are not cached away: every updated tensor goes home once a step. Measured (tests/
-planning/test_estimate_measured.py, docs/estimate.md): within 10 % of the most at the least
-budgets, between the two elsewhere.
 """
 
 from __future__ import annotations
@@ -59,6 +23,26 @@ def flat_tensors(model: nn.Module, cfg: Config, world_size: int = 1) -> list[Fla
                          cfg.frozen_tier, zero, compute, getattr(torch, cfg.grad_dtype).itemsize)
 
 
+# [Note: least budgets]
+# `estimate()`'s per-tier figures add the working sets prefetching wants (blocks ahead on the
+# device, nvme_depth blocks of read-ahead and three blocks of optimizer streaming on the host):
+# what makes a step fast, not what it needs. A run trains in less, and refusing a placement over
+# them refused ones that train (issue 43: "needs 9.02 of 8.00 MiB" for a run whose host peaked at
+# 7.93). The least budgets follow the runtime's own checks instead, tensor by tensor:
+#
+#     every tier   the flat tensors homed there as `tz.wrap` registers them (tierzero.layout's
+#                  FlatLayout, padded), each rounded up to the 4 KiB the tier's allocator takes
+#     device       plus the root block and the largest block fetched at once (wrapping.py's
+#                  check: "the root block plus the largest block"), unless every parameter
+#                  lives there whole; plus the bytes policy's reserve
+#     host         plus the larger of two working sets that never overlap: one block's update
+#                  (its gradient, master weights and moments staged from NVMe, and the new
+#                  parameters' staging buffer where they are not the master weights: the
+#                  optimizer's check) and the staging of the largest NVMe-homed parameter
+#                  tensor read toward the device
+#
+# Measured against bisection on tiny transformers folders (tests/planning/test_estimate_measured.py):
+# a run trains at these budgets and is refused at 0.9x of any one of them.
 def least_budgets(model: nn.Module, cfg: Config, world_size: int = 1) -> dict[str, int]:
     """The least budget of each tier `model` trains in under `cfg` (see [Note: least budgets]);
     activations are not counted (activations.py adds theirs)."""
@@ -96,6 +80,20 @@ def _read_staging(tensors: list[FlatTensor]) -> int:
                default=0)
 
 
+# [Note: expected NVMe bytes]
+# `step_traffic` is the traffic with nothing cached. A step moves less where memory keeps copies:
+# blocks sweep forward then backward, so what stays cached from one pass is used first by the
+# next. At the least budgets (the most a step reads) a frozen base's root block stays on the
+# device and the block backward starts with is the one forward ended with: each pass reads the
+# base less those (trainable parameters are rewritten by each step, so their reads stay as
+# step_traffic counts them). Room beyond the least budgets caches more, how much depends on the
+# prefetch policy and on compute against the disk (Adaptive reads far ahead into host memory
+# where compute is slow; with fast compute it fetches two blocks ahead and the spare room caches
+# little): the fewest reads count every spare byte of the host and the device as cache, the
+# parameters first (read twice), then the optimizer states and gradients (read once, host room
+# only). Writes are not cached away: every updated tensor goes home once a step. Measured (tests/
+# planning/test_estimate_measured.py, docs/estimate.md): within 10 % of the most at the least
+# budgets, between the two elsewhere.
 def expected_traffic(least: Traffic, tensors: list[FlatTensor], spare: dict[str, int]) -> tuple[Traffic, Traffic]:
     """The NVMe bytes a step is expected to move, (fewest, most): `least` (step_traffic:
     nothing cached) where what the least budgets keep cached is taken off (the most), and less

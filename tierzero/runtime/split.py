@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from tierzero.config import KINDS, TIER_NAMES, Config, format_size
-from tierzero.layout import (BlockTiers, FlatLayout, ZeroStage, block_tiers, frozen_bytes, kind_sizes, placement_order, resolve_auto,
-                             state_room, state_tensors, tier_need)
+from tierzero.layout import (BlockTiers, FlatLayout, ZeroStage, block_tiers, frozen_bytes, kind_sizes, placement_order,
+                             resolve_auto, state_room, state_tensors, tier_need)
 from tierzero.placement import Kind
 from tierzero.runtime.state import state_of
 
