@@ -53,11 +53,13 @@ from tierzero.prefetch import NoPrefetch, PrefetchPolicy
 
 def simulate(rec: Recording, policy: PrefetchPolicy, model: TierModel, *, workers: int | None = None,
              speedup: float = 1.0, iterations: int = 3, nvme_depth: int | None = None,
-             recorded_model: TierModel | None = None) -> Prediction:
+             recorded_model: TierModel | None = None, as_recorded: Recording | None = None) -> Prediction:
     """Replay `rec` under `policy` (see the module docstring); the last iteration's figures.
     `nvme_depth`: packs read ahead at each fetch of backward (None: the recording's).
     `recorded_model`: the rates the recording ran at, where `model` has others (a disk that
-    slowed down): the recorded setting's replay for the update waits is made at those."""
+    slowed down): the recorded setting's replay for the update waits is made at those.
+    `as_recorded`: the recording as it ran, where `rec` is changed from it (the updates' reads of
+    another split, `split_tuning.with_split`): the recorded setting's replay is of it."""
     if speedup <= 0:
         raise ValueError(f"speedup: expected > 0, got {speedup}")
     depth = rec.nvme_depth if nvme_depth is None else nvme_depth
@@ -69,7 +71,7 @@ def simulate(rec: Recording, policy: PrefetchPolicy, model: TierModel, *, worker
         for f in DISK_BAND:
             cand = sim if f == 1.0 else _replay(rec, policy, _disk_scaled(model, f), workers or rec.workers, speedup,
                                                 iterations, depth)[0]
-            base = _replay(rec, NoPrefetch(), _disk_scaled(recorded_model or model, f), rec.workers, speedup,
+            base = _replay(as_recorded or rec, NoPrefetch(), _disk_scaled(recorded_model or model, f), rec.workers, speedup,
                            iterations, rec.nvme_depth)[0]
             diffs.append(cand.update_wait - base.update_wait)
         waits = recorded + max(0.0, statistics.median(diffs))
