@@ -10,8 +10,7 @@ from typing import Any
 import tierzero as tz
 from tierzero.cli.harness import meta_model
 from tierzero.config import format_size
-from tierzero.planning import Recording, TierModel, simulate
-from tierzero.planning.split_tuning import split_candidates, update_reads, with_split
+from tierzero.planning import Recording, TierModel, simulate, split_candidates, update_reads, with_split
 from tierzero.prefetch import policy_from_config
 
 

@@ -13,6 +13,7 @@ stall, computed beside the runtime and never importing it.
     replay.py      one replay of a recording under a prefetch policy (Replay)
     tier_model.py  the predicted stall and step of a recording under a prefetch policy (simulate)
     tuning.py      choosing among noisy measurements (equivalent candidates), explaining the stall
+    split_tuning.py the optimizer-state splits tune weighs, predicted from a recording
 """
 
 from tierzero.planning.activations import (PLACEMENTS, ActivationBytes, ActivationModel, activation_model,
@@ -24,10 +25,12 @@ from tierzero.planning.recording import Recording
 from tierzero.planning.tier_model import CHANNELS, Rate, TierModel, simulate
 from tierzero.planning.tuning import SIMPLICITY, Measured, Option, choose, equivalent, explain, simplicity
 from tierzero.planning.traffic import DriveRates, Traffic, rates_from_bench, step_traffic
+from tierzero.planning.split_tuning import split_candidates, update_reads, with_split
 from tierzero.planning.working_set import WorkingSet, working_set
 from tierzero.planning.zero_model import StateSizes, ZeroModel, param_counts
 
-__all__ = ["resolve_placement", "planned_tiers", "WorkingSet", "working_set", "Estimate", "estimate", "largest_trainable", "placements", "FlatTensor",
+__all__ = ["resolve_placement", "planned_tiers", "WorkingSet", "working_set", "split_candidates", "update_reads",
+           "with_split", "Estimate", "estimate", "largest_trainable", "placements", "FlatTensor",
            "expected_traffic", "flat_tensors", "least_budgets", "Recording", "TierModel", "simulate",
            "CHANNELS", "Rate",
            "DriveRates", "Traffic", "rates_from_bench", "step_traffic", "StateSizes", "ZeroModel", "param_counts",
