@@ -24,7 +24,8 @@ from tierzero.models import CONFIGS, build
 from tierzero.planning import (PLACEMENTS, ActivationBytes, ActivationModel, DriveRates, Estimate, Traffic,
                                activation_model, estimate, expected_traffic, flat_tensors, largest_trainable,
                                least_budgets, param_counts, resolve_placement, step_traffic,
-                               WorkingSet, working_set)
+                               Recording, TierModel, WorkingSet, simulate, update_reads, with_split, working_set)
+from tierzero.prefetch import policy_from_config
 
 
 def _meta_model(name: str) -> torch.nn.Module:
@@ -61,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="LoRA adapters of rank R on every linear layer of a transformers folder's model, the base "
                         "frozen (on --frozen's tier), as `tierzero train --lora R` trains them")
     add_micro_batch_flag(p)
+    p.add_argument("--trace", default=None, metavar="RUN",
+                   help="a run's trace.json (or its run folder) of this model from `tierzero train`: predict the "
+                        "whole step, compute included, by the tier model (else the NVMe floor alone)")
     p.add_argument("--json", action="store_true")
     return p
 
@@ -112,6 +116,10 @@ def main(argv: list[str]) -> int:
                                     {t: budgets[t] - least[t] for t in TIER_NAMES})
     floor = None if rates is None else rates.floor_s(traffic.read, traffic.write)
     predicted = None if rates is None else {k: rates.floor_s(t.read, t.write) for k, t in (("fewest", fewest), ("most", most))}
+    try:
+        recorded = None if args.trace is None else recorded_step(args.trace, model, cfg, args.world_size)
+    except (ValueError, FileNotFoundError) as e:
+        p.error(str(e))
     largest, placement = largest_trainable(machine, args.nvme_dir)
     result = {
         "model": args.model, "params": est.params, "state_bytes": est.state_bytes,
@@ -129,7 +137,7 @@ def main(argv: list[str]) -> int:
         "nvme_step_bytes": traffic.to_json(), "nvme_bytes_per_param": traffic.per_param(est.params),
         "nvme_expected_step_bytes": {"most": most.to_json(), "fewest": fewest.to_json()},
         "drive": None if rates is None else rates.to_json(), "nvme_floor_s": floor,
-        "predicted_step_floor_s": predicted,
+        "predicted_step_floor_s": predicted, "predicted_step": recorded,
     }
     acts = None
     if ws is not None:
@@ -144,9 +152,13 @@ def main(argv: list[str]) -> int:
     _print_state(args, model, est, cfg, least, budgets)
     _print_traffic(est, traffic, (fewest, most), rates, floor)
     if predicted is not None and (traffic.read or traffic.write):
-        print(f"  predicted step for this placement: at least {predicted['fewest']:.2f} s (the spare room caching all "
-              f"it can) to {predicted['most']:.2f} s (caching none): its NVMe traffic at the drive's rates; compute "
-              "is not in it (`tierzero tune` predicts the whole step from a recorded run)")
+        print(f"  predicted step floor for this placement (its NVMe traffic alone at the drive's rates; compute is "
+              f"not in it): {predicted['fewest']:.2f} s (the spare room caching all it can) to {predicted['most']:.2f} s "
+              "(caching none)" + ("" if recorded else "; give --trace RUN for the whole step"))
+    if recorded is not None:
+        print(f"  predicted step for this placement (tier model, from the recorded compute of {args.trace}): "
+              f"{recorded['step_s']:.3f} s, of which compute {recorded['compute_s']:.3f} s and stall "
+              f"{recorded['stall_s']:.3f} s")
     if ws is not None:
         print(f"  the device's working set at batch {ws.batch} x seq {ws.seq}: {format_size(ws.reserve)} (the largest "
               f"block's temporaries and the loss head's {format_size(ws.peak)}, activations kept there "
@@ -159,6 +171,17 @@ def main(argv: list[str]) -> int:
           f"{largest or 'none of the built-in models'}"
           + (f" with {placement}" if largest else ""))
     return 0
+
+
+def recorded_step(trace: str, model: torch.nn.Module, cfg: Config, world_size: int = 1) -> dict[str, float]:
+    """The step of `cfg` predicted by the tier model from a run's recording: its compute, its
+    block moves at the recorded rates under `cfg`'s prefetch policy, and its updates' NVMe reads
+    under `cfg`'s optimizer-state placement ([Note: splits predicted from a recording])."""
+    rec = Recording.load(trace)
+    pred = simulate(with_split(rec, update_reads(model, cfg, world_size)), policy_from_config(cfg),
+                    TierModel.calibrate(rec), nvme_depth=cfg.prefetch.nvme_depth, as_recorded=rec)
+    return {"step_s": round(pred.step_s, 5), "stall_s": round(pred.stall_s, 5), "compute_s": round(rec.compute_s, 5),
+            "trace": str(trace)}
 
 
 def _print_state(args: argparse.Namespace, model: torch.nn.Module, est: Estimate, cfg: Config,
