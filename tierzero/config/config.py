@@ -395,7 +395,9 @@ class Config:
         optimizer states are "auto": wrap fills the device (a GPU), then the host, then NVMe
         with them block by block, each block updated where its states live (with their
         gradients: grads=None); the parameters move to NVMe past twice the host budget (when
-        nvme_dir is given).
+        nvme_dir is given). Give `device_reserve=` (an override) the step's device working set at
+        the run's batch and sequence, `tierzero.planning.working_set(...).reserve`, so that "auto"
+        leaves it free on the device.
         """
         offer = machine_budgets(None if nvme_dir is None else os.fspath(nvme_dir), headroom)
         state = 0

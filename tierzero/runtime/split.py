@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from tierzero.config import KINDS, TIER_NAMES, Config, format_size
-from tierzero.layout import (BlockTiers, FlatLayout, ZeroStage, block_tiers, frozen_bytes, kind_sizes, placement_order,
-                             resolve_auto, state_room, state_tensors, tier_need)
+from tierzero.layout import (BlockTiers, FlatLayout, FlatTensor, ZeroStage, block_tiers, frozen_bytes, kind_sizes,
+                             placement_order, resolve_auto, state_room, state_tensors, tier_need)
 from tierzero.placement import Kind
 from tierzero.runtime.state import state_of
 
@@ -43,7 +43,7 @@ def plan_tiers(config: Config, layouts: Layouts, zero: ZeroStage, compute: torch
     return tiers
 
 
-def _check_fits(config: Config, resolved: Config, tensors: Sequence[object], device_window: int,
+def _check_fits(config: Config, resolved: Config, tensors: Sequence[FlatTensor], device_window: int,
                 largest: int) -> None:
     """ValueError naming the bytes per tier when the placed flat tensors (`state_tensors`), the
     fetched blocks, the reserved working set and an NVMe block's host staging exceed the budgets."""
