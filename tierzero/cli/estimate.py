@@ -90,22 +90,7 @@ def main(argv: list[str]) -> int:
         budgets["device"] = parse_size(args.device_budget, what="--device-budget")
     if args.host_budget:
         budgets["host"] = parse_size(args.host_budget, what="--host-budget")
-    cfg = Config(nvme_dir=args.nvme_dir, device_budget=budgets["device"], host_budget=budgets["host"],
-                 compute_dtype=args.compute_dtype, step_in_backward=args.step_in_backward,
-                 **placement_from_flags(args), **zero_from_flags(args), **activations_from_flags(args))
-    try:
-        model = _meta_model(args.model)
-        if args.lora:
-            model = with_lora(model, args.lora)
-    except (ValueError, ImportError) as e:
-        p.error(str(e))
-    ws = None
-    if args.batch is not None:
-        try:
-            cfg, ws = reserve_working_set(cfg, _measured_model(args, model), batch=args.batch, seq=args.seq,
-                                          micro_batches=args.micro_batches, chunked=args.chunked_loss, always=True)
-        except ValueError as e:
-            p.error(str(e))
+    cfg, model, ws = _config_and_model(p, args, budgets)
     cfg = resolve_placement(model, cfg, args.world_size)  # "auto" as wrap would choose it
     est = estimate(model, cfg, args.world_size)
     assert est.per_rank is not None and est.layout_per_rank is not None and est.comm is not None
@@ -151,6 +136,42 @@ def main(argv: list[str]) -> int:
         return 0
     _print_state(args, model, est, cfg, least, budgets)
     _print_traffic(est, traffic, (fewest, most), rates, floor)
+    _print_step(args, cfg, traffic, predicted, recorded, ws)
+    if acts is not None:
+        _print_activations(acts, least, cfg, budgets, args.micro_batches)
+    print(f"this machine (free GPU/RAM/disk x0.8: "
+          f"{', '.join(f'{t} {format_size(machine[t])}' for t in TIER_NAMES)}) can train up to: "
+          f"{largest or 'none of the built-in models'}"
+          + (f" with {placement}" if largest else ""))
+    return 0
+
+
+def _config_and_model(p: argparse.ArgumentParser, args: argparse.Namespace,
+                      budgets: dict[str, int]) -> tuple[Config, torch.nn.Module, WorkingSet | None]:
+    """The flags' Config, the model on the meta device, and with --batch/--seq the device's
+    working set (set aside in the Config when a kind is "auto")."""
+    cfg = Config(nvme_dir=args.nvme_dir, device_budget=budgets["device"], host_budget=budgets["host"],
+                 compute_dtype=args.compute_dtype, step_in_backward=args.step_in_backward,
+                 **placement_from_flags(args), **zero_from_flags(args), **activations_from_flags(args))
+    try:
+        model = _meta_model(args.model)
+        if args.lora:
+            model = with_lora(model, args.lora)
+    except (ValueError, ImportError) as e:
+        p.error(str(e))
+    ws = None
+    if args.batch is not None:
+        try:
+            cfg, ws = reserve_working_set(cfg, _measured_model(args, model), batch=args.batch, seq=args.seq,
+                                          micro_batches=args.micro_batches, chunked=args.chunked_loss, always=True)
+        except ValueError as e:
+            p.error(str(e))
+    return cfg, model, ws
+
+
+def _print_step(args: argparse.Namespace, cfg: Config, traffic: Traffic, predicted: dict[str, float] | None,
+                recorded: dict[str, float] | None, ws: WorkingSet | None) -> None:
+    """The predicted step (the NVMe floor, the tier model's from --trace) and the working set."""
     if predicted is not None and (traffic.read or traffic.write):
         print(f"  predicted step floor for this placement (its NVMe traffic alone at the drive's rates; compute is "
               f"not in it): {predicted['fewest']:.2f} s (the spare room caching all it can) to {predicted['most']:.2f} s "
@@ -163,14 +184,7 @@ def main(argv: list[str]) -> int:
         print(f"  the device's working set at batch {ws.batch} x seq {ws.seq}: {format_size(ws.reserve)} (the largest "
               f"block's temporaries and the loss head's {format_size(ws.peak)}, activations kept there "
               f"{format_size(ws.activations)}), "
-              + (f"set aside before \"auto\" placed the state" if cfg.device_reserve else "not in any budget"))
-    if acts is not None:
-        _print_activations(acts, least, cfg, budgets, args.micro_batches)
-    print(f"this machine (free GPU/RAM/disk x0.8: "
-          f"{', '.join(f'{t} {format_size(machine[t])}' for t in TIER_NAMES)}) can train up to: "
-          f"{largest or 'none of the built-in models'}"
-          + (f" with {placement}" if largest else ""))
-    return 0
+              + ("set aside before \"auto\" placed the state" if cfg.device_reserve else "not in any budget"))
 
 
 def recorded_step(trace: str, model: torch.nn.Module, cfg: Config, world_size: int = 1) -> dict[str, float]:
