@@ -59,3 +59,17 @@ def test_a_recorded_run_gives_the_whole_step_compute_included(tmp_path: Any, cap
     assert estimate.main(["--model", "tiny", "--optimizer-states", "nvme", *place, "--trace",
                           str(tmp_path / "run")]) == 0
     assert "predicted step for this placement (tier model, from the recorded compute" in capsys.readouterr().out
+
+
+def test_train_with_auto_sets_the_working_set_aside_and_records_the_split(tmp_path: Any) -> None:
+    """`tierzero train --optimizer-states auto` measures the step's working set at --batch/--seq,
+    resolves "auto" as wrap does, and its summary records the reserve and the placement."""
+    from tierzero.cli import train
+
+    run = tmp_path / "run"
+    assert train.main(["--model", "tiny", "--steps", "2", "--batch", "2", "--seq", "32", "--run-dir", str(run),
+                       "--optimizer-states", "auto", "--device-budget", "13MiB", "--host-budget", "1GiB"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["config"]["device_reserve"] > 0 and summary["config"]["optimizer_states"] != "auto"
+    placed = summary["placement"]["optimizer_states"]
+    assert placed["device"] > 0 and placed["host"] > 0, placed  # the reserve took part of the device

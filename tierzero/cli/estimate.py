@@ -198,6 +198,15 @@ def recorded_step(trace: str, model: torch.nn.Module, cfg: Config, world_size: i
             "trace": str(trace)}
 
 
+def run_config(cfg: Config, model: torch.nn.Module, *, batch: int, seq: int, micro_batches: int = 1,
+               chunked: bool = False, world_size: int = 1) -> Config:
+    """`cfg` for a run of `model` at `batch` x `seq` rows per rank: the device's working set set
+    aside when some kind is "auto", and "auto" resolved as `tz.wrap` resolves it (so that the
+    run's figures and summary see the split)."""
+    cfg, _ = reserve_working_set(cfg, model, batch=batch, seq=seq, micro_batches=micro_batches, chunked=chunked)
+    return resolve_placement(model, cfg, world_size)
+
+
 def _print_state(args: argparse.Namespace, model: torch.nn.Module, est: Estimate, cfg: Config,
                  least: dict[str, int], budgets: dict[str, int]) -> None:
     """The state's bytes and, per tier, the least budget (every tier at once, over or not)."""

@@ -55,7 +55,7 @@ import torch.distributed as dist
 import tierzero as tz
 from io_engine import Progress
 from tierzero.checkpoint import latest_checkpoint
-from tierzero.cli.estimate import reserve_working_set
+from tierzero.cli.estimate import run_config
 from tierzero.cli.flags import (activations_from_flags, add_activation_flags, add_placement_flags, add_rate_flags,
                                 add_zero_flags, placement_from_flags, rates_from_flags, zero_from_flags)
 from tierzero.cli.harness import (check_room, corpus, heads, meta_model, peak_rss, pretrained,
@@ -325,8 +325,8 @@ def _run(args: argparse.Namespace, cfg: tz.Config, rank: int, world_size: int, r
     model, tokenizer = meta_model(args)
     if args.lora:
         model = with_lora(model, args.lora)
-    cfg, _ = reserve_working_set(cfg, model, batch=args.batch // world_size, seq=args.seq,  # for "auto"
-                                 micro_batches=args.micro_batches, chunked=args.chunked_loss)
+    cfg = run_config(cfg, model, batch=args.batch // world_size, seq=args.seq, micro_batches=args.micro_batches,
+                     chunked=args.chunked_loss, world_size=world_size)  # "auto" with the step's working set aside
     if rank == 0:
         print(f"tierzero train: training {heads(model)}", file=sys.stderr)
     sampler = tzdata.BatchSampler(corpus(args, tokenizer, model), batch=args.micro_batches * args.batch,
