@@ -222,5 +222,7 @@ def test_estimate_predicts_the_step_floor_of_a_split(tmp_path: Any, capsys: Any)
         assert floors[states]["most"] == pytest.approx(step["read"] / 2e9 + step["write"] / 1e9)
         assert 0 < floors[states]["fewest"] <= floors[states]["most"]
         assert main(args) == 0
-        assert f"predicted step for this placement: at least {floors[states]['fewest']:.2f} s" in capsys.readouterr().out
+        text = capsys.readouterr().out
+        assert "predicted step floor for this placement (its NVMe traffic alone" in text
+        assert f"compute is not in it): {floors[states]['fewest']:.2f} s" in text and "give --trace RUN" in text
     assert floors["host=0.5,nvme=0.5"]["most"] < floors["nvme"]["most"]

@@ -23,7 +23,9 @@ from tierzero.formats import meta_model
 from tierzero.models import CONFIGS, build
 from tierzero.planning import (PLACEMENTS, ActivationBytes, ActivationModel, DriveRates, Estimate, Traffic,
                                activation_model, estimate, expected_traffic, flat_tensors, largest_trainable,
-                               least_budgets, param_counts, resolve_placement, step_traffic)
+                               least_budgets, param_counts, resolve_placement, step_traffic,
+                               Recording, TierModel, WorkingSet, simulate, update_reads, with_split, working_set)
+from tierzero.prefetch import policy_from_config
 
 
 def _meta_model(name: str) -> torch.nn.Module:
@@ -60,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="LoRA adapters of rank R on every linear layer of a transformers folder's model, the base "
                         "frozen (on --frozen's tier), as `tierzero train --lora R` trains them")
     add_micro_batch_flag(p)
+    p.add_argument("--trace", default=None, metavar="RUN",
+                   help="a run's trace.json (or its run folder) of this model from `tierzero train`: predict the "
+                        "whole step, compute included, by the tier model (else the NVMe floor alone)")
     p.add_argument("--json", action="store_true")
     return p
 
@@ -85,15 +90,7 @@ def main(argv: list[str]) -> int:
         budgets["device"] = parse_size(args.device_budget, what="--device-budget")
     if args.host_budget:
         budgets["host"] = parse_size(args.host_budget, what="--host-budget")
-    cfg = Config(nvme_dir=args.nvme_dir, device_budget=budgets["device"], host_budget=budgets["host"],
-                 compute_dtype=args.compute_dtype, step_in_backward=args.step_in_backward,
-                 **placement_from_flags(args), **zero_from_flags(args), **activations_from_flags(args))
-    try:
-        model = _meta_model(args.model)
-        if args.lora:
-            model = with_lora(model, args.lora)
-    except (ValueError, ImportError) as e:
-        p.error(str(e))
+    cfg, model, ws = _config_and_model(p, args, budgets)
     cfg = resolve_placement(model, cfg, args.world_size)  # "auto" as wrap would choose it
     est = estimate(model, cfg, args.world_size)
     assert est.per_rank is not None and est.layout_per_rank is not None and est.comm is not None
@@ -104,6 +101,10 @@ def main(argv: list[str]) -> int:
                                     {t: budgets[t] - least[t] for t in TIER_NAMES})
     floor = None if rates is None else rates.floor_s(traffic.read, traffic.write)
     predicted = None if rates is None else {k: rates.floor_s(t.read, t.write) for k, t in (("fewest", fewest), ("most", most))}
+    try:
+        recorded = None if args.trace is None else recorded_step(args.trace, model, cfg, args.world_size)
+    except (ValueError, FileNotFoundError) as e:
+        p.error(str(e))
     largest, placement = largest_trainable(machine, args.nvme_dir)
     result = {
         "model": args.model, "params": est.params, "state_bytes": est.state_bytes,
@@ -121,9 +122,12 @@ def main(argv: list[str]) -> int:
         "nvme_step_bytes": traffic.to_json(), "nvme_bytes_per_param": traffic.per_param(est.params),
         "nvme_expected_step_bytes": {"most": most.to_json(), "fewest": fewest.to_json()},
         "drive": None if rates is None else rates.to_json(), "nvme_floor_s": floor,
-        "predicted_step_floor_s": predicted,
+        "predicted_step_floor_s": predicted, "predicted_step": recorded,
     }
     acts = None
+    if ws is not None:
+        result["device_working_set"] = {"batch": ws.batch, "seq": ws.seq, "peak": ws.peak,
+                                        "activations": ws.activations, "reserve": cfg.device_reserve}
     if args.batch is not None:
         acts = _activations(args, cfg, model)
         result["activations"] = _activations_json(acts, least, cfg, budgets, args.micro_batches)
@@ -132,10 +136,7 @@ def main(argv: list[str]) -> int:
         return 0
     _print_state(args, model, est, cfg, least, budgets)
     _print_traffic(est, traffic, (fewest, most), rates, floor)
-    if predicted is not None and (traffic.read or traffic.write):
-        print(f"  predicted step for this placement: at least {predicted['fewest']:.2f} s (the spare room caching all "
-              f"it can) to {predicted['most']:.2f} s (caching none): its NVMe traffic at the drive's rates; compute "
-              "is not in it (`tierzero tune` predicts the whole step from a recorded run)")
+    _print_step(args, cfg, traffic, predicted, recorded, ws)
     if acts is not None:
         _print_activations(acts, least, cfg, budgets, args.micro_batches)
     print(f"this machine (free GPU/RAM/disk x0.8: "
@@ -143,6 +144,67 @@ def main(argv: list[str]) -> int:
           f"{largest or 'none of the built-in models'}"
           + (f" with {placement}" if largest else ""))
     return 0
+
+
+def _config_and_model(p: argparse.ArgumentParser, args: argparse.Namespace,
+                      budgets: dict[str, int]) -> tuple[Config, torch.nn.Module, WorkingSet | None]:
+    """The flags' Config, the model on the meta device, and with --batch/--seq the device's
+    working set (set aside in the Config when a kind is "auto")."""
+    cfg = Config(nvme_dir=args.nvme_dir, device_budget=budgets["device"], host_budget=budgets["host"],
+                 compute_dtype=args.compute_dtype, step_in_backward=args.step_in_backward,
+                 **placement_from_flags(args), **zero_from_flags(args), **activations_from_flags(args))
+    try:
+        model = _meta_model(args.model)
+        if args.lora:
+            model = with_lora(model, args.lora)
+    except (ValueError, ImportError) as e:
+        p.error(str(e))
+    ws = None
+    if args.batch is not None:
+        try:
+            cfg, ws = reserve_working_set(cfg, _measured_model(args, model), batch=args.batch, seq=args.seq,
+                                          micro_batches=args.micro_batches, chunked=args.chunked_loss, always=True)
+        except ValueError as e:
+            p.error(str(e))
+    return cfg, model, ws
+
+
+def _print_step(args: argparse.Namespace, cfg: Config, traffic: Traffic, predicted: dict[str, float] | None,
+                recorded: dict[str, float] | None, ws: WorkingSet | None) -> None:
+    """The predicted step (the NVMe floor, the tier model's from --trace) and the working set."""
+    if predicted is not None and (traffic.read or traffic.write):
+        print(f"  predicted step floor for this placement (its NVMe traffic alone at the drive's rates; compute is "
+              f"not in it): {predicted['fewest']:.2f} s (the spare room caching all it can) to {predicted['most']:.2f} s "
+              "(caching none)" + ("" if recorded else "; give --trace RUN for the whole step"))
+    if recorded is not None:
+        print(f"  predicted step for this placement (tier model, from the recorded compute of {args.trace}): "
+              f"{recorded['step_s']:.3f} s, of which compute {recorded['compute_s']:.3f} s and stall "
+              f"{recorded['stall_s']:.3f} s")
+    if ws is not None:
+        print(f"  the device's working set at batch {ws.batch} x seq {ws.seq}: {format_size(ws.reserve)} (the largest "
+              f"block's temporaries and the loss head's {format_size(ws.peak)}, activations kept there "
+              f"{format_size(ws.activations)}), "
+              + ("set aside before \"auto\" placed the state" if cfg.device_reserve else "not in any budget"))
+
+
+def recorded_step(trace: str, model: torch.nn.Module, cfg: Config, world_size: int = 1) -> dict[str, float]:
+    """The step of `cfg` predicted by the tier model from a run's recording: its compute, its
+    block moves at the recorded rates under `cfg`'s prefetch policy, and its updates' NVMe reads
+    under `cfg`'s optimizer-state placement ([Note: splits predicted from a recording])."""
+    rec = Recording.load(trace)
+    pred = simulate(with_split(rec, update_reads(model, cfg, world_size)), policy_from_config(cfg),
+                    TierModel.calibrate(rec), nvme_depth=cfg.prefetch.nvme_depth, as_recorded=rec)
+    return {"step_s": round(pred.step_s, 5), "stall_s": round(pred.stall_s, 5), "compute_s": round(rec.compute_s, 5),
+            "trace": str(trace)}
+
+
+def run_config(cfg: Config, model: torch.nn.Module, *, batch: int, seq: int, micro_batches: int = 1,
+               chunked: bool = False, world_size: int = 1) -> Config:
+    """`cfg` for a run of `model` at `batch` x `seq` rows per rank: the device's working set set
+    aside when some kind is "auto", and "auto" resolved as `tz.wrap` resolves it (so that the
+    run's figures and summary see the split)."""
+    cfg, _ = reserve_working_set(cfg, model, batch=batch, seq=seq, micro_batches=micro_batches, chunked=chunked)
+    return resolve_placement(model, cfg, world_size)
 
 
 def _print_state(args: argparse.Namespace, model: torch.nn.Module, est: Estimate, cfg: Config,
@@ -193,15 +255,39 @@ def _placed(value: object) -> str:
     return str(value)
 
 
+def _measured_model(args: argparse.Namespace, model: torch.nn.Module) -> torch.nn.Module:
+    """The model a step is measured on: a built-in GPT rebuilt for twice --seq (its position
+    table), a transformers folder's `model` as it is (with its adapters under --lora)."""
+    if args.model in CONFIGS:
+        return build(args.model, device="meta", vocab_size=formats.VOCAB_SIZE, seq_len=2 * args.seq)
+    return model
+
+
 def _activations(args: argparse.Namespace, cfg: Config, model: torch.nn.Module) -> ActivationModel:
     """The activations of a step of the model as `tierzero train` runs it (a built-in GPT on
     bytes of text; a transformers folder's `model`, with its adapters under --lora), measured
     at --seq and twice it."""
-    if args.model in CONFIGS:
-        model = build(args.model, device="meta", vocab_size=formats.VOCAB_SIZE, seq_len=2 * args.seq)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     loss = functools.partial(measured_loss, chunked=args.chunked_loss)
-    return activation_model(model, cfg, loss, batch=args.batch, seq=args.seq, device=device)
+    return activation_model(_measured_model(args, model), cfg, loss, batch=args.batch, seq=args.seq,
+                            device=_device())
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def reserve_working_set(cfg: Config, model: torch.nn.Module, *, batch: int, seq: int, micro_batches: int = 1,
+                        chunked: bool = False, always: bool = False) -> tuple[Config, WorkingSet | None]:
+    """`cfg` with `device_reserve` set to the device's working set of a step at `batch` x `seq`
+    (tierzero.planning.working_set), and that working set: when some kind is "auto" (or
+    `always`) and no reserve was given."""
+    if cfg.device_reserve or not (always or any(getattr(cfg, k) == "auto" for k in KINDS)):
+        return cfg, None
+    loss = functools.partial(measured_loss, chunked=chunked)
+    ws = working_set(model, cfg, loss, batch=batch, seq=seq, device=_device(), micro_batches=micro_batches)
+    if not any(getattr(cfg, k) == "auto" for k in KINDS):
+        return cfg, ws
+    return cfg.replace(device_reserve=ws.reserve), ws
 
 
 def measured_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, chunked: bool = False) -> torch.Tensor:

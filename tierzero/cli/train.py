@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import tierzero as tz
+from tierzero.cli.estimate import run_config
 from tierzero.cli.flags import (activations_from_flags, add_activation_flags, add_placement_flags, add_rate_flags,
                                 add_zero_flags, placement_from_flags, rates_from_flags, zero_from_flags)
 from tierzero.cli.harness import check_room, corpus, heads, meta_model, pretrained, with_lora
@@ -159,6 +160,8 @@ def _run(args: argparse.Namespace, cfg: tz.Config, rank: int, world_size: int, r
     model, tokenizer = meta_model(args)
     if args.lora:
         model = with_lora(model, args.lora)
+    cfg = run_config(cfg, model, batch=args.batch // world_size, seq=args.seq, micro_batches=args.micro_batches,
+                     chunked=args.chunked_loss, world_size=world_size)  # "auto" with the step's working set aside
     if rank == 0:
         print(f"tierzero train: training {heads(model)}", file=sys.stderr)
     sampler = tzdata.BatchSampler(corpus(args, tokenizer, model), batch=args.micro_batches * args.batch,

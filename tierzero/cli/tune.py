@@ -49,6 +49,7 @@ import tierzero as tz
 from io_engine import Progress, bench, parse_size
 from tierzero.cli.flags import activations_from_flags, add_activation_flags, add_placement_flags, placement_from_flags
 from tierzero.cli.harness import batch_loss, check_room, corpus, meta_model, peak_rss, release_memory
+from tierzero.cli.tune_splits import split_lines, split_rows
 from tierzero.config import format_size
 from tierzero.formats import corpus as tzdata
 from tierzero.models import CONFIGS
@@ -310,14 +311,15 @@ def tune(args: argparse.Namespace) -> dict[str, Any]:
     best = options[chosen][0]
     for j in tied:
         rows[options[j][0]]["equivalent_to_best"] = True
-    summary = recording.summary()
+    summary = recording.summary() | {"updates": len(recording.updates)}
     if len(traces) > 1:  # the same setting's stall at each recording: how much the machine drifted
         summary["stall_s_each_recording"] = [round(Recording.from_trace(t).summary()["stall_s"], 4) for t in traces]
+    splits = [] if trainer is None else split_rows(args, trainer.base, cands[best].config(trainer.base), recording, bench)
     left = rows[best].get("stall_by_source") or {}
     step = rows[best]["step_s"] or rows[best]["predicted_step_s"]
     return {"candidates": rows, "best": rows[best], "best_index": best, "chosen_by": key,
             "equivalent": [options[j][0] for j in tied], "stall_left": explain(left, step) if left else [],
-            "recording": summary, "compute_speedup": args.compute_speedup, "snippets": cands[best].snippets(),
+            "recording": summary, "splits": splits, "compute_speedup": args.compute_speedup, "snippets": cands[best].snippets(),
             "setup": _setup(args, trainer), "wall_s": round(time.perf_counter() - started, 1),
             "peak_rss_bytes": peak_rss()}
 
@@ -500,6 +502,7 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append("its stall left, by source:")
         lines += [f"  {x['source']}: {x['stall_s']:.4f} s ({100 * x['share_of_step']:.1f} % of the step): "
                   f"{x['what_reduces_it']}" for x in report["stall_left"]]
+    lines += split_lines(report["splits"], report["recording"].get("updates", 0) > 0)
     lines += ["TOML (a config file for tz.Config.from_file):"]
     lines += ["  " + line for line in report["snippets"]["toml"].splitlines()]
     lines += ["Python:", "  " + report["snippets"]["python"],

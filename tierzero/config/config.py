@@ -204,6 +204,13 @@ class Config:
     activation_checkpointing: bool = False
     """Recompute each block in backward from its input, as torch.utils.checkpoint does, without
     wrapping modules: only each block call's input is kept (and placed per `activations`)."""
+    device_reserve: int | str = 0
+    """Device bytes set aside for the step's working set: the activations the device keeps and
+    the compute temporaries of the largest block (attention scores, the loss head's logits) at
+    the run's batch and sequence, which no tier budget holds. "auto" places no state in them,
+    and a split that leaves less is refused at wrap. `tierzero train` and `estimate` set it from
+    --batch and --seq; a script sets it from `tierzero.planning.working_set(model, config,
+    batch=, seq=)` (docs/split-placement.md). 0: nothing set aside."""
     collective_timeout_s: float = 300.0
     """Seconds a collective may wait for other ranks before the run fails instead of hanging.
     `tierzero train` gives it to torch.distributed.init_process_group; a script that creates the
@@ -226,8 +233,12 @@ class Config:
     TIERZERO_DELAY_SEED from the environment override them)."""
 
     def __post_init__(self) -> None:
-        for name in ("device_budget", "host_budget", "nvme_budget", "min_block_bytes"):
+        for name in ("device_budget", "host_budget", "nvme_budget", "min_block_bytes", "device_reserve"):
             object.__setattr__(self, name, parse_size(getattr(self, name), what=name))
+        if self.device_reserve and self.device_reserve >= self.device_budget:
+            raise ValueError(f"device_reserve: expected less than device_budget ({self.device_budget} bytes), got "
+                             f"{self.device_reserve} bytes, which leaves the state no device room; raise "
+                             "device_budget, or lower the batch or sequence the reserve was measured at")
         for name in KINDS:
             if getattr(self, name) is not None or name != "grads":
                 object.__setattr__(self, name, check_placement(name, getattr(self, name)))
@@ -384,7 +395,9 @@ class Config:
         optimizer states are "auto": wrap fills the device (a GPU), then the host, then NVMe
         with them block by block, each block updated where its states live (with their
         gradients: grads=None); the parameters move to NVMe past twice the host budget (when
-        nvme_dir is given).
+        nvme_dir is given). Give `device_reserve=` (an override) the step's device working set at
+        the run's batch and sequence, `tierzero.planning.working_set(...).reserve`, so that "auto"
+        leaves it free on the device.
         """
         offer = machine_budgets(None if nvme_dir is None else os.fspath(nvme_dir), headroom)
         state = 0

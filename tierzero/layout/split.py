@@ -94,11 +94,11 @@ def tier_totals(tiers: Mapping[str, list[str]], sizes: KindSizes) -> dict[str, d
 
 def state_room(config: Config, sizes: KindSizes, device_window: int, frozen: int = 0) -> tuple[dict[str, int], int]:
     """What each tier offers the state once the step's own working set is set aside: the
-    `device_window` of fetched blocks on the device, three blocks' update read-ahead staged on
+    `device_window` of fetched blocks and `config.device_reserve` on the device, three blocks' update read-ahead staged on
     the host (not the root's, placed first on the fastest tier), and `frozen` bytes on the frozen
     tier. Returns the room per tier and the largest block's bytes of all kinds."""
     largest = max((sum(getattr(sizes, k)[b] for k in KINDS) for b in range(1, len(sizes.params))), default=0)
-    room = {"device": config.device_budget - device_window, "host": config.host_budget - 3 * largest,
+    room = {"device": config.device_budget - device_window - config.device_reserve, "host": config.host_budget - 3 * largest,
             "nvme": config.nvme_budget}
     room[config.frozen_tier] -= frozen
     return room, largest

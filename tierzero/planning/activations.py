@@ -130,9 +130,9 @@ def measure_activations(model: nn.Module, config: Config, loss: Loss, *, batch: 
     fake tensors) at `batch` x `seq` tokens, computing in `config`'s compute dtype on `device`."""
     device = torch.device(device)
     dtype = getattr(torch, config.compute_dtype_name(cuda=device.type == "cuda"))
-    shell = _shell_copy(model)
+    shell = shell_copy(model)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        fake = _fake_copy(shell, device, dtype)
+        fake = fake_copy(shell, device, dtype)
         params = {id(p.untyped_storage()) for p in fake.parameters()}
         scopes = _Scopes(fake, config, params, device)
         ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
@@ -150,8 +150,8 @@ def activation_model(model: nn.Module, config: Config, loss: Loss, *, batch: int
     return ActivationModel(at, twice)
 
 
-def _shell_copy(model: nn.Module) -> nn.Module:
-    """A copy of `model`'s modules sharing its parameters and buffers (`_fake_copy` replaces
+def shell_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model`'s modules sharing its parameters and buffers (`fake_copy` replaces
     them), made outside any FakeTensorMode: under one, deepcopy turns every other tensor a
     module keeps as a plain attribute (transformers' rotary embeddings keep `original_inv_freq`)
     into a fake tensor, which cannot be deep-copied."""
@@ -159,8 +159,8 @@ def _shell_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _fake_copy(fake: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """`fake` (a `_shell_copy`) with its parameters (in the compute dtype, ties kept) and
+def fake_copy(fake: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """`fake` (a `shell_copy`) with its parameters (in the compute dtype, ties kept) and
     buffers replaced by fake tensors on `device`; called under a FakeTensorMode."""
     made: dict[int, Any] = {}
     for module in fake.modules():

@@ -1,108 +1,54 @@
 """The least budget of each tier that a model trains in under a Config, all at once, and the
 NVMe bytes a step is expected to move at given budgets (what the host caches is not read).
-
-[Note: least budgets]
-`estimate()`'s per-tier figures add the working sets prefetching wants (blocks ahead on the
-device, nvme_depth blocks of read-ahead and three blocks of optimizer streaming on the host):
-what makes a step fast, not what it needs. A run trains in less, and refusing a placement over
-them refused ones that train (issue 43: "needs 9.02 of 8.00 MiB" for a run whose host peaked at
-7.93). The least budgets follow the runtime's own checks instead, tensor by tensor:
-
-    every tier   the flat tensors homed there as `tz.wrap` registers them (tierzero.layout's
-                 FlatLayout, padded), each rounded up to the 4 KiB the tier's allocator takes
-    device       plus the root block and the largest block fetched at once (wrapping.py's
-                 check: "the root block plus the largest block"), unless every parameter
-                 lives there whole; plus the bytes policy's reserve
-    host         plus the larger of two working sets that never overlap: one block's update
-                 (its gradient, master weights and moments staged from NVMe, and the new
-                 parameters' staging buffer where they are not the master weights: the
-                 optimizer's check) and the staging of the largest NVMe-homed parameter
-                 tensor read toward the device
-
-Measured against bisection on tiny transformers folders (tests/planning/test_estimate_measured.py):
-a run trains at these budgets and is refused at 0.9x of any one of them.
-
-[Note: expected NVMe bytes]
-`step_traffic` is the traffic with nothing cached. A step moves less where memory keeps copies:
-blocks sweep forward then backward, so what stays cached from one pass is used first by the
-next. At the least budgets (the most a step reads) a frozen base's root block stays on the
-device and the block backward starts with is the one forward ended with: each pass reads the
-base less those (trainable parameters are rewritten by each step, so their reads stay as
-step_traffic counts them). Room beyond the least budgets caches more, how much depends on the
-prefetch policy and on compute against the disk (Adaptive reads far ahead into host memory
-where compute is slow; with fast compute it fetches two blocks ahead and the spare room caches
-little): the fewest reads count every spare byte of the host and the device as cache, the
-parameters first (read twice), then the optimizer states and gradients (read once, host room
-only). Writes are not cached away: every updated tensor goes home once a step. Measured (tests/
-planning/test_estimate_measured.py, docs/estimate.md): within 10 % of the most at the least
-budgets, between the two elsewhere.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from tierzero.config import MASTER_BYTES_PER_PARAM, TIER_NAMES, Config
-from tierzero.layout import ROOT, ZeroStage, blocks_of, fetched_bytes, flat_groups
-from tierzero.planning.placement import planned_tiers
+from tierzero.config import Config
+from tierzero.layout import (ROOT, FlatTensor, ZeroStage, blocks_of, fetched_bytes, flat_groups, round_up,
+                             state_tensors, tier_need)
+from tierzero.planning.placement import placed_blocks, planned_tiers
 from tierzero.planning.traffic import Traffic
-
-PAGE = 4096
-"""Bytes the tiers' allocators round every buffer up to (tierzero/placement/tiers.py's ALIGNMENT)."""
-
-
-def round_up(nbytes: int) -> int:
-    """The bytes a buffer of `nbytes` takes from a tier's budget."""
-    return -(-nbytes // PAGE) * PAGE
-
-
-@dataclass(frozen=True)
-class FlatTensor:
-    """One flat tensor `tz.wrap` registers: its block, kind, home tier and bytes."""
-
-    block: str
-    kind: str
-    """"params", "frozen", "grads", "master", "moments" (each moment apart)."""
-    home: str
-    nbytes: int
 
 
 def flat_tensors(model: nn.Module, cfg: Config, world_size: int = 1) -> list[FlatTensor]:
     """The flat tensors of `tz.wrap(model, cfg)` on one of `world_size` ranks (model may be on
-    the meta device)."""
+    the meta device), counted as wrap counts them (tierzero.layout.state_tensors)."""
     zero = ZeroStage(cfg.zero_stage, world_size)
-    dtype = getattr(torch, cfg.compute_dtype_name(cuda=torch.cuda.is_available()))
-    grad = getattr(torch, cfg.grad_dtype).itemsize
-    tiers = planned_tiers(model, cfg, world_size)
-    out = []
-    for name, _, params in blocks_of(model, cfg):
-        home = {kind: getattr(tiers, kind).get(name, "host") for kind in ("params", "grads", "optimizer_states")}
-        shared = dtype.itemsize == 4 and home["params"] == home["optimizer_states"] and not zero.params_whole
-        for ps, layout in flat_groups(params, world_size, dtype):
-            whole, shard = layout.padded_numel, layout.shard_numel
-            kept = whole if zero.params_whole else shard
-            if not ps[0][1].requires_grad:
-                out.append(FlatTensor(name, "frozen", cfg.frozen_tier, dtype.itemsize * kept))
-                continue
-            out.append(FlatTensor(name, "params", home["params"], dtype.itemsize * kept))
-            out.append(FlatTensor(name, "grads", home["grads"], grad * (whole if zero.grads_whole else shard)))
-            if not shared:
-                out.append(FlatTensor(name, "master", home["optimizer_states"], MASTER_BYTES_PER_PARAM * shard))
-            out += [FlatTensor(name, "moments", home["optimizer_states"], 4 * shard)] * 2
-    return out
+    compute = getattr(torch, cfg.compute_dtype_name(cuda=torch.cuda.is_available())).itemsize
+    return state_tensors(placed_blocks(model, cfg, world_size), planned_tiers(model, cfg, world_size),
+                         cfg.frozen_tier, zero, compute, getattr(torch, cfg.grad_dtype).itemsize)
 
 
+# [Note: least budgets]
+# `estimate()`'s per-tier figures add the working sets prefetching wants (blocks ahead on the
+# device, nvme_depth blocks of read-ahead and three blocks of optimizer streaming on the host):
+# what makes a step fast, not what it needs. A run trains in less, and refusing a placement over
+# them refused ones that train (issue 43: "needs 9.02 of 8.00 MiB" for a run whose host peaked at
+# 7.93). The least budgets follow the runtime's own checks instead, tensor by tensor:
+#
+#     every tier   the flat tensors homed there as `tz.wrap` registers them (tierzero.layout's
+#                  FlatLayout, padded), each rounded up to the 4 KiB the tier's allocator takes
+#     device       plus the root block and the largest block fetched at once (wrapping.py's
+#                  check: "the root block plus the largest block"), unless every parameter
+#                  lives there whole; plus the bytes policy's reserve
+#     host         plus the larger of two working sets that never overlap: one block's update
+#                  (its gradient, master weights and moments staged from NVMe, and the new
+#                  parameters' staging buffer where they are not the master weights: the
+#                  optimizer's check) and the staging of the largest NVMe-homed parameter
+#                  tensor read toward the device
+#
+# Measured against bisection on tiny transformers folders (tests/planning/test_estimate_measured.py):
+# a run trains at these budgets and is refused at 0.9x of any one of them.
 def least_budgets(model: nn.Module, cfg: Config, world_size: int = 1) -> dict[str, int]:
     """The least budget of each tier `model` trains in under `cfg` (see [Note: least budgets]);
     activations are not counted (activations.py adds theirs)."""
     zero = ZeroStage(cfg.zero_stage, world_size)
     tensors = flat_tensors(model, cfg, world_size)
-    need = dict.fromkeys(TIER_NAMES, 0)
-    for t in tensors:
-        need[t.home] += round_up(t.nbytes)
+    need = tier_need(tensors)
     if cfg.params != "device" or zero.gathers:
         dtype = getattr(torch, cfg.compute_dtype_name(cuda=torch.cuda.is_available()))
         fetched = {name: sum(round_up(fetched_bytes(layout, dtype, gathered=zero.gathers))
@@ -134,6 +80,20 @@ def _read_staging(tensors: list[FlatTensor]) -> int:
                default=0)
 
 
+# [Note: expected NVMe bytes]
+# `step_traffic` is the traffic with nothing cached. A step moves less where memory keeps copies:
+# blocks sweep forward then backward, so what stays cached from one pass is used first by the
+# next. At the least budgets (the most a step reads) a frozen base's root block stays on the
+# device and the block backward starts with is the one forward ended with: each pass reads the
+# base less those (trainable parameters are rewritten by each step, so their reads stay as
+# step_traffic counts them). Room beyond the least budgets caches more, how much depends on the
+# prefetch policy and on compute against the disk (Adaptive reads far ahead into host memory
+# where compute is slow; with fast compute it fetches two blocks ahead and the spare room caches
+# little): the fewest reads count every spare byte of the host and the device as cache, the
+# parameters first (read twice), then the optimizer states and gradients (read once, host room
+# only). Writes are not cached away: every updated tensor goes home once a step. Measured (tests/
+# planning/test_estimate_measured.py, docs/estimate.md): within 10 % of the most at the least
+# budgets, between the two elsewhere.
 def expected_traffic(least: Traffic, tensors: list[FlatTensor], spare: dict[str, int]) -> tuple[Traffic, Traffic]:
     """The NVMe bytes a step is expected to move, (fewest, most): `least` (step_traffic:
     nothing cached) where what the least budgets keep cached is taken off (the most), and less

@@ -1,15 +1,4 @@
-"""Choosing a prefetch setting from noisy measurements, and saying what the stall left is made of.
-
-[Note: equivalent candidates] A candidate's stall is measured over several steps of a shared,
-noisy machine: its median, and its spread (half the range of the per-step stalls). Two
-candidates are equivalent when their medians differ by no more than the larger spread of the
-two, or NOISE_FLOOR_S: the measurement cannot tell them apart. Of the candidates equivalent to
-the one with the least median stall, the simplest and least memory-hungry is chosen: the
-simpler policy (SIMPLICITY: on demand, then a fixed lookahead, shallower first, then a byte
-reserve, then the adaptive policy), then fewer blocks read ahead into host memory, then fewer
-io threads, then the shorter median step. Predictions (the tier model) are ranked by the same
-rule with a spread of zero.
-"""
+"""Choosing a prefetch setting from noisy measurements, and saying what the stall left is made of."""
 
 from __future__ import annotations
 
@@ -71,6 +60,15 @@ def simplicity(o: Option) -> tuple:
     return (SIMPLICITY.get(o.policy, len(SIMPLICITY)), o.knob, o.nvme_depth, o.io_threads, o.measured.step)
 
 
+# [Note: equivalent candidates] A candidate's stall is measured over several steps of a shared,
+# noisy machine: its median, and its spread (half the range of the per-step stalls). Two
+# candidates are equivalent when their medians differ by no more than the larger spread of the
+# two, or NOISE_FLOOR_S: the measurement cannot tell them apart. Of the candidates equivalent to
+# the one with the least median stall, the simplest and least memory-hungry is chosen: the
+# simpler policy (SIMPLICITY: on demand, then a fixed lookahead, shallower first, then a byte
+# reserve, then the adaptive policy), then fewer blocks read ahead into host memory, then fewer
+# io threads, then the shorter median step. Predictions (the tier model) are ranked by the same
+# rule with a spread of zero.
 def equivalent(a: Measured, b: Measured) -> bool:
     """Whether the two cannot be told apart (see [Note: equivalent candidates])."""
     return abs(a.stall - b.stall) <= max(a.spread, b.spread, NOISE_FLOOR_S)
