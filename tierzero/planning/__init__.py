@@ -1,6 +1,5 @@
 """Planning: what a model and a Config will need and move, and what a prefetch policy would
-stall, computed beside the runtime and never importing it.
-
+stall, computed beside the runtime and never importing it:
     zero_model.py  the ZeRO paper's per-rank bytes and communication, and tierzero's layout of them
     estimates.py   bytes per tier for a model and a Config; the largest built-in model that fits
     minimums.py    the least budget of each tier, as the runtime checks them; a step's expected NVMe bytes
