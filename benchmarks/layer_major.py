@@ -19,7 +19,10 @@ configurations run in rounds, A B A B: each round runs layer-major and plain at 
 
     flock /tmp/tierzero-bench.lock python benchmarks/layer_major.py --nvme-dir DIR \\
         [--model 350m] [--ks 1,4,8] [--batch 1] [--seq 64] [--steps 1] [--rounds 2] \\
-        [--malloc returned|glibc] [--json]
+        [--malloc returned|glibc] [--profile] [--json]
+
+`--profile`: each configuration runs one more step under torch.profiler (not timed) and the
+operators that took the most CPU time in its forward and backward are listed.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--malloc", choices=MALLOC, default="returned",
                    help="returned: glibc's mmap threshold fixed at 128 KiB (freed tensors go back to the system); "
                         "glibc: glibc's defaults")
+    p.add_argument("--profile", action="store_true", help="list the top operators of one more step's fwd+bwd")
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -95,14 +99,7 @@ def child(args: argparse.Namespace) -> None:
             Path("/proc/self/clear_refs").write_text("5")  # the peak RSS from here on
         mbs = [(x, x) for x in torch.randint(0, 256, (k, args.batch, args.seq), generator=g)]
         r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-        if mode == "layer-major":
-            losses = tz.accumulate(model, mbs, loss_fn)
-        else:
-            losses = []
-            for mb in mbs:
-                loss = loss_fn(model(*mb), mb)
-                loss.backward()
-                losses.append(loss.detach())
+        losses = forward_backward(model, mbs, loss_fn, mode)
         t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         opt.step()
         opt.zero_grad()
@@ -114,11 +111,37 @@ def child(args: argparse.Namespace) -> None:
                      "nvme_write": stats.nvme_write_bytes, "by_kind": stats.nvme_by_kind,
                      "stall_s": sum(stats.stall_s.values()), "fb_faults": r1.ru_minflt - r0.ru_minflt,
                      "fb_sys_s": r1.ru_stime - r0.ru_stime, "fb_user_s": r1.ru_utime - r0.ru_utime})
-    out = {"rows": rows[1:], "peaks": {t: pm.peak_bytes(t) for t in TIERS}, "budgets": {t: pm.budget(t) for t in TIERS},
+    top = profile(model, opt, mode, loss_fn, [(x, x) for x in torch.randint(0, 256, (k, args.batch, args.seq),
+                                                                          generator=g)]) if args.profile else []
+    out = {"rows": rows[1:], "top_ops": top, "peaks": {t: pm.peak_bytes(t) for t in TIERS},
+           "budgets": {t: pm.budget(t) for t in TIERS},
            "params_bytes": sum(p.numel() for p in model.parameters()) * 4}
     runtime.close(model)
     print(json.dumps(out), flush=True)
     sys.stdin.readline()  # the parent reads this process's peak RSS meanwhile
+
+
+def forward_backward(model: torch.nn.Module, mbs: list[Any], loss_fn: Any, mode: str) -> list[torch.Tensor]:
+    if mode == "layer-major":
+        return tz.accumulate(model, mbs, loss_fn)
+    losses = []
+    for mb in mbs:
+        loss = loss_fn(model(*mb), mb)
+        loss.backward()
+        losses.append(loss.detach())
+    return losses
+
+
+def profile(model: torch.nn.Module, opt: Any, mode: str, loss_fn: Any, mbs: list[Any]) -> list[list[Any]]:
+    """One more step, its forward and backward under torch.profiler: the 10 operators of most
+    self CPU time, as [name, seconds, calls]."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        forward_backward(model, mbs, loss_fn, mode)
+    opt.step()
+    opt.zero_grad()
+    runtime.settle(model)
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+    return [[e.key, e.self_cpu_time_total / 1e6, e.count] for e in ops]
 
 
 def _status(key: str, pid: int | str = "self") -> int:
@@ -132,7 +155,7 @@ def run_child(args: argparse.Namespace, k: int, mode: str) -> dict[str, Any]:
     spec = json.dumps({"k": k, "mode": mode})
     cmd = [sys.executable, __file__, "--child", spec, "--nvme-dir", args.nvme_dir, "--model", args.model,
            "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-           "--device-budget", args.device_budget, "--host-budget", args.host_budget]
+           "--device-budget", args.device_budget, "--host-budget", args.host_budget] + (["--profile"] if args.profile else [])
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env.update({"PYTHONPATH": str(REPO), **MALLOC[args.malloc]})
     load = os.getloadavg()[0]
@@ -157,7 +180,7 @@ def run_child(args: argparse.Namespace, k: int, mode: str) -> dict[str, Any]:
             "fb_s": statistics.median(r["fb_s"] for r in rows), "step_s": statistics.median(r["step_s"] for r in rows),
             "fb_tokens_per_s": tokens / statistics.median(r["fb_s"] for r in rows),
             "tokens_per_s": tokens / statistics.median(r["step_s"] for r in rows),
-            "loss": [r["loss"] for r in rows], "by_kind": rows[-1]["by_kind"]}
+            "loss": [r["loss"] for r in rows], "by_kind": rows[-1]["by_kind"], "top_ops": got.get("top_ops", [])}
 
 
 # ----------------------------------------------------------------------------------- parent
@@ -218,6 +241,10 @@ def _table(runs: list[dict[str, Any]], summary: dict[str, Any]) -> str:
                      f"{format_size(r['nvme_read'])} | {r['fb_s']:.1f} | {r['step_s']:.1f} | "
                      f"{r['fb_tokens_per_s']:.1f} | {r['tokens_per_s']:.1f} | {format_size(r['peak_rss'])} | "
                      f"{r['fb_faults']:.0f} | {r['fb_sys_s']:.1f} | {r['load']:.1f} |")
+    for r in runs:
+        if r["top_ops"]:
+            lines.append(f"\nround {r['round']} k={r['k']} {r['mode']}, fwd+bwd of one more step, self CPU s (calls): "
+                         + ", ".join(f"{name} {s:.2f} ({n})" for name, s, n in r["top_ops"]))
     lines.append("")
     lines.append(json.dumps(summary, indent=1))
     return "\n".join(lines)
