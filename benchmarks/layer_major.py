@@ -155,7 +155,8 @@ def run_child(args: argparse.Namespace, k: int, mode: str) -> dict[str, Any]:
     spec = json.dumps({"k": k, "mode": mode})
     cmd = [sys.executable, __file__, "--child", spec, "--nvme-dir", args.nvme_dir, "--model", args.model,
            "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-           "--device-budget", args.device_budget, "--host-budget", args.host_budget] + (["--profile"] if args.profile else [])
+           "--device-budget", args.device_budget, "--host-budget", args.host_budget]
+    cmd += ["--profile"] if args.profile else []
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env.update({"PYTHONPATH": str(REPO), **MALLOC[args.malloc]})
     load = os.getloadavg()[0]
@@ -173,7 +174,8 @@ def run_child(args: argparse.Namespace, k: int, mode: str) -> dict[str, Any]:
     return {"k": k, "mode": mode, "peak_rss": peak, "load": load,
             "fb_faults": statistics.median(r["fb_faults"] for r in rows),
             "fb_sys_s": statistics.median(r["fb_sys_s"] for r in rows),
-            "fb_user_s": statistics.median(r["fb_user_s"] for r in rows), "budgets": got["budgets"], "peaks": got["peaks"],
+            "fb_user_s": statistics.median(r["fb_user_s"] for r in rows),
+            "budgets": got["budgets"], "peaks": got["peaks"],
             "params_bytes": got["params_bytes"],
             "params_read": statistics.median(r["params_read"] for r in rows),
             "nvme_read": statistics.median(r["nvme_read"] for r in rows),
