@@ -7,12 +7,22 @@ against the budgets.
 Every configuration runs in a child process of its own: one step to warm up (the first records
 the block order; pools fill), then the peak-RSS mark is reset (/proc/self/clear_refs) and
 `--steps` steps are measured; the child's peak RSS is read from outside (/proc/PID/status VmHWM)
-while it waits to exit. The host budget is below the parameters' bytes, so a parameter used
+while it waits to exit. `--malloc returned` (the default, as in benchmarks/activations.py) fixes
+glibc's mmap threshold at 128 KiB, so every freed tensor goes back to the system and the peak RSS
+follows what is live; each large tensor is then a fresh mapping whose pages fault in when first
+written (on the CPU stand-in for the device, every micro-batch's weight gradients: see
+docs/accumulate.md "Where the time goes"). `--malloc glibc` leaves glibc's own threshold (freed
+blocks up to 32 MiB are reused, as a user's process runs). The minor page faults and the system
+CPU time of forward and backward are reported. The host budget is below the parameters' bytes, so a parameter used
 again later is read from NVMe again (as on a machine whose model does not fit in RAM). The
 configurations run in rounds, A B A B: each round runs layer-major and plain at every k.
 
     flock /tmp/tierzero-bench.lock python benchmarks/layer_major.py --nvme-dir DIR \\
-        [--model 350m] [--ks 1,4,8] [--batch 1] [--seq 64] [--steps 1] [--rounds 2] [--json]
+        [--model 350m] [--ks 1,4,8] [--batch 1] [--seq 64] [--steps 1] [--rounds 2] \\
+        [--malloc returned|glibc] [--profile] [--json]
+
+`--profile`: each configuration runs one more step under torch.profiler (not timed) and the
+operators that took the most CPU time in its forward and backward are listed.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -40,6 +51,7 @@ from tierzero.models import build  # noqa: E402
 
 TIERS = ("device", "host", "nvme")
 MODES = ("layer-major", "plain")
+MALLOC = {"returned": {"MALLOC_MMAP_THRESHOLD_": "131072"}, "glibc": {}}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -53,6 +65,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="A B A B rounds over every configuration")
     p.add_argument("--device-budget", default="1GiB")
     p.add_argument("--host-budget", default="1GiB")
+    p.add_argument("--malloc", choices=MALLOC, default="returned",
+                   help="returned: glibc's mmap threshold fixed at 128 KiB (freed tensors go back to the system); "
+                        "glibc: glibc's defaults")
+    p.add_argument("--profile", action="store_true", help="list the top operators of one more step's fwd+bwd")
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -82,16 +98,9 @@ def child(args: argparse.Namespace) -> None:
         if step == 1:
             Path("/proc/self/clear_refs").write_text("5")  # the peak RSS from here on
         mbs = [(x, x) for x in torch.randint(0, 256, (k, args.batch, args.seq), generator=g)]
-        t0 = time.perf_counter()
-        if mode == "layer-major":
-            losses = tz.accumulate(model, mbs, loss_fn)
-        else:
-            losses = []
-            for mb in mbs:
-                loss = loss_fn(model(*mb), mb)
-                loss.backward()
-                losses.append(loss.detach())
-        t1 = time.perf_counter()
+        r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        losses = forward_backward(model, mbs, loss_fn, mode)
+        t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         opt.step()
         opt.zero_grad()
         runtime.settle(model)  # this step's updates and writes belong to its time
@@ -100,12 +109,39 @@ def child(args: argparse.Namespace) -> None:
         rows.append({"fb_s": t1 - t0, "step_s": t2 - t0, "loss": float(sum(losses)),
                      "params_read": stats.nvme_by_kind["params"]["read"], "nvme_read": stats.nvme_read_bytes,
                      "nvme_write": stats.nvme_write_bytes, "by_kind": stats.nvme_by_kind,
-                     "stall_s": sum(stats.stall_s.values())})
-    out = {"rows": rows[1:], "peaks": {t: pm.peak_bytes(t) for t in TIERS}, "budgets": {t: pm.budget(t) for t in TIERS},
+                     "stall_s": sum(stats.stall_s.values()), "fb_faults": r1.ru_minflt - r0.ru_minflt,
+                     "fb_sys_s": r1.ru_stime - r0.ru_stime, "fb_user_s": r1.ru_utime - r0.ru_utime})
+    top = profile(model, opt, mode, loss_fn, [(x, x) for x in torch.randint(0, 256, (k, args.batch, args.seq),
+                                                                          generator=g)]) if args.profile else []
+    out = {"rows": rows[1:], "top_ops": top, "peaks": {t: pm.peak_bytes(t) for t in TIERS},
+           "budgets": {t: pm.budget(t) for t in TIERS},
            "params_bytes": sum(p.numel() for p in model.parameters()) * 4}
     runtime.close(model)
     print(json.dumps(out), flush=True)
     sys.stdin.readline()  # the parent reads this process's peak RSS meanwhile
+
+
+def forward_backward(model: torch.nn.Module, mbs: list[Any], loss_fn: Any, mode: str) -> list[torch.Tensor]:
+    if mode == "layer-major":
+        return tz.accumulate(model, mbs, loss_fn)
+    losses = []
+    for mb in mbs:
+        loss = loss_fn(model(*mb), mb)
+        loss.backward()
+        losses.append(loss.detach())
+    return losses
+
+
+def profile(model: torch.nn.Module, opt: Any, mode: str, loss_fn: Any, mbs: list[Any]) -> list[list[Any]]:
+    """One more step, its forward and backward under torch.profiler: the 10 operators of most
+    self CPU time, as [name, seconds, calls]."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        forward_backward(model, mbs, loss_fn, mode)
+    opt.step()
+    opt.zero_grad()
+    runtime.settle(model)
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+    return [[e.key, e.self_cpu_time_total / 1e6, e.count] for e in ops]
 
 
 def _status(key: str, pid: int | str = "self") -> int:
@@ -120,7 +156,10 @@ def run_child(args: argparse.Namespace, k: int, mode: str) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", spec, "--nvme-dir", args.nvme_dir, "--model", args.model,
            "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
            "--device-budget", args.device_budget, "--host-budget", args.host_budget]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MALLOC_MMAP_THRESHOLD_": "131072"}
+    cmd += ["--profile"] if args.profile else []
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env.update({"PYTHONPATH": str(REPO), **MALLOC[args.malloc]})
+    load = os.getloadavg()[0]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
     assert proc.stdout is not None
@@ -132,14 +171,18 @@ def run_child(args: argparse.Namespace, k: int, mode: str) -> dict[str, Any]:
     got = json.loads(line)
     rows = got["rows"]
     tokens = k * args.batch * args.seq
-    return {"k": k, "mode": mode, "peak_rss": peak, "budgets": got["budgets"], "peaks": got["peaks"],
+    return {"k": k, "mode": mode, "peak_rss": peak, "load": load,
+            "fb_faults": statistics.median(r["fb_faults"] for r in rows),
+            "fb_sys_s": statistics.median(r["fb_sys_s"] for r in rows),
+            "fb_user_s": statistics.median(r["fb_user_s"] for r in rows),
+            "budgets": got["budgets"], "peaks": got["peaks"],
             "params_bytes": got["params_bytes"],
             "params_read": statistics.median(r["params_read"] for r in rows),
             "nvme_read": statistics.median(r["nvme_read"] for r in rows),
             "fb_s": statistics.median(r["fb_s"] for r in rows), "step_s": statistics.median(r["step_s"] for r in rows),
             "fb_tokens_per_s": tokens / statistics.median(r["fb_s"] for r in rows),
             "tokens_per_s": tokens / statistics.median(r["step_s"] for r in rows),
-            "loss": [r["loss"] for r in rows], "by_kind": rows[-1]["by_kind"]}
+            "loss": [r["loss"] for r in rows], "by_kind": rows[-1]["by_kind"], "top_ops": got.get("top_ops", [])}
 
 
 # ----------------------------------------------------------------------------------- parent
@@ -162,14 +205,15 @@ def main(argv: list[str] | None = None) -> int:
                     _progress(runs[-1])
     finally:
         shutil.rmtree(args.nvme_dir, ignore_errors=True)
-    summary = _summary(runs, ks)
+    summary = {"malloc": args.malloc, **_summary(runs, ks)}
     print(json.dumps({"runs": runs, "summary": summary}, indent=1) if args.json else _table(runs, summary))
     return 0
 
 
 def _progress(run: dict[str, Any]) -> None:
     print(f"round {run['round']} k={run['k']} {run['mode']}: params read {format_size(run['params_read'])}, "
-          f"{run['fb_s']:.1f} s fwd+bwd, {run['step_s']:.1f} s step, peak RSS {format_size(run['peak_rss'])}",
+          f"{run['fb_s']:.1f} s fwd+bwd, {run['step_s']:.1f} s step, peak RSS {format_size(run['peak_rss'])}, "
+          f"{run['fb_faults']:.0f} page faults, load {run['load']:.1f}",
           file=sys.stderr, flush=True)
 
 
@@ -192,11 +236,17 @@ def _summary(runs: list[dict[str, Any]], ks: list[int]) -> dict[str, Any]:
 
 def _table(runs: list[dict[str, Any]], summary: dict[str, Any]) -> str:
     lines = ["| round | k | schedule | params read / step | NVMe read / step | fwd+bwd s | step s | tokens/s (fwd+bwd) "
-             "| tokens/s (step) | peak RSS |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| tokens/s (step) | peak RSS | fwd+bwd page faults | fwd+bwd sys CPU s | load |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in runs:
         lines.append(f"| {r['round']} | {r['k']} | {r['mode']} | {format_size(r['params_read'])} | "
                      f"{format_size(r['nvme_read'])} | {r['fb_s']:.1f} | {r['step_s']:.1f} | "
-                     f"{r['fb_tokens_per_s']:.1f} | {r['tokens_per_s']:.1f} | {format_size(r['peak_rss'])} |")
+                     f"{r['fb_tokens_per_s']:.1f} | {r['tokens_per_s']:.1f} | {format_size(r['peak_rss'])} | "
+                     f"{r['fb_faults']:.0f} | {r['fb_sys_s']:.1f} | {r['load']:.1f} |")
+    for r in runs:
+        if r["top_ops"]:
+            lines.append(f"\nround {r['round']} k={r['k']} {r['mode']}, fwd+bwd of one more step, self CPU s (calls): "
+                         + ", ".join(f"{name} {s:.2f} ({n})" for name, s, n in r["top_ops"]))
     lines.append("")
     lines.append(json.dumps(summary, indent=1))
     return "\n".join(lines)
