@@ -24,11 +24,11 @@ from tierzero.placement.handles import TRAFFIC_GROUPS, Kind, TensorHandle
 from tierzero.placement.manager import PlacementManager
 from tierzero.placement.nvme import ChecksumError, SwapSpace
 from tierzero.placement.residency import Residency, TensorRecord
-from tierzero.placement.streams import CopyEvent, CopyStreams, mutated
+from tierzero.placement.streams import CopyEvent, CopyStreams
 from tierzero.placement.telemetry import (ACTIVATIONS_TRACK, MAX_EVENTS, STALL_SOURCES, UPDATES_TRACK, StepStats,
                                          Telemetry)
 
 __all__ = ["PlacementManager", "Tier", "Kind", "TensorHandle", "TRAFFIC_GROUPS", "Residency", "TensorRecord",
-           "CopyStreams", "CopyEvent", "mutated",
+           "CopyStreams", "CopyEvent",
            "EvictionPolicy", "LeastRecentlyUsed", "CheckpointHome", "Segment", "SwapSpace", "ChecksumError",
            "StepStats", "Telemetry", "MAX_EVENTS", "STALL_SOURCES", "UPDATES_TRACK", "ACTIVATIONS_TRACK"]

@@ -56,11 +56,11 @@ from tierzero.placement.eviction import EvictionPolicy, LeastRecentlyUsed, Short
 from tierzero.placement.handles import Kind, TensorHandle
 from tierzero.placement.moves import Move, stall_sources, staging_needs
 from tierzero.placement.nvme import SwapRegion, SwapSpace
-from tierzero.placement.residency import Residency, ResidencyTable, TensorRecord, assert_in_states
-from tierzero.placement.streams import MUTATIONS, CopyEvent, CopyStreams, resolve_device
+from tierzero.placement.residency import Residency, ResidencyTable, TensorRecord
+from tierzero.placement.streams import CopyEvent, CopyStreams, resolve_device
 from tierzero.placement.swap_dirs import close_at_exit, closed, exit_on_sigterm, exiting
 from tierzero.placement.telemetry import Telemetry
-from tierzero.placement.tier_store import flat, tier_stores
+from tierzero.placement.tier_store import as_memory, tier_stores
 from tierzero.placement.tiers import Budget, HostPool, PinnedArena, round_up
 
 __all__ = ["PlacementManager", "Residency", "TensorRecord", "EvictionPolicy", "LeastRecentlyUsed", "Move"]
@@ -240,19 +240,11 @@ class PlacementManager:
             asked = time.perf_counter()
             with self._cond:
                 self._check_open()
-                self._check_live(rec)
                 hit = rec.residency[tier] is not Residency.ABSENT
                 if not hit:
                     self._room.check_fits(h.name, h.nbytes, tier)
-                    if overwrite:
-                        bufs = self._wait_until(lambda: self._room.take([(tier, h.nbytes)], h), rec,
-                                                f"acquire({h.name!r}, {tier.value!r}, overwrite=True)")
-                        self._table.install_blank(rec, tier, bufs[0])
-                    else:
-                        self._wait_until(lambda: self._table.try_fetch(rec, tier), rec,
-                                         f"acquire({h.name!r}, {tier.value!r})")
-                copy = self._table.pin(rec, tier)
-                move = self._table.moves.get(h, tier)
+                copy, move = self._wait_until(lambda: self._table.acquire(rec, tier, overwrite=overwrite), rec,
+                                              f"acquire({h.name!r}, {tier.value!r}{', overwrite=True' if overwrite else ''})")
             t0 = time.perf_counter()
             self.telemetry.record_prefetch(hit)
             if t0 - asked > 1e-3:  # time spent waiting for room (or for another copy's move)
@@ -270,11 +262,12 @@ class PlacementManager:
                     raise error  # the fetch failed; its copy is gone
                 if waited is move.issued:
                     event = move.issued.result()
-            with self._cond:
-                assert_in_states(rec, tier, Residency.FETCHING, Residency.RESIDENT, Residency.WRITING_BACK)
-            if "fetch_wait" not in MUTATIONS:
-                self.streams.compute_wait(event, copy.tensor)
+            self._compute_after(event, copy.tensor)
             return copy.tensor
+
+    def _compute_after(self, event: CopyEvent, tensor: torch.Tensor) -> None:
+        """Order compute after the copy that filled an acquired tensor (on the host, no wait)."""
+        self.streams.compute_wait(event, tensor)
 
     def release(self, h: TensorHandle, tier: Tier | str = Tier.DEVICE, *, dirty: bool = False,
                 lazy: bool = False, written: CopyEvent | None = None) -> None:
@@ -291,7 +284,7 @@ class PlacementManager:
         with self._cond:
             self._check_open()
             self._check_live(rec)
-            self._table.releasing(rec, tier)
+            rec.check_acquired(tier)
             staging = None
             moving = (Residency.FETCHING, Residency.WRITING_BACK)  # a fetch commits after its copy is queued
             if lazy:
@@ -304,7 +297,7 @@ class PlacementManager:
                 bufs = self._wait_until(
                     lambda: None if rec.residency[tier] in moving else self._room.take(needs, h),
                     rec, f"release({h.name!r}, {tier.value!r}, dirty=True)")
-                staging = flat(bufs[0]) if bufs else None
+                staging = bufs[0] if bufs else None
             self._table.release(rec, tier, dirty=dirty, staging=staging, lazy=lazy, written=written)
             self._cond.notify_all()
 
@@ -348,10 +341,19 @@ class PlacementManager:
             self._check_open()
             self._check_live(rec)
             bufs = self._wait_until(lambda: None if rec.in_flight else self._room.take(
-                [(Tier.HOST, h.nbytes)] if self._table.store_staging(rec, data) else [], h),
+                [(Tier.HOST, h.nbytes)] if self._store_staged(rec, data) else [], h),
                 rec, f"store({h.name!r}) waiting for its moves")
-            self._table.store(rec, data, flat(bufs[0]) if bufs else None)
+            self._table.store(rec, data, bufs[0] if bufs else None)
             self._cond.notify_all()
+
+    def _store_staged(self, rec: TensorRecord, data: torch.Tensor) -> bool:
+        """Whether store() writes through a host staging buffer: an NVMe home's write, or a
+        device home or pinned device copy written from host data on the copy stream (CUDA's
+        non-blocking copies need pinned memory)."""
+        if rec.home is Tier.NVME:
+            return True
+        on_device = rec.home is Tier.DEVICE or rec.pins(Tier.DEVICE) > 0
+        return self.streams.asynchronous and not self.streams.is_device(data) and on_device
 
     def read(self, h: TensorHandle, out: np.ndarray | None = None) -> torch.Tensor:
         """A CPU copy of the tensor's current contents (its home, after write-backs): fresh, or in
@@ -389,11 +391,12 @@ class PlacementManager:
                 if isinstance(got, Shortfall):
                     return None
                 (buf,) = got
-            self._scratch[flat(buf).data_ptr()] = (tier, threading.get_ident())
+            scratch = as_memory(buf)
+            self._scratch[scratch.data_ptr()] = (tier, threading.get_ident())
         if tier is Tier.DEVICE:
-            self.streams.lend(flat(buf), what)
-            self.streams.compute_wait(None, flat(buf))
-        return flat(buf)
+            self.streams.lend(scratch, what)
+            self.streams.compute_wait(None, scratch)
+        return scratch
 
     def free_scratch(self, buf: torch.Tensor, tier: Tier | str = Tier.DEVICE) -> None:
         """Give back a buffer from reserve_scratch()."""

@@ -86,7 +86,7 @@ def typed(buf: torch.Tensor, handle: TensorHandle) -> torch.Tensor:
     return buf[: handle.nbytes].view(handle.dtype).view(handle.shape)
 
 
-def flat(buffer: Buffer) -> torch.Tensor:
+def as_memory(buffer: Buffer) -> torch.Tensor:
     """A buffer known to be memory (not an NVMe region)."""
     assert isinstance(buffer, torch.Tensor), f"expected a memory buffer, got {buffer!r}"
     return buffer
@@ -159,7 +159,7 @@ class PoolTier:
         return buf
 
     def free(self, buffer: Buffer) -> None:
-        buf = flat(buffer)
+        buf = as_memory(buffer)
         if self.streams is None:
             self.pool.free(buf)
             return
@@ -179,10 +179,10 @@ class PoolTier:
         return self.pool.bucket(nbytes)
 
     def victims(self, nbytes: int, candidates: Sequence[Buffer]) -> list[int] | None:
-        return self.pool.victims(nbytes, [flat(c) for c in candidates])
+        return self.pool.victims(nbytes, [as_memory(c) for c in candidates])
 
     def view(self, buffer: Buffer, handle: TensorHandle) -> torch.Tensor:
-        return typed(flat(buffer), handle)
+        return typed(as_memory(buffer), handle)
 
     def _give_back(self, buf: torch.Tensor) -> None:
         assert self.streams is not None
@@ -229,7 +229,7 @@ class CudaTier:
         return buf
 
     def free(self, buffer: Buffer) -> None:
-        buf = flat(buffer)
+        buf = as_memory(buffer)
         events = self.streams.freeing(buf)
         if events:
             self._held.hold(buf.numel(), events)
@@ -243,7 +243,7 @@ class CudaTier:
         return None  # the caching allocator's memory: any bytes freed serve
 
     def view(self, buffer: Buffer, handle: TensorHandle) -> torch.Tensor:
-        return typed(flat(buffer), handle)
+        return typed(as_memory(buffer), handle)
 
     def settle(self) -> None:
         self._held.reap(wait=True)
