@@ -1,20 +1,12 @@
-"""The tiers' memory: one object per tier hands out buffers within that tier's budget.
+"""The tiers' memory: one store per tier hands out buffers within that tier's budget.
 
-PlacementManager asks a tier store for the bytes of a copy (`alloc`: a buffer, or None when the
-budget has no room now), gives them back (`free`), and learns what a tensor really reserves
-there (`reserved`: buffers are rounded up). The stores, one per tier:
-
-    DEVICE  CudaTier: device memory from torch's caching allocator, allocated on the h2d copy
-            stream; a freed buffer's bytes go back to the budget once the streams that used it
-            are past it (when the allocator may hand it out again). Without CUDA the device
-            tier is CPU memory with the device budget: a PoolTier over its own HostPool, whose
-            buffers are reused the way CUDA's caching allocator reuses device blocks rather
-            than page-faulting fresh memory on every copy (and, in the stream stand-in, held
-            back after a free until the copies queued on them ran, as CUDA's are).
-    HOST    PoolTier over the host pool (tiers.py: a PinnedArena with CUDA and in the stream
-            stand-in, a HostPool otherwise; page-aligned always).
-    NVME    NvmeTier: regions of this rank's swap files. It holds bytes, not tensors.
-
+PlacementManager asks a store for a copy's bytes (`alloc`: a buffer, or None when the budget
+has no room now), gives them back (`free`) and learns what a tensor really reserves there
+(`reserved`: buffers are rounded up). DEVICE: `CudaTier` (torch's caching allocator, its freed
+bytes back in the budget once the streams are past them) or, without CUDA, a `PoolTier` over
+a HostPool of its own (reused as CUDA reuses blocks; in the stand-in held back after a free
+until the copies queued on them ran); HOST: a `PoolTier` over the host pool (a PinnedArena
+with CUDA and in the stand-in, else a HostPool); NVME: `NvmeTier`, regions of the swap files.
 A store's budget counts everything it holds (a pool's cached free buffers too); the stores are
 not thread-safe on their own: PlacementManager calls them under its lock.
 """
