@@ -546,11 +546,9 @@ class ResidencyTable:
                    if m.src is tier and m.dst is m.tensor.home)
 
     def write_back(self, h: TensorHandle, tier: Tier) -> bool:
-        return self.write_back_dirty(self._records[h], tier)
-
-    def write_back_dirty(self, rec: TensorRecord, tier: Tier) -> bool:
         """Start writing the copy on `tier` home if it is dirty, unpinned and resident; whether
         it started. (Lazy releases leave dirty copies; room, drop() and flush() take them home.)"""
+        rec = self._records[h]
         copy = rec._copies.get(tier)
         if copy is None or not copy.dirty or copy.pins or rec._residency[tier] is not Residency.RESIDENT:
             return False
@@ -558,15 +556,15 @@ class ResidencyTable:
         return True
 
     def write_back_all_dirty(self) -> None:
-        """write_back_dirty() every cached copy (flush())."""
+        """write_back() every cached copy (flush())."""
         for rec in self._records.values():
             for tier in [t for t in rec._copies if t is not rec.home]:
-                self.write_back_dirty(rec, tier)
+                self.write_back(rec.handle, tier)
 
     def settled_clean(self, rec: TensorRecord, tier: Tier) -> bool:
         """No move on the copy and nothing unwritten in it; starts the write-back of an unpinned
         dirty copy (a caller waits for it)."""
-        self.write_back_dirty(rec, tier)
+        self.write_back(rec.handle, tier)
         copy = rec._copies.get(tier)
         return rec._residency[tier] not in (Residency.FETCHING, Residency.WRITING_BACK) and not (
             copy is not None and copy.dirty)
