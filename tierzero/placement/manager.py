@@ -224,11 +224,17 @@ class PlacementManager:
             asked = time.perf_counter()
             with self._cond:
                 self._check_open()
-                hit = rec.residency[tier] is not Residency.ABSENT
-                if not hit:
+                hit = rec.residency[tier] is not Residency.ABSENT  # (all ABSENT once unregistered)
+                attempt = partial(self._table.acquire, rec, tier, overwrite=overwrite)
+                if hit:  # there or on its way: no room to wait for
+                    self._waits.check(rec)
+                    got = attempt()
+                    assert not isinstance(got, Shortfall), got
+                    copy, move = got
+                else:
                     self._room.check_fits(h.name, h.nbytes, tier)
-                what = f"acquire({h.name!r}, {tier.value!r}{', overwrite=True' if overwrite else ''})"
-                copy, move = self._waits.until(partial(self._table.acquire, rec, tier, overwrite=overwrite), rec, what)
+                    what = f"acquire({h.name!r}, {tier.value!r}{', overwrite=True' if overwrite else ''})"
+                    copy, move = self._waits.until(attempt, rec, what)
             t0 = time.perf_counter()
             self.telemetry.record_prefetch(hit)
             if t0 - asked > 1e-3:  # time spent waiting for room (or for another copy's move)
