@@ -15,7 +15,7 @@ import torch
 
 import tierzero as tz
 from tierzero import optim, runtime
-from tierzero.placement import PlacementManager, mutated
+from tierzero.placement import PlacementManager, moves
 from builders import assert_state_equal, tier_config
 from dp_model import GLOBAL_BATCH, device_budget, global_batches, make_model
 from gloo import run_ranks
@@ -116,17 +116,18 @@ def parity(nvme: Path, streams: str) -> bool:
         runtime.close(model)
 
 
-def test_mutation_check_a_wait_removed_fails_under_the_stand_in_and_passes_under_sync(tmp_path: Path) -> None:
+def test_mutation_check_a_wait_removed_fails_under_the_stand_in_and_passes_under_sync(
+        tmp_path: Path, monkeypatch: Any) -> None:
     """Item 3 of issue 28: compute's wait for a fetched copy (and for a gradient's copy to the
-    host) removed by a test-only switch. Parity holds under the stand-in with the wait and under
+    host) removed by patching it out. Parity holds under the stand-in with the wait and under
     sync without it; under the stand-in without it, it fails: a green run means the waits are there."""
     assert parity(tmp_path / "whole", "async")
-    with mutated("fetch_wait"):
-        assert parity(tmp_path / "sync", "sync")
-        assert not parity(tmp_path / "stand-in", "async")
+    monkeypatch.setattr(PlacementManager, "_compute_after", lambda self, event, tensor: None)
+    assert parity(tmp_path / "sync", "sync")
+    assert not parity(tmp_path / "stand-in", "async")
 
 
-def test_mutation_check_of_the_writeback_wait(tmp_path: Path) -> None:
+def test_mutation_check_of_the_writeback_wait(tmp_path: Path, monkeypatch: Any) -> None:
     """A device copy written back to NVMe: its device-to-host copy waited for before the NVMe
     write of the staging buffer; without that wait the stand-in gives other bytes (or refuses
     to give the staging buffer back under a queued copy), sync does not notice."""
@@ -147,9 +148,9 @@ def test_mutation_check_of_the_writeback_wait(tmp_path: Path) -> None:
             return False
 
     assert round_trip("async")
-    with mutated("writeback_wait"):
-        assert round_trip("sync")
-        assert not round_trip("async")
+    monkeypatch.setattr(moves, "wait_for_staging", lambda event: None)
+    assert round_trip("sync")
+    assert not round_trip("async")
 
 
 def test_gradients_leave_for_the_host_by_an_asynchronous_copy(tmp_path: Path, monkeypatch: Any) -> None:

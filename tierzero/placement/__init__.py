@@ -1,6 +1,6 @@
 """Placement: where every placed tensor lives, within each tier's budget, and how it moves.
 
-One module per level, from the bytes up (see the manager's module docstring for the data flow):
+One module per level, from the bytes up:
 
     handles.py    TensorHandle and Kind: what a placed tensor is
     tiers.py      Budget (a tier's byte account) and HostPool (page-aligned, pinned with CUDA)
@@ -11,9 +11,10 @@ One module per level, from the bytes up (see the manager's module docstring for 
     nvme.py       this run's swap files: extents, checksummed IO through io_engine
     tier_store.py one store per tier: buffers within the tier's budget
     telemetry.py  moves, stalls, bytes per tier and the Chrome trace
-    moves.py      the typed plan of each move and the worker bodies that run it
-    eviction.py   Room: reservations across tiers, all or nothing, evicting by policy
-    residency.py  Residency, TensorRecord, ResidencyTable: the only writers of residency
+    moves.py      the typed plan of each move, the worker bodies, the executor that runs them
+    eviction.py   Room: reservations all or nothing, evicting by policy, writing dirty copies home
+    residency.py  Residency, TensorRecord, ResidencyTable: the records and their transitions
+    waiting.py    the wait for room or a move, and when it gives up
     manager.py    PlacementManager: the public API
 """
 
@@ -24,11 +25,11 @@ from tierzero.placement.handles import TRAFFIC_GROUPS, Kind, TensorHandle
 from tierzero.placement.manager import PlacementManager
 from tierzero.placement.nvme import ChecksumError, SwapSpace
 from tierzero.placement.residency import Residency, TensorRecord
-from tierzero.placement.streams import CopyEvent, CopyStreams, mutated
+from tierzero.placement.streams import CopyEvent, CopyStreams
 from tierzero.placement.telemetry import (ACTIVATIONS_TRACK, MAX_EVENTS, STALL_SOURCES, UPDATES_TRACK, StepStats,
                                          Telemetry)
 
 __all__ = ["PlacementManager", "Tier", "Kind", "TensorHandle", "TRAFFIC_GROUPS", "Residency", "TensorRecord",
-           "CopyStreams", "CopyEvent", "mutated",
+           "CopyStreams", "CopyEvent",
            "EvictionPolicy", "LeastRecentlyUsed", "CheckpointHome", "Segment", "SwapSpace", "ChecksumError",
            "StepStats", "Telemetry", "MAX_EVENTS", "STALL_SOURCES", "UPDATES_TRACK", "ACTIVATIONS_TRACK"]

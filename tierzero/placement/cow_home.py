@@ -1,42 +1,5 @@
 """Copy-on-write NVMe homes: a checkpoint file serves as a parameter shard's NVMe home until
-the shard is first written.
-
-[Note: copy-on-write home] A model loaded from a checkpoint (`tz.from_pretrained`, `tz.wrap(...,
-weights=)`) with its parameters homed on NVMe would copy them into the swap files, though the
-checkpoint's files already hold those very bytes when no conversion happens (the parameters'
-dtype is the checkpoint's and the compute dtype: the case FlatParam loads without master
-weights). Such a shard keeps the checkpoint as its home instead. Its phases:
-
-    load      WeightPlan.read_shard finds the shard's `Segment`s, one per slot of its FlatLayout
-              that this rank's shard covers (its own rows at ZeRO-3), and `SwapSpace.borrow`
-              reads them with io_engine, recording an xxh3 per segment (Config.checksums;
-              without, each file's size and modification time), and keeps none of the bytes:
-              the shard's values are a meta tensor from here on.
-    register  PlacementManager.register(..., borrowed=home): the swap extent is still reserved
-              (allocated from the NVMe budget), so the first write can never fail for lack of
-              room; only the write is skipped. `SwapSpace.adopt` ties the home to the extent.
-              Nothing is copied (no host staging copy: the first fetch reads the files).
-    read      every read of the extent (a fetch, pm.read, a checkpoint, an export) reads the
-              segments instead and verifies them: a mismatch is a `CheckpointChangedError`
-              naming the file, offset, key and tensor.
-    write     the first write of the extent (an optimizer step's new parameters, a dirty
-              eviction, pm.store, a checkpoint load) goes to the swap file as for any tensor,
-              and the home is forgotten.
-    forget    that write, unregister or close: the home lets go of its files.
-
-The files are opened once (read-only, `CheckpointFiles`) and stay open while a home reads
-them, so renaming or deleting the checkpoint folder (or replacing its files by new ones, as
-save_pretrained does) changes nothing for the model; writing into a file in place does, and
-is caught by the checks.
-
-Segment offsets are not page aligned: a read takes each segment's page-aligned superset with
-O_DIRECT into a page-aligned bounce buffer, then copies the segment out and hashes it while the
-later segments are read (`_read_segments`). Measured on the dev VM against reading each segment
-straight into place (io_engine then falls back to buffered reads, hashing on its workers): 1.8-2.2
-GB/s against 1.7-1.85 GB/s, with both into buffers already touched; fresh ones halve either
-(a page fault per page), so bounce buffers are reused (`Bounces`). A load copies nothing out
-of them: it hashes them where they lie (measured, a copy out and a copy into the host staging
-buffer were half of the load's time on 2 cores).
+the shard is first written (see [Note: copy-on-write home]).
 """
 
 from __future__ import annotations
@@ -50,6 +13,42 @@ import numpy as np
 from io_engine import PAGE, IOEngine, ReadOnlyFile, aligned_empty, checksum
 
 
+# [Note: copy-on-write home] A model loaded from a checkpoint (`tz.from_pretrained`, `tz.wrap(...,
+# weights=)`) with its parameters homed on NVMe would copy them into the swap files, though the
+# checkpoint's files already hold those very bytes when no conversion happens (the parameters'
+# dtype is the checkpoint's and the compute dtype: the case FlatParam loads without master
+# weights). Such a shard keeps the checkpoint as its home instead. Its phases:
+#
+#     load      WeightPlan.read_shard finds the shard's `Segment`s, one per slot of its FlatLayout
+#               that this rank's shard covers (its own rows at ZeRO-3), and `SwapSpace.borrow`
+#               reads them with io_engine, recording an xxh3 per segment (Config.checksums;
+#               without, each file's size and modification time), and keeps none of the bytes:
+#               the shard's values are a meta tensor from here on.
+#     register  PlacementManager.register(..., borrowed=home): the swap extent is still reserved
+#               (allocated from the NVMe budget), so the first write can never fail for lack of
+#               room; only the write is skipped. `SwapSpace.adopt` ties the home to the extent.
+#               Nothing is copied (no host staging copy: the first fetch reads the files).
+#     read      every read of the extent (a fetch, pm.read, a checkpoint, an export) reads the
+#               segments instead and verifies them: a mismatch is a `CheckpointChangedError`
+#               naming the file, offset, key and tensor.
+#     write     the first write of the extent (an optimizer step's new parameters, a dirty
+#               eviction, pm.store, a checkpoint load) goes to the swap file as for any tensor,
+#               and the home is forgotten.
+#     forget    that write, unregister or close: the home lets go of its files.
+#
+# The files are opened once (read-only, `CheckpointFiles`) and stay open while a home reads
+# them, so renaming or deleting the checkpoint folder (or replacing its files by new ones, as
+# save_pretrained does) changes nothing for the model; writing into a file in place does, and
+# is caught by the checks.
+#
+# Segment offsets are not page aligned: a read takes each segment's page-aligned superset with
+# O_DIRECT into a page-aligned bounce buffer, then copies the segment out and hashes it while the
+# later segments are read (`_read_segments`). Measured on the dev VM against reading each segment
+# straight into place (io_engine then falls back to buffered reads, hashing on its workers): 1.8-2.2
+# GB/s against 1.7-1.85 GB/s, with both into buffers already touched; fresh ones halve either
+# (a page fault per page), so bounce buffers are reused (`Bounces`). A load copies nothing out
+# of them: it hashes them where they lie (measured, a copy out and a copy into the host staging
+# buffer were half of the load's time on 2 cores).
 class Segment(NamedTuple):
     """Bytes of a checkpoint file that a shard holds at `at`."""
 

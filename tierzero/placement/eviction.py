@@ -1,28 +1,20 @@
-"""Room on the tiers: reservations taken all or nothing, evicting cached copies by policy.
+"""Room on the tiers: reservations taken all or nothing, evicting cached copies by policy, and
+writing dirty ones home when a tier falls short.
 
 `Room` is what PlacementManager asks for the buffers of a move. For each (tier, nbytes) it
-needs, the tier's store allocates within the budget; when it has no room, unpinned RESIDENT
-cached copies on that tier are offered to the `EvictionPolicy` (least recently used first) and
-evicted, victims first, until the buffer fits. If one need cannot be met, the buffers taken for
-the others go back and the answer is a `Shortfall` naming what was missing, so no reservation
-is ever held while waiting for another. Room also counts the bytes homed on each tier, to
-refuse at once a tensor that can never fit.
-
-Room keeps no residency: PlacementManager tells it which copies exist (`cached`, `touch`,
-`forget`) and lends it callbacks: `evictable(handle, tier)`, `evict(handle, tier)` (its drop
-transition), `clean(tier, nbytes)`, called when a need falls short, which starts writing
-back dirty cached copies there (lazy releases) so they become evictable once written, and
-`unused(handle, tier)`: a prefetched copy not used yet (no acquire, no move has read it),
-evicted after the others whatever the policy's order;
-`buffer(handle, tier)`: a cached copy's buffer, for a store whose memory is one region to pick,
-among the policy's victims, those that open a window of the size needed ([Note: arena windows]
-in tiers.py). Not thread-safe on its own; used under the manager's lock.
+needs, the tier's store allocates within the budget; when it has no room, unpinned clean
+cached copies there are offered to the `EvictionPolicy` and evicted until the buffer fits. If
+one need cannot be met, the buffers taken for the others go back and the answer is a
+`Shortfall`, so no reservation is ever held while waiting for another; dirty copies on the
+tier that fell short start being written home (`clean`), to be evictable once written. Room
+keeps no residency: it asks the `CachedCopies` (the ResidencyTable) and is told which copies
+exist. Not thread-safe on its own; used under the manager's lock.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Mapping, NamedTuple, Protocol, Sequence
+from typing import Literal, Mapping, NamedTuple, Protocol, Sequence
 
 from tierzero.config import Tier, format_size
 from tierzero.placement.handles import TensorHandle
@@ -32,6 +24,37 @@ from tierzero.placement.tier_store import Buffer, TierStore
 class EvictionPolicy(Protocol):
     def order(self, candidates: list[TensorHandle]) -> list[TensorHandle]:
         """Victims first, from the tensors with an evictable copy on the tier that needs room."""
+        ...
+
+
+class CachedCopies(Protocol):
+    """What Room asks of the cached copies (ResidencyTable answers, under the lock)."""
+
+    def evictable(self, h: TensorHandle, tier: Tier) -> bool:
+        """Resident, unpinned and clean: dropping it loses nothing."""
+        ...
+
+    def drop(self, h: TensorHandle, tier: Tier) -> None:
+        """Evict it (its drop transition)."""
+        ...
+
+    def buffer(self, h: TensorHandle, tier: Tier) -> Buffer:
+        ...
+
+    def unused(self, h: TensorHandle, tier: Tier) -> bool:
+        """A prefetched copy not used yet (no acquire, no move has read it): evicted last."""
+        ...
+
+    def cleaning(self, h: TensorHandle, tier: Tier) -> Literal["clean", "writing", "dirty"] | None:
+        """An unpinned copy that is clean, being written home, or dirty; None otherwise."""
+        ...
+
+    def writing_back(self, tier: Tier) -> int:
+        """Bytes reserved on `tier` by copies being written home."""
+        ...
+
+    def write_back(self, h: TensorHandle, tier: Tier) -> bool:
+        """Start writing the copy home if it is dirty, unpinned and resident; whether it started."""
         ...
 
 
@@ -55,19 +78,10 @@ class Shortfall(NamedTuple):
 class Room:
     """Reservations across the tiers of one PlacementManager (see the module docstring)."""
 
-    def __init__(self, stores: Mapping[Tier, TierStore],
-                 evictable: Callable[[TensorHandle, Tier], bool],
-                 evict: Callable[[TensorHandle, Tier], None],
-                 clean: Callable[[Tier, int], None],
-                 buffer: Callable[[TensorHandle, Tier], Buffer],
-                 unused: Callable[[TensorHandle, Tier], bool] = lambda h, t: False) -> None:
+    def __init__(self, stores: Mapping[Tier, TierStore], copies: CachedCopies) -> None:
         self.stores = stores
         self.policy: EvictionPolicy = LeastRecentlyUsed()
-        self._evictable = evictable
-        self._evict = evict
-        self._clean = clean
-        self._buffer = buffer
-        self._unused = unused
+        self._copies = copies
         self._lru: OrderedDict[tuple[TensorHandle, Tier], None] = OrderedDict()
         self._homes = dict.fromkeys(Tier, 0)
 
@@ -158,7 +172,7 @@ class Room:
                 for (t, _), b in zip(needs, got):
                     self.stores[t].free(b)
                 if not speculative:
-                    self._clean(tier, nbytes)
+                    self.clean(tier, nbytes)
                 return Shortfall(tier, nbytes)
             got.append(buf)
         return got
@@ -169,9 +183,9 @@ class Room:
         buf = store.alloc(nbytes, home=home)
         if buf is not None:
             return buf
-        candidates = [h for (h, t) in self._lru if t is tier and h is not exclude and self._evictable(h, tier)]
+        candidates = [h for (h, t) in self._lru if t is tier and h is not exclude and self._copies.evictable(h, tier)]
         if speculative:
-            candidates = [h for h in candidates if not self._unused(h, tier)]
+            candidates = [h for h in candidates if not self._copies.unused(h, tier)]
         allowed = set(candidates)
         victims = [h for h in self.policy.order(candidates) if h in allowed]
         # prefetched copies nobody has used yet go last, whatever the policy's order: evicting
@@ -180,18 +194,62 @@ class Room:
         # out by the blocks' read-ahead and read again (built-in 350m, activations on NVMe:
         # packs read back 1.5-1.8x, copied to the device 1.6x; prefetching stalled more than
         # fetching on demand)
-        victims.sort(key=lambda h: self._unused(h, tier))
-        picks = store.victims(nbytes, [self._buffer(h, tier) for h in victims])
+        victims.sort(key=lambda h: self._copies.unused(h, tier))
+        picks = store.victims(nbytes, [self._copies.buffer(h, tier) for h in victims])
         if picks is not None:  # memory in one region: only a window of it serves
             victims = [victims[i] for i in picks]
         for victim in victims:
-            if not self._evictable(victim, tier):
+            if not self._copies.evictable(victim, tier):
                 continue
-            self._evict(victim, tier)
+            self._copies.drop(victim, tier)
             buf = store.alloc(nbytes, home=home)
             if buf is not None:
                 return buf
         return None
+
+    # -------------------------------------------------------------------- dirty copies
+
+    def clean(self, tier: Tier, nbytes: int) -> None:
+        """Room on `tier` fell `nbytes` short: start writing back unpinned dirty copies there,
+        least recently used first, until that many bytes are on their way to becoming
+        evictable (counting those already being written back). On a tier whose memory is one
+        region only a window of `nbytes` serves: see [Note: cleaning a window]."""
+        if self._clean_window(tier, nbytes):
+            return
+        coming = self._copies.writing_back(tier)
+        for h in self.cached_on(tier):
+            if coming >= nbytes:
+                return
+            if self._copies.write_back(h, tier):
+                coming += self.stores[tier].reserved(h.nbytes)
+
+    # [Note: cleaning a window]
+    # On a tier of one region ([Note: arena windows] in tiers.py), writing back the least
+    # recently used dirty copies until `nbytes` are on their way frees bytes that need not lie
+    # together: each copy written may sit between copies that stay, the request still finds no
+    # window when they land, and the next shortfall writes more (on a 1.3 B model with a 4 GiB
+    # host tier, gradients were written home and read back 0.7-1.2 bytes per parameter more
+    # than with a pool of separate buffers). So the window is chosen among the unpinned copies
+    # that are clean (they cannot open one: the room would have evicted them), being written
+    # back, then dirty, each group least recently used first: the window with the least recent
+    # latest member, so the fewest and oldest dirty copies are written.
+
+    def _clean_window(self, tier: Tier, nbytes: int) -> bool:
+        """`clean` on a tier of one region; False where the tier has no windows or none serves."""
+        groups: dict[str, list[TensorHandle]] = {"clean": [], "writing": [], "dirty": []}
+        for h in self.cached_on(tier):
+            state = self._copies.cleaning(h, tier)
+            if state is not None:
+                groups[state].append(h)
+        order = groups["clean"] + groups["writing"] + groups["dirty"]
+        picks = self.stores[tier].victims(nbytes, [self._copies.buffer(h, tier) for h in order])
+        if not picks:  # None: any bytes serve; []: pinned copies block every window
+            return False
+        if max(picks) < len(groups["clean"]):
+            return False  # clean copies alone open it: not what a shortfall asks here
+        for i in picks:
+            self._copies.write_back(order[i], tier)
+        return True
 
     def __repr__(self) -> str:
         return f"Room(policy={self.policy!r}, cached={len(self._lru)}, homes={self._homes})"

@@ -1,42 +1,10 @@
-"""PlacementManager: where every registered tensor lives; through its ResidencyTable, the only
-writer of residency.
+"""PlacementManager: the public API of placement, and the waiting.
 
-Each tensor, named by the `TensorHandle` register() returns, has a home tier that holds it for
-its whole life (bytes reserved there from register to unregister) and, on the other tiers, at
-most one cached copy whose state is a `Residency`. The data flow of one tensor:
-
-    register    copy the data to its home tier, synchronously (lazy: an NVMe home's staging
-                copy stays as a dirty host copy, written like a lazy release's)
-    prefetch    start a copy toward a tier, best effort: reserve room there (evicting unpinned
-                cached copies by the eviction policy), then a worker thread runs the copy
-    acquire     wait for that copy, or start it and wait; pin it; order compute after its event
-                (overwrite=True: a caller that writes it whole gets a fresh copy, nothing read)
-    release     unpin; dirty: write the copy back to its home (async) and invalidate the other
-                cached copies, which now hold old data
-    store       overwrite the contents: every cached copy now, the home too (an NVMe home
-                asynchronously, from a host staging copy)
-    evict       an unpinned cached copy is dropped when its tier needs the room
-    unregister  wait for its moves, free every copy and the home, forget the handle
-
-A copy toward the device from NVMe goes NVMe -> host staging buffer (io_engine read, checksum
-verified) -> device (copy stream); a write-back goes device -> host staging (copy stream) ->
-NVMe. A cached HOST copy is used instead of staging when there is one. Every reservation a move
-needs (its destination and any staging buffer) is taken in the caller's thread before the move
-starts, never holding one while waiting for another, so worker threads never wait for memory.
-Moves of one tensor that touch its home run in order: each waits for the earlier ones.
-
-The levels, one module each:
-
-    manager.py     PlacementManager: the public API; checks calls, waits for room and moves
-    residency.py   Residency, TensorRecord, and ResidencyTable: the records and the transition
-                   methods, the only writers of residency; moves commit there
-    eviction.py    Room: reservations across tiers, all or nothing, evicting by EvictionPolicy
-    tier_store.py  one store per tier (alloc/free/reserved within its budget)
-    moves.py       Copy, Move, MoveTable, the typed plan of each move kind and its worker body
-
-Locking: one condition variable (the table's) guards all records, copies, room and the move
-table; worker threads run copies and IO without it and take it to commit; every commit
-notifies waiters, and a call that must wait for room or a move sleeps on it.
+Each registered tensor, named by the `TensorHandle` register() returns, has a home tier that
+holds it for its whole life and, on the other tiers, at most one cached copy whose state is a
+`Residency`. The manager checks each call, waits (waiting.py) for room and for moves under the
+table's lock, and hands each change to the ResidencyTable in one call. See [Note: a placed
+tensor's life].
 """
 
 from __future__ import annotations
@@ -45,7 +13,8 @@ import concurrent.futures as cf
 import os
 import threading
 import time
-from typing import Callable, Collection, Sequence, TypeVar
+from functools import partial
+from typing import Collection, Sequence
 
 import numpy as np
 import torch
@@ -56,19 +25,38 @@ from tierzero.placement.eviction import EvictionPolicy, LeastRecentlyUsed, Short
 from tierzero.placement.handles import Kind, TensorHandle
 from tierzero.placement.moves import Move, stall_sources, staging_needs
 from tierzero.placement.nvme import SwapRegion, SwapSpace
-from tierzero.placement.residency import Residency, ResidencyTable, TensorRecord, assert_in_states
-from tierzero.placement.streams import MUTATIONS, CopyEvent, CopyStreams, resolve_device
-from tierzero.placement.swap_dirs import close_at_exit, closed, exit_on_sigterm, exiting
+from tierzero.placement.residency import Residency, ResidencyTable, TensorRecord
+from tierzero.placement.streams import CopyEvent, CopyStreams, resolve_device
+from tierzero.placement.swap_dirs import close_at_exit, closed, exit_on_sigterm
 from tierzero.placement.telemetry import Telemetry
-from tierzero.placement.tier_store import flat, tier_stores
+from tierzero.placement.tier_store import as_memory, tier_stores
 from tierzero.placement.tiers import Budget, HostPool, PinnedArena, round_up
+from tierzero.placement.waiting import Waits
 
 __all__ = ["PlacementManager", "Residency", "TensorRecord", "EvictionPolicy", "LeastRecentlyUsed", "Move"]
 
-_T = TypeVar("_T")
-_EXIT_POLL_S = 0.5
-"""How often a waiting thread looks whether the program is exiting (then it fails: a thread left
-waiting would keep the interpreter from exiting)."""
+
+# [Note: a placed tensor's life]
+#   register    copy the data to its home tier, synchronously (lazy: an NVMe home's staging
+#               copy stays as a dirty host copy, written like a lazy release's)
+#   prefetch    start a copy toward a tier, best effort: reserve room there (evicting unpinned
+#               cached copies by the eviction policy), then a worker thread runs the copy
+#   acquire     wait for that copy, or start it and wait; pin it; order compute after its event
+#               (overwrite=True: a caller that writes it whole gets a fresh copy, nothing read)
+#   release     unpin; dirty: write the copy back to its home (async) and invalidate the other
+#               cached copies, which now hold old data
+#   store       overwrite the contents: every cached copy now, the home too (an NVMe home
+#               asynchronously, from a host staging copy)
+#   evict       an unpinned cached copy is dropped when its tier needs the room
+#   unregister  wait for its moves, free every copy and the home, forget the handle
+# A copy toward the device from NVMe goes NVMe -> host staging buffer (io_engine read, checksum
+# verified) -> device (copy stream); a write-back goes device -> host staging (copy stream) ->
+# NVMe. A cached HOST copy is used instead of staging when there is one. Every reservation a
+# move needs is taken in the caller's thread before the move starts, never holding one while
+# waiting for another, so worker threads never wait for memory. One condition variable (the
+# table's) guards all records, copies, room and moves; workers run copies and IO without it and
+# take it to commit; every commit notifies waiters.
+
 
 class PlacementManager:
     """Places registered tensors on the device, host and NVMe tiers within their budgets.
@@ -89,10 +77,6 @@ class PlacementManager:
                                      rank=rank, local_rank=None if local_rank is None else int(local_rank))
         self.wait_timeout_s = wait_timeout_s
         self.stuck_after_s = stuck_after_s
-        self._short: dict[int, Tier] = {}
-        """Threads waiting in `_wait_until` for room on a tier (under the lock)."""
-        self._abandoned: set[int] = set()
-        """Threads waiting for room with one that found none can come: they fail at once."""
         self.telemetry = Telemetry()
         self.streams = CopyStreams(self.device, config.stream_settings())
         self.budgets = {t: Budget(t, config.budget(t.value)) for t in Tier}
@@ -122,7 +106,7 @@ class PlacementManager:
         self._cond = self._table.cond
         self._scratch: dict[int, tuple[Tier, int]] = {}
         """Scratch buffers handed out: data_ptr -> (tier, the thread holding it)."""
-        self._closed = False
+        self._waits = Waits(self._table, self._scratch, timeout_s=wait_timeout_s, stuck_after_s=stuck_after_s)
         close_at_exit(self)
         exit_on_sigterm()
 
@@ -174,8 +158,8 @@ class PlacementManager:
             for tier, nbytes in staging:
                 self._room.check_fits(h.name, nbytes, tier, why="NVMe-homed tensors are staged through host memory")
             needs = [(h.home, h.nbytes)] + staging
-            buf, *staged = self._wait_until(lambda: self._room.take(needs, h, home=True), h.name,
-                                            f"register({h.name!r})")
+            buf, *staged = self._waits.until(lambda: self._room.take(needs, h, home=True), h.name,
+                                             f"register({h.name!r})")
             self._table.to_home(h, data, buf, staged[0] if staged else None, lazy=lazy, borrowed=borrowed)
             return h
 
@@ -187,8 +171,8 @@ class PlacementManager:
         rec = self._record_of(h, "unregister")
         with self._cond:
             self._check_open()
-            self._check_live(rec)
-            self._wait_until(lambda: not rec.in_flight or None, rec, f"unregister({h.name!r}) waiting for its moves")
+            self._waits.check(rec)
+            self._waits.until(lambda: not rec.in_flight or None, rec, f"unregister({h.name!r}) waiting for its moves")
             pinned = {t.value: rec.pins(t) for t in Tier if rec.pins(t)}
             if pinned:
                 raise RuntimeError(f"unregister({h.name!r}): copies are still pinned (tier: pins) {pinned}; "
@@ -220,7 +204,7 @@ class PlacementManager:
         rec, tier = self._lookup(h, tier, "prefetch")
         with self._cond:
             self._check_open()
-            self._check_live(rec)
+            self._waits.check(rec)
             if tier is h.home or rec.residency[tier] is not Residency.ABSENT:
                 self._room.touch(h, tier)
                 return True
@@ -240,19 +224,17 @@ class PlacementManager:
             asked = time.perf_counter()
             with self._cond:
                 self._check_open()
-                self._check_live(rec)
-                hit = rec.residency[tier] is not Residency.ABSENT
-                if not hit:
+                hit = rec.residency[tier] is not Residency.ABSENT  # (all ABSENT once unregistered)
+                attempt = partial(self._table.acquire, rec, tier, overwrite=overwrite)
+                if hit:  # there or on its way: no room to wait for
+                    self._waits.check(rec)
+                    got = attempt()
+                    assert not isinstance(got, Shortfall), got
+                    copy, move = got
+                else:
                     self._room.check_fits(h.name, h.nbytes, tier)
-                    if overwrite:
-                        bufs = self._wait_until(lambda: self._room.take([(tier, h.nbytes)], h), rec,
-                                                f"acquire({h.name!r}, {tier.value!r}, overwrite=True)")
-                        self._table.install_blank(rec, tier, bufs[0])
-                    else:
-                        self._wait_until(lambda: self._table.try_fetch(rec, tier), rec,
-                                         f"acquire({h.name!r}, {tier.value!r})")
-                copy = self._table.pin(rec, tier)
-                move = self._table.moves.get(h, tier)
+                    what = f"acquire({h.name!r}, {tier.value!r}{', overwrite=True' if overwrite else ''})"
+                    copy, move = self._waits.until(attempt, rec, what)
             t0 = time.perf_counter()
             self.telemetry.record_prefetch(hit)
             if t0 - asked > 1e-3:  # time spent waiting for room (or for another copy's move)
@@ -270,11 +252,12 @@ class PlacementManager:
                     raise error  # the fetch failed; its copy is gone
                 if waited is move.issued:
                     event = move.issued.result()
-            with self._cond:
-                assert_in_states(rec, tier, Residency.FETCHING, Residency.RESIDENT, Residency.WRITING_BACK)
-            if "fetch_wait" not in MUTATIONS:
-                self.streams.compute_wait(event, copy.tensor)
+            self._compute_after(event, copy.tensor)
             return copy.tensor
+
+    def _compute_after(self, event: CopyEvent, tensor: torch.Tensor) -> None:
+        """Order compute after the copy that filled an acquired tensor (on the host, no wait)."""
+        self.streams.compute_wait(event, tensor)
 
     def release(self, h: TensorHandle, tier: Tier | str = Tier.DEVICE, *, dirty: bool = False,
                 lazy: bool = False, written: CopyEvent | None = None) -> None:
@@ -290,21 +273,21 @@ class PlacementManager:
         lazy = lazy and dirty and tier is not h.home and not staging_needs(tier, h.home, h.nbytes)
         with self._cond:
             self._check_open()
-            self._check_live(rec)
-            self._table.releasing(rec, tier)
+            self._waits.check(rec)
+            rec.check_acquired(tier)
             staging = None
             moving = (Residency.FETCHING, Residency.WRITING_BACK)  # a fetch commits after its copy is queued
             if lazy:
-                self._wait_until(lambda: rec.residency[tier] not in moving or None, rec,
-                                 f"release({h.name!r}, {tier.value!r}, lazy=True) waiting for its move")
+                self._waits.until(lambda: rec.residency[tier] not in moving or None, rec,
+                                  f"release({h.name!r}, {tier.value!r}, lazy=True) waiting for its move")
             elif dirty and tier is not h.home:
                 # Still pinned while waiting (for an earlier move of this copy to finish, and
                 # for a staging buffer), so the dirty copy cannot be evicted meanwhile.
                 needs = staging_needs(tier, h.home, h.nbytes)
-                bufs = self._wait_until(
+                bufs = self._waits.until(
                     lambda: None if rec.residency[tier] in moving else self._room.take(needs, h),
                     rec, f"release({h.name!r}, {tier.value!r}, dirty=True)")
-                staging = flat(bufs[0]) if bufs else None
+                staging = bufs[0] if bufs else None
             self._table.release(rec, tier, dirty=dirty, staging=staging, lazy=lazy, written=written)
             self._cond.notify_all()
 
@@ -314,7 +297,7 @@ class PlacementManager:
         data that is dead, such as a gradient set to None; read it again only after writing it."""
         rec = self._record_of(h, "discard")
         with self._cond:
-            self._check_live(rec)
+            self._waits.check(rec)
             self._table.discard(rec)
             self._cond.notify_all()
 
@@ -326,9 +309,9 @@ class PlacementManager:
             raise ValueError(f"drop({h.name!r}, {tier.value!r}): {tier.value} is the tensor's home; "
                              "only cached copies on other tiers can be dropped")
         with self._cond:
-            self._check_live(rec)
-            self._wait_until(lambda: self._table.settled_clean(rec, tier) or None,
-                             rec, f"drop({h.name!r}) waiting for its move")
+            self._waits.check(rec)
+            self._waits.until(lambda: self._table.settled_clean(rec, tier) or None,
+                              rec, f"drop({h.name!r}) waiting for its move")
             if rec.residency[tier] is Residency.ABSENT:
                 return
             if rec.pins(tier):
@@ -346,12 +329,21 @@ class PlacementManager:
             raise ValueError(f"store({h.name!r}): expected shape {tuple(h.shape)}, got {tuple(data.shape)}")
         with self._cond:
             self._check_open()
-            self._check_live(rec)
-            bufs = self._wait_until(lambda: None if rec.in_flight else self._room.take(
-                [(Tier.HOST, h.nbytes)] if self._table.store_staging(rec, data) else [], h),
+            self._waits.check(rec)
+            bufs = self._waits.until(lambda: None if rec.in_flight else self._room.take(
+                [(Tier.HOST, h.nbytes)] if self._store_staged(rec, data) else [], h),
                 rec, f"store({h.name!r}) waiting for its moves")
-            self._table.store(rec, data, flat(bufs[0]) if bufs else None)
+            self._table.store(rec, data, bufs[0] if bufs else None)
             self._cond.notify_all()
+
+    def _store_staged(self, rec: TensorRecord, data: torch.Tensor) -> bool:
+        """Whether store() writes through a host staging buffer: an NVMe home's write, or a
+        device home or pinned device copy written from host data on the copy stream (CUDA's
+        non-blocking copies need pinned memory)."""
+        if rec.home is Tier.NVME:
+            return True
+        on_device = rec.home is Tier.DEVICE or rec.pins(Tier.DEVICE) > 0
+        return self.streams.asynchronous and not self.streams.is_device(data) and on_device
 
     def read(self, h: TensorHandle, out: np.ndarray | None = None) -> torch.Tensor:
         """A CPU copy of the tensor's current contents (its home, after write-backs): fresh, or in
@@ -362,9 +354,9 @@ class PlacementManager:
             raise ValueError(f"read({h.name!r}): out holds {out.nbytes} bytes, expected at least {self.io_bytes(h)}")
         with self._cond:
             self._check_open()
-            self._check_live(rec)
-            self._wait_until(lambda: not any(m.dst is h.home for m in rec.in_flight) or None,
-                             rec, f"read({h.name!r}) waiting for its write-backs")
+            self._waits.check(rec)
+            self._waits.until(lambda: not any(m.dst is h.home for m in rec.in_flight) or None,
+                              rec, f"read({h.name!r}) waiting for its write-backs")
             return self._table.read_home(rec, None if out is None else torch.from_numpy(out))
 
     def reserve_scratch(self, nbytes: int, tier: Tier | str = Tier.DEVICE, *, what: str,
@@ -382,18 +374,19 @@ class PlacementManager:
             self._check_open()
             self._room.check_fits(what, nbytes, tier)
             if wait:
-                (buf,) = self._wait_until(lambda: self._room.take([(tier, nbytes)], None), what,
-                                          f"reserve_scratch({what!r}, {tier.value!r})")
+                (buf,) = self._waits.until(lambda: self._room.take([(tier, nbytes)], None), what,
+                                           f"reserve_scratch({what!r}, {tier.value!r})")
             else:
                 got = self._room.take([(tier, nbytes)], None, speculative=True)
                 if isinstance(got, Shortfall):
                     return None
                 (buf,) = got
-            self._scratch[flat(buf).data_ptr()] = (tier, threading.get_ident())
+            scratch = as_memory(buf)
+            self._scratch[scratch.data_ptr()] = (tier, threading.get_ident())
         if tier is Tier.DEVICE:
-            self.streams.lend(flat(buf), what)
-            self.streams.compute_wait(None, flat(buf))
-        return flat(buf)
+            self.streams.lend(scratch, what)
+            self.streams.compute_wait(None, scratch)
+        return scratch
 
     def free_scratch(self, buf: torch.Tensor, tier: Tier | str = Tier.DEVICE) -> None:
         """Give back a buffer from reserve_scratch()."""
@@ -494,7 +487,7 @@ class PlacementManager:
         """Finish in-flight work, free every copy, remove the swap files, join threads; idempotent.
         flush=False: dirty cached copies are dropped, not written home first (at interpreter
         exit, when concurrent.futures already refuses new work and the files are going anyway)."""
-        if self._closed:
+        if self._waits.closed:
             return
         closed(self)
         error: BaseException | None = None
@@ -504,7 +497,7 @@ class PlacementManager:
         except BaseException as e:  # still free everything, then report
             error = e
         with self._cond:
-            self._closed = True
+            self._waits.closed = True
         self._table.close()  # joins the workers, which take the lock to commit
         with self._cond:
             self._cond.notify_all()  # a call still waiting for room fails now, not after its timeout
@@ -539,95 +532,13 @@ class PlacementManager:
                              "acquire it on 'host' or 'device'")
         with self._cond:
             self._check_open()
-            self._check_live(rec)
-            self._wait_until(lambda: not any(m.dst is h.home for m in rec.in_flight) or None,
-                             rec, f"acquire({h.name!r}) waiting for write-backs to its home")
+            self._waits.check(rec)
+            self._waits.until(lambda: not any(m.dst is h.home for m in rec.in_flight) or None,
+                              rec, f"acquire({h.name!r}) waiting for write-backs to its home")
             self._table.check_home(rec)
             copy = self._table.pin(rec, h.home)
         self.streams.compute_wait(copy.event, copy.tensor)
         return copy.tensor
-
-    def _wait_until(self, attempt: Callable[[], _T | Shortfall | None], subject: TensorRecord | str,
-                    what: str) -> _T:
-        """Call `attempt` (under the lock) until it returns a result, sleeping until the next
-        change while it returns None (waiting for a move) or a Shortfall (no room). A shortfall
-        that nothing can end (no move in flight, every copy pinned on that tier pinned by this
-        thread itself or by threads that wait for room there too) raises once nothing has changed
-        for stuck_after_s; any wait raises past wait_timeout_s. Both name what was missing and
-        the budget that would hold it. `subject` is the tensor waited for (a KeyError if another
-        thread unregisters it meanwhile), or the name of a new one."""
-        deadline = time.monotonic() + self.wait_timeout_s
-        name = subject if isinstance(subject, str) else subject.name
-        me = threading.get_ident()
-        try:
-            return self._wait_loop(attempt, subject, what, name, deadline)
-        finally:
-            self._short.pop(me, None)
-            self._abandoned.discard(me)
-
-    def _wait_loop(self, attempt: Callable[[], _T | Shortfall | None], subject: TensorRecord | str, what: str,
-                   name: str, deadline: float) -> _T:
-        me = threading.get_ident()
-        stuck_since: float | None = None
-        while True:
-            self._check_open()
-            if not isinstance(subject, str):
-                self._check_live(subject, what)
-            result = attempt()
-            if result is not None and not isinstance(result, Shortfall):
-                return result
-            now = time.monotonic()
-            remaining = deadline - now
-            if isinstance(result, Shortfall):
-                self._short[me] = result.tier
-            else:
-                self._short.pop(me, None)
-            if isinstance(result, Shortfall) and self._stuck(result.tier):
-                stuck_since = now if stuck_since is None else stuck_since
-                if now - stuck_since >= self.stuck_after_s or me in self._abandoned:
-                    # the threads waiting with this one hold the rest: they fail too, at once
-                    # (a thread left waiting would keep the process from exiting)
-                    self._abandoned.update(t for t, tier in self._short.items() if tier is result.tier and t != me)
-                    self._cond.notify_all()
-                    raise RuntimeError(f"{what}: {self._no_room_message(name, result, waited=False)}")
-                remaining = min(remaining, self.stuck_after_s - (now - stuck_since))
-            else:
-                stuck_since = None
-            if deadline - now <= 0:
-                if result is None:
-                    raise RuntimeError(f"{what}: nothing changed for {self.wait_timeout_s} s")
-                raise RuntimeError(f"{what}: {self._no_room_message(name, result, waited=True)}")
-            if exiting() and threading.current_thread() is not threading.main_thread():
-                raise RuntimeError(f"{what}: the program is exiting (its main thread ended) while this thread waited "
-                                   f"for {'room' if isinstance(result, Shortfall) else 'a move'} ({name!r})")
-            if self._cond.wait(min(remaining, _EXIT_POLL_S)):
-                stuck_since = None  # something changed (a release may come from another thread)
-
-    def _stuck(self, tier: Tier) -> bool:
-        """Under the lock: no room on `tier` can ever come while this thread waits. Nothing is
-        moving (no write-back will make a copy evictable, no fetch will end), and whatever is
-        pinned there (copies, scratch buffers) this very thread holds, or threads that wait for
-        room on that tier themselves."""
-        if len(self._table.moves):
-            return False
-        # The threads that will release nothing there: this one, and those waiting for room on
-        # the same tier (two threads each holding what the other waits for never move again).
-        blocked = {threading.get_ident(), *(t for t, short in self._short.items() if short is tier)}
-        return (not self._table.pinned_by_others(tier, blocked)
-                and all(owner in blocked for t, owner in self._scratch.values() if t is tier))
-
-    def _no_room_message(self, name: str, short: Shortfall, *, waited: bool) -> str:
-        tier = short.tier
-        pinned = [(r.name, r.pins(tier)) for r in self._table.records() if r.pins(tier)]
-        b = self.budgets[tier]
-        need = self._tiers[tier].reserved(short.nbytes)
-        why = (f"after waiting {self.wait_timeout_s} s" if waited else
-               "and none can come: nothing is moving and what is pinned there is held by this thread, or by "
-               "threads waiting for room there too")
-        return (f"tensor {name!r}: no room for {format_size(need)} on the {tier.value} tier {why}: "
-                f"{format_size(b.used)} of {format_size(b.limit)} reserved, {len(self._table.moves)} moves in flight, "
-                f"pinned copies (name, pins): {pinned[:8]}{' ...' if len(pinned) > 8 else ''}; raise "
-                f"{tier.value}_budget to at least {b.used + need} bytes, or release tensors before acquiring more")
 
     def check_working_set(self, what: str, handles: Sequence[TensorHandle],
                           extra: Sequence[tuple[Tier, int]] = ()) -> None:
@@ -655,12 +566,6 @@ class PlacementManager:
                              "use 'host' or 'device'")
         return rec, tier
 
-    def _check_live(self, rec: TensorRecord, what: str = "") -> None:
-        """Under the lock: the record looked up before taking it is still registered (another
-        thread may have unregistered it in between)."""
-        if self._table.get(rec.handle) is not rec:
-            raise KeyError(f"{what or rec.name}: {rec.name!r} was unregistered by another thread meanwhile")
-
     def _check_open(self) -> None:
-        if self._closed:
+        if self._waits.closed:
             raise RuntimeError("PlacementManager is closed")

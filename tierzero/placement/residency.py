@@ -1,31 +1,18 @@
-"""Where placed tensors are: `Residency` per tier, the records, and the only writers of both.
+"""Where placed tensors are: `Residency` per tier, the records, and their transitions.
 
 A `TensorRecord` is one tensor's state: its handle, its copies (one per tier it is on) and the
-residency of each tier. `ResidencyTable` holds every record and the transition methods, the
-only code that changes residency, each as its last step:
-
-    to_home            (unregistered) -> HOME       register: the data written to its home
-                                                    (or kept dirty on HOST: RESIDENT)
-    start_fetch        ABSENT -> FETCHING           a copy toward a tier, submitted to a worker
-    _finish_fetch      FETCHING -> RESIDENT         committed (-> ABSENT: failed or went stale)
-    start_writeback    RESIDENT -> WRITING_BACK     a dirty release, submitted to a worker
-    _finish_writeback  WRITING_BACK -> RESIDENT     committed (-> ABSENT: went stale, unpinned)
-    drop               RESIDENT -> ABSENT           evicted, dropped, or stale and unpinned
-    forget             every tier -> ABSENT         unregister and close (the handle forgotten)
-
-Everyone else reads the `residency`, `pins` and `in_flight` views that
-`PlacementManager.record(handle)` returns.
+residency of each tier. `ResidencyTable` holds every record; its transition methods are the
+only code that changes residency (the table of them is in its docstring). Everyone else reads
+the `residency`, `pins` and `in_flight` views that `PlacementManager.record(handle)` returns.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import threading
-import time
 from enum import Enum
 from types import MappingProxyType
-from typing import Callable, Collection, Literal, Mapping, TypeVar
+from typing import Collection, Literal, Mapping
 
 import torch
 
@@ -34,16 +21,14 @@ from tierzero.config import Tier
 from tierzero.placement.cow_home import CheckpointHome
 from tierzero.placement.eviction import Room, Shortfall
 from tierzero.placement.handles import Kind, TensorHandle
-from tierzero.placement.moves import (Copy, Done, Failed, FetchPlan, Leg, Move, MoveIO, MoveTable, Outcome, Span,
+from tierzero.placement.moves import (Copy, Done, FetchPlan, Move, MoveExecutor, MoveIO, MoveTable, Outcome,
                                       StorePlan, WritebackPlan, run_fetch, run_store, run_writeback,
                                       staging_needs)
 from tierzero.placement.nvme import SwapSpace
-from tierzero.placement.streams import DONE, CopyEvent, CopyStreams
+from tierzero.placement.streams import CopyEvent, CopyStreams
 from tierzero.placement.telemetry import Telemetry
-from tierzero.placement.tier_store import Buffer, TierStore, flat, region, typed
+from tierzero.placement.tier_store import Buffer, TierStore, as_memory, region, typed
 from tierzero.placement.tiers import HostPool
-
-_P = TypeVar("_P", FetchPlan, WritebackPlan, StorePlan)
 
 
 class Residency(Enum):
@@ -70,22 +55,20 @@ class TensorRecord:
     """A registered tensor: its handle (name, shape, dtype, bytes, home tier) and where it is now.
 
     `residency` (per tier), `pins(tier)` and `in_flight` are read-only views; only
-    PlacementManager's transition methods change them.
+    ResidencyTable's transition methods change them.
     """
 
     def __init__(self, handle: TensorHandle, moves: MoveTable) -> None:
         self.handle = handle
+        self.name = handle.name
         self.nbytes = handle.nbytes
         self._residency = {t: Residency.ABSENT for t in Tier}
-        self._view = MappingProxyType(self._residency)
+        self.residency: Mapping[Tier, Residency] = MappingProxyType(self._residency)
+        """Per tier; read-only (a view, not a property: readers on the hot path call nothing)."""
         self._copies: dict[Tier, Copy] = {}
         self._moves = moves
         self._home_error: BaseException | None = None
         """The last write to the home failed: its contents there are lost until the next write."""
-
-    @property
-    def name(self) -> str:
-        return self.handle.name
 
     @property
     def shape(self) -> torch.Size:
@@ -100,16 +83,18 @@ class TensorRecord:
         return self.handle.home
 
     @property
-    def residency(self) -> Mapping[Tier, Residency]:
-        return self._view
-
-    @property
     def in_flight(self) -> tuple[Move, ...]:
         return self._moves.for_tensor(self.handle)
 
     def pins(self, tier: Tier | str) -> int:
         copy = self._copies.get(Tier.parse(tier))
         return copy.pins if copy is not None else 0
+
+    def check_acquired(self, tier: Tier) -> None:
+        """RuntimeError unless an acquire() not yet released pins the copy on `tier`."""
+        copy = self._copies.get(tier)
+        if copy is None or copy.pins == 0 or not copy.holders:
+            raise RuntimeError(f"release({self.name!r}, {tier.value!r}) without a matching acquire()")
 
     def __repr__(self) -> str:
         where = ", ".join(f"{t.value}: {r.value}" for t, r in self._residency.items() if r is not Residency.ABSENT)
@@ -126,20 +111,27 @@ class ResidencyTable:
     """Every placed tensor's record, and the transition methods: the only writers of residency.
 
     PlacementManager validates calls and waits for room; a transition here gets the buffers it
-    needs already reserved, changes the copies, starts or commits a move, and writes the
-    residency it moves to as its last line. Moves run on worker threads (the bodies in moves.py,
-    without the lock) and commit here under `cond`, which guards everything in this table and
-    in `room`; every commit notifies waiters.
+    needs already reserved (or reserves them, answering a `Shortfall` the manager waits on),
+    changes the copies, starts or commits a move, and writes the residency it moves to as its
+    last line. Moves run on the executor's workers (moves.py) and commit here under `cond`,
+    which guards everything in this table and in `room`; every commit notifies waiters.
+
+        to_home            (unregistered) -> HOME       the data written to its home
+                                                        (or kept dirty on HOST: RESIDENT)
+        start_fetch        ABSENT -> FETCHING           a copy toward a tier, submitted
+        install_blank      ABSENT -> RESIDENT           an uninitialised copy (overwrite)
+        _finish_fetch      FETCHING -> RESIDENT         committed (-> ABSENT: failed or stale)
+        start_writeback    RESIDENT -> WRITING_BACK     a dirty release, submitted
+        _finish_writeback  WRITING_BACK -> RESIDENT     committed (-> ABSENT: stale, unpinned)
+        drop               RESIDENT -> ABSENT           evicted, dropped, or stale and unpinned
+        forget             every tier -> ABSENT         unregister and close
     """
 
     def __init__(self, stores: Mapping[Tier, TierStore], streams: CopyStreams, pool: HostPool,
                  swap: SwapSpace | None, telemetry: Telemetry, *, workers: int, rank: int) -> None:
         self.cond = threading.Condition(threading.RLock())
         self.stores = stores
-        self.room = Room(stores, self._evictable, self.drop, self._clean,
-                         lambda h, t: self._records[h]._copies[t].buffer,
-                         lambda h, t: not self._records[h]._copies[t].used)
-        self.moves = MoveTable()
+        self.room = Room(stores, self)
         self.errors: list[BaseException] = []
         """Errors of writes to homes since the last flush()."""
         self._records: dict[TensorHandle, TensorRecord] = {}  # registration order
@@ -148,19 +140,8 @@ class ResidencyTable:
         self._pool = pool
         self._telemetry = telemetry
         self._io = MoveIO(streams, swap)
-        # Workers run copies and IO so callers never block on them; sized to keep the NVMe
-        # read-ahead depth in flight while earlier blocks copy to the device.
-        # Moves that read or write the swap files run on `workers` threads (the NVMe reads in
-        # flight); copies between memories on threads of their own, so that a block's copy to the
-        # device never queues behind the optimizer's or the prefetcher's disk reads.
-        self._executor = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"tierzero-io-r{rank}")
-        self._copier = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"tierzero-copy-r{rank}")
-        # With asynchronous copies, a move whose last copy is queued commits once the copy's
-        # event completes, and a write-back starts once the copy into its source landed: these
-        # threads wait for the events, so that no worker above sleeps on a copy stream. A worker
-        # that did held an NVMe read slot idle: on the CPU's stream stand-in (1.3 B model, 4
-        # workers) the NVMe workers slept 7.2 s in 57 waits over 3 steps.
-        self._waiter = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"tierzero-land-r{rank}")
+        self._executor = MoveExecutor(self.cond, self._io, workers=workers, rank=rank)
+        self.moves: MoveTable = self._executor.table
 
     def get(self, handle: TensorHandle) -> TensorRecord | None:
         return self._records.get(handle)
@@ -221,24 +202,18 @@ class ResidencyTable:
         """What holds the tensor's home bytes (a SwapRegion for an NVMe home)."""
         return rec._copies[rec.home].buffer
 
-    def releasing(self, rec: TensorRecord, tier: Tier) -> Copy:
-        """A release begins: the copy on `tier`, pinned by an acquire() (RuntimeError otherwise),
-        now the most recently used."""
-        copy = rec._copies.get(tier)
-        if copy is None or copy.pins == 0 or not copy.holders:
-            raise RuntimeError(f"release({rec.name!r}, {tier.value!r}) without a matching acquire()")
+    def release(self, rec: TensorRecord, tier: Tier, *, dirty: bool, staging: Buffer | None,
+                lazy: bool = False, written: CopyEvent | None = None) -> None:
+        """Unpin an acquire's pin, the copy now the most recently used; a dirty cached copy is
+        written back (through `staging` for device -> NVMe), or with `lazy` only marked dirty
+        (written back when its room is needed, or never if discarded first); a dirty home
+        invalidates the cached copies. `written`: the copy's last write, still in flight, which
+        its readers and its free wait for."""
+        rec.check_acquired(tier)
+        copy = rec._copies[tier]
         me = threading.get_ident()
         copy.holders.remove(me if me in copy.holders else copy.holders[0])  # released by another thread
         self.room.touch(rec.handle, tier)
-        return copy
-
-    def release(self, rec: TensorRecord, tier: Tier, *, dirty: bool, staging: torch.Tensor | None,
-                lazy: bool = False, written: CopyEvent | None = None) -> None:
-        """Unpin (after releasing()); a dirty cached copy is written back (through `staging` for
-        device -> NVMe), or with `lazy` only marked dirty (written back when its room is needed,
-        or never if discarded first); a dirty home invalidates the cached copies. `written`:
-        the copy's last write, still in flight, which its readers and its free wait for."""
-        copy = rec._copies[tier]
         if written is not None:
             copy.event = written
         if dirty and lazy:
@@ -251,18 +226,19 @@ class ResidencyTable:
         if dirty and tier is not rec.home:
             copy.pins -= 1
             copy.stale = False
-            self.start_writeback(rec, tier, staging)
+            self.start_writeback(rec, tier, None if staging is None else as_memory(staging))
             return
         self._unpin(rec, tier, copy)
         if dirty:
             self._invalidate_cached(rec, keep=tier)
 
-    def store(self, rec: TensorRecord, data: torch.Tensor, staging: torch.Tensor | None) -> None:
-        """Overwrite the home (an NVMe home asynchronously, from `staging`) and the cached copies:
-        an unpinned device copy is dropped (the next fetch brings the new values on the copy
-        stream); a device home or pinned device copy is written from `data` on the device, else
-        through `staging` on the copy stream (see `store_staging`)."""
+    def store(self, rec: TensorRecord, data: torch.Tensor, buf: Buffer | None) -> None:
+        """Overwrite the home (an NVMe home asynchronously, from the host staging `buf`) and the
+        cached copies: an unpinned device copy is dropped (the next fetch brings the new values
+        on the copy stream); a device home or pinned device copy is written from `data` on the
+        device, else through the staging buffer on the copy stream."""
         h, home = rec.handle, rec._copies[rec.home]
+        staging = None if buf is None else as_memory(buf)
         if staging is not None:
             typed(staging, h).copy_(data)
         pending = []
@@ -289,22 +265,12 @@ class ResidencyTable:
                 self._pool.free(staging)
             raise
         if home.tensor is None:
-            self._submit(StorePlan(h, home, flat(staging)), Tier.HOST, Tier.NVME, run_store, self._finish_store,
+            self._executor.submit(StorePlan(h, home, staging), Tier.HOST, Tier.NVME, run_store, self._finish_store,
                          key=Tier.NVME)
         else:
             rec._home_error = None
             if staging is not None:
                 self._pool.free(staging)
-
-    def store_staging(self, rec: TensorRecord, data: torch.Tensor) -> bool:
-        """Whether store() needs a host staging buffer: an NVMe home's write, or a device home
-        or pinned device copy written from host data on the copy stream (CUDA's non-blocking
-        copies need pinned memory)."""
-        if rec.home is Tier.NVME:
-            return True
-        device = rec._copies.get(Tier.DEVICE)
-        return (self._streams.asynchronous and not self._streams.is_device(data) and device is not None
-                and (rec.home is Tier.DEVICE or device.pins > 0))
 
     def plan_fetch(self, rec: TensorRecord, tier: Tier, *, speculative: bool = False) -> FetchPlan | Shortfall:
         """Choose the source of a copy toward `tier` and reserve its buffers."""
@@ -324,10 +290,26 @@ class ResidencyTable:
             source_fetch = None  # the source's own write-back: it reads what this fetch reads
         source = rec._copies[src]
         return FetchPlan(h, src, tier, source, Copy(bufs[0], self.stores[tier].view(bufs[0], h)),
-                         flat(bufs[1]) if len(bufs) > 1 else None,
+                         as_memory(bufs[1]) if len(bufs) > 1 else None,
                          self._streams.compute_ready() if src is Tier.DEVICE else source.event,
                          tuple(m.future for m in rec.in_flight if m.dst is src),  # not the home's write
                          source_fetch.future if source_fetch is not None else None, cf.Future())
+
+    def acquire(self, rec: TensorRecord, tier: Tier, *, overwrite: bool) -> tuple[Copy, Move | None] | Shortfall:
+        """The copy on `tier`, pinned: there, on its way or started now (with `overwrite` an
+        uninitialised one: nothing read), and the move still filling it; a Shortfall while
+        there is no room for it."""
+        if rec._residency[tier] is Residency.ABSENT:
+            if overwrite:
+                bufs = self.room.take([(tier, rec.nbytes)], rec.handle)
+                if isinstance(bufs, Shortfall):
+                    return bufs
+                self.install_blank(rec, tier, bufs[0])
+            else:
+                started = self.try_fetch(rec, tier)
+                if isinstance(started, Shortfall):
+                    return started
+        return self.pin(rec, tier), self.moves.get(rec.handle, tier)
 
     def try_fetch(self, rec: TensorRecord, tier: Tier, *, speculative: bool = False) -> Literal[True] | Shortfall:
         """Start a copy toward `tier` if there is room now; True if started or already there or
@@ -342,9 +324,7 @@ class ResidencyTable:
 
     def close(self) -> None:
         """Join the workers, then take every tensor to ABSENT (pinned copies too)."""
-        self._executor.shutdown(wait=True)
-        self._copier.shutdown(wait=True)
-        self._waiter.shutdown(wait=True)  # what it hands to the pools now runs on it (`_hand`)
+        self._executor.close()
         with self.cond:
             for rec in tuple(self._records.values()):
                 self.forget(rec)
@@ -360,7 +340,7 @@ class ResidencyTable:
         with `borrowed`, checkpoint bytes equal to `data`, the NVMe home is adopted unwritten,
         nothing copied); nothing for a meta `data`."""
         rec = TensorRecord(h, self.moves)
-        staging = None if staging is None else flat(staging)
+        staging = None if staging is None else as_memory(staging)
         home = Copy(buf, self.stores[h.home].view(buf, h))
         try:
             if data.is_meta or borrowed is not None:
@@ -369,7 +349,7 @@ class ResidencyTable:
                 home.tensor.copy_(data)
                 self._streams.compute_wait(None, home.tensor)  # written on the compute stream
             else:
-                typed(flat(staging), h).copy_(data)
+                typed(staging, h).copy_(data)
         except BaseException:
             self.stores[h.home].free(buf)
             if staging is not None:
@@ -387,7 +367,7 @@ class ResidencyTable:
             self.room.cached(h, Tier.HOST)
             rec._residency[Tier.HOST] = Residency.RESIDENT
         elif staging is not None:  # the NVMe write runs on a worker, as a store's does
-            self._submit(StorePlan(h, home, staging), Tier.HOST, Tier.NVME, run_store, self._finish_store,
+            self._executor.submit(StorePlan(h, home, staging), Tier.HOST, Tier.NVME, run_store, self._finish_store,
                          key=Tier.NVME)
         rec._residency[h.home] = Residency.HOME
         return rec
@@ -399,6 +379,7 @@ class ResidencyTable:
         new = TensorHandle(h.owner, kind, h.shape, h.dtype, h.home)
         del self._records[h], self._names[h.name]
         rec.handle = self._names[new.name] = new
+        rec.name = new.name
         self._records[new] = rec
         return new
 
@@ -422,7 +403,7 @@ class ResidencyTable:
         plan.source.used = True  # a prefetched copy that a move reads has served its read
         rec._copies[plan.dst] = plan.copy
         self.room.cached(rec.handle, plan.dst)
-        self._submit(plan, plan.src, plan.dst, run_fetch, self._finish_fetch, key=plan.dst)
+        self._executor.submit(plan, plan.src, plan.dst, run_fetch, self._finish_fetch, key=plan.dst)
         rec._residency[plan.dst] = Residency.FETCHING
 
     def install_blank(self, rec: TensorRecord, tier: Tier, buf: Buffer) -> None:
@@ -459,7 +440,7 @@ class ResidencyTable:
                              self._streams.compute_ready() if tier is Tier.DEVICE else None,
                              tuple(m.future for m in rec.in_flight))
         self._invalidate_cached(rec, keep=tier)
-        self._submit(plan, tier, h.home, run_writeback, self._finish_writeback, key=tier)
+        self._executor.submit(plan, tier, h.home, run_writeback, self._finish_writeback, key=tier)
         rec._residency[tier] = Residency.WRITING_BACK
 
     def _finish_writeback(self, plan: WritebackPlan, outcome: Outcome) -> None:
@@ -496,83 +477,7 @@ class ResidencyTable:
         self.stores[tier].free(copy.buffer)
         rec._residency[tier] = Residency.ABSENT
 
-    # ----------------------------------------------------------------------------- moves
-
-    def _submit(self, plan: _P, src: Tier, dst: Tier, body: Callable[[_P, MoveIO], Done],
-                finish: Callable[[_P, Outcome], None], *, key: Tier) -> None:
-        """Run `body(plan)` on a worker, then `finish(plan, outcome)` under the lock; the move is
-        in the table, under (tensor, key), until then."""
-        legs: list[Leg] = []
-        submitted = time.perf_counter()
-        pool = self._executor if Tier.NVME in (src, dst) else self._copier
-        future: cf.Future[None] = cf.Future()  # done at the commit, which a waiter may make
-        source = plan.copy.event if isinstance(plan, WritebackPlan) else DONE
-        if source.query():
-            pool.submit(self._run, plan, body, finish, legs, submitted, future)
-        else:  # the copy into the source is still queued: a waiter starts the body once it landed
-            self._hand(self._waiter, self._after, source, pool, plan, body, finish, legs, submitted, future)
-        issued = plan.issued if isinstance(plan, FetchPlan) else None
-        self.moves.add(key, Move(plan.handle, src, dst, plan.handle.nbytes, future, submitted, legs, issued))
-
-    @staticmethod
-    def _hand(pool: cf.ThreadPoolExecutor, fn: Callable[..., None], *args: object) -> None:
-        """Run `fn(*args)` on `pool`, or here once the pool is shut down (close())."""
-        try:
-            pool.submit(fn, *args)
-        except RuntimeError:
-            fn(*args)
-
-    def _after(self, event: CopyEvent, pool: cf.ThreadPoolExecutor, *args: object) -> None:
-        """(On a waiter) submit a move's body to `pool` once `event` completed; an error of the
-        copy is left for the body's own wait to raise."""
-        with contextlib.suppress(Exception):
-            event.synchronize()
-        self._hand(pool, self._run, *args)
-
-    def _run(self, plan: _P, body: Callable[[_P, MoveIO], Done], finish: Callable[[_P, Outcome], None],
-             legs: list[Leg], submitted: float, future: cf.Future[None]) -> None:
-        outcome: Outcome
-        legs.append(Leg("queued", submitted, time.perf_counter()))
-        try:
-            outcome = body(plan, self._io)
-        except BaseException as e:
-            outcome = Failed(e)
-        if isinstance(outcome, Done) and outcome.landing is not None and not outcome.event.query():
-            self._hand(self._waiter, self._land, plan, outcome, finish, legs, future)
-        else:
-            self._land(plan, outcome, finish, legs, future)
-
-    def _land(self, plan: _P, outcome: Outcome, finish: Callable[[_P, Outcome], None], legs: list[Leg],
-              future: cf.Future[None]) -> None:
-        """Once the body's last copy ran (a waiter waits for it), commit the move under the lock."""
-        if isinstance(outcome, Done):
-            if outcome.landing is not None:
-                try:
-                    outcome.event.synchronize()
-                except BaseException as e:
-                    outcome = Failed(e)
-                else:
-                    landing = outcome.landing
-                    outcome.spans.append(Span(landing.src, landing.dst, landing.start, time.perf_counter()))
-            if isinstance(outcome, Done):
-                legs.extend(outcome.legs())
-        error = outcome.error if isinstance(outcome, Failed) else None
-        with self.cond:
-            try:
-                finish(plan, outcome)
-            except BaseException as e:
-                error = error or e
-            finally:  # waiters wake even if the commit itself failed
-                self.cond.notify_all()
-                if isinstance(plan, FetchPlan) and not plan.issued.done():  # not issued early: now
-                    if isinstance(outcome, Failed):
-                        plan.issued.set_exception(outcome.error)
-                    else:
-                        plan.issued.set_result(DONE)
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(None)
+    # ---------------------------------------------------------------- commits of the moves
 
     def _finish_store(self, plan: StorePlan, outcome: Outcome) -> None:
         self.moves.pop(plan.handle, Tier.NVME)
@@ -611,60 +516,39 @@ class ResidencyTable:
                 and rec._residency[tier] is Residency.RESIDENT):
             self.drop(rec.handle, tier)
 
-    def _evictable(self, h: TensorHandle, tier: Tier) -> bool:
+    # ------------------------------------------------- what Room asks of the cached copies
+
+    def evictable(self, h: TensorHandle, tier: Tier) -> bool:
         rec = self._records[h]
         copy = rec._copies[tier]
         return rec._residency[tier] is Residency.RESIDENT and copy.pins == 0 and not copy.dirty
 
-    def _clean(self, tier: Tier, nbytes: int) -> None:
-        """Room on `tier` fell `nbytes` short: start writing back unpinned dirty copies there,
-        least recently used first, until that many bytes are on their way to becoming
-        evictable (counting those already being written back). On a tier whose memory is one
-        region, only a window of `nbytes` serves: the dirty copies of one window are written
-        back, and none where the copies being written back open one (`_clean_window`)."""
-        if self._clean_window(tier, nbytes):
-            return
-        coming = sum(self.stores[tier].reserved(m.nbytes) for m in self.moves.all() if m.src is tier and m.dst is m.tensor.home)
-        for h in self.room.cached_on(tier):
-            if coming >= nbytes:
-                return
-            if self.write_back_dirty(self._records[h], tier):
-                coming += self.stores[tier].reserved(h.nbytes)
+    def buffer(self, h: TensorHandle, tier: Tier) -> Buffer:
+        return self._records[h]._copies[tier].buffer
 
-    def _clean_window(self, tier: Tier, nbytes: int) -> bool:
-        """`_clean` on a tier of one region ([Note: arena windows] in tiers.py); False where the
-        tier has no windows or no window serves. Writing back the least recently used dirty
-        copies until `nbytes` are on their way frees bytes that need not lie together: each
-        copy written may sit between copies that stay, the request still finds no window when
-        they land, and the next shortfall writes more (on a 1.3 B model with a 4 GiB host tier,
-        gradients were written home and read back 0.7-1.2 bytes per parameter more than with a
-        pool of separate buffers). Here the window is chosen among the unpinned copies that are
-        clean (cannot open one: the room would have evicted them), being written back, then
-        dirty, each group least recently used first: the window with the least recent latest
-        member, so the fewest and oldest dirty copies are written."""
-        clean: list[TensorHandle] = []
-        writing: list[TensorHandle] = []
-        dirty: list[TensorHandle] = []
-        for h in self.room.cached_on(tier):
-            rec = self._records[h]
-            copy, state = rec._copies[tier], rec._residency[tier]
-            if state is Residency.WRITING_BACK:
-                writing.append(h)
-            elif state is Residency.RESIDENT and copy.pins == 0:
-                (dirty if copy.dirty else clean).append(h)
-        order = clean + writing + dirty
-        picks = self.stores[tier].victims(nbytes, [self._records[h]._copies[tier].buffer for h in order])
-        if not picks:  # None: any bytes serve; []: pinned copies block every window
-            return False
-        if max(picks) < len(clean):
-            return False  # clean copies alone open it: not what a shortfall asks here
-        for i in picks:
-            self.write_back_dirty(self._records[order[i]], tier)
-        return True
+    def unused(self, h: TensorHandle, tier: Tier) -> bool:
+        return not self._records[h]._copies[tier].used
 
-    def write_back_dirty(self, rec: TensorRecord, tier: Tier) -> bool:
+    def cleaning(self, h: TensorHandle, tier: Tier) -> Literal["clean", "writing", "dirty"] | None:
+        """What writing back the unpinned copy on `tier` would do: nothing ("clean"), it is
+        being written ("writing"), start a write ("dirty"); None where it is pinned or fetching."""
+        rec = self._records[h]
+        copy, state = rec._copies[tier], rec._residency[tier]
+        if state is Residency.WRITING_BACK:
+            return "writing"
+        if state is Residency.RESIDENT and copy.pins == 0:
+            return "dirty" if copy.dirty else "clean"
+        return None
+
+    def writing_back(self, tier: Tier) -> int:
+        """Bytes reserved on `tier` by copies being written to their homes."""
+        return sum(self.stores[tier].reserved(m.nbytes) for m in self.moves.all()
+                   if m.src is tier and m.dst is m.tensor.home)
+
+    def write_back(self, h: TensorHandle, tier: Tier) -> bool:
         """Start writing the copy on `tier` home if it is dirty, unpinned and resident; whether
         it started. (Lazy releases leave dirty copies; room, drop() and flush() take them home.)"""
+        rec = self._records[h]
         copy = rec._copies.get(tier)
         if copy is None or not copy.dirty or copy.pins or rec._residency[tier] is not Residency.RESIDENT:
             return False
@@ -672,15 +556,15 @@ class ResidencyTable:
         return True
 
     def write_back_all_dirty(self) -> None:
-        """write_back_dirty() every cached copy (flush())."""
+        """write_back() every cached copy (flush())."""
         for rec in self._records.values():
             for tier in [t for t in rec._copies if t is not rec.home]:
-                self.write_back_dirty(rec, tier)
+                self.write_back(rec.handle, tier)
 
     def settled_clean(self, rec: TensorRecord, tier: Tier) -> bool:
         """No move on the copy and nothing unwritten in it; starts the write-back of an unpinned
         dirty copy (a caller waits for it)."""
-        self.write_back_dirty(rec, tier)
+        self.write_back(rec.handle, tier)
         copy = rec._copies.get(tier)
         return rec._residency[tier] not in (Residency.FETCHING, Residency.WRITING_BACK) and not (
             copy is not None and copy.dirty)

@@ -1,29 +1,5 @@
-"""The asynchronous stand-in for the device's copy streams on the CPU (Config.streams="async").
-
-[Note: stream stand-in] On the CPU without it every copy runs at once and every event is
-complete before anyone asks, so a missing wait, an event recorded on the wrong stream or a
-buffer reused while its copy is in flight can never show in a test; those are exactly the bugs a
-GPU produces. The stand-in makes them show:
-
-    copies    each copy stream is a serial worker that runs its copies later, in order, each
-              after the event it was told to wait for (and a seeded random delay); its event
-              completes only once the copy ran
-    poison    a copy's destination is filled with 0xFF bytes (NaN in every float dtype) when
-              the copy is queued, a device buffer when it is freed: a read before the event, or
-              after the free, gives values the parity tests catch
-    compute   CPU compute runs on the calling thread at once, so each thread is its own compute
-              stream, as each thread has its own current CUDA stream: `compute_wait` blocks that
-              thread until the event, and what another thread (an update thread) queued on the
-              copy streams reaches it only through the events it waits for
-    checks    (the `DeviceLedger`) what asynchrony alone does not show: a collective given a
-              tensor that is not device memory (NCCL refuses host tensors); a device buffer
-              handed to compute freed before compute recorded its use (CUDA's caching allocator
-              would hand it out while kernels still read it); a copy whose host side is not from
-              the pinned pool (CUDA runs it synchronously, or from memory that may move); a host
-              buffer given back while a copy still reads or writes it
-
-A device buffer freed while a copy queued on it has not run waits for the copy, as the caching
-allocator does for a stream recorded on it.
+"""The asynchronous stand-in for the device's copy streams on the CPU (Config.streams="async"):
+serial copy workers, poison, and the checks of a device ledger (see [Note: stream stand-in]).
 """
 
 from __future__ import annotations
@@ -37,6 +13,30 @@ from typing import Callable
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+# [Note: stream stand-in] On the CPU without it every copy runs at once and every event is
+# complete before anyone asks, so a missing wait, an event recorded on the wrong stream or a
+# buffer reused while its copy is in flight can never show in a test; those are exactly the bugs a
+# GPU produces. The stand-in makes them show:
+#
+#     copies    each copy stream is a serial worker that runs its copies later, in order, each
+#               after the event it was told to wait for (and a seeded random delay); its event
+#               completes only once the copy ran
+#     poison    a copy's destination is filled with 0xFF bytes (NaN in every float dtype) when
+#               the copy is queued, a device buffer when it is freed: a read before the event, or
+#               after the free, gives values the parity tests catch
+#     compute   CPU compute runs on the calling thread at once, so each thread is its own compute
+#               stream, as each thread has its own current CUDA stream: `compute_wait` blocks that
+#               thread until the event, and what another thread (an update thread) queued on the
+#               copy streams reaches it only through the events it waits for
+#     checks    (the `DeviceLedger`) what asynchrony alone does not show: a collective given a
+#               tensor that is not device memory (NCCL refuses host tensors); a device buffer
+#               handed to compute freed before compute recorded its use (CUDA's caching allocator
+#               would hand it out while kernels still read it); a copy whose host side is not from
+#               the pinned pool (CUDA runs it synchronously, or from memory that may move); a host
+#               buffer given back while a copy still reads or writes it
+#
+# A device buffer freed while a copy queued on it has not run waits for the copy, as the caching
+# allocator does for a stream recorded on it.
 POISON = 0xFF
 """The byte poisoned memory is filled with: NaN in float32, bfloat16 and float16, -1 in integers."""
 

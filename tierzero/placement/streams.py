@@ -6,16 +6,13 @@ CPU the device tier is CPU memory and `Config.streams` picks the stand-in: "sync
 at once with every event already complete; "async" runs copies later on a worker per stream,
 checked and poisoned (see [Note: stream stand-in] in stand_in.py), so the ordering the GPU
 depends on is exercised on every machine. The placement code above is the same in all three.
-
-A test-only switch (`mutated`) removes one real wait, to prove the stand-in catches its absence.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from contextlib import nullcontext
-from typing import Any, ContextManager, Iterator, Literal, Protocol
+from typing import Any, ContextManager, Literal, Protocol
 
 import torch
 
@@ -23,21 +20,6 @@ from tierzero.config import StandInConfig, StreamSettings
 from tierzero.placement.stand_in import DeviceLedger, StandInStream, poison
 
 Mode = Literal["cuda", "sync", "async"]
-
-MUTATIONS: set[str] = set()
-"""Waits removed by `mutated` (tests only): "fetch_wait" (acquire's compute_wait after a
-fetch), "writeback_wait" (a write-back's wait for its device-to-host copy before the NVMe write
-of the staging buffer)."""
-
-
-@contextlib.contextmanager
-def mutated(name: Literal["fetch_wait", "writeback_wait"]) -> Iterator[None]:
-    """Test-only: remove the named wait while the block runs (the mutation check of the stand-in)."""
-    MUTATIONS.add(name)
-    try:
-        yield
-    finally:
-        MUTATIONS.discard(name)
 
 
 class CopyEvent(Protocol):

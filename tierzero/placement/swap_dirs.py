@@ -5,20 +5,6 @@ for its lifetime and holding its PID, and the run's swap files `swapNNNN.bin`. T
 0700 and its files 0600 (they hold a model's weights and optimizer state); it is made under a
 hidden name and renamed once locked, so that a reclaimer in another process never sees a run
 folder whose owner has not locked it yet.
-
-[Note: reclaiming dead runs] A run killed before it could remove its swap files (SIGKILL, a
-power loss) leaves its folder behind; the next run on the same rank folder removes it. It
-removes only what tierzero made, and only where it is sure the owner is dead:
-
-- every step works relative to a directory opened with O_NOFOLLOW: no symlink is followed,
-  at any level (a rank folder or a `run-*` entry that is a symlink is left alone);
-- a folder is a dead run's when its `.lock` is a regular file that no process holds (flock)
-  and whose PID names no live process; a folder that cannot be opened or locked, or that
-  another user owns (root opens any folder), is skipped: on a shared scratch disk (nvme_dir
-  and its rank folders are made 1777 when tierzero makes them, as /tmp) each user reclaims
-  their own;
-- only `.lock` and `swapNNNN.bin` regular files are removed, then the folder if that emptied it
-  (a folder holding anything else stays, and the reclaimer says so).
 """
 
 from __future__ import annotations
@@ -141,6 +127,19 @@ def _shared_folder(path: Path) -> None:
     os.chmod(path, SHARED_MODE)  # past the umask
 
 
+# [Note: reclaiming dead runs] A run killed before it could remove its swap files (SIGKILL, a
+# power loss) leaves its folder behind; the next run on the same rank folder removes it. It
+# removes only what tierzero made, and only where it is sure the owner is dead:
+#
+# - every step works relative to a directory opened with O_NOFOLLOW: no symlink is followed,
+#   at any level (a rank folder or a `run-*` entry that is a symlink is left alone);
+# - a folder is a dead run's when its `.lock` is a regular file that no process holds (flock)
+#   and whose PID names no live process; a folder that cannot be opened or locked, or that
+#   another user owns (root opens any folder), is skipped: on a shared scratch disk (nvme_dir
+#   and its rank folders are made 1777 when tierzero makes them, as /tmp) each user reclaims
+#   their own;
+# - only `.lock` and `swapNNNN.bin` regular files are removed, then the folder if that emptied it
+#   (a folder holding anything else stays, and the reclaimer says so).
 def reclaim_dead_runs(rank_dir: Path) -> None:
     """Remove what dead runs left in `rank_dir` ([Note: reclaiming dead runs]); a line on stderr
     for each folder removed or left."""

@@ -1,20 +1,12 @@
-"""The tiers' memory: one object per tier hands out buffers within that tier's budget.
+"""The tiers' memory: one store per tier hands out buffers within that tier's budget.
 
-PlacementManager asks a tier store for the bytes of a copy (`alloc`: a buffer, or None when the
-budget has no room now), gives them back (`free`), and learns what a tensor really reserves
-there (`reserved`: buffers are rounded up). The stores, one per tier:
-
-    DEVICE  CudaTier: device memory from torch's caching allocator, allocated on the h2d copy
-            stream; a freed buffer's bytes go back to the budget once the streams that used it
-            are past it (when the allocator may hand it out again). Without CUDA the device
-            tier is CPU memory with the device budget: a PoolTier over its own HostPool, whose
-            buffers are reused the way CUDA's caching allocator reuses device blocks rather
-            than page-faulting fresh memory on every copy (and, in the stream stand-in, held
-            back after a free until the copies queued on them ran, as CUDA's are).
-    HOST    PoolTier over the host pool (tiers.py: a PinnedArena with CUDA and in the stream
-            stand-in, a HostPool otherwise; page-aligned always).
-    NVME    NvmeTier: regions of this rank's swap files. It holds bytes, not tensors.
-
+PlacementManager asks a store for a copy's bytes (`alloc`: a buffer, or None when the budget
+has no room now), gives them back (`free`) and learns what a tensor really reserves there
+(`reserved`: buffers are rounded up). DEVICE: `CudaTier` (torch's caching allocator, its freed
+bytes back in the budget once the streams are past them) or, without CUDA, a `PoolTier` over
+a HostPool of its own (reused as CUDA reuses blocks; in the stand-in held back after a free
+until the copies queued on them ran); HOST: a `PoolTier` over the host pool (a PinnedArena
+with CUDA and in the stand-in, else a HostPool); NVME: `NvmeTier`, regions of the swap files.
 A store's budget counts everything it holds (a pool's cached free buffers too); the stores are
 not thread-safe on their own: PlacementManager calls them under its lock.
 """
@@ -91,7 +83,7 @@ def typed(buf: torch.Tensor, handle: TensorHandle) -> torch.Tensor:
     return buf[: handle.nbytes].view(handle.dtype).view(handle.shape)
 
 
-def flat(buffer: Buffer) -> torch.Tensor:
+def as_memory(buffer: Buffer) -> torch.Tensor:
     """A buffer known to be memory (not an NVMe region)."""
     assert isinstance(buffer, torch.Tensor), f"expected a memory buffer, got {buffer!r}"
     return buffer
@@ -164,7 +156,7 @@ class PoolTier:
         return buf
 
     def free(self, buffer: Buffer) -> None:
-        buf = flat(buffer)
+        buf = as_memory(buffer)
         if self.streams is None:
             self.pool.free(buf)
             return
@@ -184,13 +176,13 @@ class PoolTier:
         return self.pool.bucket(nbytes)
 
     def victims(self, nbytes: int, candidates: Sequence[Buffer]) -> list[int] | None:
-        return self.pool.victims(nbytes, [flat(c) for c in candidates])
+        return self.pool.victims(nbytes, [as_memory(c) for c in candidates])
 
     def room_for(self, sizes: Sequence[int]) -> int:
         return self.pool.room_for(sizes)
 
     def view(self, buffer: Buffer, handle: TensorHandle) -> torch.Tensor:
-        return typed(flat(buffer), handle)
+        return typed(as_memory(buffer), handle)
 
     def _give_back(self, buf: torch.Tensor) -> None:
         assert self.streams is not None
@@ -237,7 +229,7 @@ class CudaTier:
         return buf
 
     def free(self, buffer: Buffer) -> None:
-        buf = flat(buffer)
+        buf = as_memory(buffer)
         events = self.streams.freeing(buf)
         if events:
             self._held.hold(buf.numel(), events)
@@ -254,7 +246,7 @@ class CudaTier:
         return sum(sizes)
 
     def view(self, buffer: Buffer, handle: TensorHandle) -> torch.Tensor:
-        return typed(flat(buffer), handle)
+        return typed(as_memory(buffer), handle)
 
     def settle(self) -> None:
         self._held.reap(wait=True)

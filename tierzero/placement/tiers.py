@@ -21,7 +21,7 @@ arena picks its victims itself (`victims`): the window of the request's size, ma
 extents and slices offered for eviction, whose most recent victim is least recent (what LRU
 alone would reach at best), and of those the one that gives back the fewest bytes. When no
 window opens without dirty copies, those of one window are written home, the same way
-(ResidencyTable._clean_window), not the least recently used ones. A HostPool has no windows:
+(Room._clean_window in eviction.py), not the least recently used ones. A HostPool has no windows:
 any bytes given back serve.
 """
 
