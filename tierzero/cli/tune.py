@@ -2,33 +2,6 @@
 
     tierzero tune --model NAME_OR_FOLDER --device-budget X --host-budget Y --nvme-dir D
                   [--measure-top K] [--steps N] [--simulate] [--compute-speedup F] [--json]
-
-Candidates are policy x its knobs x NVMe read-ahead depth x io threads (`--policies`,
-`--nvme-depths`, `--io-threads`). A few steps are recorded (policy none, no read-ahead: every
-copy on demand, so its copy times are clean), or a run's trace is read (`--trace`); the tier
-model (tier_model.py) replays the recording under every candidate and predicts its stall.
-Unless `--simulate`, the `--measure-top` best predicted candidates train the model for real,
-each torn down completely before the next (placement manager, pools, threads, memory): a fresh
-wrap, the same batches, `--warmup` steps (the first records the block order) and `--steps`
-measured ones, whose stall and step time give a median and a spread. Then steps are recorded
-again and merged with the first recording, so that drift of a shared machine evens out in the
-predictions. The choice follows [Note: equivalent candidates] (tierzero/planning/tuning.py):
-of the candidates within noise of the least median stall, the simplest and least
-memory-hungry. The report says which candidates are equivalent, what the chosen one's stall is
-made of and what would reduce it, the wall time and the peak memory; it prints the table and
-config snippets (TOML and Python), or with `--json` one object: {"candidates": [{"policy",
-"settings", "stall_s", "stall_range_s", "step_s", "predicted_stall_s", ...}], "best", ...}.
-
-`--compute-speedup F` divides the recorded compute times by F in the predictions, so on a slow
-machine the tuner answers what a GPU F times faster would need from the same disk.
-Each measured candidate is also predicted at the disk's rates each of its measured steps had
-(`predicted_stall_at_its_disk_rate_each_s` beside `measured_disk_gbps_each`, and their median
-`predicted_stall_at_its_disk_rate_s`): a shared disk's rate drifts within and between runs, and
-those predictions tell the model's own error apart from the drift. `--keep-traces DIR` keeps the
-recordings' and the measured candidates' traces, for `--simulate --trace` later.
-How the disk's rate changes with io threads the model learns from a short read sweep of the
-NVMe folder at each `--io-threads` count, run after the first recording (a few seconds), or from
-`--bench-io FILE` (the output of `tierzero bench-io --json`) instead.
 """
 
 from __future__ import annotations
@@ -58,6 +31,33 @@ from tierzero.planning import (CHANNELS, Measured, Option, Rate, Recording, Tier
 from tierzero.prefetch import policy_from_config
 from tierzero.runtime import close, placement_manager, step_stats
 
+# [Note: how tune chooses]
+# Candidates are policy x its knobs x NVMe read-ahead depth x io threads (`--policies`,
+# `--nvme-depths`, `--io-threads`). A few steps are recorded (policy none, no read-ahead: every
+# copy on demand, so its copy times are clean), or a run's trace is read (`--trace`); the tier
+# model (tier_model.py) replays the recording under every candidate and predicts its stall.
+# Unless `--simulate`, the `--measure-top` best predicted candidates train the model for real,
+# each torn down completely before the next (placement manager, pools, threads, memory): a fresh
+# wrap, the same batches, `--warmup` steps (the first records the block order) and `--steps`
+# measured ones, whose stall and step time give a median and a spread. Then steps are recorded
+# again and merged with the first recording, so that drift of a shared machine evens out in the
+# predictions. The choice follows [Note: equivalent candidates] (tierzero/planning/tuning.py):
+# of the candidates within noise of the least median stall, the simplest and least
+# memory-hungry. The report says which candidates are equivalent, what the chosen one's stall is
+# made of and what would reduce it, the wall time and the peak memory; it prints the table and
+# config snippets (TOML and Python), or with `--json` one object: {"candidates": [{"policy",
+# "settings", "stall_s", "stall_range_s", "step_s", "predicted_stall_s", ...}], "best", ...}.
+#
+# `--compute-speedup F` divides the recorded compute times by F in the predictions, so on a slow
+# machine the tuner answers what a GPU F times faster would need from the same disk.
+# Each measured candidate is also predicted at the disk's rates each of its measured steps had
+# (`predicted_stall_at_its_disk_rate_each_s` beside `measured_disk_gbps_each`, and their median
+# `predicted_stall_at_its_disk_rate_s`): a shared disk's rate drifts within and between runs, and
+# those predictions tell the model's own error apart from the drift. `--keep-traces DIR` keeps the
+# recordings' and the measured candidates' traces, for `--simulate --trace` later.
+# How the disk's rate changes with io threads the model learns from a short read sweep of the
+# NVMe folder at each `--io-threads` count, run after the first recording (a few seconds), or from
+# `--bench-io FILE` (the output of `tierzero bench-io --json`) instead.
 POLICIES = "none,lookahead:1,lookahead:2,lookahead:4,bytes,adaptive"
 DISK_SWEEP_BYTES = 256 << 20
 """Bytes of the file the disk sweep writes and reads at each io thread count (O_DIRECT: the page

@@ -1,21 +1,6 @@
 """Placement: where every placed tensor lives, within each tier's budget, and how it moves.
 
-One module per level, from the bytes up:
-
-    handles.py    TensorHandle and Kind: what a placed tensor is
-    tiers.py      Budget (a tier's byte account) and HostPool (page-aligned, pinned with CUDA)
-    stand_in.py   the CPU's asynchronous stand-in for them: serial copy workers, poison, checks
-    streams.py    the device's copy streams and events (CUDA's, or the CPU's stand-ins)
-    cow_home.py   a checkpoint's files serving as NVMe homes until first written
-    swap_dirs.py  this run's locked folder; reclaiming what killed runs left, safely
-    nvme.py       this run's swap files: extents, checksummed IO through io_engine
-    tier_store.py one store per tier: buffers within the tier's budget
-    telemetry.py  moves, stalls, bytes per tier and the Chrome trace
-    moves.py      the typed plan of each move, the worker bodies, the executor that runs them
-    eviction.py   Room: reservations all or nothing, evicting by policy, writing dirty copies home
-    residency.py  Residency, TensorRecord, ResidencyTable: the records and their transitions
-    waiting.py    the wait for room or a move, and when it gives up
-    manager.py    PlacementManager: the public API
+One module per level, from the bytes up: docs/architecture.md ("The placement's modules").
 """
 
 from tierzero.config import Tier

@@ -8,21 +8,9 @@ can use O_DIRECT) and comes from one of two pools with the same interface:
     HostPool     buffers allocated as needed, a free one cached for the next request of its
                  size (cached buffers count in the budget: the memory is still held); the
                  host tier of a CPU run, and the device tier's memory on the CPU
-    PinnedArena  one region the size of the budget, pinned once with CUDA (exactly its pages,
-                 where torch's pinned allocator rounds each allocation up to a power of two),
+    PinnedArena  one region the size of the budget, pinned once with CUDA (exactly its pages),
                  handed out in 4 KiB-aligned slices, in huge pages where the kernel gives
-                 them; the host tier with CUDA (host-to-device copies from it run
-                 asynchronously) and in the stream stand-in
-
-[Note: arena windows] A slice needs one free extent, not just budget: freeing cached copies in
-least-recently-used order until one opens up gives back far more than the request (each freed
-slice may sit between slices that stay), and a copy given back is usually read again. So the
-arena picks its victims itself (`victims`): the window of the request's size, made of free
-extents and slices offered for eviction, whose most recent victim is least recent (what LRU
-alone would reach at best), and of those the one that gives back the fewest bytes. When no
-window opens without dirty copies, those of one window are written home, the same way
-(Room._clean_window in eviction.py), not the least recently used ones. A HostPool has no windows:
-any bytes given back serve.
+                 them; the host tier with CUDA and in the stream stand-in
 """
 
 from __future__ import annotations
@@ -237,6 +225,15 @@ class HostPool:
                 f"budget={self.budget!r})")
 
 
+# [Note: arena windows] A slice needs one free extent, not just budget: freeing cached copies in
+# least-recently-used order until one opens up gives back far more than the request (each freed
+# slice may sit between slices that stay), and a copy given back is usually read again. So the
+# arena picks its victims itself (`victims`): the window of the request's size, made of free
+# extents and slices offered for eviction, whose most recent victim is least recent (what LRU
+# alone would reach at best), and of those the one that gives back the fewest bytes. When no
+# window opens without dirty copies, those of one window are written home, the same way
+# (Room._clean_window in eviction.py), not the least recently used ones. A HostPool has no windows:
+# any bytes given back serve.
 class PinnedArena:
     """The host tier's memory as one region the size of its budget (see the module docstring),
     pinned at construction with CUDA (`cudaHostRegister`: the pinned bytes are the region's,

@@ -1,24 +1,4 @@
 """A recorded training iteration, read back from a Chrome trace, as the tier model replays it.
-
-The prefetcher writes one span per block fetch to the trace (track "blocks": unit, phase, the
-units held beside it, its stall, other stalls until the next fetch) and what a reader needs in
-"otherData" (units and their tensors, device room, workers, io threads); the placement manager
-writes every move leg (tracks "src -> dst", with bytes). `Recording.from_trace` turns the
-training iterations that can be replayed (each after one with the same block order, and
-followed by another, which closes its last fetch's compute: the optimizer step) into:
-
-    slots       per fetch: event, units held, compute seconds (its span less the stalls in
-                it), its own stall (and of it the wait for its block's update by the
-                overlapped step), backward's wait for the block's activation pack from NVMe,
-                the other stalls (the optimizer waiting for its states)
-    packs       per block, the bytes of its activation pack homed on NVMe (Config.activations)
-    background  move legs no policy decides (stores, write-backs, optimizer state reads),
-                each placed by the fetch it followed and the seconds after it
-    busy        per leg kind, bytes moved and seconds such legs ran (overlaps counted once)
-
-Several iterations are merged, of one trace or of several recorded at different times
-(`from_traces`: drift of a shared machine evens out): per fetch the median of each figure, busy
-bytes and seconds summed, the background of the latest.
 """
 
 from __future__ import annotations
@@ -34,6 +14,26 @@ from typing import Any, Mapping, NamedTuple, Sequence
 from tierzero.placement import ACTIVATIONS_TRACK, UPDATES_TRACK, Kind
 from tierzero.prefetch import FetchPhase, TraceEvent, Unit
 
+# [Note: what a recording holds]
+# The prefetcher writes one span per block fetch to the trace (track "blocks": unit, phase, the
+# units held beside it, its stall, other stalls until the next fetch) and what a reader needs in
+# "otherData" (units and their tensors, device room, workers, io threads); the placement manager
+# writes every move leg (tracks "src -> dst", with bytes). `Recording.from_trace` turns the
+# training iterations that can be replayed (each after one with the same block order, and
+# followed by another, which closes its last fetch's compute: the optimizer step) into:
+#
+#     slots       per fetch: event, units held, compute seconds (its span less the stalls in
+#                 it), its own stall (and of it the wait for its block's update by the
+#                 overlapped step), backward's wait for the block's activation pack from NVMe,
+#                 the other stalls (the optimizer waiting for its states)
+#     packs       per block, the bytes of its activation pack homed on NVMe (Config.activations)
+#     background  move legs no policy decides (stores, write-backs, optimizer state reads),
+#                 each placed by the fetch it followed and the seconds after it
+#     busy        per leg kind, bytes moved and seconds such legs ran (overlaps counted once)
+#
+# Several iterations are merged, of one trace or of several recorded at different times
+# (`from_traces`: drift of a shared machine evens out): per fetch the median of each figure, busy
+# bytes and seconds summed, the background of the latest.
 TRAINING_KEY = repr((True, True))
 """The prefetcher's key of a training iteration (grad enabled, module in training mode)."""
 STAGED_GAP_US = 1000.0

@@ -1,25 +1,4 @@
 """The NVMe bytes one training step must move, and the time the drive needs for them (the floor).
-
-When the training state lives on NVMe a step is bound by bytes moved / drive bandwidth. For a
-placement the least traffic per step, per rank, is:
-
-    params on NVMe     read for forward and again for backward (compute dtype); the updated
-                       parameters written once
-    frozen on NVMe     a frozen base (LoRA's, Config.frozen): read for forward and again for
-                       backward, never written
-    grads on NVMe      written once in backward and read once by the step (none with
-                       step_in_backward: each block is updated as its gradient becomes final)
-    optimizer states   master weights and moments read once and written once; with fp32
-    on NVMe            parameters on the same tier the parameters are the master weights: the
-                       step reads them (served by backward's copy under step_in_backward) and
-                       their write is the parameters' one
-
-Gradients count in Config.grad_dtype. Across ranks each kind counts the part a rank holds
-(its shard, or the whole at the ZeRO stages that keep it whole: tierzero.layout.ZeroStage).
-Clipping adds nothing (backward computes the norms as it writes the gradients). Host memory
-caches what it has room for, so a run can move less than this; `measured_floor` takes what a
-run really moved. The floor is read bytes / read rate + write bytes / write rate: the drive's
-reads and writes share it. Rates come from a `tierzero bench-io --json` result or are given.
 """
 
 from __future__ import annotations
@@ -35,6 +14,27 @@ from tierzero.layout import ZeroStage
 from tierzero.placement import TRAFFIC_GROUPS
 
 
+# [Note: least NVMe traffic]
+# When the training state lives on NVMe a step is bound by bytes moved / drive bandwidth. For a
+# placement the least traffic per step, per rank, is:
+#
+#     params on NVMe     read for forward and again for backward (compute dtype); the updated
+#                        parameters written once
+#     frozen on NVMe     a frozen base (LoRA's, Config.frozen): read for forward and again for
+#                        backward, never written
+#     grads on NVMe      written once in backward and read once by the step (none with
+#                        step_in_backward: each block is updated as its gradient becomes final)
+#     optimizer states   master weights and moments read once and written once; with fp32
+#     on NVMe            parameters on the same tier the parameters are the master weights: the
+#                        step reads them (served by backward's copy under step_in_backward) and
+#                        their write is the parameters' one
+#
+# Gradients count in Config.grad_dtype. Across ranks each kind counts the part a rank holds
+# (its shard, or the whole at the ZeRO stages that keep it whole: tierzero.layout.ZeroStage).
+# Clipping adds nothing (backward computes the norms as it writes the gradients). Host memory
+# caches what it has room for, so a run can move less than this; `measured_floor` takes what a
+# run really moved. The floor is read bytes / read rate + write bytes / write rate: the drive's
+# reads and writes share it. Rates come from a `tierzero bench-io --json` result or are given.
 @dataclass
 class Traffic:
     """NVMe bytes of one step on one rank, read and written, by kind (Kind.traffic groups)."""

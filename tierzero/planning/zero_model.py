@@ -1,34 +1,4 @@
 """Bytes a data-parallel rank holds and moves per step at each ZeRO stage: the ZeRO paper's model.
-
-For Ψ parameters (Ψt of them trainable), N ranks, c bytes per compute-dtype parameter, g bytes
-per gradient element (Config.grad_dtype) and K bytes of optimizer state per trainable parameter
-(AdamW: fp32 master weights and two moments, K = 12; K = 8 where fp32 parameters double as the
-master weights: the same tier, and a rank holds only its shard of them), a rank holds
-
-    stage   params   grads    optimizer states      the paper (bf16, Ψt = Ψ, K = 12)
-    1       cΨ       gΨt      KΨt/N                 2Ψ + 2Ψ + KΨ/N
-    2       cΨ       gΨt/N    KΨt/N                 2Ψ + (2 + K)Ψ/N
-    3       cΨ/N     gΨt/N    KΨt/N                 (2 + 2 + K)Ψ/N
-
-and each step (one backward) its collectives cover these bytes (tierzero.layout.CommBytes' unit: the
-gathered output, the reduced input):
-
-    stage 1   all-reduce gΨt (the gradients)         all-gather cΨt (the updated parameters)
-    stage 2   reduce-scatter gΨt                     all-gather cΨt
-    stage 3   reduce-scatter gΨt                     all-gather c(2Ψ - Ψk): every block before its
-              forward and again before its backward, except the block the forward releases last
-              (the root block when the model's own modules hold parameters), which stays
-              gathered for its backward (Ψk its parameters)
-
-i.e. about 2Ψ elements for stages 1 and 2 and 3Ψ for stage 3, none at N = 1; gradient
-accumulation repeats the reduction once per backward. A clipped step also all-reduces one fp32
-norm (4 bytes), left out here. On a ring an all-gather or a reduce-scatter sends (N - 1) / N of
-its bytes per rank and an all-reduce 2 (N - 1) / N, so stage 1 sends 1.5x what stage 2 does.
-
-Two figures per rank: `per_rank` is the model above with Ψ/N read as ⌈Ψ/N⌉ elements (exactly
-Ψ/N when N divides Ψ, as it does for every built-in model up to N = 64); `layout_per_rank` is
-what `tz.wrap` registers: each block's flat tensors aligned per parameter and padded to a
-multiple of N (tierzero.layout.FlatLayout), a fraction of a percent more.
 """
 
 from __future__ import annotations
@@ -43,6 +13,36 @@ from tierzero.config import KINDS, MASTER_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_P
 from tierzero.layout import ROOT, CommBytes, FlatLayout, ZeroStage, blocks_of
 
 
+# [Note: the ZeRO paper's model]
+# For Ψ parameters (Ψt of them trainable), N ranks, c bytes per compute-dtype parameter, g bytes
+# per gradient element (Config.grad_dtype) and K bytes of optimizer state per trainable parameter
+# (AdamW: fp32 master weights and two moments, K = 12; K = 8 where fp32 parameters double as the
+# master weights: the same tier, and a rank holds only its shard of them), a rank holds
+#
+#     stage   params   grads    optimizer states      the paper (bf16, Ψt = Ψ, K = 12)
+#     1       cΨ       gΨt      KΨt/N                 2Ψ + 2Ψ + KΨ/N
+#     2       cΨ       gΨt/N    KΨt/N                 2Ψ + (2 + K)Ψ/N
+#     3       cΨ/N     gΨt/N    KΨt/N                 (2 + 2 + K)Ψ/N
+#
+# and each step (one backward) its collectives cover these bytes (tierzero.layout.CommBytes' unit: the
+# gathered output, the reduced input):
+#
+#     stage 1   all-reduce gΨt (the gradients)         all-gather cΨt (the updated parameters)
+#     stage 2   reduce-scatter gΨt                     all-gather cΨt
+#     stage 3   reduce-scatter gΨt                     all-gather c(2Ψ - Ψk): every block before its
+#               forward and again before its backward, except the block the forward releases last
+#               (the root block when the model's own modules hold parameters), which stays
+#               gathered for its backward (Ψk its parameters)
+#
+# i.e. about 2Ψ elements for stages 1 and 2 and 3Ψ for stage 3, none at N = 1; gradient
+# accumulation repeats the reduction once per backward. A clipped step also all-reduces one fp32
+# norm (4 bytes), left out here. On a ring an all-gather or a reduce-scatter sends (N - 1) / N of
+# its bytes per rank and an all-reduce 2 (N - 1) / N, so stage 1 sends 1.5x what stage 2 does.
+#
+# Two figures per rank: `per_rank` is the model above with Ψ/N read as ⌈Ψ/N⌉ elements (exactly
+# Ψ/N when N divides Ψ, as it does for every built-in model up to N = 64); `layout_per_rank` is
+# what `tz.wrap` registers: each block's flat tensors aligned per parameter and padded to a
+# multiple of N (tierzero.layout.FlatLayout), a fraction of a percent more.
 @dataclass(frozen=True)
 class StateSizes:
     """Bytes of each kind of training state (one rank's, or the whole model's)."""
