@@ -4,7 +4,7 @@ predicted by tierzero.planning.zero_model)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -14,22 +14,19 @@ class ZeroStage:
     stage: int
     """1, 2 or 3 (Config.zero_stage)."""
     world_size: int
+    params_whole: bool = field(init=False)
+    """Every rank keeps the full compute-dtype parameters (stages 1 and 2): blocks are fetched
+    without an all-gather, and updated shards are all-gathered after the step."""
+    grads_whole: bool = field(init=False)
+    """Every rank keeps the full gradient, all-reduced (stage 1), instead of its shard."""
+    gathers: bool = field(init=False)
+    """Fetching a block all-gathers it from every rank's shard (stage 3 across ranks)."""
 
-    @property
-    def params_whole(self) -> bool:
-        """Every rank keeps the full compute-dtype parameters (stages 1 and 2): blocks are
-        fetched without an all-gather, and updated shards are all-gathered after the step."""
-        return self.stage < 3 and self.world_size > 1
-
-    @property
-    def grads_whole(self) -> bool:
-        """Every rank keeps the full gradient, all-reduced (stage 1), instead of its shard."""
-        return self.stage == 1 and self.world_size > 1
-
-    @property
-    def gathers(self) -> bool:
-        """Fetching a block all-gathers it from every rank's shard (stage 3 across ranks)."""
-        return self.stage == 3 and self.world_size > 1
+    def __post_init__(self) -> None:  # plain fields, not properties: every fetch reads them
+        ranks = self.world_size > 1
+        object.__setattr__(self, "params_whole", self.stage < 3 and ranks)
+        object.__setattr__(self, "grads_whole", self.stage == 1 and ranks)
+        object.__setattr__(self, "gathers", self.stage == 3 and ranks)
 
 
 @dataclass

@@ -481,7 +481,7 @@ class PlacementManager:
         return self.budgets[Tier.parse(tier)].peak
 
     def budget(self, tier: Tier | str) -> int:
-        return self.budgets[Tier.parse(tier)].limit
+        return self.budgets[tier if isinstance(tier, Tier) else Tier.parse(tier)].limit
 
     def close(self, *, flush: bool = True) -> None:
         """Finish in-flight work, free every copy, remove the swap files, join threads; idempotent.
@@ -560,7 +560,8 @@ class PlacementManager:
 
     def _lookup(self, h: TensorHandle, tier: Tier | str, what: str) -> tuple[TensorRecord, Tier]:
         rec = self._record_of(h, what)
-        tier = Tier.parse(tier, what=f"{what}({h.name!r}) tier")
+        if not isinstance(tier, Tier):  # a Tier as given: the hot paths pass one
+            tier = Tier.parse(tier, what=f"{what}({h.name!r}) tier")
         if tier is Tier.NVME and tier is not h.home:
             raise ValueError(f"{what}({h.name!r}, 'nvme'): only tensors homed on NVMe live there; "
                              "use 'host' or 'device'")

@@ -167,7 +167,7 @@ class Telemetry:
     def record_stall(self, tier: str, seconds: float, sources: dict[str, float]) -> None:
         """A caller waited `seconds` for data on `tier`, split by `sources` (STALL_SOURCES); from
         a thread working beside compute (`background`), a wait of that thread, not a stall."""
-        tier = str(tier)
+        tier = getattr(tier, "value", tier)  # a Tier's name, without a call into config
         if getattr(self._local, "background", False):
             self._local.waited += seconds
             with self._lock:

@@ -10,6 +10,8 @@ Protocols `FlatRef` and `HeldBlock`, never by their classes.
 
 from __future__ import annotations
 
+import functools
+
 import threading
 from dataclasses import dataclass, field
 from enum import Enum
@@ -173,8 +175,8 @@ class StepContext:
     def device(self) -> torch.device:
         return self.pm.device
 
-    @property
-    def zero(self) -> ZeroStage:
+    @functools.cached_property
+    def zero(self) -> ZeroStage:  # built once: a fetch reads it several times
         return ZeroStage(self.zero_stage, self.world_size)
 
     # ----------------------------------------------------------------------------- setup
