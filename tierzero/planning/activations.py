@@ -1,17 +1,5 @@
 """Activation bytes of a model at a batch and sequence length, and the largest batch x sequence
 each activation placement fits in the budgets (`tierzero estimate --batch B --seq S`).
-
-[Note: measuring activations]
-The bytes are measured, not modelled: one forward and loss of the model on fake tensors
-(torch's FakeTensorMode: shapes, dtypes, devices and storages, no memory, no arithmetic) with the
-saved-tensor hooks the runtime uses, each block call's saves packed by the same layout
-(tierzero.layout.PackLayout). Fake tensors on the device, not on the meta device, because which
-kernel runs, and so what it saves, depends on the device: on a CPU, scaled_dot_product_attention
-picks its flash kernel (a few bytes per token) where a meta tensor would take the math path and
-save the whole attention matrix. What the caller's loss saves after the model's forward returns
-is counted apart (`after`): on the device, out of the runtime's sight, whose hooks cover the
-model's forward. Measured at `seq` and `2 seq`, each figure is fitted as
-a*seq + b*seq^2 (b is zero where attention memory is linear); bytes are linear in the batch.
 """
 
 from __future__ import annotations
@@ -28,6 +16,18 @@ from torch.utils._pytree import tree_leaves
 from tierzero.config import TIER_NAMES, Config
 from tierzero.layout import ROOT, PackLayout, blocks_of, saved_span
 
+# [Note: measuring activations]
+# The bytes are measured, not modelled: one forward and loss of the model on fake tensors
+# (torch's FakeTensorMode: shapes, dtypes, devices and storages, no memory, no arithmetic) with the
+# saved-tensor hooks the runtime uses, each block call's saves packed by the same layout
+# (tierzero.layout.PackLayout). Fake tensors on the device, not on the meta device, because which
+# kernel runs, and so what it saves, depends on the device: on a CPU, scaled_dot_product_attention
+# picks its flash kernel (a few bytes per token) where a meta tensor would take the math path and
+# save the whole attention matrix. What the caller's loss saves after the model's forward returns
+# is counted apart (`after`): on the device, out of the runtime's sight, whose hooks cover the
+# model's forward. Measured at `seq` and `2 seq`, each figure is fitted as
+# a*seq + b*seq^2 (b is zero where attention memory is linear); bytes are linear in the batch.
+
 Loss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 """What one training step computes: the loss of (model, inputs, targets)."""
 
@@ -36,7 +36,7 @@ PLACEMENTS = ("device", "host", "nvme", "auto")
 
 @dataclass(frozen=True)
 class ActivationBytes:
-    """What one forward at `batch` x `seq` saves for backward, in bytes (see the module note)."""
+    """What one forward at `batch` x `seq` saves for backward, in bytes (see [Note: measuring activations])."""
 
     batch: int
     seq: int

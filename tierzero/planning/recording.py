@@ -102,7 +102,7 @@ class Background(NamedTuple):
 
 @dataclass
 class Recording:
-    """One iteration of a run, as much as replaying it needs (see the module docstring)."""
+    """One iteration of a run, as much as replaying it needs (see [Note: what a recording holds])."""
 
     slots: list[Slot]
     units: dict[str, Unit]

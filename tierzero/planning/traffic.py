@@ -66,7 +66,7 @@ class Traffic:
 def step_traffic(n_params: int, cfg: Config, *, world_size: int = 1, trainable: int | None = None,
                  micro_batches: int = 1, layer_major: bool = True) -> Traffic:
     """The least NVMe traffic of one step per rank for `n_params` parameters placed by `cfg`
-    (AdamW; see the module docstring), of which `trainable` (default: all) train and the rest
+    (AdamW; see [Note: least NVMe traffic]), of which `trainable` (default: all) train and the rest
     are frozen (on Config.frozen's tier). Shards split every kind evenly over the ranks. A step of
     k `micro_batches` reads the parameters twice whatever k layer by layer (tz.accumulate), 2k
     times in the plain loop, which also adds each later micro-batch's gradient to the stored one."""

@@ -70,7 +70,7 @@ class StateSizes:
 
 @dataclass(frozen=True)
 class ZeroModel:
-    """The per-rank memory and traffic of one ZeRO stage (module docstring)."""
+    """The per-rank memory and traffic of one ZeRO stage ([Note: the ZeRO paper's model])."""
 
     zero: ZeroStage
     compute_bytes: int
@@ -141,7 +141,7 @@ class ParamCounts(NamedTuple):
     """Ψt."""
     kept: int
     """Ψk: those of the block the forward releases last, which stays gathered for its
-    backward: the root block when it holds any, else the last block (module docstring)."""
+    backward: the root block when it holds any, else the last block ([Note: the ZeRO paper's model])."""
     root: int
     """The root block's."""
 
