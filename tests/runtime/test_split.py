@@ -184,3 +184,23 @@ def test_auto_uses_the_device_then_the_host(wrapped: Any, tmp_path: Path) -> Non
     assert placed["device"] > 0 and placed["host"] > 0 and placed["nvme"] == 0, placed
     block = max(f.param.nbytes for f in runtime.state_of(model).flat_params())
     assert placed["device"] <= states // 2 + 4096 + 3 * block
+
+
+def test_auto_fits_what_wrap_checks_at_every_device_budget() -> None:
+    """"auto" sizes each block's flat tensors as wrap's check counts them (each rounded up to a
+    page): at device budgets where the device is filled to within a few pages, wrap accepted to
+    the byte what auto chose (bf16 parameters: tensors of uneven pages)."""
+    from tierzero.models import build
+    refused, on_device = [], set()
+    for budget in range(1_570_000, 1_600_000, 997):
+        cfg = tz.Config(optimizer_states="auto", grads=None, device_budget=budget, host_budget="256MiB",
+                        compute_dtype="bfloat16")
+        try:
+            model = tz.wrap(build("tiny"), cfg)
+        except ValueError as e:
+            refused.append((budget, str(e)[:200]))
+            continue
+        on_device.add(tz.tier_bytes(model)["optimizer_states"]["device"])
+        runtime.close(model)
+    assert refused == []
+    assert len(on_device) > 1  # the sweep crosses budgets where one more block's states fit

@@ -42,14 +42,18 @@ def _trainable(flats: Flats) -> list[FlatLayout]:
 def kind_sizes(blocks: Blocks, zero: ZeroStage, compute_itemsize: int, grad_itemsize: int) -> KindSizes:
     """Bytes per block of each kind on this rank, in the order of `blocks` (AdamW's optimizer
     states: fp32 master weights and two moments; fp32 parameters sharing a tier with their
-    master weights are counted by `state_tensors`, not here)."""
+    master weights are counted by `state_tensors`, not here). Each flat tensor is rounded up to
+    a page as `tier_need` counts it, so that what "auto" fits by these sizes passes wrap's check."""
     params, grads, states = [], [], []
     for _, flats in blocks:
-        shard = sum(layout.shard_numel for layout in _trainable(flats))
-        whole = sum(layout.padded_numel for layout in _trainable(flats))
-        params.append((whole if zero.params_whole else shard) * compute_itemsize)
-        grads.append((whole if zero.grads_whole else shard) * grad_itemsize)
-        states.append(shard * OPTIMIZER_BYTES_PER_PARAM)
+        layouts = _trainable(flats)
+        params.append(sum(round_up((lay.padded_numel if zero.params_whole else lay.shard_numel) * compute_itemsize)
+                          for lay in layouts))
+        grads.append(sum(round_up((lay.padded_numel if zero.grads_whole else lay.shard_numel) * grad_itemsize)
+                         for lay in layouts))
+        states.append(sum(round_up(MASTER_BYTES_PER_PARAM * lay.shard_numel)
+                          + 2 * round_up((OPTIMIZER_BYTES_PER_PARAM - MASTER_BYTES_PER_PARAM) // 2 * lay.shard_numel)
+                          for lay in layouts))
     return KindSizes(params, grads, states)
 
 
