@@ -13,8 +13,10 @@ from tierzero.placement.residency import Residency, TensorRecord
 from tierzero.placement.streams import CopyEvent, CopyStreams
 from tierzero.placement.telemetry import (ACTIVATIONS_TRACK, MAX_EVENTS, STALL_SOURCES, UPDATES_TRACK, StepStats,
                                          Telemetry)
+from tierzero.placement.tiers import windowed_room
 
 __all__ = ["PlacementManager", "Tier", "Kind", "TensorHandle", "TRAFFIC_GROUPS", "Residency", "TensorRecord",
            "CopyStreams", "CopyEvent",
            "EvictionPolicy", "LeastRecentlyUsed", "CheckpointHome", "Segment", "SwapSpace", "ChecksumError",
-           "StepStats", "Telemetry", "MAX_EVENTS", "STALL_SOURCES", "UPDATES_TRACK", "ACTIVATIONS_TRACK"]
+           "StepStats", "Telemetry", "MAX_EVENTS", "STALL_SOURCES", "UPDATES_TRACK", "ACTIVATIONS_TRACK",
+           "windowed_room"]

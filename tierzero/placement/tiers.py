@@ -40,6 +40,18 @@ def round_up(nbytes: int, multiple: int = ALIGNMENT) -> int:
     return -(-nbytes // multiple) * multiple
 
 
+def windowed_room(sizes: Sequence[int]) -> int:
+    """Bytes of one region in which buffers of `sizes`, taken one at a time and held together,
+    always find a window, wherever the ones taken first were cut (PinnedArena.room_for, and the
+    estimate's least host budget where the host tier is one pinned region). See [Note: working
+    set windows]."""
+    pages = sorted(round_up(max(n, 1)) for n in sizes)
+    if not pages:
+        return 0
+    *rest, last = pages
+    return sum(rest) + (len(rest) + 1) * (last - ALIGNMENT) + ALIGNMENT
+
+
 class Budget:
     """The byte account of one tier: reservations are taken before memory is used.
 
@@ -385,11 +397,7 @@ class PinnedArena:
         """Bytes of region in which slices of `sizes`, taken one at a time and held together,
         always find a window, wherever the ones taken first were cut. See [Note: working set
         windows]."""
-        pages = sorted(self.bucket(n) for n in sizes)
-        if not pages:
-            return 0
-        *rest, last = pages
-        return sum(rest) + (len(rest) + 1) * (last - ALIGNMENT) + ALIGNMENT
+        return windowed_room(sizes)
 
     def trim(self, sizes: Collection[int] | None = None) -> int:
         """Nothing: the arena caches no buffers (its region stays, pinned, the budget's size)."""

@@ -7,10 +7,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tierzero.config import Config
+from tierzero.config import Config, stream_settings
 from tierzero.layout import (ROOT, FlatTensor, ZeroStage, blocks_of, fetched_bytes, flat_groups, round_up,
                              state_tensors, tier_need)
 from tierzero.planning.placement import placed_blocks, planned_tiers
+from tierzero.placement import windowed_room
 from tierzero.planning.traffic import Traffic
 
 
@@ -64,14 +65,23 @@ def least_budgets(model: nn.Module, cfg: Config, world_size: int = 1) -> dict[st
 def _update_set(tensors: list[FlatTensor], cfg: Config) -> int:
     """Host bytes the largest block's update stages at once (the optimizer's check): its
     NVMe-homed gradient, master weights and moments, and its NVMe-homed parameters (the master
-    weights themselves, or the new parameters' staging buffer)."""
+    weights themselves, or the new parameters' staging buffer). Where the host tier is one
+    pinned region (CUDA, the asynchronous stand-in) the check asks the room in which they always
+    find windows ([Note: working set windows]), else their pages."""
     if cfg.optimizer_states == "device":
         return 0
-    per_block: dict[str, int] = {}
+    per_block: dict[str, list[int]] = {}
     for t in tensors:
         if t.kind != "frozen" and t.home == "nvme":
-            per_block[t.block] = per_block.get(t.block, 0) + round_up(t.nbytes)
-    return max(per_block.values(), default=0)
+            per_block.setdefault(t.block, []).append(t.nbytes)
+    room = windowed_room if _pinned_host(cfg) else (lambda sizes: sum(round_up(n) for n in sizes))
+    return max((room(sizes) for sizes in per_block.values()), default=0)
+
+
+def _pinned_host(cfg: Config) -> bool:
+    """The host tier is one pinned region: on CUDA, and in the asynchronous stand-in."""
+    cuda = cfg.device.startswith("cuda") if cfg.device else torch.cuda.is_available()
+    return cuda or stream_settings(cfg.streams, cfg.stand_in).mode == "async"
 
 
 def _read_staging(tensors: list[FlatTensor]) -> int:
