@@ -17,7 +17,7 @@ def test_the_last_steps_updates_land_in_a_settle_apart(tmp_path, capsys, monkeyp
     import nvme_floor
 
     spec = {"size": "L2x64", "mode": "clip", "steps": 4, "batch": 1, "seq": 8, "device_budget": "32MiB",
-            "host_budget": "56MiB", "nvme_dir": str(tmp_path), "io_threads": 2, "overlap_step": True,
+            "host_budget": "96MiB", "nvme_dir": str(tmp_path), "io_threads": 2, "overlap_step": True,
             "streams": streams, "poison": True}
     nvme_floor.child(spec)
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
