@@ -204,3 +204,22 @@ def test_auto_fits_what_wrap_checks_at_every_device_budget() -> None:
         runtime.close(model)
     assert refused == []
     assert len(on_device) > 1  # the sweep crosses budgets where one more block's states fit
+
+
+def test_the_reserved_working_set_is_no_tiers(tmp_path: Path) -> None:
+    """Config.device_reserve is set aside from the device tier itself: fetched, cached and
+    updated tensors stay within device_budget - device_reserve, and a budget whose rest cannot
+    hold the fetched blocks is refused at wrap naming the reserve."""
+    from tierzero.models import build
+    cfg = tz.Config(device_budget="8MiB", device_reserve="5MiB", host_budget="64MiB")
+    model = tz.wrap(build("tiny"), cfg)
+    pm = runtime.placement_manager(model)
+    assert pm.budget("device") == 3 << 20
+    opt = tz.AdamW(model, lr=1e-3)
+    x = torch.randint(0, 256, (2, 32))
+    model(x, targets=x).loss.backward()
+    opt.step()
+    assert pm.budgets[tz.Tier.DEVICE].peak <= 3 << 20
+    runtime.close(model)
+    with pytest.raises(ValueError, match="working set"):
+        tz.wrap(build("tiny"), cfg.replace(device_reserve="7900KiB"))

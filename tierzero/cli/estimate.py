@@ -55,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--step-in-backward", action="store_true",
                    help="update each block as backward finishes it (no gradient traffic)")
     add_rate_flags(p)
-    p.add_argument("--batch", type=int, default=None, help="with --seq: measure the activations of a step")
+    p.add_argument("--batch", type=int, default=None,
+                   help="with --seq: measure the activations of a step (the global batch, as train takes it)")
     p.add_argument("--seq", type=int, default=None, help="with --batch: measure the activations of a step")
     add_activation_flags(p)
     p.add_argument("--lora", type=int, default=0, metavar="R",
@@ -162,7 +163,7 @@ def _config_and_model(p: argparse.ArgumentParser, args: argparse.Namespace,
     ws = None
     if args.batch is not None:
         try:
-            cfg, ws = reserve_working_set(cfg, _measured_model(args, model), batch=args.batch, seq=args.seq,
+            cfg, ws = reserve_working_set(cfg, _measured_model(args, model), batch=_rank_rows(args), seq=args.seq,
                                           micro_batches=args.micro_batches, chunked=args.chunked_loss, always=True)
         except ValueError as e:
             p.error(str(e))
@@ -268,8 +269,13 @@ def _activations(args: argparse.Namespace, cfg: Config, model: torch.nn.Module) 
     bytes of text; a transformers folder's `model`, with its adapters under --lora), measured
     at --seq and twice it."""
     loss = functools.partial(measured_loss, chunked=args.chunked_loss)
-    return activation_model(_measured_model(args, model), cfg, loss, batch=args.batch, seq=args.seq,
+    return activation_model(_measured_model(args, model), cfg, loss, batch=_rank_rows(args), seq=args.seq,
                             device=_device())
+
+
+def _rank_rows(args: argparse.Namespace) -> int:
+    """Rows of one rank's step: --batch is the global batch, as `tierzero train` takes it."""
+    return max(1, args.batch // args.world_size)
 
 
 def _device() -> str:

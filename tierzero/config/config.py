@@ -208,9 +208,11 @@ class Config:
     """Device bytes set aside for the step's working set: the activations the device keeps and
     the compute temporaries of the largest block (attention scores, the loss head's logits) at
     the run's batch and sequence, which no tier budget holds. "auto" places no state in them,
-    and a split that leaves less is refused at wrap. `tierzero train` and `estimate` set it from
-    --batch and --seq; a script sets it from `tierzero.planning.working_set(model, config,
-    batch=, seq=)` (docs/split-placement.md). 0: nothing set aside."""
+    and a split that leaves less is refused at wrap; the device tier's placed tensors (fetched,
+    cached, updated) get `device_budget - device_reserve`. `tierzero train` and `estimate` set it
+    from --batch and --seq when a kind is "auto" (estimate always); a script sets it from
+    `tierzero.planning.working_set(model, config, loss, batch=, seq=)` (docs/split-placement.md).
+    0: nothing set aside."""
     collective_timeout_s: float = 300.0
     """Seconds a collective may wait for other ranks before the run fails instead of hanging.
     `tierzero train` gives it to torch.distributed.init_process_group; a script that creates the

@@ -75,11 +75,11 @@ class PlacementManager:
         local_rank = os.environ.get("LOCAL_RANK")
         self.device = resolve_device(device if device is not None else config.device, world_size=world_size,
                                      rank=rank, local_rank=None if local_rank is None else int(local_rank))
-        self.wait_timeout_s = wait_timeout_s
-        self.stuck_after_s = stuck_after_s
         self.telemetry = Telemetry()
         self.streams = CopyStreams(self.device, config.stream_settings())
-        self.budgets = {t: Budget(t, config.budget(t.value)) for t in Tier}
+        # the device's working set (Config.device_reserve) is no tier's: placed tensors never take it
+        self.budgets = {t: Budget(t, config.budget(t.value) - (config.device_reserve if t is Tier.DEVICE else 0))
+                        for t in Tier}
         for b in self.budgets.values():
             b.add_hook(self.telemetry.on_bytes)
         # Asynchronous copies need pinned host memory: one region, pinned once (tiers.py).

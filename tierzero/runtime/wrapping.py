@@ -281,14 +281,16 @@ def _check_device_budget(config: Config, specs: list[BlockSpec], dtype: torch.dt
     largest_name, largest = max(sizes.items(), key=lambda kv: kv[1], default=("(none)", 0))
     reserve = config.prefetch.reserve if config.prefetch.policy == "bytes" else 0
     need = root + largest + reserve
-    if config.device_budget < need:
+    if config.device_budget - config.device_reserve < need:
+        aside = (f" once the step's working set ({format_size(config.device_reserve)}, Config.device_reserve) is "
+                 "set aside" if config.device_reserve else "")
         raise ValueError(
-            f"device_budget {format_size(config.device_budget)} ({config.device_budget} bytes) is smaller "
+            f"device_budget {format_size(config.device_budget)} ({config.device_budget} bytes){aside} is smaller "
             f"than the root block ({format_size(root)}) plus the largest block {largest_name!r} "
             f"({format_size(largest)}) plus the prefetch reserve ({format_size(reserve)}) = "
             f"{format_size(need)} ({need} bytes) that must be on the device at once; raise "
-            f"device_budget to at least {need} bytes, lower prefetch.reserve, or split the model into "
-            "smaller blocks with config.block_classes")
+            f"device_budget to at least {need + config.device_reserve} bytes, lower prefetch.reserve, or split the "
+            "model into smaller blocks with config.block_classes")
     return need
 
 
