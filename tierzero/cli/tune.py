@@ -20,6 +20,7 @@ import torch
 
 import tierzero as tz
 from io_engine import Progress, bench, parse_size
+from tierzero.cli.estimate import reserve_working_set
 from tierzero.cli.flags import activations_from_flags, add_activation_flags, add_placement_flags, placement_from_flags
 from tierzero.cli.harness import batch_loss, check_room, corpus, meta_model, peak_rss, release_memory
 from tierzero.cli.tune_splits import split_lines, split_rows
@@ -229,6 +230,8 @@ class Trainer:
                               nvme_dir=args.nvme_dir, nvme_budget=args.nvme_budget, **placement_from_flags(args),
                               **activations_from_flags(args))
         model, self.tokenizer = self._meta_model()
+        # with a kind "auto", the step's working set set aside as `tierzero train` sets it
+        self.base, _ = reserve_working_set(self.base, model, batch=args.batch, seq=args.seq)
         self.corpus = corpus(args, self.tokenizer, model)
 
     def _meta_model(self) -> tuple[torch.nn.Module, Any]:

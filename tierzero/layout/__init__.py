@@ -15,8 +15,7 @@ from tierzero.layout.flat_layout import ALIGN_BYTES, FlatLayout, ParamSlot
 from tierzero.layout.grouping import (ROOT, BlockSpec, assign_params, block_specs, blocks_of, group_modules,
                                       param_count, unique_params)
 from tierzero.layout.saved import SEGMENT_ALIGN, PackLayout, SavedSpan, Segment, saved_span
-from tierzero.layout.split import (BlockTiers, KindSizes, block_tiers, resolve_auto, split_blocks, state_room,
-                                   tier_totals)
+from tierzero.layout.split import (BlockTiers, KindSizes, block_tiers, resolve_auto, split_blocks, state_room)
 from tierzero.layout.state_bytes import (PAGE, Blocks, FlatTensor, fetch_window, frozen_bytes, kind_sizes,
                                          placement_order, round_up, state_tensors, tier_need)
 from tierzero.layout.sizes import block_fetch_bytes, fetched_bytes, flat_groups
@@ -25,6 +24,6 @@ from tierzero.layout.zero import CommBytes, ZeroStage
 __all__ = ["FlatLayout", "ParamSlot", "ALIGN_BYTES", "ROOT", "BlockSpec", "assign_params", "block_specs",
            "blocks_of", "group_modules", "param_count", "unique_params", "block_fetch_bytes", "fetched_bytes",
            "flat_groups", "CommBytes", "ZeroStage", "PackLayout", "SavedSpan", "Segment", "SEGMENT_ALIGN",
-           "saved_span", "BlockTiers", "KindSizes", "block_tiers", "resolve_auto", "state_room", "split_blocks", "tier_totals",
+           "saved_span", "BlockTiers", "KindSizes", "block_tiers", "resolve_auto", "state_room", "split_blocks",
            "PAGE", "Blocks", "FlatTensor", "fetch_window", "frozen_bytes", "kind_sizes", "placement_order", "round_up",
            "state_tensors", "tier_need"]

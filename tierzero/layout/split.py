@@ -81,17 +81,6 @@ def block_tiers(config: Config, sizes: KindSizes) -> dict[str, list[str]]:
     return out
 
 
-def tier_totals(tiers: Mapping[str, list[str]], sizes: KindSizes) -> dict[str, dict[str, int]]:
-    """{kind: {tier: bytes}} of an assignment from `block_tiers`."""
-    out = {}
-    for kind in KINDS:
-        per = dict.fromkeys(TIER_NAMES, 0)
-        for tier, n in zip(tiers[kind], getattr(sizes, kind)):
-            per[tier] += n
-        out[kind] = per
-    return out
-
-
 def state_room(config: Config, sizes: KindSizes, device_window: int, frozen: int = 0) -> tuple[dict[str, int], int]:
     """What each tier offers the state once the step's own working set is set aside: the
     `device_window` of fetched blocks and `config.device_reserve` on the device, three blocks' update read-ahead staged on
