@@ -4,9 +4,10 @@ each activation placement fits in the budgets (`tierzero estimate --batch B --se
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -129,11 +130,7 @@ def measure_activations(model: nn.Module, config: Config, loss: Loss, *, batch: 
     """The activation bytes of one step of `model` (any device, meta included: it is copied to
     fake tensors) at `batch` x `seq` tokens, computing in `config`'s compute dtype on `device`."""
     device = torch.device(device)
-    dtype = getattr(torch, config.compute_dtype_name(cuda=device.type == "cuda"))
-    shell = shell_copy(model)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        fake = fake_copy(shell, device, dtype)
-        params = {id(p.untyped_storage()) for p in fake.parameters()}
+    with fake_model(model, config, device) as (fake, params):
         scopes = _Scopes(fake, config, params, device)
         ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
         with torch.autograd.graph.saved_tensors_hooks(scopes.save, lambda x: x):
@@ -150,8 +147,19 @@ def activation_model(model: nn.Module, config: Config, loss: Loss, *, batch: int
     return ActivationModel(at, twice)
 
 
-def shell_copy(model: nn.Module) -> nn.Module:
-    """A copy of `model`'s modules sharing its parameters and buffers (`fake_copy` replaces
+@contextlib.contextmanager
+def fake_model(model: nn.Module, config: Config, device: torch.device) -> Iterator[tuple[nn.Module, set[int]]]:
+    """Under a FakeTensorMode: a copy of `model` whose parameters (in `config`'s compute dtype)
+    and buffers are fake tensors on `device`, and the ids of its parameters' storages."""
+    dtype = getattr(torch, config.compute_dtype_name(cuda=device.type == "cuda"))
+    shell = _shell_copy(model)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = _fake_copy(shell, device, dtype)
+        yield fake, {id(p.untyped_storage()) for p in fake.parameters()}
+
+
+def _shell_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model`'s modules sharing its parameters and buffers (`_fake_copy` replaces
     them), made outside any FakeTensorMode: under one, deepcopy turns every other tensor a
     module keeps as a plain attribute (transformers' rotary embeddings keep `original_inv_freq`)
     into a fake tensor, which cannot be deep-copied."""
@@ -159,8 +167,8 @@ def shell_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def fake_copy(fake: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """`fake` (a `shell_copy`) with its parameters (in the compute dtype, ties kept) and
+def _fake_copy(fake: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """`fake` (a `_shell_copy`) with its parameters (in the compute dtype, ties kept) and
     buffers replaced by fake tensors on `device`; called under a FakeTensorMode."""
     made: dict[int, Any] = {}
     for module in fake.modules():

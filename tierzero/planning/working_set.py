@@ -9,14 +9,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from tierzero.config import Config
 from tierzero.layout import ROOT, blocks_of
-from tierzero.planning.activations import Loss, fake_copy, measure_activations, shell_copy
+from tierzero.planning.activations import Loss, fake_model, measure_activations
 
 # [Note: measuring the working set]
 # A step's device memory outside every budget is measured, like the activations ([Note:
@@ -76,11 +75,7 @@ def measure_peak(model: nn.Module, config: Config, loss: Loss, *, batch: int, se
     """The peak live bytes of one step with block saves off the device ([Note: measuring the
     working set])."""
     device = torch.device(device)
-    dtype = getattr(torch, config.compute_dtype_name(cuda=device.type == "cuda"))
-    shell = shell_copy(model)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        fake = fake_copy(shell, device, dtype)
-        params = {id(p.untyped_storage()) for p in fake.parameters()}
+    with fake_model(model, config, device) as (fake, params):
         hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in fake.parameters() if p.requires_grad]
         offload = _Offload(fake, config, params)
         with _LiveBytes() as live:
