@@ -14,7 +14,7 @@ No torch at import time (`import tierzero.config` stays light for tools and the 
 from io_engine import format_size, parse_size
 from tierzero.config.config import (DTYPE_BYTES, MASTER_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, Config,
                                     IOConfig, PrefetchConfig, StateBytes)
-from tierzero.config.stand_in import StandInConfig, StreamSettings, stream_settings
+from tierzero.config.stand_in import StandInConfig, StreamSettings
 from tierzero.config.machine import machine_budgets
 from tierzero.config.policy_names import BUILTIN_POLICIES, check_policy, load_policy_class
 from tierzero.config.split import KINDS, Placement, Split, check_placement, parse_placement, shares, tiers_used
@@ -22,5 +22,5 @@ from tierzero.config.tiernames import TIER_NAMES, Tier, TierName
 
 __all__ = ["Config", "IOConfig", "PrefetchConfig", "Tier", "TierName", "TIER_NAMES", "format_size", "parse_size",
            "machine_budgets", "BUILTIN_POLICIES", "check_policy", "load_policy_class", "StateBytes",
-           "DTYPE_BYTES", "OPTIMIZER_BYTES_PER_PARAM", "MASTER_BYTES_PER_PARAM", "StandInConfig", "StreamSettings", "stream_settings",
+           "DTYPE_BYTES", "OPTIMIZER_BYTES_PER_PARAM", "MASTER_BYTES_PER_PARAM", "StandInConfig", "StreamSettings",
            "KINDS", "Placement", "Split", "check_placement", "parse_placement", "shares", "tiers_used"]

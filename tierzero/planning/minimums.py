@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tierzero.config import Config, stream_settings
+from tierzero.config import Config
 from tierzero.layout import (ROOT, FlatTensor, ZeroStage, blocks_of, fetched_bytes, flat_groups, round_up,
                              state_tensors, tier_need)
 from tierzero.planning.placement import placed_blocks, planned_tiers
@@ -81,7 +81,7 @@ def _update_set(tensors: list[FlatTensor], cfg: Config) -> int:
 def _pinned_host(cfg: Config) -> bool:
     """The host tier is one pinned region: on CUDA, and in the asynchronous stand-in."""
     cuda = cfg.device.startswith("cuda") if cfg.device else torch.cuda.is_available()
-    return cuda or stream_settings(cfg.streams, cfg.stand_in).mode == "async"
+    return cuda or cfg.stream_settings().mode == "async"
 
 
 def _read_staging(tensors: list[FlatTensor]) -> int:
