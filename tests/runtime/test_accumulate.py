@@ -12,7 +12,8 @@ with tz.accumulate and through its unwrapped twin with plain PyTorch's loop
   quarter;
 - fetches: each block fetched once for the forwards and once for the backwards, whatever k.
 
-A second step after tz.AdamW's (overlapped) step checks the step still trains; ZeRO at 2 ranks
+A second step after tz.AdamW's (overlapped) step checks the step still trains; under
+Config(step_in_backward=True) the blocks are updated inside tz.accumulate; ZeRO at 2 ranks
 runs the same on gloo; a model the schedule cannot run is refused with a pointer to the loop.
 """
 
@@ -141,6 +142,32 @@ def test_gpt(k: int, wrapped: Callable[..., nn.Module], tmp_path: Path, fetches:
     again = tz.accumulate(model, mbs, loss_fn)
     expected = [loss_fn(call(twin, mb), mb).detach() for mb in mbs]
     torch.testing.assert_close(torch.stack(again), torch.stack(expected), rtol=1e-5, atol=0)
+
+
+def test_step_in_backward(wrapped: Callable[..., nn.Module], tmp_path: Path) -> None:
+    """Config(step_in_backward=True): tz.accumulate updates each block at its k-th backward,
+    before it returns; the same losses and master weights, bit for bit, as stepping after it."""
+    k = 3
+    model = builders.gpt(seq=24, layers=3, tie_weights=False)
+    twin = copy.deepcopy(model)
+    host = "1.5MiB"  # a block's update beside the root's gradient, in the stand-in's pinned region
+    wrapped(model, tier_config(tmp_path / "a", tier="nvme", host_budget=host, step_in_backward=True))
+    wrapped(twin, tier_config(tmp_path / "b", tier="nvme", host_budget=host))
+    opt, twin_opt = tz.AdamW(model, lr=1e-3), tz.AdamW(twin, lr=1e-3)
+    loss_fn: LossFn = lambda out, mb: out.loss / k  # noqa: E731
+    for step in range(2):
+        mbs = [(x, y) for x, y in zip(token_mbs(k, 257, seed=step), token_mbs(k, 257, seed=10 + step))]
+        before = builders.master_weights(model)
+        losses = tz.accumulate(model, mbs, loss_fn)
+        inside = builders.master_weights(model)
+        assert all(not torch.equal(inside[n], before[n]) for n in before), "a block was not updated in backward"
+        opt.step()
+        opt.zero_grad()
+        assert all(torch.equal(a, b) for a, b in zip(tz.accumulate(twin, mbs, loss_fn), losses, strict=True)), step
+        twin_opt.step()
+        twin_opt.zero_grad()
+        builders.assert_state_equal(builders.master_weights(model), builders.master_weights(twin), f"step {step}")
+        builders.assert_state_equal(builders.master_weights(model), inside, f"opt.step() after step {step}")
 
 
 @pytest.mark.parametrize("name", ["llama-tied", "gpt2"])

@@ -179,8 +179,9 @@ class Config:
     """Update each block with the tiered optimizer (tz.AdamW / tz.SGD) as soon as its gradients
     are final in backward, overlapping the optimizer step with the rest of backward;
     `opt.step()` then updates what is left. Exact (the same result as stepping after backward)
-    when gradients are not clipped and every step runs one backward: tz.clip_grad_norm_
-    refuses to run under it, and a second backward before opt.step() is an error."""
+    when gradients are not clipped and every step runs one backward (or one tz.accumulate, which
+    updates each block at its k-th backward): tz.clip_grad_norm_ refuses to run under it, and a
+    second backward before opt.step() is an error."""
     overlap_step: bool = True
     """Run opt.step()'s block updates on a thread of their own under the next forward, which
     computes each block once its update is done (see [Note: overlapped step] in
