@@ -144,6 +144,34 @@ def test_gpt(k: int, wrapped: Callable[..., nn.Module], tmp_path: Path, fetches:
     torch.testing.assert_close(torch.stack(again), torch.stack(expected), rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("device_budget", ["64MiB", "256KiB"])
+@pytest.mark.parametrize("streams", ["sync", "async"])
+def test_bf16_compute_sums_in_the_gradients_dtype(streams: str, device_budget: str, wrapped: Callable[..., nn.Module],
+                                                  tmp_path: Path) -> None:
+    """bf16 compute, fp32 gradients: the plain loop adds each micro-batch's gradient to the stored
+    fp32 one; tz.accumulate must sum the k micro-batches in fp32 too, not in bf16 (autograd's sum):
+    in early capture's fp32 device buffer, or (256 KiB: no device room for it) in the stored
+    gradient itself. The same bits as the plain loop, on both kinds of copy streams."""
+    k = 4
+    model = builders.gpt(seq=24, layers=3, tie_weights=False)
+    twin = copy.deepcopy(model)
+    mbs = [(x, y) for x, y in zip(token_mbs(k, 257), token_mbs(k, 257, seed=6))]
+    loss_fn: LossFn = lambda out, mb: out.loss / k  # noqa: E731
+    for m, folder in ((model, "a"), (twin, "b")):
+        wrapped(m, tier_config(tmp_path / folder, tier="host", compute_dtype="bfloat16", streams=streams,
+                               device_budget=device_budget))
+    losses = tz.accumulate(model, mbs, loss_fn)
+    plain = []
+    for mb in mbs:
+        loss = loss_fn(call(twin, mb), mb)
+        loss.backward()
+        plain.append(loss.detach())
+    assert all(torch.equal(a, b) for a, b in zip(losses, plain, strict=True))
+    mine, theirs = wrapped_grads(model), wrapped_grads(twin)
+    assert runtime.state_of(model).flat_params(trainable=True)[0].grad.handle.dtype == torch.float32
+    builders.assert_state_equal(mine, theirs, f"{streams} streams")
+
+
 def test_step_in_backward(wrapped: Callable[..., nn.Module], tmp_path: Path) -> None:
     """Config(step_in_backward=True): tz.accumulate updates each block at its k-th backward,
     before it returns; the same losses and master weights, bit for bit, as stepping after it."""

@@ -39,6 +39,25 @@ from tierzero.runtime.step_context import Phase
 #   state (no_grad, autocast, torch.utils.checkpoint: the model's own checkpointing), which
 #   the other micro-batches would inherit. The plain loop runs those.
 
+# [Note: layer-major sums in the gradient's dtype]
+# The plain loop adds each micro-batch's gradient to the stored one, in the stored gradient's
+# dtype (fp32 by default): with bf16 compute, one rounding to fp32 per micro-batch. Layer by
+# layer, the k micro-batches' shares of a block meet before the block's gradient is stored. If
+# they met in autograd (its input buffer sums every share of a parameter within the one
+# backward), or in an early-capture buffer of the compute dtype, they would be summed in bf16,
+# far from the plain loop's gradient. So, where the stored gradient is wider than the compute
+# dtype, early capture (grads.py) takes every share in a layer-major step of several
+# micro-batches:
+# - into a device buffer of the stored gradient's dtype: each bf16 share is added to it in
+#   fp32, in the plain loop's order, and the block is still stored (and reduced across ranks)
+#   once, at its last call;
+# - with no device room for that buffer, on one rank, into the stored gradient itself (each
+#   share copied to its tier first): the same sums, more copies;
+# - with no room and several ranks (the shares must be reduced), or a gradient already holding
+#   an earlier backward's sum, autograd sums them, and a RuntimeWarning says so.
+# A parameter used once per micro-batch then gets the plain loop's bits; one used twice in a
+# micro-batch (a tied embedding) has its shares added in fp32 rather than first summed in bf16.
+
 PLAIN_LOOP = "for mb in micro_batches: loss_fn(model(mb), mb).backward()"
 
 

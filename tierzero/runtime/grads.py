@@ -7,6 +7,7 @@ shard). Early capture, beside GradCapture, sums gradients into it as autograd se
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
@@ -64,6 +65,8 @@ class FlatGrad:
         the rest, or a view of `_scratch`."""
         self._scratch: torch.Tensor | None = None
         """Early capture on the device: the buffer `_held` views, given back at accumulate."""
+        self._scratch_bytes = 0
+        """The device room `_scratch` took (ctx.capture_room)."""
         self._refused = False
         """Early capture found no room for its buffer in this backward: none until accumulate."""
 
@@ -134,16 +137,27 @@ class FlatGrad:
     @property
     def _on_device(self) -> bool:
         """Early capture sums into a device buffer, not the stored gradient
-        ([Note: early gradient capture])."""
-        return self.ctx.pm.streams.asynchronous or self.ctx.world_size > 1
+        ([Note: early gradient capture]; in a layer-major step also where that buffer sums in a
+        wider dtype than the compute dtype, see [Note: layer-major sums in the gradient's dtype])."""
+        return (self.ctx.pm.streams.asynchronous or self.ctx.world_size > 1
+                or self._sum_dtype() != self.ctx.compute_dtype)
 
     def can_capture(self, dtype: torch.dtype) -> bool:
         """Early capture applies now to a contribution of `dtype` (see [Note: early gradient capture])."""
-        if self._held is not None:
-            return dtype == self._held.dtype
         if self._on_device:
             return not self._refused and dtype == self.ctx.compute_dtype
+        if self._held is not None:
+            return dtype == self._held.dtype
         return dtype == self.handle.dtype and self.empty
+
+    def _sum_dtype(self) -> torch.dtype:
+        """The dtype of early capture's device buffer: the compute dtype, in which autograd would
+        sum; in a layer-major step of several micro-batches, the stored gradient's where it is
+        wider ([Note: layer-major sums in the gradient's dtype])."""
+        gate, compute = self.ctx.layer_major, self.ctx.compute_dtype
+        if gate is not None and len(gate.micro_batches) > 1 and self.handle.dtype.itemsize > compute.itemsize:
+            return self.handle.dtype
+        return compute
 
     def capture(self, index: int, g: torch.Tensor) -> bool:
         """Sum one contribution to parameter `index`'s gradient into this backward's sum, as
@@ -155,10 +169,11 @@ class FlatGrad:
         slot = self.layout.slots[index]
         view = self._held[slot.offset:slot.offset + slot.numel]
         self._reached.add(index)
+        share = g.reshape(-1)
         if index in self._captured:
-            view.add_(g.reshape(-1))
+            view.add_(share if share.device == view.device else share.to(view.device))
         else:
-            view.copy_(g.reshape(-1))
+            view.copy_(share)
             self._captured.add(index)
         return True
 
@@ -170,24 +185,44 @@ class FlatGrad:
             if not self._on_device:  # not zeroed: accumulate zeroes what no share reached
                 self._held = ctx.pm.acquire(h, h.staging, overwrite=True)
                 return True
-            nbytes = self.layout.padded_numel * ctx.compute_dtype.itemsize
+            dtype = self._sum_dtype()
+            nbytes = self.layout.padded_numel * dtype.itemsize
             scratch = None
             if ctx.capture_room(nbytes):
                 scratch = ctx.pm.reserve_scratch(nbytes, Tier.DEVICE, what=f"{h.name} (captured)", wait=False)
                 if scratch is None:
                     ctx.capture_done(nbytes)
             if scratch is None:
-                self._refused = True
-                return False
-            self._scratch, self._held = scratch, scratch[:nbytes].view(ctx.compute_dtype)
+                return self._capture_refused(dtype)
+            self._scratch, self._held, self._scratch_bytes = scratch, scratch[:nbytes].view(dtype), nbytes
             return True
+
+    def _capture_refused(self, dtype: torch.dtype) -> bool:
+        """No device room for early capture's buffer: the shares go on to autograd (False). In a
+        layer-major step that sums in a wider dtype, autograd would sum the micro-batches in the
+        compute dtype ([Note: layer-major sums in the gradient's dtype]): on one rank, into a
+        gradient nothing was stored in yet, the shares are summed in the stored gradient itself
+        (each copied to its tier), the same bits; otherwise a warning says what differs."""
+        ctx, h = self.ctx, self.handle
+        if dtype == ctx.compute_dtype:
+            self._refused = True
+            return False
+        if ctx.world_size == 1 and self.empty:
+            self._held = ctx.pm.acquire(h, h.staging, overwrite=True)
+            return True
+        self._refused = True
+        warnings.warn(f"tz.accumulate: no device room for {self.layout.padded_numel * dtype.itemsize} bytes to sum "
+                      f"{h.owner}'s gradient over the micro-batches in {dtype}; autograd sums them in "
+                      f"{ctx.compute_dtype} instead, not as the plain loop does (raise device_budget, or run "
+                      "the plain loop)", RuntimeWarning, stacklevel=2)
+        return False
 
     def drop_capture(self) -> None:
         """Forget contributions captured by a backward that never reached accumulate (it
         raised): the stored gradient is left as it was."""
         if self._scratch is not None:
             self.ctx.pm.free_scratch(self._scratch, Tier.DEVICE)
-            self.ctx.capture_done(self.layout.padded_numel * self.ctx.compute_dtype.itemsize)
+            self.ctx.capture_done(self._scratch_bytes)
         elif self._held is not None:
             self.ctx.pm.release(self.handle, self.handle.staging)
         self._held = self._scratch = None
@@ -221,7 +256,7 @@ class FlatGrad:
             view = buf[slot.offset:slot.offset + slot.numel]
             if i in self._captured:
                 if g is not None:
-                    view.add_(g.reshape(-1))
+                    view.add_(g.reshape(-1).to(view.device))
             elif g is not None:
                 view.copy_(g.reshape(-1))
             else:

@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, Protocol
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,8 @@ class HeldBlock(Protocol):
 class BlockGate(Protocol):
     """A layer-major step (tierzero.runtime.accumulate, above): a block's pre-forward hook
     arrives here first, so the step can run every micro-batch through the block before the next."""
+
+    micro_batches: Sequence[Any]
 
     def arrive(self, block: HeldBlock) -> None: ...
 
