@@ -9,9 +9,20 @@ Configurations (each in a child process of its own, the same batches):
     f  tierzero, parameters and gradients on the pinned host tier, optimizer states (fp32
        master weights and moments) on NVMe: state split over host and disk, for a model whose
        training state is larger than the GPU (`--size 5b --device-budget 16GiB`)
+    g  tierzero "auto": parameters and optimizer states placed by `"auto"` (device first, then
+       host, then NVMe) under the GPU's own memory (a device budget of 85 % of it; the step's
+       working set reserved as `tierzero train` reserves it), gradients with their updates
     c  FSDP2, fully_shard(offload_policy=CPUOffloadPolicy()) on one rank, bf16 mixed precision
     d  torchao's CPUOffloadOptimizer (AdamW), when torchao imports
     e  plain PyTorch on the GPU: fp32 parameters and AdamW(fused=True), bf16 autocast
+
+A configuration may carry modifiers: `-compiled` (tierzero's: each block compiled with
+tz.compile; e: torch.compile of the model) and, with `--micro-batches K` above 1, `-plain`.
+Each step is K micro-batches of --batch rows: tierzero's configurations run them through
+tz.accumulate (layer by layer, each block fetched once for the K forwards and once for the K
+backwards), a `-plain` one and the baselines through the plain accumulation loop. So
+`--configs a,a-plain --micro-batches 8` is the layer-major schedule against the plain loop, and
+`--configs e,e-compiled,a,a-compiled` is torch.compile against eager.
 
 Per configuration, over the steps after --warmup: tokens/s, step seconds (median), the GPU busy
 fraction, tierzero's stall seconds, peak GPU memory (torch.cuda.max_memory_allocated) and peak
@@ -26,6 +37,9 @@ exercised on every machine; `--size tiny` makes it quick. The GPU figures need a
 
     python benchmarks/gpu_step.py --nvme-dir /mnt/nvme/gpu-step [--configs a,b,c,d,e] [--steps 5] [--json]
     python benchmarks/gpu_step.py --device cpu --streams async --size tiny --seq 128 --nvme-dir /tmp/gs
+    python benchmarks/gpu_step.py --configs a,a-plain --micro-batches 8 [...]
+
+benchmarks/gpu_checks.sh runs ../shared/GPU.md's list with these commands.
 """
 
 from __future__ import annotations
@@ -52,8 +66,10 @@ SIZES = {
     "tiny": dict(vocab_size=1024, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2),
 }
-NAMES = {"a": "tierzero host", "b": "tierzero NVMe", "f": "tierzero host + NVMe states", "c": "FSDP2 CPUOffloadPolicy",
-         "d": "torchao CPUOffloadOptimizer", "e": "plain PyTorch"}
+NAMES = {"a": "tierzero host", "b": "tierzero NVMe", "f": "tierzero host + NVMe states", "g": "tierzero auto",
+         "c": "FSDP2 CPUOffloadPolicy", "d": "torchao CPUOffloadOptimizer", "e": "plain PyTorch"}
+TIERZERO = ("a", "b", "f", "g")
+MODIFIERS = ("compiled", "plain")
 PLACEMENT = {"a": ("host", "host", "host"), "b": ("nvme", "nvme", "nvme"), "f": ("host", "host", "nvme")}
 """tierzero's configurations: the tiers of the parameters, gradients and optimizer states."""
 STATE_BYTES = (2, 4, 12)
@@ -67,7 +83,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--size", default="1b", choices=tuple(SIZES))
     p.add_argument("--configs", default="a,b,c,d,e")
     p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", type=int, default=1, help="rows per micro-batch")
+    p.add_argument("--micro-batches", type=int, default=1, metavar="K",
+                   help="micro-batches per step (gradient accumulation; see the configurations' -plain)")
     p.add_argument("--steps", type=int, default=5, help="timed steps, after --warmup")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--host-budget", default=None, help="tierzero's host budget (default: a: the whole "
@@ -125,11 +143,37 @@ def _device_budget(model: Any, n: int) -> int:
     return max(2 * n // 4, root + 2 * max(sizes.values()))
 
 
+def _auto(model: Any, spec: dict, n: int) -> Any:
+    """Configuration g's Config: "auto" under 85 % of the GPU's memory (without CUDA: the step's
+    working set and the bf16 parameters' bytes, so that "auto" splits), a host budget of the
+    whole state and staging within 60 % of the RAM, NVMe for the rest; the step's working set
+    reserved as `tierzero train` reserves it."""
+    import psutil
+    import torch
+
+    import tierzero as tz
+    from tierzero.cli.estimate import reserve_working_set
+
+    host = spec["host_budget"] or int(min(psutil.virtual_memory().total * 0.6, n * sum(STATE_BYTES) * 1.25 + (2 << 30)))
+    cfg = tz.Config(device_budget=spec["device_budget"] or 1 << 50, host_budget=host, params="auto",
+                    optimizer_states="auto", compute_dtype="bfloat16", device=spec["device"], streams=spec["streams"],
+                    nvme_dir=spec["nvme_dir"], nvme_budget=n * sum(STATE_BYTES) + (1 << 30))
+    cfg, _ = reserve_working_set(cfg, model, batch=spec["batch"], seq=spec["seq"], micro_batches=spec["micro_batches"])
+    if spec["device_budget"]:
+        return cfg
+    return cfg.replace(device_budget=int(torch.cuda.mem_get_info()[1] * 0.85) if spec["device"] == "cuda"
+                       else cfg.device_reserve + 2 * n)
+
+
 def _tierzero(model: Any, spec: dict, which: str) -> tuple[Any, Any, Any]:
     import tierzero as tz
     from tierzero import runtime
 
     n = sum(p.numel() for p in model.parameters())
+    if which == "g":
+        tz.wrap(model, _auto(model, spec, n))
+        print(f"auto placed: {json.dumps(tz.tier_bytes(model))}", file=sys.stderr, flush=True)
+        return model, tz.AdamW(model, lr=1e-4), runtime.placement_manager(model)
     tiers = PLACEMENT[which]  # of the bf16 params, fp32 grads, fp32 master weights and moments
     on = {t: n * sum(b for b, at in zip(STATE_BYTES, tiers) if at == t) for t in ("host", "nvme")}
     host = spec["host_budget"] or {"a": int(on["host"] * 1.25) + (256 << 20), "b": 4 << 30,
@@ -163,6 +207,8 @@ def _baseline(model: Any, spec: dict, which: str) -> tuple[Any, Any]:
         fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy())
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
     model = model.to(device)
+    if spec["compiled"]:
+        model = torch.compile(model)
     if which == "d":
         from torchao.optim import CPUOffloadOptimizer
         return model, CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, fused=True, lr=1e-4)
@@ -175,32 +221,44 @@ def child(spec: dict) -> None:
 
     from tierzero import runtime
 
+    import tierzero as tz
+
     which, cuda = spec["config"], spec["device"] == "cuda"
+    k = spec["micro_batches"]
     model = _model(spec)
     n_params = sum(p.numel() for p in model.parameters())
     pm = None
     t0 = time.perf_counter()
-    if which in ("a", "b", "f"):
+    if which in TIERZERO:
         model, opt, pm = _tierzero(model, spec, which)
+        if spec["compiled"]:
+            tz.compile(model)
     else:
         model, opt = _baseline(model, spec, which)
+    layer_major = which in TIERZERO and k > 1 and not spec["plain"]
     print(f"set up in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     autocast = torch.autocast(spec["device"], dtype=torch.bfloat16, enabled=which in ("d", "e"))
     g = torch.Generator().manual_seed(1)
-    steps, stalls, compute, sources, moved = [], [], [], [], []
+    steps, stalls, compute, sources, moved, losses = [], [], [], [], [], []
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         getattr(torch.cuda, "reset_peak_host_memory_stats", lambda: None)()
     for step in range(spec["warmup"] + spec["steps"]):
-        x = torch.randint(0, SIZES[spec["size"]]["vocab_size"], (spec["batch"], spec["seq"]), generator=g)
-        x = x.to(spec["device"])
+        xs = [torch.randint(0, SIZES[spec["size"]]["vocab_size"], (spec["batch"], spec["seq"]), generator=g)
+              .to(spec["device"]) for _ in range(k)]
         t0 = time.perf_counter()
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        with autocast:
-            loss = model(input_ids=x, labels=x).loss
-        loss.backward()
+        if layer_major:
+            mb_losses = tz.accumulate(model, [{"input_ids": x, "labels": x} for x in xs], lambda out, mb: out.loss / k)
+        else:
+            mb_losses = []
+            for x in xs:  # the plain accumulation loop (k = 1: one forward and backward)
+                with autocast:
+                    loss = model(input_ids=x, labels=x).loss / k
+                loss.backward()
+                mb_losses.append(loss.detach())
         if cuda:
             end.record()
         opt.step()
@@ -209,6 +267,7 @@ def child(spec: dict) -> None:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         print(f"step {step}: {wall:.3f} s", file=sys.stderr, flush=True)  # progress, in the log
+        losses.append(float(sum(mb_losses)))
         if step >= spec["warmup"]:
             steps.append(wall)
             if cuda:
@@ -225,7 +284,7 @@ def child(spec: dict) -> None:
     if pm is not None and pm.pool.pinned:
         pinned = pm.pool.size + (pinned or 0)
     print(json.dumps({
-        "config": which, "params": n_params, "step_s": statistics.median(steps), "steps_s": steps,
+        "config": spec["name"], "params": n_params, "micro_batches": k, "losses": losses, "step_s": statistics.median(steps), "steps_s": steps,
         "fwd_bwd_gpu_s": statistics.median(compute) if compute else None,
         "stall_s": statistics.median(stalls) if stalls else None,
         "stall_s_by_source": {k: statistics.median(d.get(k, 0.0) for d in sources)
@@ -240,12 +299,15 @@ def child(spec: dict) -> None:
 
 # ----------------------------------------------------------------------------------- the runs
 
-def run(args: argparse.Namespace, which: str) -> dict:
-    nvme = Path(args.nvme_dir).resolve() / which
-    spec = {"config": which, "size": args.size, "seq": args.seq, "batch": args.batch, "steps": args.steps,
+def run(args: argparse.Namespace, name: str) -> dict:
+    which, *mods = name.split("-")
+    nvme = Path(args.nvme_dir).resolve() / name
+    spec = {"config": which, "name": name, "compiled": "compiled" in mods, "plain": "plain" in mods,
+            "micro_batches": args.micro_batches, "size": args.size, "seq": args.seq, "batch": args.batch,
+            "steps": args.steps,
             "warmup": args.warmup, "device": args.device, "streams": args.streams,
             "host_budget": args.host_budget, "device_budget": args.device_budget, "nvme_dir": str(nvme)}
-    if which in ("b", "f"):
+    if which in ("b", "f", "g"):
         nvme.mkdir(parents=True, exist_ok=True)
     try:
         proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
@@ -256,9 +318,9 @@ def run(args: argparse.Namespace, which: str) -> dict:
         shutil.rmtree(nvme, ignore_errors=True)
     if args.log_dir:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-        Path(args.log_dir, f"gpu_step_{which}.log").write_text(proc.stdout + "\n--- stderr\n" + proc.stderr)
+        Path(args.log_dir, f"gpu_step_{name}.log").write_text(proc.stdout + "\n--- stderr\n" + proc.stderr)
     if proc.returncode != 0:
-        return {"config": which, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
+        return {"config": name, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -266,8 +328,9 @@ def _text(out: bytes | str | None) -> str:
     return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
 
 
-def skipped(args: argparse.Namespace, which: str) -> str | None:
+def skipped(args: argparse.Namespace, name: str) -> str | None:
     """Why a configuration cannot run here (None: it can)."""
+    which = name.split("-")[0]
     if which in ("c", "d") and args.device != "cuda":
         return "needs CUDA"
     if which == "d":
@@ -289,40 +352,51 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: torch sees no CUDA device", file=sys.stderr)
         return 2
+    names = args.configs.split(",")
+    for name in names:
+        which, *mods = name.split("-")
+        if which not in NAMES or not set(mods) <= set(MODIFIERS) or ("plain" in mods and which not in TIERZERO):
+            print(f"--configs: {name!r}: give a configuration of {', '.join(NAMES)}, with -compiled, and -plain for "
+                  f"tierzero's ({', '.join(TIERZERO)})", file=sys.stderr)
+            return 2
+    if args.micro_batches < 1:
+        print(f"--micro-batches: {args.micro_batches}: give 1 or more", file=sys.stderr)
+        return 2
     results = []
-    for which in args.configs.split(","):
-        why = skipped(args, which)
-        results.append({"config": which, "skipped": why} if why else run(args, which))
+    for name in names:
+        why = skipped(args, name)
+        results.append({"config": name, "skipped": why} if why else run(args, name))
     plain = next((r.get("fwd_bwd_gpu_s") for r in results if r["config"] == "e" and "step_s" in r), None)
-    tokens = args.batch * args.seq
+    tokens = args.batch * args.seq * args.micro_batches
     for r in results:
         if "step_s" in r:
             r["tokens_per_s"] = tokens / r["step_s"]
             r["gpu_busy_frac"] = None if plain is None else plain / r["step_s"]
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu, {args.streams} streams"
-    report = {"device": device, "size": args.size, "seq": args.seq, "batch": args.batch, "steps": args.steps,
+    report = {"device": device, "size": args.size, "seq": args.seq, "batch": args.batch,
+              "micro_batches": args.micro_batches, "steps": args.steps,
               "runs": results, "note": None if args.device == "cuda" else
               "no GPU here: the GPU figures (busy fraction, peak GPU memory, pinned bytes) need one"}
     if args.json:
         print(json.dumps(report))
         return 0
-    print(f"{args.size} Llama, seq {args.seq}, batch {args.batch}, on {device}")
-    print(f"{'':>2} {'configuration':>28} {'tokens/s':>9} {'step s':>7} {'GPU busy':>8} {'stall s':>7} "
+    print(f"{args.size} Llama, seq {args.seq}, batch {args.batch} x {args.micro_batches} micro-batches, on {device}")
+    print(f"{'':>12} {'configuration':>28} {'tokens/s':>9} {'step s':>7} {'GPU busy':>8} {'stall s':>7} "
           f"{'peak GPU':>9} {'pinned':>9}")
     gib = lambda v: "-" if v is None else f"{v / 2**30:.2f}Gi"  # noqa: E731
     for r in results:
-        name = NAMES[r["config"]]
+        name = NAMES[r["config"].split("-")[0]]
         if "step_s" not in r:
-            print(f"{r['config']:>2} {name:>28}  {r.get('skipped') or 'failed: ' + r.get('error', '')}")
+            print(f"{r['config']:>12} {name:>28}  {r.get('skipped') or 'failed: ' + r.get('error', '')}")
             continue
         busy = "-" if r["gpu_busy_frac"] is None else f"{r['gpu_busy_frac']:.0%}"
         stall = "-" if r["stall_s"] is None else f"{r['stall_s']:.3f}"
-        print(f"{r['config']:>2} {name:>28} {r['tokens_per_s']:>9.0f} {r['step_s']:>7.3f} {busy:>8} {stall:>7} "
+        print(f"{r['config']:>12} {name:>28} {r['tokens_per_s']:>9.0f} {r['step_s']:>7.3f} {busy:>8} {stall:>7} "
               f"{gib(r['peak_gpu_bytes']):>9} {gib(r['peak_pinned_bytes']):>9}")
     for r in results:
         if r.get("bytes_per_step"):
             b = r["bytes_per_step"]
-            print(f"{r['config']:>2} bytes a step: " + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in b.items())
+            print(f"{r['config']:>12} bytes a step: " + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in b.items())
                   + f"; steps {', '.join(f'{s:.2f}' for s in r['steps_s'])} s; peak RSS {gib(r['peak_rss_bytes'])}")
     if report["note"]:
         print(report["note"])

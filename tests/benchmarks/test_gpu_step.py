@@ -31,3 +31,25 @@ def test_runs_a_b_and_e_on_the_cpu_stand_in(tmp_path: Path) -> None:
     assert runs["a"]["streams"] == runs["b"]["streams"] == "async" and runs["a"]["stall_s"] is not None
     assert runs["c"]["skipped"] == runs["d"]["skipped"] == "needs CUDA"
     assert "need one" in report["note"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run; a GPU runs the real configurations")
+def test_auto_and_micro_batches_on_the_cpu_stand_in(tmp_path: Path) -> None:
+    """g ("auto") trains; with --micro-batches, a runs tz.accumulate and a-plain the plain loop,
+    with the same losses step by step; a configuration that is not one is refused."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / "gpu_step.py"), "--device", "cpu", "--streams", "async",
+           "--size", "tiny", "--seq", "32", "--steps", "1", "--micro-batches", "2", "--nvme-dir", str(tmp_path),
+           "--configs", "g,a,a-plain", "--json"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    runs = {r["config"]: r for r in report["runs"]}
+    assert report["micro_batches"] == 2 and set(runs) == {"g", "a", "a-plain"}, report
+    for r in runs.values():
+        assert r["step_s"] > 0 and r["micro_batches"] == 2 and len(r["losses"]) == 2, r
+    assert runs["a"]["losses"] == runs["a-plain"]["losses"]
+    assert runs["a"]["tokens_per_s"] == pytest.approx(2 * 32 / runs["a"]["step_s"])
+    bad = subprocess.run(cmd[:-3] + ["--configs", "e-plain", "--json"], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert bad.returncode == 2 and "'e-plain'" in bad.stderr, bad.stderr
