@@ -264,12 +264,17 @@ def test_refused_inside_own_checkpointing(wrapped: Callable[..., nn.Module]) -> 
         tz.accumulate(model, mbs, lambda out, mb: out.loss)
 
 
-def _zero_rank(rank: int, world_size: int, stage: int, nvme: str, k: int) -> None:
-    model = builders.gpt(seq=24, layers=3, tie_weights=True)
-    twin = copy.deepcopy(model)
+def _rank_step(rank: int, world_size: int, k: int, *, tied: bool) -> tuple[nn.Module, list[torch.Tensor], list[Any]]:
+    """A GPT, the step's k global micro-batches (2 rows a rank) and this rank's rows of each."""
+    model = builders.gpt(seq=24, layers=3, tie_weights=tied)
     g = torch.Generator().manual_seed(9)
     full = [torch.randint(0, 257, (2 * world_size, 24), generator=g) for _ in range(k)]
-    mine = [(x[rank::world_size], x[rank::world_size]) for x in full]
+    return model, full, [(x[rank::world_size], x[rank::world_size]) for x in full]
+
+
+def _zero_rank(rank: int, world_size: int, stage: int, nvme: str, k: int) -> None:
+    model, full, mine = _rank_step(rank, world_size, k, tied=True)
+    twin = copy.deepcopy(model)
     loss_fn: LossFn = lambda out, mb: out.loss / k  # noqa: E731
     tz.wrap(model, tier_config(Path(nvme) / f"r{rank}", tier="nvme", zero_stage=stage))
     losses = tz.accumulate(model, mine, loss_fn)
@@ -301,11 +306,8 @@ def test_zero_two_ranks(tmp_path: Path) -> None:
 
 
 def _bf16_zero_rank(rank: int, world_size: int, nvme: str, k: int) -> None:
-    model = builders.gpt(seq=24, layers=3, tie_weights=False)
+    model, _, mine = _rank_step(rank, world_size, k, tied=False)
     twin = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(9)
-    full = [torch.randint(0, 257, (2 * world_size, 24), generator=g) for _ in range(k)]
-    mine = [(x[rank::world_size], x[rank::world_size]) for x in full]
     loss_fn: LossFn = lambda out, mb: out.loss / k  # noqa: E731
     grads = {}
     for m, tag in ((model, "layer-major"), (twin, "plain")):
