@@ -65,8 +65,6 @@ class FlatGrad:
         the rest, or a view of `_scratch`."""
         self._scratch: torch.Tensor | None = None
         """Early capture on the device: the buffer `_held` views, given back at accumulate."""
-        self._scratch_bytes = 0
-        """The device room `_scratch` took (ctx.capture_room)."""
         self._refused = False
         """Early capture found no room for its buffer in this backward: none until accumulate."""
 
@@ -171,7 +169,7 @@ class FlatGrad:
         self._reached.add(index)
         share = g.reshape(-1)
         if index in self._captured:
-            view.add_(share if share.device == view.device else share.to(view.device))
+            view.add_(share.to(view.device))  # a no-op where the share is there already
         else:
             view.copy_(share)
             self._captured.add(index)
@@ -182,9 +180,8 @@ class FlatGrad:
         ([Note: early gradient capture])."""
         ctx, h = self.ctx, self.handle
         with torch.profiler.record_function(f"tierzero::capture_grad {h.owner}"):
-            if not self._on_device:  # not zeroed: accumulate zeroes what no share reached
-                self._held = ctx.pm.acquire(h, h.staging, overwrite=True)
-                return True
+            if not self._on_device:
+                return self._hold_stored()
             dtype = self._sum_dtype()
             nbytes = self.layout.padded_numel * dtype.itemsize
             scratch = None
@@ -194,8 +191,14 @@ class FlatGrad:
                     ctx.capture_done(nbytes)
             if scratch is None:
                 return self._capture_refused(dtype)
-            self._scratch, self._held, self._scratch_bytes = scratch, scratch[:nbytes].view(dtype), nbytes
+            self._scratch, self._held = scratch, scratch[:nbytes].view(dtype)
             return True
+
+    def _hold_stored(self) -> bool:
+        """Sum this backward's shares in the stored gradient itself, pinned from now until
+        accumulate (overwritten: not zeroed, accumulate zeroes what no share reached)."""
+        self._held = self.ctx.pm.acquire(self.handle, self.handle.staging, overwrite=True)
+        return True
 
     def _capture_refused(self, dtype: torch.dtype) -> bool:
         """No device room for early capture's buffer: the shares go on to autograd (False). In a
@@ -208,8 +211,7 @@ class FlatGrad:
             self._refused = True
             return False
         if ctx.world_size == 1 and self.empty:
-            self._held = ctx.pm.acquire(h, h.staging, overwrite=True)
-            return True
+            return self._hold_stored()
         self._refused = True
         warnings.warn(f"tz.accumulate: no device room for {self.layout.padded_numel * dtype.itemsize} bytes to sum "
                       f"{h.owner}'s gradient over the micro-batches in {dtype}; autograd sums them in "
@@ -221,8 +223,9 @@ class FlatGrad:
         """Forget contributions captured by a backward that never reached accumulate (it
         raised): the stored gradient is left as it was."""
         if self._scratch is not None:
+            assert self._held is not None  # set together: the view of the room capture took
             self.ctx.pm.free_scratch(self._scratch, Tier.DEVICE)
-            self.ctx.capture_done(self._scratch_bytes)
+            self.ctx.capture_done(self._held.nbytes)
         elif self._held is not None:
             self.ctx.pm.release(self.handle, self.handle.staging)
         self._held = self._scratch = None
