@@ -399,9 +399,10 @@ class TieredOptimizer(torch.optim.Optimizer):
         fp32 master weights and moments (full CPU tensors)."""
         self._model_state.ctx.drain_updates()
         sd = super().state_dict()
-        sd["state"] = {flat.name: {"step": self.block_steps(flat),
-                                   **{k: self._live_states(flat).read(k) for k in self._live_states(flat).kinds}}
-                       for flat in self._flats}
+        sd["state"] = {}
+        for flat in self._flats:
+            states = self._live_states(flat)
+            sd["state"][flat.name] = {"step": self.block_steps(flat), **{k: states.read(k) for k in states.kinds}}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -11,7 +11,6 @@ Protocols `FlatRef` and `HeldBlock`, never by their classes.
 from __future__ import annotations
 
 import functools
-
 import threading
 from dataclasses import dataclass, field
 from enum import Enum
