@@ -70,6 +70,13 @@ NAMES = {"a": "tierzero host", "b": "tierzero NVMe", "f": "tierzero host + NVMe 
          "c": "FSDP2 CPUOffloadPolicy", "d": "torchao CPUOffloadOptimizer", "e": "plain PyTorch"}
 TIERZERO = ("a", "b", "f", "g")
 MODIFIERS = ("compiled", "plain")
+
+
+def parse_name(name: str) -> tuple[str, set[str]]:
+    """A --configs entry as (configuration, modifiers): "a-plain" -> ("a", {"plain"})."""
+    which, *mods = name.split("-")
+    return which, set(mods)
+
 PLACEMENT = {"a": ("host", "host", "host"), "b": ("nvme", "nvme", "nvme"), "f": ("host", "host", "nvme")}
 """tierzero's configurations: the tiers of the parameters, gradients and optimizer states."""
 STATE_BYTES = (2, 4, 12)
@@ -219,9 +226,8 @@ def child(spec: dict) -> None:
     """Train one configuration; one JSON line with its per-step figures."""
     import torch
 
-    from tierzero import runtime
-
     import tierzero as tz
+    from tierzero import runtime
 
     which, cuda = spec["config"], spec["device"] == "cuda"
     k = spec["micro_batches"]
@@ -284,7 +290,8 @@ def child(spec: dict) -> None:
     if pm is not None and pm.pool.pinned:
         pinned = pm.pool.size + (pinned or 0)
     print(json.dumps({
-        "config": spec["name"], "params": n_params, "micro_batches": k, "losses": losses, "step_s": statistics.median(steps), "steps_s": steps,
+        "config": spec["name"], "params": n_params, "micro_batches": k, "losses": losses,
+        "step_s": statistics.median(steps), "steps_s": steps,
         "fwd_bwd_gpu_s": statistics.median(compute) if compute else None,
         "stall_s": statistics.median(stalls) if stalls else None,
         "stall_s_by_source": {k: statistics.median(d.get(k, 0.0) for d in sources)
@@ -300,7 +307,7 @@ def child(spec: dict) -> None:
 # ----------------------------------------------------------------------------------- the runs
 
 def run(args: argparse.Namespace, name: str) -> dict:
-    which, *mods = name.split("-")
+    which, mods = parse_name(name)
     nvme = Path(args.nvme_dir).resolve() / name
     spec = {"config": which, "name": name, "compiled": "compiled" in mods, "plain": "plain" in mods,
             "micro_batches": args.micro_batches, "size": args.size, "seq": args.seq, "batch": args.batch,
@@ -330,7 +337,7 @@ def _text(out: bytes | str | None) -> str:
 
 def skipped(args: argparse.Namespace, name: str) -> str | None:
     """Why a configuration cannot run here (None: it can)."""
-    which = name.split("-")[0]
+    which, _ = parse_name(name)
     if which in ("c", "d") and args.device != "cuda":
         return "needs CUDA"
     if which == "d":
@@ -354,8 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     names = args.configs.split(",")
     for name in names:
-        which, *mods = name.split("-")
-        if which not in NAMES or not set(mods) <= set(MODIFIERS) or ("plain" in mods and which not in TIERZERO):
+        which, mods = parse_name(name)
+        if which not in NAMES or not mods <= set(MODIFIERS) or ("plain" in mods and which not in TIERZERO):
             print(f"--configs: {name!r}: give a configuration of {', '.join(NAMES)}, with -compiled, and -plain for "
                   f"tierzero's ({', '.join(TIERZERO)})", file=sys.stderr)
             return 2
@@ -385,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'peak GPU':>9} {'pinned':>9}")
     gib = lambda v: "-" if v is None else f"{v / 2**30:.2f}Gi"  # noqa: E731
     for r in results:
-        name = NAMES[r["config"].split("-")[0]]
+        name = NAMES[parse_name(r["config"])[0]]
         if "step_s" not in r:
             print(f"{r['config']:>12} {name:>28}  {r.get('skipped') or 'failed: ' + r.get('error', '')}")
             continue
