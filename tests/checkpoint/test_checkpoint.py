@@ -239,16 +239,22 @@ def test_another_users_dead_leftover_is_left_to_them(make, tmp_path):
     assert (theirs / MARKER).is_file()
 
 
-def test_pruning_a_linked_checkpoint_removes_the_link_only_and_the_save_stands(make, tmp_path):
-    """keep_last over a `ckpt-N` that is a symlink to a folder elsewhere: the link goes, what it
-    names stays, and the new checkpoint is published (no error after publishing)."""
+def test_pruning_leaves_a_linked_or_another_users_checkpoint_alone_and_the_save_stands(make, tmp_path):
+    """keep_last over a `ckpt-N` that is a symlink to a folder elsewhere, and over one another user
+    owns (a second uid, as root): neither is touched nor counted; the new checkpoints are
+    published and pruned among themselves."""
     a, opt = make("host")
     tz.save_checkpoint(tmp_path / "elsewhere", a, opt, extra=0)
-    (tmp_path / "ck").mkdir()
+    tz.save_checkpoint(tmp_path / "ck", a, opt, extra=1)
+    os.rename(tmp_path / "ck" / "ckpt-00000001", tmp_path / "ck" / "ckpt-00000002")
     os.symlink(tmp_path / "elsewhere" / "ckpt-00000001", tmp_path / "ck" / "ckpt-00000001")
-    for step in (2, 3):
+    theirs = ["ckpt-00000002"] if os.geteuid() == 0 else []
+    for p in theirs:
+        for f in [tmp_path / "ck" / p, *(tmp_path / "ck" / p).iterdir()]:
+            os.chown(f, 65534, 65534, follow_symlinks=False)
+    for step in (3, 4, 5):
         tz.save_checkpoint(tmp_path / "ck", a, opt, extra=step, keep_last=1)
-    assert sorted(os.listdir(tmp_path / "ck")) == ["ckpt-00000003"]
+    assert sorted(os.listdir(tmp_path / "ck")) == ["ckpt-00000001", *theirs, "ckpt-00000005"]
     assert (tmp_path / "elsewhere" / "ckpt-00000001" / "manifest.json").is_file()
 
 

@@ -64,6 +64,8 @@ def test_fine_tune_a_transformers_folder_and_export_it(tmp_path: Path) -> None:
     trained = transformers.AutoModelForCausalLM.from_pretrained(out)
     start = transformers.AutoModelForCausalLM.from_pretrained(folder)
     tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert "tokenizer.json" in os.listdir(out)  # the tokenizer's files private too, as the model's
+    assert {f.name: oct(f.stat().st_mode & 0o777) for f in out.iterdir() if f.stat().st_mode & 0o077} == {}
     ids = torch.tensor([tok(TEXTS[0])["input_ids"][:16]])
     assert not torch.equal(trained(ids).logits, start(ids).logits)
     assert not list((tmp_path / "nvme").rglob("*.bin"))

@@ -33,7 +33,8 @@ from tierzero.checkpoint.format import (VALUES, CheckpointError, FlatEntry, Mani
                                         round_up, torch_dtype)
 from tierzero.checkpoint.reshard import range_ops
 from tierzero.config import IOConfig, parse_size
-from tierzero.formats import (CONFIG_FILE, CONFIG_FILES, TensorSpec, load_buffers, load_safetensors, meta_model,
+from tierzero.formats import (CONFIG_FILE, CONFIG_FILES, TensorSpec, check_file_target, load_buffers,
+                              load_safetensors, meta_model,
                               open_weights, original_format_specs, saved_dtype, write_safetensors, write_synced,
                               write_weights_folder)
 
@@ -46,7 +47,8 @@ def export_checkpoint(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], 
 
     - `to` = FILE.safetensors: one file with every parameter under its name (tied parameters
       under each of their names) and the persistent buffers: a full state dict that plain
-      PyTorch loads without tierzero;
+      PyTorch loads without tierzero; 0600, with its checksum in the metadata; an existing file
+      there is replaced only when it is an earlier export (`check_file_target`);
     - `to` = a folder: the transformers folder format (tierzero/formats/hf_folder.py), which
       `AutoModelForCausalLM.from_pretrained(to)` loads: the checkpoint's config.json (saved
       from the model's transformers config; CheckpointError when there is none), tied
@@ -56,6 +58,8 @@ def export_checkpoint(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], 
     folder, manifest = open_checkpoint(ckpt)
     to = Path(to)
     as_folder = to.suffix != ".safetensors"
+    if not as_folder:
+        check_file_target(to, what="export")
     if as_folder and not (folder / CONFIG_FILE).is_file():
         raise CheckpointError(
             f"{str(folder)!r} holds no {CONFIG_FILE}: it was saved from a model without a transformers "
@@ -68,7 +72,7 @@ def export_checkpoint(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], 
         chunks = _checkpoint_specs(reader, manifest, dtype, aliases=not as_folder)
         if not as_folder:
             return write_safetensors(to, [s for chunk in chunks for s in chunk],
-                                     {"format": "pt", "tierzero_checkpoint": str(folder)})
+                                     {"format": "pt", "tierzero_checkpoint": folder.name}, checksum=True)
         specs = _original_format(folder, chunks)
         return write_weights_folder(to, specs, limit, lambda tmp: _copy_configs(folder, tmp, dtype))
 

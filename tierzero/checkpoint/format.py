@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -231,6 +232,29 @@ def verify_file(path: Path, expected: int) -> bytes:
                               f"hashes to {got:016x}; the file was changed or corrupted: restore it or load an "
                               "earlier checkpoint")
     return data
+
+
+def not_own_checkpoint(path: Path) -> str:
+    """Why `path` is not a checkpoint this user's tierzero published, in words ("" when it is):
+    it must be a real folder (not a link) of this user holding a manifest that is a regular file
+    of this user. Only such a folder is pruned (root counts only its own, as for every removal)."""
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        return e.strerror or str(e)
+    if stat.S_ISLNK(st.st_mode):
+        return "a symbolic link: tierzero follows no link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "not a folder"
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}, not this user"
+    try:
+        mst = os.lstat(path / MANIFEST)
+    except OSError:
+        return f"no {MANIFEST}"
+    if not stat.S_ISREG(mst.st_mode) or mst.st_uid != os.geteuid():
+        return f"its {MANIFEST} is not a regular file of this user"
+    return ""
 
 
 def next_number(root: Path) -> int:

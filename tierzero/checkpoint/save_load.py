@@ -30,7 +30,7 @@ from tierzero import runtime
 from tierzero.checkpoint.chunk_io import Reader, Source, double_buffered, open_engine, write_rank_files
 from tierzero.checkpoint.format import (CHUNK_BYTES, EXTRA_FILES, MANIFEST, PREFIX, TMP_PREFIX, TRASH_PREFIX,
                                         VALUES, CheckpointError, FlatEntry, Manifest, RankFiles, checkpoints,
-                                        latest_checkpoint, next_number, open_checkpoint, round_up,
+                                        latest_checkpoint, next_number, not_own_checkpoint, open_checkpoint, round_up,
                                         torch_dtype, write_manifest)
 from tierzero.checkpoint.reshard import reshard_plan
 from tierzero.formats import fsync_dir, persistent_buffers, write_config_files
@@ -205,15 +205,12 @@ def _publish(root: Path, tmp: Path, final: Path, manifest: Manifest, private: bo
 
 def _prune(root: Path, keep_last: int) -> None:
     """Rank 0, after a save is published: the checkpoints older than the newest `keep_last`
-    removed. A `ckpt-N` that is a link loses only the link (what it names is not tierzero's); a
-    folder without a manifest stays; a failure is a warning, not the save's error."""
-    for old in checkpoints(root)[:-keep_last]:
+    removed, each only when it is a folder this user's tierzero published (`not_own_checkpoint`:
+    a link, another user's folder or one without a manifest stays, and is not counted); a failure
+    is a warning, not the save's error."""
+    own = [p for p in checkpoints(root) if not not_own_checkpoint(p)]
+    for old in own[:-keep_last]:
         try:
-            if old.is_symlink():
-                old.unlink()
-                continue
-            if not (old / MANIFEST).is_file():
-                continue  # not a checkpoint tierzero published: the user's
             trash = root / temp_name(TRASH_PREFIX, old.name)
             mark_own(old)
             os.rename(old, trash)  # a crash mid-delete leaves no half checkpoint under ckpt-*

@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from tierzero.cli.caches import private_caches
+
 _MODULES = {"bench-io": "io_engine.bench", "train": "tierzero.cli.train", "estimate": "tierzero.cli.estimate",
             "export": "tierzero.cli.export", "tune": "tierzero.cli.tune"}
 """The module whose main(argv) runs each subcommand."""
@@ -35,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     args = parser.parse_args(argv[:1])
     try:
-        return importlib.import_module(_MODULES[args.command]).main(argv[1:])
+        with private_caches():  # before the subcommand imports what keeps caches: [Note: private caches]
+            return importlib.import_module(_MODULES[args.command]).main(argv[1:])
     except (ValueError, OSError) as e:  # bad input the subcommand did not word itself: one line
         print(f"tierzero {args.command}: error: {e}", file=sys.stderr)
         return 2

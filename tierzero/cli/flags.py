@@ -45,11 +45,29 @@ def add_placement_flags(p: argparse.ArgumentParser) -> None:
 
 def _placement(flag: str) -> Callable[[str], str | dict[str, float]]:
     def parse(text: str) -> str | dict[str, float]:
+        tiers = [part.partition("=")[0].strip() for part in text.split(",")] if "=" in text else []
+        twice = sorted({t for t in tiers if tiers.count(t) > 1})
+        if twice:
+            raise argparse.ArgumentTypeError(f"{flag}: {', '.join(twice)} given more than once in {text!r}; give "
+                                             "each tier once, such as device=0.25,host=0.5,nvme=0.25")
         try:
             return parse_placement(text, what=flag)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
     return parse
+
+
+def join_negative_values(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """`argv` with each of `flags` followed by a value that starts with "-" ("--host-budget
+    -5MiB") joined into one argument ("--host-budget=-5MiB"), so that argparse reads it as that
+    flag's value (which is then refused as negative) rather than as a flag."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] in flags and arg[:1] == "-" and arg[1:2].isdigit():
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
 
 
 def placement_from_flags(args: argparse.Namespace) -> dict[str, object]:

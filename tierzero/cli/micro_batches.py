@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import psutil
 import torch
 import torch.nn.functional as F
 
@@ -24,6 +25,27 @@ def check_micro_batches(args: argparse.Namespace) -> None:
     if args.micro_batches < 1:
         raise ValueError(f"--micro-batches: expected a whole number >= 1 (micro-batches per step), "
                          f"got {args.micro_batches}")
+
+
+TOKEN_ID_BYTES = 16
+"""A token's id and its target (int64 each) in the step's batch."""
+
+
+def check_step_memory(args: argparse.Namespace, model: torch.nn.Module, available: int | None = None) -> None:
+    """ValueError at once, naming the limit, when the step's rows cannot be held in this machine's
+    available memory (`available`: psutil's, by default): the token ids of its K x --batch rows of
+    --seq tokens, and the hidden state between blocks that each micro-batch keeps while tz.accumulate
+    runs the K layer by layer (4 bytes per token per unit of the embedding width)."""
+    width = max((m.embedding_dim for m in model.modules() if isinstance(m, torch.nn.Embedding)), default=0)
+    per_row = args.seq * (TOKEN_ID_BYTES + 4 * width)
+    rows = args.micro_batches * args.batch
+    available = psutil.virtual_memory().available if available is None else available
+    if rows * per_row > available:
+        most = available // (args.batch * per_row)
+        raise ValueError(f"--micro-batches {args.micro_batches} x --batch {args.batch} x --seq {args.seq}: the step's "
+                         f"rows need about {rows * per_row / 2**30:.1f} GiB of memory (token ids, and the hidden states "
+                         f"tz.accumulate keeps between blocks), this machine has {available / 2**30:.1f} GiB available; "
+                         f"give --micro-batches {max(most, 1)} or fewer (or a smaller --batch / --seq)")
 
 
 def forward_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, k: int, *,

@@ -12,24 +12,55 @@
 - Links: `.lock` and `metrics.jsonl` are never written through a symlink or a hard link
   someone planted ([Note: no write through a link] in io_engine/safe_files.py); the folder and
   its files are private (0700 / 0600) unless `private=False` (`--file-mode umask`).
+- What is there: a run starts only in a new or empty folder, or one that holds an earlier run
+  of this user's alone (`check_contents`); see [Note: a run folder holds one run].
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import fcntl
 import json
 import os
+import re
+import shutil
+import stat
 import sys
 from pathlib import Path
 from typing import IO, Callable
 
-from io_engine import free_disk_bytes, make_folder, open_own, replace_file
+from io_engine import free_disk_bytes, make_folder, mark_own, open_own, replace_file, temp_name
+from tierzero.checkpoint import PREFIX, TMP_PREFIX, TRASH_PREFIX, not_own_checkpoint
 from tierzero.config import format_size
 from tierzero.placement import MAX_EVENTS
 
 LOCK = ".lock"
 METRICS = "metrics.jsonl"
+END_FILES = ("summary.json", "trace.json", "tiers.png", "error.log")
+"""The files a run writes at its end (or when it fails)."""
+CHECKPOINTS = "checkpoints"
+"""The checkpoint folder inside a run folder (when --checkpoint-dir is not given)."""
+_CKPT = re.compile(re.escape(PREFIX) + r"\d{8}")
+_OWN_TEMP = re.compile(r"\.(" + "|".join(map(re.escape, (LOCK[1:], METRICS, *END_FILES))) + r")\.tmp-\d+")
+"""The temporary name of a file the run writes whole (`replace_file`), left by a killed run."""
+
+
+# [Note: a run folder holds one run]
+# A run folder is the record of one run: its metrics, its checkpoints, its end files. A new run
+# (no --resume) on a folder that holds an earlier run would replace its metrics.jsonl and, through
+# keep_last, delete its checkpoints: the hours that run trained, lost without a word. So before the
+# folder is locked or written, its entries are read (lstat: no link followed) and sorted:
+# - tierzero's: `.lock`, metrics.jsonl and the end files as regular files of this user, their
+#   temporary names, `checkpoints/` as a folder of this user holding `ckpt-N` folders of this user
+#   with a manifest (and save leftovers); the folders this command names (--nvme-dir, --export,
+#   --checkpoint-dir) inside the run folder;
+# - anything else (a link, another user's file, a name tierzero never writes) is not tierzero's:
+#   the run is refused whatever the flags, naming it; nothing is moved.
+# An earlier run's files refuse a run without --resume, naming them and the ways on: --resume, a
+# new --run-dir, or --overwrite, which removes that run's files and checkpoints (only those) once
+# the folder is locked. The checkpoint folder of --checkpoint-dir is read the same way for its
+# `ckpt-N` entries (other files there are not the run's and are left alone).
 
 
 class RunDir:
@@ -44,12 +75,10 @@ class RunDir:
         make_folder(self.path, private=private)
         fd = open_own(self.path / LOCK, os.O_RDWR, private=private)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            _lock(fd, self.path, flag)
+        except BaseException:
             os.close(fd)
-            raise ValueError(f"{flag} {str(self.path)!r} is in use by process {pid} (it holds "
-                             f"{str(self.path / LOCK)!r}); wait for that run to end, or give another {flag}") from None
+            raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock = fd
@@ -124,6 +153,30 @@ class RunDir:
         return f"RunDir({str(self.path)!r})"
 
 
+def _lock(fd: int, folder: Path, flag: str) -> None:
+    """flock `fd` (the folder's `.lock`); ValueError naming the PID in it when a live run holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        raise ValueError(f"{flag} {str(folder)!r} is in use by process {pid} (it holds {str(folder / LOCK)!r}); wait "
+                         f"for that run to end, or give another {flag}") from None
+
+
+def check_not_in_use(folder: Path, flag: str) -> None:
+    """ValueError when a live run holds `folder`'s lock (read without writing anything; a link
+    or a file that is not a regular one is left to `check_contents`)."""
+    try:
+        fd = os.open(folder / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            _lock(fd, folder, flag)
+    finally:
+        os.close(fd)  # lets the flock go
+
+
 def not_written(name: str, path: Path, e: BaseException) -> dict[str, str]:
     """summary.json's record of an end-of-run file that failed (printed on stderr too)."""
     print(f"tierzero train: error: {path}: not written ({type(e).__name__}: {e})", file=sys.stderr)
@@ -132,12 +185,126 @@ def not_written(name: str, path: Path, e: BaseException) -> dict[str, str]:
 
 def checkpoint_dir(args: argparse.Namespace) -> Path:
     """Where `tierzero train` saves its checkpoints: --checkpoint-dir, or RUN_DIR/checkpoints."""
-    return Path(args.checkpoint_dir) if args.checkpoint_dir else Path(args.run_dir) / "checkpoints"
+    return Path(args.checkpoint_dir) if args.checkpoint_dir else Path(args.run_dir) / CHECKPOINTS
+
+
+class Contents:
+    """What a run folder (or a checkpoint folder) holds, sorted as [Note: a run folder holds one
+    run] says: the earlier run's files and checkpoints, and what is not tierzero's (with why)."""
+
+    def __init__(self) -> None:
+        self.files: list[Path] = []
+        self.checkpoints: list[Path] = []
+        self.foreign: list[str] = []
+
+    def read_checkpoints(self, folder: Path) -> None:
+        """The `ckpt-N` entries of a checkpoint folder (only those: its other files are left alone)."""
+        for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+            if _CKPT.fullmatch(entry.name):
+                why = not_own_checkpoint(Path(entry.path))
+                if why:
+                    self.foreign.append(f"{entry.path} ({why})")
+                else:
+                    self.checkpoints.append(Path(entry.path))
+
+    @property
+    def earlier_run(self) -> list[str]:
+        """The earlier run's files, in words (empty when there is none)."""
+        out = []
+        for f in self.files:
+            if f.name == METRICS:
+                if f.stat().st_size:
+                    out.append(f"{f.name} ({sum(1 for _ in f.open('rb'))} rows)")
+            elif f.name in END_FILES:
+                out.append(f.name)
+        if self.checkpoints:
+            out.append(f"{len(self.checkpoints)} checkpoint(s) in {self.checkpoints[0].parent} "
+                       f"({', '.join(p.name for p in self.checkpoints[-3:])})")
+        return out
+
+
+def _not_own(entry: os.DirEntry, *, folder: bool) -> str:
+    """Why `entry` is not a file (folder) this user's tierzero wrote, or "" when it may be."""
+    st = entry.stat(follow_symlinks=False)
+    if stat.S_ISLNK(st.st_mode):
+        return "a symbolic link: tierzero follows no link in a run folder"
+    if folder != stat.S_ISDIR(st.st_mode) or not (folder or stat.S_ISREG(st.st_mode)):
+        return "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file" if not folder else "not a folder"
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}, not this user"
+    return ""
+
+
+def check_contents(path: Path, *, flag: str, named: set[str], in_run: bool) -> Contents:
+    """The contents of the run folder (`in_run`) or the checkpoint folder `path` (see [Note: a
+    run folder holds one run]); `named`: the names in it of the folders this command gives.
+    ValueError naming what is not tierzero's."""
+    found = Contents()
+    if not os.path.isdir(path):
+        return found
+    if not in_run:
+        found.read_checkpoints(path)
+    else:
+        for entry in sorted(os.scandir(path), key=lambda e: e.name):
+            name = entry.name
+            if name in named:
+                continue
+            if name == CHECKPOINTS:
+                why = _not_own(entry, folder=True)
+                if not why:
+                    found.read_checkpoints(Path(entry.path))
+                    why = _foreign_in_checkpoints(Path(entry.path))
+            elif name in (LOCK, METRICS, *END_FILES) or _OWN_TEMP.fullmatch(name):
+                why = _not_own(entry, folder=False)
+                if not why and name != LOCK and not name.startswith("."):
+                    found.files.append(Path(entry.path))
+            else:
+                why = "not a file tierzero writes"
+            if why:
+                found.foreign.append(f"{entry.path} ({why})")
+    if found.foreign:
+        raise ValueError(f"{flag} {str(path)!r} holds what tierzero did not write: {'; '.join(found.foreign[:5])}"
+                         f"{f' and {len(found.foreign) - 5} more' if len(found.foreign) > 5 else ''}. A run writes "
+                         f"only into a new or empty folder or one an earlier run of this user's made, and replaces "
+                         f"nothing else: give a new {flag}, or move those away")
+    return found
+
+
+def _foreign_in_checkpoints(folder: Path) -> str:
+    """Why the run folder's checkpoints/ holds something a save did not make ("" when not)."""
+    for entry in os.scandir(folder):
+        if not (_CKPT.fullmatch(entry.name) or entry.name.startswith((TMP_PREFIX, TRASH_PREFIX))):
+            return f"holds {entry.name!r}, which no checkpoint save writes"
+    return ""
+
+
+def remove_earlier_run(found: Contents) -> None:
+    """--overwrite, the folder locked: the earlier run's files and checkpoints removed (only
+    those `check_contents` found to be tierzero's; a checkpoint renamed away first, so that a
+    crash leaves no half checkpoint under its name)."""
+    for f in found.files:
+        f.unlink(missing_ok=True)
+    for ckpt in found.checkpoints:
+        trash = ckpt.with_name(temp_name(TRASH_PREFIX, ckpt.name))
+        mark_own(ckpt)
+        os.rename(ckpt, trash)
+        shutil.rmtree(trash)
 
 
 METRICS_ROW_BYTES = 2048
 TRACE_EVENTS_PER_STEP, TRACE_EVENT_BYTES = 4096, 200
 """What the room check counts for a step's metrics row and trace (generous: it guards a full disk)."""
+
+
+def _named(args: argparse.Namespace) -> set[str]:
+    """The names in the run folder of the folders this command gives (--nvme-dir, --export,
+    --checkpoint-dir inside it): the run's own, whatever they hold."""
+    run = Path(args.run_dir).absolute()
+    names = set()
+    for given in (args.nvme_dir, args.export, args.checkpoint_dir):
+        if given and (p := Path(given).absolute()).is_relative_to(run) and p != run:
+            names.add(p.relative_to(run).parts[0])
+    return names
 
 
 class RunFolders:
@@ -150,13 +317,31 @@ class RunFolders:
 
     @classmethod
     def open(cls, args: argparse.Namespace, rank: int, *, private: bool = True) -> "RunFolders":
+        """Rank 0's folders, read first ([Note: a run folder holds one run]: refused before
+        anything is made or written when they hold what is not tierzero's, or an earlier run
+        and neither --resume nor --overwrite is given), then locked; --overwrite then removes
+        the earlier run."""
         if rank != 0:
             return cls()
-        folders = cls(RunDir(args.run_dir, private=private))
+        run = Path(args.run_dir)
+        ckpt = checkpoint_dir(args).absolute()
+        outside = bool(args.checkpoint_every or args.resume) and not ckpt.is_relative_to(run.absolute())
+        check_not_in_use(run, "--run-dir")
+        found = [check_contents(run, flag="--run-dir", named=_named(args), in_run=True)]
+        if outside:
+            found.append(check_contents(ckpt, flag="--checkpoint-dir", named=set(), in_run=False))
+        earlier = [w for f in found for w in f.earlier_run]
+        if earlier and not (args.resume or args.overwrite):
+            raise ValueError(f"--run-dir {str(run)!r} holds an earlier run: {', '.join(earlier)}. A new run would "
+                             "replace it; continue it with --resume, give a new --run-dir, or give --overwrite to "
+                             "remove that run's files and checkpoints (only those) and start again")
+        folders = cls(RunDir(run, private=private))
         try:
-            ckpt = checkpoint_dir(args).absolute()
-            if args.checkpoint_every and not ckpt.is_relative_to(folders.run.path.absolute()):
+            if outside and args.checkpoint_every:
                 folders.ckpt = RunDir(ckpt, flag="--checkpoint-dir", private=private)
+            if args.overwrite and not args.resume:
+                for f in found:
+                    remove_earlier_run(f)
         except BaseException:
             folders.close()
             raise

@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,11 +21,14 @@ import torch
 import torch.distributed as dist
 
 import tierzero as tz
+from io_engine import replace_file
+from tierzero.cli.caches import check_compile_cache, compile_cache
 from tierzero.cli.estimate import run_config
 from tierzero.cli.flags import (activations_from_flags, add_activation_flags, add_placement_flags, add_rate_flags,
-                                add_zero_flags, placement_from_flags, rates_from_flags, zero_from_flags)
+                                add_zero_flags, join_negative_values, placement_from_flags, rates_from_flags,
+                                zero_from_flags)
 from tierzero.cli.harness import check_room, corpus, heads, meta_model, pretrained, with_lora
-from tierzero.cli.micro_batches import add_micro_batch_flag, check_micro_batches, forward_backward
+from tierzero.cli.micro_batches import add_micro_batch_flag, check_micro_batches, check_step_memory, forward_backward
 from tierzero.cli.outputs import check_outputs
 from tierzero.cli.plots import plot_run
 from tierzero.cli.run_dir import RunFolders, checkpoint_dir, not_written
@@ -82,6 +87,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-last", type=int, default=2, help="checkpoints to keep (the newest)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint, exactly "
                    "(model, optimizer, LR schedule, data position, RNG); starts afresh when there is none")
+    p.add_argument("--overwrite", action="store_true", help="start again in a --run-dir that holds an earlier "
+                   "run: its files and checkpoints are removed (only those; without it such a folder is refused)")
     return p
 
 
@@ -92,7 +99,14 @@ def _check_args(args: argparse.Namespace) -> None:
     for name in ("steps", "batch", "seq"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name}: expected an int >= 1, got {getattr(args, name)}")
+    for flag in BUDGET_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if str(value).strip().startswith("-"):
+            raise ValueError(f"{flag}: a budget cannot be negative, got {value!r}; give a byte count such as 8GiB")
+    _check_numbers(args)
     check_micro_batches(args)
+    if args.compile:
+        check_compile_cache(compile_cache())
     if args.step_in_backward and args.clip > 0:
         raise ValueError(f"--step-in-backward updates each block during backward, before the gradient norm "
                          f"is known, so it cannot clip: give --clip 0 with it (got --clip {args.clip})")
@@ -106,6 +120,25 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.checkpoint_every < 0 or args.keep_last < 1:
         raise ValueError(f"--checkpoint-every: expected an int >= 0 and --keep-last an int >= 1, got "
                          f"{args.checkpoint_every} and {args.keep_last}")
+
+
+BUDGET_FLAGS = ("--device-budget", "--host-budget", "--nvme-budget")
+MAX_COLLECTIVE_TIMEOUT_S = 30 * 86400
+"""The longest --collective-timeout taken: a collective that waits longer than 30 days is a hang."""
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """The optimizer's numbers and the timeout: finite, not negative (ValueError naming the flag)."""
+    for flag, value in (("--clip", args.clip), ("--lr", args.lr), ("--weight-decay", args.weight_decay),
+                        ("--collective-timeout", args.collective_timeout)):
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{flag}: expected a finite number >= 0, got {value}"
+                             f"{' (0 turns clipping off)' if flag == '--clip' else ''}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup: expected a number of steps >= 0, got {args.warmup}")
+    if not 0 < args.collective_timeout <= MAX_COLLECTIVE_TIMEOUT_S:
+        raise ValueError(f"--collective-timeout: expected seconds > 0 and at most {MAX_COLLECTIVE_TIMEOUT_S} (30 days), "
+                         f"got {args.collective_timeout}")
 
 
 def _config(args: argparse.Namespace) -> tz.Config:
@@ -144,10 +177,11 @@ def run(args: argparse.Namespace, outcome: Outcome | None = None) -> dict:
                          f"over {world_size} ranks; give a multiple of {world_size}")
     check_outputs(args, checkpoint_dir(args))
     folders = RunFolders.open(args, rank, private=cfg.private_files)
+    outcome.owns_folder = not args.resume
     try:
         return _run(args, cfg, rank, world_size, rates, folders, outcome)
     except BaseException as e:
-        if folders.run is not None:
+        if folders.run is not None and outcome.owns_folder:
             write_failure(folders.run, args, outcome, e)
         raise
     finally:
@@ -160,6 +194,7 @@ def _run(args: argparse.Namespace, cfg: tz.Config, rank: int, world_size: int, r
     model, tokenizer = meta_model(args)
     if args.lora:
         model = with_lora(model, args.lora)
+    check_step_memory(args, model)
     cfg = run_config(cfg, model, batch=args.batch // world_size, seq=args.seq, micro_batches=args.micro_batches,
                      chunked=args.chunked_loss, world_size=world_size)  # "auto" with the step's working set aside
     if rank == 0:
@@ -179,6 +214,7 @@ def _run(args: argparse.Namespace, cfg: tz.Config, rank: int, world_size: int, r
             r = Run(args, cfg, rank, world_size, Path(args.run_dir), sampler, model, placement_manager(model),
                     opt, sched, folders, stop, rates)
             start = outcome.step = resume(r) if args.resume else 0
+            outcome.owns_folder = True
             started = time.perf_counter()
             last_loss = train_steps(r, start, outcome, _step)
             stop.at_step_boundary = False  # past the last step: a signal stops what follows at once
@@ -216,12 +252,23 @@ def _export(r: Run, tokenizer: tzdata.Tokenizer | None) -> list[dict[str, str]]:
     try:
         out = tz.save_pretrained(r.model, r.args.export, merge_adapters=bool(r.args.lora))
         if r.rank == 0 and tokenizer is not None:
-            tokenizer.save_pretrained(out)
+            _save_tokenizer(tokenizer, Path(out), private=r.cfg.private_files)
     except Exception as e:
         return [not_written("export", Path(r.args.export).absolute(), e)]
     if r.rank == 0:
         print(f"tierzero train: exported the model to {out}", file=sys.stderr)
     return []
+
+
+def _save_tokenizer(tokenizer: tzdata.Tokenizer, out: Path, *, private: bool) -> None:
+    """The tokenizer's files into the export folder as the model's are written (0600 unless
+    --file-mode umask; each under a fresh name renamed into place: a link left in the folder is
+    replaced, not written through), from a private temporary folder transformers writes into."""
+    with tempfile.TemporaryDirectory(prefix="tierzero-tokenizer-") as tmp:
+        tokenizer.save_pretrained(tmp)
+        for f in sorted(Path(tmp).iterdir()):
+            if f.is_file():
+                replace_file(out / f.name, f.read_bytes(), private=private)
 
 
 def _finish(r: Run, state_bytes: int, n_params: int, last_loss: float, started: float,
@@ -244,7 +291,7 @@ def _finish(r: Run, state_bytes: int, n_params: int, last_loss: float, started: 
 
 
 def main(argv: list[str]) -> int:
-    args = parser().parse_args(argv)
+    args = parser().parse_args(join_negative_values(argv, BUDGET_FLAGS))
     owns_group = not dist.is_initialized()  # run() joins torchrun's group; leave a caller's alone
     outcome = Outcome()
     try:

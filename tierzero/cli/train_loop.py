@@ -63,6 +63,10 @@ class Outcome:
     """Steps completed."""
     checkpoint: Path | None = None
     """The last checkpoint saved."""
+    owns_folder: bool = False
+    """The run folder is this run's to write (a failure's summary.json with it): at once for a new
+    run (the folder was new, empty, or --overwrite), only once --resume has accepted the checkpoint
+    for a resumed one. A refused --resume changes nothing in the folder it refused."""
 
 
 def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:

@@ -44,6 +44,10 @@ def _check_choice(what: str, value: Any, choices: tuple[Any, ...]) -> None:
         raise ValueError(f"{what}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
 
 
+MAX_IO_THREADS = 1024
+"""The most io_engine threads IOConfig takes."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class IOConfig:
     """Settings of the io_engine used for the NVMe tier (`tierzero bench-io` prints the best)."""
@@ -56,8 +60,9 @@ class IOConfig:
     """O_DIRECT: "auto" uses it where the file system and alignment allow."""
 
     def __post_init__(self) -> None:
-        if type(self.threads) is not int or self.threads < 1:
-            raise ValueError(f"io.threads: expected an int >= 1, got {self.threads!r}")
+        if type(self.threads) is not int or not 1 <= self.threads <= MAX_IO_THREADS:
+            raise ValueError(f"io.threads: expected an int from 1 to {MAX_IO_THREADS} (the io_engine starts them all "
+                             f"at once; past a few dozen no drive serves more), got {self.threads!r}")
         bs = parse_size(self.block_size, what="io.block_size")
         if bs < 4096 or bs % 4096:
             raise ValueError(f"io.block_size: expected a multiple of 4096 bytes, got {bs}")

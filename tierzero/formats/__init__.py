@@ -18,7 +18,8 @@ from tierzero.formats.hf_folder import (CONFIG_FILE, CONFIG_FILES, INDEX_FILE, S
                                         check_folder_target, folder_tokenizer, kept_names, meta_model,
                                         require_causal_lm, require_transformers, saved_dtype, write_config_files, write_synced,
                                         write_weights_folder)
-from tierzero.formats.safetensors_file import TensorSpec, fsync_dir, save_safetensors, write_safetensors
+from tierzero.formats.safetensors_file import (TensorSpec, check_file_target, fsync_dir, save_safetensors,
+                                               verify_safetensors, write_safetensors)
 from tierzero.formats.load_rules import (PEFT_PREFIX, adapter_params, base_model, checkpoint_name, is_peft,
                                          open_weights, peft_base_name)
 from tierzero.formats.weights import LoadedShard, ShardRequest, WeightSource, load_safetensors
@@ -27,7 +28,7 @@ __all__ = ["original_format_specs", "VOCAB_SIZE", "BatchSampler", "Tokenizer", "
            "INDEX_FILE", "SINGLE_FILE", "folder_tokenizer", "kept_names", "meta_model", "require_causal_lm",
            "require_transformers",
            "saved_dtype", "write_config_files", "write_synced", "write_weights_folder", "TensorSpec", "fsync_dir",
-           "save_safetensors", "write_safetensors", "LoadedShard", "ShardRequest", "WeightSource", "check_buffers",
+           "save_safetensors", "write_safetensors", "check_file_target", "verify_safetensors", "LoadedShard", "ShardRequest", "WeightSource", "check_buffers",
            "init_buffers", "init_params", "load_buffers", "load_safetensors", "open_weights", "persistent_buffers",
            "PEFT_PREFIX", "adapter_params", "base_model", "checkpoint_name", "is_peft", "peft_base_name",
            "CHECKSUM_RECORD", "verify_folder"]

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import xxhash
 
+from tierzero.formats.safetensors_file import verify_safetensors
+
 RECORD = "tierzero.checksums.json"
 _ALGORITHM = "xxh3_128"
 _CHUNK = 8 << 20
@@ -43,12 +45,21 @@ def record_text(folder: Path) -> str:
 
 
 def verify_folder(folder: str | os.PathLike[str]) -> bool:
-    """Check every file the folder's record lists (size and checksum); ValueError naming the
-    first that differs or is missing. False when the folder has no record (nothing checked)."""
+    """Check every file the folder's record lists (size and checksum), and every other
+    .safetensors file that carries its own checksum (a single-file export copied in: [Note: a
+    checksum inside a safetensors file]); ValueError naming the first that differs or is missing.
+    False when the folder has no record."""
     folder = Path(folder)
     record_path = folder / RECORD
-    if not record_path.is_file():
-        return False
+    listed = _verify_record(folder, record_path) if record_path.is_file() else {}
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if entry.name.endswith(".safetensors") and entry.name not in listed and entry.is_file():
+            verify_safetensors(entry.path)
+    return record_path.is_file()
+
+
+def _verify_record(folder: Path, record_path: Path) -> dict:
+    """The files the record lists, each checked."""
     try:
         record = json.loads(record_path.read_text(encoding="utf-8"))
         files = record["files"]
@@ -67,4 +78,4 @@ def verify_folder(folder: str | os.PathLike[str]) -> bool:
             raise ValueError(f"{str(path)!r} is corrupt: its {size} bytes do not match {RECORD} "
                              f"({expected.get('bytes')} bytes, {_ALGORITHM} {expected.get(_ALGORITHM)}, read "
                              f"{digest}); restore the folder from a copy (or, to load it anyway, delete {RECORD})")
-    return True
+    return files

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from tierzero.formats.conversions import Converted
-from tierzero.formats.safetensors_file import DTYPES, read_header
+from tierzero.formats.safetensors_file import DTYPES, read_header, verify_safetensors
 from tierzero.layout import FlatLayout
 from tierzero.placement import CheckpointHome, Segment, SwapSpace
 
@@ -222,11 +222,13 @@ def convert_recipe(folder: Path) -> str:
 
 
 def load_safetensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Every tensor of one safetensors file as CPU tensors (the `safetensors` library); ValueError
-    naming the file when it is not one."""
+    """Every tensor of one safetensors file as CPU tensors (the `safetensors` library), its
+    checksum verified when it carries one (tierzero's exports do); ValueError naming the file
+    when it is not one, or is corrupt."""
     with WeightSource(path) as source:
         if source.path.is_dir():
             raise ValueError(f"load_safetensors: {str(path)!r} is a folder; give one .safetensors file")
+        verify_safetensors(source.path)
         return {k: source.read_full(k).clone() for k in source.keys()}
 
 

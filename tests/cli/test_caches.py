@@ -1,0 +1,63 @@
+"""The caches under the `tierzero` command are private to it: nothing in /tmp or the home folder
+after a run, and a compile cache another user could write is refused ([Note: private caches])."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from builders import REPO
+from tierzero.cli import train
+from tierzero.cli.caches import CACHE_VARIABLES, check_compile_cache, private_caches
+
+NOBODY = 65534
+
+
+def test_the_command_keeps_its_caches_in_a_private_folder_it_removes(monkeypatch) -> None:
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("MPLCONFIGDIR", "/the/users/own")
+    with private_caches() as folder:
+        assert folder.stat().st_mode & 0o777 == 0o700 and folder.stat().st_uid == os.geteuid()
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder / "torchinductor")
+        assert os.environ["TRITON_CACHE_DIR"] == str(folder / "triton")
+        assert os.environ["MPLCONFIGDIR"] == "/the/users/own"  # placed by the user: kept
+    assert not folder.exists() and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    assert os.environ["MPLCONFIGDIR"] == "/the/users/own"
+
+
+def test_a_compile_cache_others_can_write_is_refused(tmp_path: Path, monkeypatch) -> None:
+    cache = tmp_path / "torchinductor_me"
+    cache.mkdir(mode=0o700)
+    check_compile_cache(cache)  # private: used
+    cache.chmod(0o777)  # as planted before the user's first run
+    with pytest.raises(ValueError, match=r"writable by others than you \(mode 0777\)"):
+        check_compile_cache(cache)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    assert train.main(["--compile", "--steps", "1", "--run-dir", str(tmp_path / "run")]) == 2
+    assert not (tmp_path / "run").exists()
+    cache.chmod(0o700)
+    os.symlink(cache, tmp_path / "link")
+    with pytest.raises(ValueError, match="a symbolic link"):
+        check_compile_cache(tmp_path / "link")
+    if os.geteuid() == 0:  # another user's folder, even private, is theirs
+        os.chown(cache, NOBODY, NOBODY)
+        with pytest.raises(ValueError, match="owned by uid 65534"):
+            check_compile_cache(cache)
+
+
+def test_a_run_leaves_nothing_in_tmp_or_home(tmp_path: Path) -> None:
+    home, tmp = tmp_path / "home", tmp_path / "tmp"
+    home.mkdir(), tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in CACHE_VARIABLES}
+    env.update(HOME=str(home), TMPDIR=str(tmp), PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "tierzero.cli", "train", "--model", "tiny", "--steps", "1",
+                           "--batch", "2", "--seq", "16", "--host-budget", "16MiB", "--no-progress",
+                           "--run-dir", str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "run" / "tiers.png").is_file()
+    assert list(home.iterdir()) == [] and list(tmp.iterdir()) == []
