@@ -9,10 +9,10 @@ exports to plain weights.
 """
 
 from tierzero.checkpoint.export import export_checkpoint, load_weights
-from tierzero.checkpoint.format import (MANIFEST, PREFIX, TMP_PREFIX, TRASH_PREFIX, CheckpointError, latest_checkpoint,
-                                        not_own_checkpoint, open_checkpoint)
+from tierzero.checkpoint.format import (MANIFEST, PREFIX, TMP_PREFIX, TRASH_PREFIX, CheckpointError, checkpoints,
+                                        latest_checkpoint, not_own_checkpoint, open_checkpoint)
 from tierzero.checkpoint.save_load import load_checkpoint, save_checkpoint
 
 __all__ = ["save_checkpoint", "load_checkpoint", "export_checkpoint", "load_weights", "CheckpointError",
-           "latest_checkpoint", "open_checkpoint", "not_own_checkpoint", "MANIFEST", "PREFIX", "TMP_PREFIX",
+           "latest_checkpoint", "open_checkpoint", "not_own_checkpoint", "checkpoints", "MANIFEST", "PREFIX", "TMP_PREFIX",
            "TRASH_PREFIX"]

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import IO, Callable
 
 from io_engine import free_disk_bytes, make_folder, mark_own, open_own, replace_file, temp_name
-from tierzero.checkpoint import PREFIX, TMP_PREFIX, TRASH_PREFIX, not_own_checkpoint
+from tierzero.checkpoint import PREFIX, TMP_PREFIX, TRASH_PREFIX, checkpoints, not_own_checkpoint
 from tierzero.config import format_size
 from tierzero.placement import MAX_EVENTS
 
@@ -177,6 +177,21 @@ def check_not_in_use(folder: Path, flag: str) -> None:
         os.close(fd)  # lets the flock go
 
 
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+"""A disk full (or over quota, or failing): the run exits with DISK_EXIT, naming the file."""
+DISK_EXIT = 3
+
+
+def disk_error(e: OSError, file: Path, folder: Path, flag: str) -> OSError:
+    """`e` (a disk full while the run wrote `file`) as an error naming the file and the folder to
+    free; other errors as they are."""
+    if e.errno not in DISK_ERRNOS:
+        return e
+    text = str(e) if str(file) in str(e) else f"{str(file)!r}: {e.strerror or e}"
+    return OSError(e.errno, f"{text}. Free space on the disk of {flag} {str(folder)!r} (or give a folder on "
+                   "another disk), then continue with --resume from the last checkpoint")
+
+
 def not_written(name: str, path: Path, e: BaseException) -> dict[str, str]:
     """summary.json's record of an end-of-run file that failed (printed on stderr too)."""
     print(f"tierzero train: error: {path}: not written ({type(e).__name__}: {e})", file=sys.stderr)
@@ -209,14 +224,13 @@ class Contents:
 
     @property
     def earlier_run(self) -> list[str]:
-        """The earlier run's files, in words (empty when there is none)."""
-        out = []
-        for f in self.files:
-            if f.name == METRICS:
-                if f.stat().st_size:
-                    out.append(f"{f.name} ({sum(1 for _ in f.open('rb'))} rows)")
-            elif f.name in END_FILES:
-                out.append(f.name)
+        """The earlier run's files, in words, when it trained (metrics rows or checkpoints); empty
+        when there is none, or it stopped before its first step (its summary.json is replaced)."""
+        rows = sum(sum(1 for _ in f.open("rb")) for f in self.files if f.name == METRICS)
+        if not rows and not self.checkpoints:
+            return []
+        out = [f"{METRICS} ({rows} rows)"] if rows else []
+        out += [f.name for f in self.files if f.name in END_FILES]
         if self.checkpoints:
             out.append(f"{len(self.checkpoints)} checkpoint(s) in {self.checkpoints[0].parent} "
                        f"({', '.join(p.name for p in self.checkpoints[-3:])})")
@@ -291,6 +305,17 @@ def remove_earlier_run(found: Contents) -> None:
         shutil.rmtree(trash)
 
 
+def new_checkpoints(args: argparse.Namespace) -> tuple[int, int]:
+    """(checkpoints the run adds to its disk at most, checkpoints of this user's already there).
+    The disk holds --keep-last of them and the one being saved before the oldest is pruned, so a
+    resumed run needs room for those beyond what is there (and always for the one being saved)."""
+    if not args.checkpoint_every:
+        return 0, 0
+    folder = checkpoint_dir(args)
+    there = len([p for p in checkpoints(folder) if not not_own_checkpoint(p)]) if folder.is_dir() else 0
+    return max(1, args.keep_last + 1 - there), there
+
+
 METRICS_ROW_BYTES = 2048
 TRACE_EVENTS_PER_STEP, TRACE_EVENT_BYTES = 4096, 200
 """What the room check counts for a step's metrics row and trace (generous: it guards a full disk)."""
@@ -349,16 +374,18 @@ class RunFolders:
 
     def check_room(self, args: argparse.Namespace, state_bytes: int) -> None:
         """The disks under the folders hold what the run writes there: each step's metrics row
-        and trace, and the checkpoints kept (`state_bytes` each)."""
+        and trace, and the checkpoints to come (`state_bytes` each; `new_checkpoints`)."""
         if self.run is None:
             return
         files = args.steps * METRICS_ROW_BYTES + min(args.steps * TRACE_EVENTS_PER_STEP, MAX_EVENTS) * TRACE_EVENT_BYTES
-        checkpoints = (args.keep_last + 1) * state_bytes if args.checkpoint_every else 0
+        n, there = new_checkpoints(args)
+        checkpoints = n * state_bytes
+        what = f"{n} more checkpoint(s){f' beside the {there} there' if there else ''}"
         if self.ckpt is None:
-            self.run.check_room(files + checkpoints, "the run folder (metrics, trace, plot, checkpoints)")
+            self.run.check_room(files + checkpoints, f"the run folder (metrics, trace, plot, {what})")
         else:
             self.run.check_room(files, "the run folder (metrics, trace, plot)")
-            self.ckpt.check_room(checkpoints, f"{args.keep_last + 1} checkpoints")
+            self.ckpt.check_room(checkpoints, what)
 
     def close(self) -> None:
         for folder in (self.ckpt, self.run):

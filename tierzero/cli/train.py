@@ -31,7 +31,7 @@ from tierzero.cli.harness import check_room, corpus, heads, meta_model, pretrain
 from tierzero.cli.micro_batches import add_micro_batch_flag, check_micro_batches, check_step_memory, forward_backward
 from tierzero.cli.outputs import check_outputs
 from tierzero.cli.plots import plot_run
-from tierzero.cli.run_dir import RunFolders, checkpoint_dir, not_written
+from tierzero.cli.run_dir import DISK_ERRNOS, DISK_EXIT, RunFolders, checkpoint_dir, not_written
 from tierzero.cli.stop import Stopped, StopSignals
 from tierzero.cli.train_loop import Outcome, Run, lr_lambda, resume, train_steps
 from tierzero.cli.train_report import dump_json, global_mean, run_summary, step_row, write_failure
@@ -306,6 +306,8 @@ def main(argv: list[str]) -> int:
         rank = "" if isinstance(e, RankRuntimeError) else _rank()  # its message names the rank
         print(f"tierzero train: error: {rank}{e if bad_input else f'{type(e).__name__}: {e}'}"
               f"{'' if bad_input else log}", file=sys.stderr)
+        if isinstance(e, OSError) and e.errno in DISK_ERRNOS:
+            return DISK_EXIT  # a disk full or failing: not the flags' fault
         return 2 if bad_input else 1
     finally:
         if owns_group and dist.is_initialized():

@@ -18,7 +18,7 @@ import torch
 import tierzero as tz
 from io_engine import Progress
 from tierzero.checkpoint import latest_checkpoint
-from tierzero.cli.run_dir import RunFolders, checkpoint_dir
+from tierzero.cli.run_dir import METRICS, RunFolders, checkpoint_dir, disk_error
 from tierzero.cli.stop import Stopped, StopSignals
 from tierzero.config import format_size
 from tierzero.formats import corpus as tzdata
@@ -132,8 +132,11 @@ def train_steps(r: Run, start: int, outcome: Outcome, step: Callable[[Run, int],
             r.io_rows.append({k: row[k] for k in ("step_s", "nvme_read_bytes", "nvme_write_bytes", "nvme_busy_s")})
             last_loss = row["loss"]
             if metrics is not None:
-                metrics.write(json.dumps(row) + "\n")
-                metrics.flush()
+                try:
+                    metrics.write(json.dumps(row) + "\n")
+                    metrics.flush()
+                except OSError as e:
+                    raise disk_error(e, r.folders.run.path / METRICS, r.folders.run.path, "--run-dir") from e
             progress.advance(_progress_text(row))
             if not math.isfinite(last_loss):
                 raise FloatingPointError(f"step {i}: loss is {last_loss}; lower --lr or check the data")
@@ -141,8 +144,11 @@ def train_steps(r: Run, start: int, outcome: Outcome, step: Callable[[Run, int],
             if stop is not None or (args.checkpoint_every and (i + 1) % args.checkpoint_every == 0):
                 if metrics is not None:
                     os.fsync(metrics.fileno())  # the rows up to a checkpoint survive what kills the run
-                outcome.checkpoint = tz.save_checkpoint(r.ckpt_dir, r.model, r.opt, extra=train_state(r, i + 1),
-                                                        keep_last=args.keep_last)
+                try:
+                    outcome.checkpoint = tz.save_checkpoint(r.ckpt_dir, r.model, r.opt, extra=train_state(r, i + 1),
+                                                            keep_last=args.keep_last)
+                except OSError as e:
+                    raise disk_error(e, r.ckpt_dir, r.ckpt_dir, "--checkpoint-dir") from e
             if stop is not None:
                 raise Stopped(stop, i + 1)
     return last_loss

@@ -8,8 +8,10 @@
     checksums.py         the checksum record of a model folder tierzero writes, and its check
     hf_folder.py         transformers' model folder: config files, shards, index, the meta-device build
     corpus.py            training text: the standard library's source, text and JSONL files, batches
+    files.py             a model folder's file readable as one (not a FIFO, a device, unreadable)
 """
 
+from tierzero.formats.files import readable_file
 from tierzero.formats.checksums import RECORD as CHECKSUM_RECORD, verify_folder
 from tierzero.formats.buffers import check_buffers, init_buffers, init_params, load_buffers, persistent_buffers
 from tierzero.formats.conversions import original_format_specs
@@ -31,4 +33,4 @@ __all__ = ["original_format_specs", "VOCAB_SIZE", "BatchSampler", "Tokenizer", "
            "save_safetensors", "write_safetensors", "check_file_target", "verify_safetensors", "LoadedShard", "ShardRequest", "WeightSource", "check_buffers",
            "init_buffers", "init_params", "load_buffers", "load_safetensors", "open_weights", "persistent_buffers",
            "PEFT_PREFIX", "adapter_params", "base_model", "checkpoint_name", "is_peft", "peft_base_name",
-           "CHECKSUM_RECORD", "verify_folder"]
+           "CHECKSUM_RECORD", "verify_folder", "readable_file"]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import xxhash
 
+from tierzero.formats.files import readable_file
 from tierzero.formats.safetensors_file import verify_safetensors
 
 RECORD = "tierzero.checksums.json"
@@ -51,11 +52,12 @@ def verify_folder(folder: str | os.PathLike[str]) -> bool:
     False when the folder has no record."""
     folder = Path(folder)
     record_path = folder / RECORD
-    listed = _verify_record(folder, record_path) if record_path.is_file() else {}
+    recorded = readable_file(record_path)
+    listed = _verify_record(folder, record_path) if recorded else {}
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
-        if entry.name.endswith(".safetensors") and entry.name not in listed and entry.is_file():
+        if entry.name.endswith(".safetensors") and entry.name not in listed and readable_file(entry.path):
             verify_safetensors(entry.path)
-    return record_path.is_file()
+    return recorded
 
 
 def _verify_record(folder: Path, record_path: Path) -> dict:
@@ -70,7 +72,7 @@ def _verify_record(folder: Path, record_path: Path) -> dict:
                          "folder from a copy, or delete the record to load it unchecked") from None
     for name, expected in files.items():
         path = folder / name
-        if not path.is_file():
+        if not readable_file(path):
             raise ValueError(f"{str(path)!r} is missing: {RECORD} lists it ({expected.get('bytes')} bytes); restore "
                              "the folder from a copy")
         size, digest = file_digest(path)

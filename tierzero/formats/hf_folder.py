@@ -32,6 +32,7 @@ from torch import nn
 from io_engine import MARKER, folder_mode, make_private, mark_own, marked_own, owner_gone, temp_name
 from tierzero.formats.checksums import RECORD, record_text
 from tierzero.formats.corpus import Tokenizer
+from tierzero.formats.files import readable_file
 from tierzero.formats.safetensors_file import TensorSpec, fsync_dir, write_safetensors
 
 __all__ = ["meta_model", "folder_tokenizer", "require_causal_lm", "require_transformers", "write_weights_folder",
@@ -71,7 +72,7 @@ def meta_model(path: str | os.PathLike[str], *, dtype: torch.dtype | str | None 
     ("auto" or None: the config's), and the rest go to the model's constructor."""
     transformers = require_transformers()
     folder = Path(path)
-    if not (folder / CONFIG_FILE).is_file():
+    if not readable_file(folder / CONFIG_FILE):
         raise ValueError(f"from_pretrained: {str(folder)!r} holds no {CONFIG_FILE}; give a local folder "
                          "written by save_pretrained (download a hub model first, e.g. with "
                          "`huggingface-cli download`)")
@@ -145,6 +146,8 @@ def require_causal_lm(path: str | os.PathLike[str]) -> None:
     """ValueError unless the folder's config.json names a causal language model (or no class):
     what `tierzero train` trains (next-token loss through AutoModelForCausalLM)."""
     transformers = require_transformers()
+    if not readable_file(Path(path) / CONFIG_FILE):
+        return  # meta_model reports a folder without one
     try:
         arch = json.loads((Path(path) / CONFIG_FILE).read_text()).get("architectures") or []
     except (OSError, ValueError):

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from tierzero.formats.conversions import Converted
+from tierzero.formats.files import readable_file
 from tierzero.formats.safetensors_file import DTYPES, read_header, verify_safetensors
 from tierzero.layout import FlatLayout
 from tierzero.placement import CheckpointHome, Segment, SwapSpace
@@ -107,13 +108,13 @@ class WeightSource:
             self.release()
 
     def _files(self) -> list[Path]:
-        if self.path.is_file():
+        if os.path.exists(self.path) and not self.path.is_dir() and readable_file(self.path):
             return [self.path]
         if not self.path.is_dir():
             raise FileNotFoundError(f"weights {str(self.path)!r}: no such file or folder; give a transformers "
                                     f"model folder ({SINGLE} or {INDEX} with its shards) or a .safetensors file")
         index = self.path / INDEX
-        if index.is_file():
+        if readable_file(index):
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (ValueError, KeyError, TypeError) as e:
@@ -125,7 +126,7 @@ class WeightSource:
                 raise ValueError(f"weights {str(index)!r}: the weight_map names files outside the folder: "
                                  f"{few(map(str, outside))}; an index names shard files in its own folder")
             self._weight_map = dict(weight_map)
-            absent = [s for s in shards if not (self.path / s).is_file()]
+            absent = [s for s in shards if not readable_file(self.path / s)]
             if absent:
                 keys = [k for k, s in weight_map.items() if s in absent]
                 raise ValueError(f"weights {str(self.path)!r}: {INDEX} names {len(absent)} shard file(s) that "
@@ -133,7 +134,7 @@ class WeightSource:
                                  f"{few(keys, 3)}); copy the missing shards into the folder or save the "
                                  "model again")
             return [self.path / s for s in shards]
-        if (self.path / SINGLE).is_file():
+        if readable_file(self.path / SINGLE):
             return [self.path / SINGLE]
         pickled = [name for name in PICKLED if (self.path / name).is_file()]
         if pickled:
