@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import threading
 import time
+import weakref
 from typing import Callable, Iterable, Optional
 
 from tierzero.placement import TensorHandle
@@ -72,6 +74,14 @@ class StepQueue:
         """Called on the update thread after each update that ended well, once its flat is no
         longer busy (the prefetcher plans again: StepContext.update_done)."""
         self._closed = False
+        _finish_at_exit(self)
+
+    def finish_queued(self) -> None:
+        """Wait for every queued or running update to end (at interpreter exit: see
+        `_finish_at_exit`); a failure stays recorded, as for any update."""
+        with self._lock:
+            futures = list(self._pending.values())
+        cf.wait(futures)
 
     def __repr__(self) -> str:
         return f"StepQueue(pending={[h.name for h in self._pending]}, failed={self._failed is not None})"
@@ -187,3 +197,20 @@ class StepQueue:
                 self._on_wait(time.perf_counter() - t0)
         if self._failed is not None:  # a fresh error each time: raising one object again grows its traceback
             raise StepFailed(str(self._failed)) from self._failed.__cause__
+
+
+def _finish_at_exit(queue: StepQueue) -> None:
+    """A script may end right after `opt.step()`, its last step's updates still queued. They
+    finish before the interpreter tells waiting threads it is exiting (placement's `exiting()`,
+    which fails a wait for room or a move), so the step completes and the close at exit finds
+    every buffer given back. threading's exit hooks run newest first: this one, registered after
+    placement's, runs before it."""
+    ref = weakref.ref(queue)
+
+    def finish() -> None:
+        q = ref()
+        if q is not None:
+            q.finish_queued()
+
+    with contextlib.suppress(RuntimeError):  # registered during the interpreter's shutdown: too late
+        threading._register_atexit(finish)  # noqa: SLF001 (as placement's swap_dirs and concurrent.futures do)

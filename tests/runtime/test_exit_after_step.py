@@ -1,0 +1,55 @@
+"""A script that ends right after `opt.step()`: the step's queued updates finish before the
+interpreter tells waiting threads it is exiting, and nothing is printed as a failure."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from builders import REPO
+
+SCRIPT = """
+import time
+from tierzero.placement.swap_dirs import exiting
+from tierzero.runtime.step_queue import StepQueue
+
+queue = StepQueue()
+
+def update():  # an update still running when the main thread ends (a wait for room would fail once exiting)
+    time.sleep(0.5)
+    print("the update saw the exit" if exiting() else "the update finished", flush=True)
+
+queue.submit("blocks.0", "blocks.0", update)
+"""
+
+WRAPPED = """
+import torch
+import tierzero as tz
+from tierzero.models import build
+
+cfg = tz.Config(device_budget="4MiB", host_budget="8MiB", nvme_dir={nvme!r}, params="nvme", optimizer_states="nvme",
+                grads="nvme")
+model = tz.wrap(build("tiny", vocab_size=256, seq_len=32), cfg)
+opt = tz.AdamW(model, lr=1e-3)
+x = torch.randint(0, 256, (2, 32))
+model(x, x).loss.backward()
+opt.step()
+"""
+
+
+def run(code: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_queued_update_finishes_before_the_exit_is_announced() -> None:
+    proc = run(SCRIPT)
+    assert proc.returncode == 0 and proc.stdout == "the update finished\n", (proc.stdout, proc.stderr)
+    assert proc.stderr == ""
+
+
+def test_a_script_ending_right_after_the_step_prints_nothing(tmp_path) -> None:
+    proc = run(WRAPPED.format(nvme=str(tmp_path / "nvme")))
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert not [p for p in (tmp_path / "nvme").rglob("*") if p.is_file()]
