@@ -9,11 +9,9 @@
 - End-of-run files (trace.json, summary.json, tiers.png) are each written under a temporary
   name, fsynced, then renamed: a failure leaves no partial file, names its file, and does not
   stop the others.
-- Links: `.lock` and `metrics.jsonl` are never written through a symlink or a hard link
-  someone planted ([Note: no write through a link] in io_engine/safe_files.py); the folder and
-  its files are private (0700 / 0600) unless `private=False` (`--file-mode umask`).
-- What is there: a run starts only in a new or empty folder, or one that holds an earlier run
-  of this user's alone (`check_contents`); see [Note: a run folder holds one run].
+- Links: never written through ([Note: no write through a link] in io_engine/safe_files.py);
+  private (0700 / 0600) unless `private=False`. What is already there: [Note: a run folder
+  holds one run] (`check_contents`).
 """
 
 from __future__ import annotations
