@@ -48,10 +48,11 @@ def test_a_tier_given_twice_in_a_split_is_refused_as_such(capsys) -> None:
     (["--clip", "-1"], "--clip: expected a finite number >= 0"),
     (["--warmup", "-5"], "--warmup: expected a number of steps >= 0"),
     (["--collective-timeout", "1e300"], "--collective-timeout: expected seconds > 0 and at most 2592000"),
-    (["--collective-timeout", "nan"], "--collective-timeout: expected a finite number"),
+    (["--collective-timeout", "nan"], "--collective-timeout: expected seconds > 0"),
     (["--lr", "inf"], "--lr: expected a finite number"),
     (["--host-budget", "-5MiB"], "--host-budget: a budget cannot be negative, got '-5MiB'"),
     (["--nvme-budget", "-1"], "--nvme-budget: a budget cannot be negative"),
+    (["--resume", "--overwrite"], "give one of them"),
 ])
 def test_nan_and_negative_values_are_refused_naming_the_flag(tmp_path: Path, capsys, flags, message) -> None:
     assert message in refused(tmp_path, capsys, *flags)

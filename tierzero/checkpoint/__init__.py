@@ -14,5 +14,5 @@ from tierzero.checkpoint.format import (MANIFEST, PREFIX, TMP_PREFIX, TRASH_PREF
 from tierzero.checkpoint.save_load import load_checkpoint, save_checkpoint
 
 __all__ = ["save_checkpoint", "load_checkpoint", "export_checkpoint", "load_weights", "CheckpointError",
-           "latest_checkpoint", "open_checkpoint", "not_own_checkpoint", "checkpoints", "MANIFEST", "PREFIX", "TMP_PREFIX",
-           "TRASH_PREFIX"]
+           "latest_checkpoint", "open_checkpoint", "not_own_checkpoint", "checkpoints", "MANIFEST", "PREFIX",
+           "TMP_PREFIX", "TRASH_PREFIX"]

@@ -8,6 +8,8 @@
     estimate.py  `tierzero estimate`: bytes per tier, traffic, what fits
     export.py    `tierzero export`: a checkpoint as safetensors or a transformers folder
     plots.py     tiers.png
+    run_dir.py   the run folder: its lock, what it may already hold, its files
+    caches.py    the libraries' caches kept private to the command
 """
 
 from tierzero.cli.dispatch import main

@@ -42,10 +42,10 @@ def check_step_memory(args: argparse.Namespace, model: torch.nn.Module, availabl
     available = psutil.virtual_memory().available if available is None else available
     if rows * per_row > available:
         most = available // (args.batch * per_row)
-        raise ValueError(f"--micro-batches {args.micro_batches} x --batch {args.batch} x --seq {args.seq}: the step's "
-                         f"rows need about {rows * per_row / 2**30:.1f} GiB of memory (token ids, and the hidden states "
-                         f"tz.accumulate keeps between blocks), this machine has {available / 2**30:.1f} GiB available; "
-                         f"give --micro-batches {max(most, 1)} or fewer (or a smaller --batch / --seq)")
+        raise ValueError(f"--micro-batches {args.micro_batches} x --batch {args.batch} x --seq {args.seq}: the "
+                         f"step's rows need about {rows * per_row / 2**30:.1f} GiB of memory (token ids, and the hidden "
+                         f"states tz.accumulate keeps between blocks), this machine has {available / 2**30:.1f} GiB "
+                         f"available; give --micro-batches {max(most, 1)} or fewer (or a smaller --batch / --seq)")
 
 
 def forward_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, k: int, *,

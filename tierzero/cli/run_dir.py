@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import IO, Callable
 
-from io_engine import free_disk_bytes, make_folder, mark_own, open_own, replace_file, temp_name
+from io_engine import free_disk_bytes, make_folder, mark_own, marked_own, open_own, replace_file, temp_name
 from tierzero.checkpoint import PREFIX, TMP_PREFIX, TRASH_PREFIX, checkpoints, not_own_checkpoint
 from tierzero.config import format_size
 from tierzero.placement import MAX_EVENTS
@@ -40,8 +40,10 @@ END_FILES = ("summary.json", "trace.json", "tiers.png", "error.log")
 CHECKPOINTS = "checkpoints"
 """The checkpoint folder inside a run folder (when --checkpoint-dir is not given)."""
 _CKPT = re.compile(re.escape(PREFIX) + r"\d{8}")
-_OWN_TEMP = re.compile(r"\.(" + "|".join(map(re.escape, (LOCK[1:], METRICS, *END_FILES))) + r")\.tmp-\d+")
-"""The temporary name of a file the run writes whole (`replace_file`), left by a killed run."""
+_OWN_TEMP = re.compile(r"\.(" + "|".join(map(re.escape, (LOCK[1:], METRICS, *END_FILES))) + r")\.tmp-\d+"
+                       r"|\.tierzero-probe-\d+")
+"""The temporary name of a file the run writes whole (`replace_file`), or of its write probe
+(outputs.py), left by a killed run."""
 
 
 # [Note: a run folder holds one run]
@@ -259,8 +261,8 @@ def check_contents(path: Path, *, flag: str, named: set[str], in_run: bool) -> C
     else:
         for entry in sorted(os.scandir(path), key=lambda e: e.name):
             name = entry.name
-            if name in named:
-                continue
+            if name in named or (name.startswith((".tmp-", ".old-")) and marked_own(entry.path)):
+                continue  # the command's own folders; an export's staging folder (marked, this user's)
             if name == CHECKPOINTS:
                 why = _not_own(entry, folder=True)
                 if not why:

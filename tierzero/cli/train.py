@@ -105,6 +105,8 @@ def _check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag}: a budget cannot be negative, got {value!r}; give a byte count such as 8GiB")
     _check_numbers(args)
     check_micro_batches(args)
+    if args.resume and args.overwrite:
+        raise ValueError("--resume continues the run in --run-dir and --overwrite removes it: give one of them")
     if args.compile:
         check_compile_cache(compile_cache())
     if args.step_in_backward and args.clip > 0:
@@ -129,16 +131,15 @@ MAX_COLLECTIVE_TIMEOUT_S = 30 * 86400
 
 def _check_numbers(args: argparse.Namespace) -> None:
     """The optimizer's numbers and the timeout: finite, not negative (ValueError naming the flag)."""
-    for flag, value in (("--clip", args.clip), ("--lr", args.lr), ("--weight-decay", args.weight_decay),
-                        ("--collective-timeout", args.collective_timeout)):
+    for flag, value in (("--clip", args.clip), ("--lr", args.lr), ("--weight-decay", args.weight_decay)):
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"{flag}: expected a finite number >= 0, got {value}"
                              f"{' (0 turns clipping off)' if flag == '--clip' else ''}")
     if args.warmup < 0:
         raise ValueError(f"--warmup: expected a number of steps >= 0, got {args.warmup}")
-    if not 0 < args.collective_timeout <= MAX_COLLECTIVE_TIMEOUT_S:
-        raise ValueError(f"--collective-timeout: expected seconds > 0 and at most {MAX_COLLECTIVE_TIMEOUT_S} (30 days), "
-                         f"got {args.collective_timeout}")
+    if not 0 < args.collective_timeout <= MAX_COLLECTIVE_TIMEOUT_S:  # False for NaN too
+        raise ValueError(f"--collective-timeout: expected seconds > 0 and at most {MAX_COLLECTIVE_TIMEOUT_S} "
+                         f"(30 days), got {args.collective_timeout}")
 
 
 def _config(args: argparse.Namespace) -> tz.Config:

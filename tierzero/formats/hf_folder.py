@@ -274,7 +274,7 @@ def write_weights_folder(out_dir: Path, specs: Sequence[TensorSpec], max_shard_s
     with staged_folder(out_dir, private=private) as tmp:
         write_configs(tmp)
         for shard in shards:
-            write_safetensors(tmp / shard.file, shard.specs, _METADATA)
+            write_safetensors(tmp / shard.file, shard.specs, _METADATA, private=private)
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(spec_nbytes(s) for s in specs)},
                      "weight_map": {s.name: shard.file for shard in shards for s in shard.specs}}
