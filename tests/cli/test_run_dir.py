@@ -21,6 +21,7 @@ from pathlib import Path
 
 from builders import REPO
 from tierzero.cli import train
+from tierzero.cli.caches import CACHE_VARIABLES
 from tierzero.cli.run_dir import RunDir
 
 TINY = ["--model", "tiny", "--batch", "2", "--seq", "32", "--device-budget", "4MiB", "--host-budget", "8MiB",
@@ -28,9 +29,9 @@ TINY = ["--model", "tiny", "--batch", "2", "--seq", "32", "--device-budget", "4M
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 
 
-def start(tmp_path: Path, *extra: str) -> subprocess.Popen:
+def start(tmp_path: Path, *extra: str, env: dict[str, str] = ENV) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tierzero.cli", "train", *TINY, "--nvme-dir", str(tmp_path / "nvme"),
-                             "--run-dir", str(tmp_path / "run"), *extra], env=ENV, stdout=subprocess.PIPE,
+                             "--run-dir", str(tmp_path / "run"), *extra], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -50,7 +51,12 @@ def swap_files(nvme: Path) -> list[Path]:
 
 
 def test_a_second_run_is_refused_at_once_and_sigterm_stops_the_first(tmp_path: Path, capsys) -> None:
-    first = start(tmp_path, "--steps", "100000")
+    """The first run has a home and a temporary folder of its own: the command's caches leave
+    nothing in either, stopped or not ([Note: private caches])."""
+    home, tmp = tmp_path / "home", tmp_path / "tmp"
+    home.mkdir(), tmp.mkdir()
+    env = {k: v for k, v in ENV.items() if k not in CACHE_VARIABLES}
+    first = start(tmp_path, "--steps", "100000", env={**env, "HOME": str(home), "TMPDIR": str(tmp)})
     try:
         wait_for_rows(tmp_path / "run", 2, first)
         t0 = time.monotonic()
@@ -69,6 +75,7 @@ def test_a_second_run_is_refused_at_once_and_sigterm_stops_the_first(tmp_path: P
     assert swap_files(tmp_path / "nvme") == []
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["stopped_by"] == "SIGTERM" and summary["steps_completed"] >= 3
+    assert list(home.iterdir()) == [] and list(tmp.iterdir()) == []  # no /tmp/torchinductor_<user>, no ~/.cache
 
 
 def test_a_bad_export_target_is_refused_before_the_first_step(tmp_path: Path, capsys) -> None:
@@ -109,6 +116,7 @@ def test_a_full_disk_for_one_end_of_run_file_names_it_and_the_others_are_written
 FSIZE = """
 import resource, sys
 from tierzero.cli import train
+from tierzero.cli.caches import CACHE_VARIABLES
 resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 10, 8 << 10))  # files of at most 8 KiB from here on
 sys.exit(train.main(sys.argv[1:]))
 """
