@@ -161,11 +161,11 @@ def test_bf16_export(trained, tmp_path):
 def _fail_on_second_file(real):
     calls = []
 
-    def failing(path, specs, metadata=None):
+    def failing(path, specs, metadata=None, **kw):
         calls.append(path)
         if len(calls) == 2:
             raise OSError(28, "No space left on device (injected)")
-        return real(path, specs, metadata)
+        return real(path, specs, metadata, **kw)
 
     return failing
 

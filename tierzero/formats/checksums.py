@@ -51,6 +51,8 @@ def verify_folder(folder: str | os.PathLike[str]) -> bool:
     checksum inside a safetensors file]); ValueError naming the first that differs or is missing.
     False when the folder has no record."""
     folder = Path(folder)
+    if not folder.is_dir():
+        return False  # the caller names a folder that is not one
     record_path = folder / RECORD
     recorded = readable_file(record_path)
     listed = _verify_record(folder, record_path) if recorded else {}
