@@ -38,7 +38,7 @@ def through_a_node(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
 def test_t5_is_plain_with_each_decoder_blocks_inputs_through_one_node(tmp_path: Any, tie: bool) -> None:
     ref = build("T5ForConditionalGeneration", t5(tie))
     model = copy.deepcopy(ref)
-    for block in ref.decoder.block:
+    for block in (*ref.encoder.block, *ref.decoder.block):  # the default blocks ([Note: default blocks])
         block.register_forward_pre_hook(through_a_node, with_kwargs=True)
     tz.wrap(model, tier_config(tmp_path / "nvme", tier="host", params="nvme"))
     ropt, opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True), tz.AdamW(model, lr=3e-3)
