@@ -24,7 +24,7 @@ __all__ = ["from_pretrained", "save_pretrained", "meta_model", "Trainer", "train
 def __getattr__(name: str) -> Any:
     if name in ("Trainer", "trainer_for"):
         require_transformers()
-        from tierzero.hf import trainer  # optional dependency: transformers
+        import tierzero.hf.trainer  # optional dependency: transformers
 
-        return getattr(trainer, name)
+        return getattr(tierzero.hf.trainer, name)
     raise AttributeError(f"module 'tierzero.hf' has no attribute {name!r}")
