@@ -110,10 +110,12 @@ def test_timm_resnet_and_vit(tmp_path: Path) -> None:
     from timm.models.resnet import BasicBlock as TimmBasicBlock, ResNet as TimmResNet
 
     torch.manual_seed(0)
-    resnet = TimmResNet(TimmBasicBlock, [1, 1, 1, 1], num_classes=5)  # ResNet-18's widths, a block per stage
-    assert [n for n, _, _ in blocks_of(resnet, tz.Config())] == [f"layer{i}.0" for i in range(1, 5)] + [ROOT]
-    assert root_share(resnet, tz.Config()) < 0.05
-    assert train_pair(resnet, images(size=32), classify, tmp_path / "resnet") == (0.0, 0.0)
+    # ResNet-18's layout (2 blocks a stage), narrow
+    resnet = TimmResNet(TimmBasicBlock, [2, 2, 2, 2], num_classes=5, stem_width=8, channels=(8, 16, 24, 32))
+    assert [n for n, _, _ in blocks_of(resnet, tz.Config())] == [f"layer{i}.{j}" for i in range(1, 5) for j in range(2)] + [ROOT]
+    root = {n for n, _ in blocks_of(resnet, tz.Config())[-1][2]}
+    assert root == {"conv1.weight", "bn1.weight", "bn1.bias", "fc.weight", "fc.bias"}  # the stem and the head
+    assert train_pair(resnet, images(size=16), classify, tmp_path / "resnet") == (0.0, 0.0)
     vit = timm.models.vision_transformer.VisionTransformer(img_size=12, patch_size=4, embed_dim=24, depth=2,
                                                            num_heads=2, num_classes=5)
     assert [n for n, _, _ in blocks_of(vit, tz.Config())][:2] == ["patch_embed", "blocks.0"]
