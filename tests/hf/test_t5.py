@@ -4,9 +4,11 @@ The encoder's output is read by every decoder block, twice (cross-attention's k 
 autograd sums all those shares of its gradient into one buffer in arrival order; a tiered block
 takes its inputs through one identity autograd node (RegisterPostBackward, its post-backward), so
 each decoder block's two shares are summed first and the blocks' sums then added: the same fp32
-terms, associated otherwise. The test puts the same identity (a view) on the inputs of plain
-T5's decoder blocks: then every loss and every parameter is bit for bit tierzero's. Decoder-only
-models pass each hidden state to one block only, so they are bit for bit without it.
+terms, associated otherwise; so is each stack's position bias, read by all its layers (the
+encoder's layers are blocks too: [Note: default blocks]). The test puts the same identity (a view)
+on the inputs of plain T5's encoder and decoder blocks: then every loss and every parameter is bit
+for bit tierzero's. Decoder-only models pass each hidden state to one block only, so they are bit
+for bit without it.
 """
 
 from __future__ import annotations
