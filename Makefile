@@ -7,12 +7,22 @@ TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 # GPU machines carry their own torch and take no downloads: test-gpu runs on the system python.
 GPU_PY  ?= python3
+# The optional extras' tests (TRL, diffusers) run in `make test` too. timm needs torchvision, whose
+# PyPI wheels for Linux are CUDA builds that the CPU torch cannot load: name an index holding the
+# torchvision of this torch to add the `vision` extra (timm's tests), e.g.
+# `make test TORCH_INDEX=https://download.pytorch.org/whl/cpu`; without one they are skipped.
+TORCH_INDEX ?=
+COMMA   := ,
+EXTRAS  := test,hf,trl,diffusion$(if $(TORCH_INDEX),$(COMMA)vision)
 
+# The extras install against a constraint on the torch just installed, so none of them replaces it.
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e '.[test,hf]'
+	$(PY) -m pip freeze | grep -i '^torch==' > $(VENV)/torch-pin.txt
+	$(PY) -m pip install -q -c $(VENV)/torch-pin.txt $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) \
+		-e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 install: $(STAMP)

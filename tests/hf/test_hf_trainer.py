@@ -248,3 +248,17 @@ def test_from_pretrained_with_placed_activations_trains_as_on_the_device(tmp_pat
         finally:
             runtime.close(model)
     assert len(got["device"]) == 3 and got["nvme"] == got["device"]
+
+
+def test_a_forward_under_autocast_takes_the_plain_loop(wrapped, tmp_path):
+    """bf16=True: accelerate runs the model's forward under autocast, which tz.accumulate cannot
+    interleave; the Trainer accumulates with the plain loop instead, says so once, and logs the
+    plain Trainer's losses and grad norms."""
+    over = dict(max_steps=2, gradient_accumulation_steps=2, bf16=True)
+    plain = transformers.Trainer(model=llama(), args=training_args(tmp_path / "plain", **over), train_dataset=data())
+    plain.train()
+    tiered = Trainer(model=wrapped(), args=training_args(tmp_path / "tiered", **over), train_dataset=data())
+    with pytest.warns(RuntimeWarning, match=r"accumulating with the plain loop.*autocast") as caught:
+        tiered.train()
+    assert len([w for w in caught if "plain loop" in str(w.message)]) == 1
+    assert_same(logged(tiered), logged(plain))

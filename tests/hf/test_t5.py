@@ -4,9 +4,11 @@ The encoder's output is read by every decoder block, twice (cross-attention's k 
 autograd sums all those shares of its gradient into one buffer in arrival order; a tiered block
 takes its inputs through one identity autograd node (RegisterPostBackward, its post-backward), so
 each decoder block's two shares are summed first and the blocks' sums then added: the same fp32
-terms, associated otherwise. The test puts the same identity (a view) on the inputs of plain
-T5's decoder blocks: then every loss and every parameter is bit for bit tierzero's. Decoder-only
-models pass each hidden state to one block only, so they are bit for bit without it.
+terms, associated otherwise; so is each stack's position bias, read by all its layers (the
+encoder's layers are blocks too: [Note: default blocks]). The test puts the same identity (a view)
+on the inputs of plain T5's encoder and decoder blocks: then every loss and every parameter is bit
+for bit tierzero's. Decoder-only models pass each hidden state to one block only, so they are bit
+for bit without it.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def through_a_node(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
 def test_t5_is_plain_with_each_decoder_blocks_inputs_through_one_node(tmp_path: Any, tie: bool) -> None:
     ref = build("T5ForConditionalGeneration", t5(tie))
     model = copy.deepcopy(ref)
-    for block in ref.decoder.block:
+    for block in (*ref.encoder.block, *ref.decoder.block):  # the default blocks ([Note: default blocks])
         block.register_forward_pre_hook(through_a_node, with_kwargs=True)
     tz.wrap(model, tier_config(tmp_path / "nvme", tier="host", params="nvme"))
     ropt, opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True), tz.AdamW(model, lr=3e-3)

@@ -195,8 +195,10 @@ class Config:
     checksums: bool = True
     """Record a checksum of every NVMe write and verify it on read."""
     block_classes: tuple[str, ...] = ()
-    """Class names of modules that form blocks; empty = the repeated children (transformer
-    layers) found automatically."""
+    """Class names of modules that form blocks; empty = found automatically: the repeated layers
+    (a transformer's), then the modules outside them holding parameters only through their
+    children (a CNN's residual blocks, a UNet's blocks; [Note: default blocks] in
+    tierzero/layout/grouping.py)."""
     min_block_bytes: int | str = 0
     """Blocks smaller than this are merged with their neighbour (0 = never merge)."""
     activations: Literal["device", "host", "nvme", "auto"] = "device"

@@ -1,7 +1,8 @@
 """transformers models in and out of tierzero, and transformers' Trainer for a tiered model.
 
     pretrained.py  tz.from_pretrained / tz.save_pretrained: folders streamed in and out, block by block
-    trainer.py     tierzero.hf.Trainer: transformers.Trainer for a wrapped model
+    trainer.py     tierzero.hf.Trainer: transformers.Trainer for a wrapped model; trainer_for(cls)
+                   the same over any Trainer subclass (TRL's SFTTrainer, DPOTrainer)
     loss.py        causal_lm_loss: a causal LM's loss without the whole sequence's logits
 
 transformers is an optional extra (`pip install 'tierzero[hf]'`): this package imports without
@@ -16,13 +17,14 @@ from tierzero.formats import meta_model, require_transformers
 from tierzero.hf.loss import causal_lm_loss, chunked_cross_entropy
 from tierzero.hf.pretrained import from_pretrained, save_pretrained
 
-__all__ = ["from_pretrained", "save_pretrained", "meta_model", "Trainer", "causal_lm_loss", "chunked_cross_entropy"]
+__all__ = ["from_pretrained", "save_pretrained", "meta_model", "Trainer", "trainer_for", "causal_lm_loss",
+           "chunked_cross_entropy"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "Trainer":
+    if name in ("Trainer", "trainer_for"):
         require_transformers()
-        from tierzero.hf.trainer import Trainer  # optional dependency: transformers
+        import tierzero.hf.trainer  # optional dependency: transformers
 
-        return Trainer
+        return getattr(tierzero.hf.trainer, name)
     raise AttributeError(f"module 'tierzero.hf' has no attribute {name!r}")

@@ -1,8 +1,10 @@
 """tierzero.hf.Trainer's gradient accumulation layer by layer: the micro-batches of one
 optimizer step (gradient_accumulation_steps > 1) go through tz.accumulate together, each block
-fetched once for all of them. Each micro-batch's loss is the plain Trainer's, computed by its
-own `compute_loss` on the outputs tz.accumulate produced and scaled as its `training_step`
-scales it, so the logged loss and grad_norm are the plain Trainer's."""
+fetched once for all of them. Each micro-batch runs the trainer's own `compute_loss` (whatever
+it passes the model: TRL's fused head, its own kwargs), scaled as its `training_step` scales it,
+so the logged loss and grad_norm are the plain Trainer's. A step tz.accumulate refuses before any
+loss is computed (a forward under autocast or no_grad) leaves the random generators as they were,
+so the plain loop can run it instead."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 import transformers
 from torch import nn
 
-from tierzero.runtime import accumulate
+from tierzero.runtime import LayerMajorRefusal, accumulate
 
 
 @dataclass
@@ -28,30 +30,6 @@ class StepGroup:
         return next((i for i, s in enumerate(self.samples) if s is inputs), None)
 
 
-class _Replay:
-    """Stands for the model inside Trainer.compute_loss: gives back the outputs tz.accumulate computed."""
-
-    def __init__(self, outputs: Any) -> None:
-        self.outputs: Any = outputs
-
-    def __call__(self, **inputs: Any) -> Any:
-        if self.outputs is None:
-            raise RuntimeError("tierzero.hf.Trainer: compute_loss called the model twice for one micro-batch; "
-                               "gradient accumulation layer by layer runs it once (set gradient_accumulation_steps=1)")
-        outputs, self.outputs = self.outputs, None
-        return outputs
-
-
-def _model_inputs(trainer: transformers.Trainer, inputs: dict[str, Any], num_items: Any) -> dict[str, Any]:
-    """What the plain Trainer.compute_loss passes to the model for `inputs`."""
-    inputs = dict(inputs)
-    if (trainer.label_smoother is not None or trainer.compute_loss_func is not None) and "labels" in inputs:
-        inputs.pop("labels")
-    if trainer.model_accepts_loss_kwargs and num_items is not None:
-        inputs["num_items_in_batch"] = num_items
-    return inputs
-
-
 def _scaled(trainer: transformers.Trainer, loss: torch.Tensor, num_items: Any) -> torch.Tensor:
     """The loss as the plain Trainer.training_step scales it before backward."""
     if trainer.args.n_gpu > 1:
@@ -64,19 +42,29 @@ def _scaled(trainer: transformers.Trainer, loss: torch.Tensor, num_items: Any) -
     return loss
 
 
+def _rng_states() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+
 def step_losses(trainer: transformers.Trainer, model: nn.Module, group: StepGroup) -> list[torch.Tensor]:
     """Forward and backward of every micro-batch of `group`, layer by layer; their losses as the
-    plain training_step returns them."""
+    plain training_step returns them. Raises LayerMajorRefusal where tz.accumulate refuses the
+    step; with no loss computed yet, the random generators are as they were at the call."""
     model.train()
     if callable(getattr(trainer.optimizer, "train", None)):
         trainer.optimizer.train()
     prepared = [trainer._prepare_inputs(s) for s in group.samples]
-    mbs = [_model_inputs(trainer, p, group.num_items) for p in prepared]
-    given = {id(mb): p for mb, p in zip(mbs, prepared)}
+    cpu, cuda = _rng_states()
 
-    def loss_fn(outputs: Any, mb: dict[str, Any]) -> torch.Tensor:
-        loss = trainer.compute_loss(_Replay(outputs), dict(given[id(mb)]), num_items_in_batch=group.num_items)
-        return _scaled(trainer, loss, group.num_items)
+    def forward(inputs: dict[str, Any]) -> torch.Tensor:
+        return trainer.compute_loss(model, inputs, num_items_in_batch=group.num_items)
 
-    with trainer.compute_loss_context_manager():
-        return accumulate(model, mbs, loss_fn)
+    try:
+        with trainer.compute_loss_context_manager():
+            return accumulate(model, prepared, lambda loss, _: _scaled(trainer, loss, group.num_items), forward=forward)
+    except LayerMajorRefusal as refusal:
+        if not refusal.losses_computed:
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state_all(cuda)
+        raise

@@ -10,6 +10,7 @@ callbacks, trainer_state.json, RNG files) to transformers. See `Trainer` for the
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from pathlib import Path
@@ -30,8 +31,9 @@ from tierzero.hf.layer_major import StepGroup, step_losses
 from tierzero.hf.loss import causal_lm_loss
 from tierzero.hf.pretrained import save_pretrained
 from tierzero.optim import AdamW, TieredOptimizer, clip_grad_norm_
+from tierzero.runtime import LayerMajorRefusal
 
-__all__ = ["Trainer", "TIERZERO_DIR"]
+__all__ = ["Trainer", "TIERZERO_DIR", "trainer_for"]
 
 TIERZERO_DIR = "tierzero"
 """The folder inside `output_dir/checkpoint-N/` holding the model's and optimizer's tiered state
@@ -75,8 +77,11 @@ class Trainer(transformers.Trainer):
       folder later). `save_model` outside a checkpoint (the user's export) is the plain Trainer's.
     - `get_batch_samples` / `training_step`: with gradient_accumulation_steps > 1, the first
       micro-batch's training_step runs all of the step's micro-batches through tz.accumulate
-      (tierzero/hf/layer_major.py; the losses the plain loop would give, per micro-batch), the
-      others return their losses. chunked_loss steps take the plain loop.
+      (tierzero/hf/layer_major.py: each runs this trainer's compute_loss; the losses the plain
+      loop would give, per micro-batch), the others return their losses. chunked_loss steps take
+      the plain loop, and so does every step after one whose forward cannot run layer by layer
+      (under autocast, as bf16=True runs it, or no_grad: tz.accumulate refuses it before any
+      loss), with one warning.
     - `_load_from_checkpoint` / `_load_optimizer_and_scheduler`: resuming loads that folder with
       tz.load_checkpoint once the optimizer exists (the second method; the first only checks the
       folder is a tierzero one), then the scheduler.
@@ -110,6 +115,8 @@ class Trainer(transformers.Trainer):
         self.add_callback(_ClearTieredGrads())
         self._saving_checkpoint = False
         """True while _save_checkpoint runs: save_model then writes the tiered state."""
+        self._layer_major = True
+        """False once a step's forward could not run layer by layer: the plain loop from then on."""
 
     # ------------------------------------------------------------------------------- checks
 
@@ -208,7 +215,8 @@ class Trainer(transformers.Trainer):
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
         samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
         # chunked_loss runs the model inside the loss: those steps take the plain loop
-        self._step_group = StepGroup(samples, num_items) if len(samples) > 1 and not self.chunked_loss else None
+        layer_major = len(samples) > 1 and not self.chunked_loss and self._layer_major
+        self._step_group = StepGroup(samples, num_items) if layer_major else None
         return samples, num_items
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
@@ -217,8 +225,20 @@ class Trainer(transformers.Trainer):
         if group is None or i is None:
             return super().training_step(model, inputs, num_items_in_batch)
         if group.losses is None:
-            group.losses = step_losses(self, model, group)
+            try:
+                group.losses = step_losses(self, model, group)
+            except LayerMajorRefusal as refusal:
+                if refusal.losses_computed:  # a loss's side effects happened: not the plain step any more
+                    raise
+                self._plain_loop(refusal)
+                return super().training_step(model, inputs, num_items_in_batch)
         return group.losses[i]
+
+    def _plain_loop(self, refusal: LayerMajorRefusal) -> None:
+        """Accumulate with the plain loop from this step on (nothing of this step ran yet)."""
+        self._layer_major, self._step_group = False, None
+        warnings.warn(f"{type(self).__name__}: accumulating with the plain loop, each block fetched once per "
+                      f"micro-batch (layer by layer, {refusal.reason})", RuntimeWarning, stacklevel=2)
 
     # ------------------------------------------------------------------------------ placement
 
@@ -288,6 +308,20 @@ class Trainer(transformers.Trainer):
             with warnings.catch_warnings(record=True) as caught:
                 self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
             reissue_pt_warnings(caught)
+
+
+@functools.cache
+def trainer_for(cls: type) -> type[Trainer]:
+    """`cls`, a transformers.Trainer subclass (trl.SFTTrainer, trl.DPOTrainer, one's own), with
+    tierzero.hf.Trainer's overrides in front: `class TieredX(tierzero.hf.Trainer, cls)`, the same
+    constructor as `cls` plus Trainer's keywords; one class per `cls`."""
+    if not (isinstance(cls, type) and issubclass(cls, transformers.Trainer)):
+        raise ValueError(f"tierzero.hf.trainer_for: expected a transformers.Trainer subclass (trl.SFTTrainer, ...), "
+                         f"got {cls!r}")
+    if issubclass(cls, Trainer):
+        return cls
+    return type(f"Tiered{cls.__name__}", (Trainer, cls), {"__module__": __name__, "__qualname__": f"Tiered{cls.__name__}",
+                                                          "__doc__": f"{cls.__qualname__} for a tz.wrap-ped model."})
 
 
 class _ClearTieredGrads(TrainerCallback):

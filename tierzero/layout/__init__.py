@@ -2,7 +2,7 @@
 what each ZeRO stage keeps whole. Pure arithmetic over a model's parameters (no placement, no
 communication), shared by the runtime that builds blocks and the planning that sizes them.
 
-    grouping.py     blocks of a model: the repeated children, the root
+    grouping.py     blocks of a model: the repeated layers, the containers outside them, the root
     flat_layout.py  FlatLayout: parameters packed, aligned, padded to the world size, sharded
     zero.py         ZeroStage (what a rank keeps whole) and CommBytes (bytes of collectives)
     sizes.py        device bytes of a block while fetched
@@ -13,7 +13,7 @@ communication), shared by the runtime that builds blocks and the planning that s
 
 from tierzero.layout.flat_layout import ALIGN_BYTES, FlatLayout, ParamSlot
 from tierzero.layout.grouping import (ROOT, BlockSpec, assign_params, block_specs, blocks_of, group_modules,
-                                      param_count, unique_params)
+                                      outside_read_hints, param_count, unique_params)
 from tierzero.layout.saved import SEGMENT_ALIGN, PackLayout, SavedSpan, Segment, saved_span
 from tierzero.layout.split import (BlockTiers, KindSizes, block_tiers, resolve_auto, split_blocks, state_room)
 from tierzero.layout.state_bytes import (PAGE, Blocks, FlatTensor, fetch_window, frozen_bytes, kind_sizes,
@@ -22,7 +22,7 @@ from tierzero.layout.sizes import block_fetch_bytes, fetched_bytes, flat_groups
 from tierzero.layout.zero import CommBytes, ZeroStage
 
 __all__ = ["FlatLayout", "ParamSlot", "ALIGN_BYTES", "ROOT", "BlockSpec", "assign_params", "block_specs",
-           "blocks_of", "group_modules", "param_count", "unique_params", "block_fetch_bytes", "fetched_bytes",
+           "blocks_of", "group_modules", "outside_read_hints", "param_count", "unique_params", "block_fetch_bytes", "fetched_bytes",
            "flat_groups", "CommBytes", "ZeroStage", "PackLayout", "SavedSpan", "Segment", "SEGMENT_ALIGN",
            "saved_span", "BlockTiers", "KindSizes", "block_tiers", "resolve_auto", "state_room", "split_blocks",
            "PAGE", "Blocks", "FlatTensor", "fetch_window", "frozen_bytes", "kind_sizes", "placement_order", "round_up",

@@ -1,10 +1,11 @@
 """Which modules form a block, and which block owns each parameter: the one rule that
 `tz.wrap` builds blocks by and `tierzero.planning` sizes them by.
 
-A block is a repeated child of the model (a transformer layer, one layer of an MLP stack), or a
-module of a class named in `config.block_classes`; blocks smaller than `config.min_block_bytes`
-are merged with their neighbour. Everything else, and every parameter shared between blocks
-(tied weights), belongs to the root block.
+A block is a module of a class named in `config.block_classes`, or by default what
+`default_blocks` finds: the repeated layers (transformer layers, an MLP stack), then the modules
+outside them that hold parameters only through their children (a CNN's stages, a UNet's down and
+up blocks). Blocks smaller than `config.min_block_bytes` are merged with their neighbour.
+Everything else, and every parameter shared between blocks (tied weights), belongs to the root.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def group_modules(model: nn.Module, config: Config) -> list[list[tuple[str, nn.M
 
         walk("", model)
     else:
-        found = repeated_children(model)
+        found = default_blocks(model)
     groups = [[item] for item in found if param_count(item[1])]
     if config.min_block_bytes and groups:
         merged: list[list[tuple[str, nn.Module]]] = [groups[0]]
@@ -62,6 +63,88 @@ def group_modules(model: nn.Module, config: Config) -> list[list[tuple[str, nn.M
                 merged.append(group)
         groups = merged
     return groups
+
+
+# [Note: default blocks]
+# The root is fetched for every step, so the default blocks leave in it only what no block can
+# take. First the repeated layers (`repeated_children`: the largest ModuleList or Sequential of
+# one class), as ever: a transformer's blocks are its layers and nothing else, its embeddings
+# and head stay in the root. Then, walking the modules outside those layers:
+# - a ModuleList / Sequential / ModuleDict, or a module holding a chosen layer: its children
+#   are walked;
+# - a module with parameters of its own (an Embedding, a Linear, a norm; or a module that mixes
+#   its own parameters with its children's in its forward): stays in the root, whole;
+# - a module holding parameters only through its children (a ResNet's BasicBlock, a UNet's
+#   down block, a time embedding): a block, unless it holds more parameters than the largest
+#   repeated layer, then the same rule runs inside it (a CNN's stage is split into its blocks,
+#   a T5 encoder into its layers).
+# So ResNet's stages, a UNet's blocks and a DiT's patch embedding leave the root. A model whose
+# forward reads such a module's parameters outside its call (diffusers' DiT reads
+# `transformer_blocks[0].norm1.emb`) is refused at that read, naming the block_classes that
+# would leave that module in the root.
+
+
+def default_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The blocks chosen without `block_classes`, in model order (see [Note: default blocks])."""
+    found: list[tuple[str, nn.Module]] = []
+    order = {id(m): i for i, m in enumerate(model.modules())}
+
+    def inside(prefix: str, module: nn.Module) -> None:
+        layers = [(f"{prefix}{fqn}", m) for fqn, m in repeated_children(module)]
+        chosen = {id(m) for _, m in layers}
+        holding = {id(m) for _, layer in layers for m in _ancestors(module, layer)}
+        cap = max((param_count(m) for _, m in layers), default=0)
+        found.extend(layers)
+
+        def walk(prefix: str, parent: nn.Module) -> None:
+            for name, child in parent.named_children():
+                fqn = f"{prefix}{name}"
+                if id(child) in chosen or not param_count(child):
+                    continue
+                if id(child) in holding or isinstance(child, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+                    walk(f"{fqn}.", child)
+                elif any(p is not None for p in child._parameters.values()):
+                    continue  # the root's
+                elif cap and param_count(child) > cap:
+                    inside(f"{fqn}.", child)
+                else:
+                    found.append((fqn, child))
+
+        walk(prefix, module)
+
+    inside("", model)
+    return sorted(found, key=lambda item: order[id(item[1])])
+
+
+def outside_read_hints(block: str, modules: list[nn.Module]) -> list[tuple[nn.Parameter, str]]:
+    """(parameter, hint) for the parameters of a block's modules held by one of their children:
+    the block_classes that would leave that child in the root, for a model whose forward reads it
+    outside the block's call (the classes of the module's other children with parameters)."""
+    hints: list[tuple[nn.Parameter, str]] = []
+    for module in modules:
+        kids = [(name, child) for name, child in module.named_children() if param_count(child)]
+        for name, child in kids:
+            others = tuple(sorted({type(c).__name__ for n, c in kids if n != name} - {type(child).__name__}))
+            if others:
+                hint = (f"if the model's forward reads it outside block {block!r}'s call, blocks that leave its "
+                        f"{type(child).__name__} {name!r} in the root would work: tz.Config(block_classes={others!r})")
+                hints += [(p, hint) for p in child.parameters()]
+    return hints
+
+
+def _ancestors(root: nn.Module, module: nn.Module) -> list[nn.Module]:
+    """The modules between `root` (excluded) and `module` (excluded) on the path from one to the other."""
+    path: list[nn.Module] = []
+
+    def find(m: nn.Module) -> bool:
+        for child in m.children():
+            if child is module or find(child):
+                path.append(child)
+                return True
+        return False
+
+    find(root)
+    return [m for m in path if m is not module]
 
 
 def repeated_children(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from tierzero.config import TIER_NAMES, Config
@@ -153,9 +154,46 @@ def fake_model(model: nn.Module, config: Config, device: torch.device) -> Iterat
     and buffers are fake tensors on `device`, and the ids of its parameters' storages."""
     dtype = getattr(torch, config.compute_dtype_name(cuda=device.type == "cuda"))
     shell = _shell_copy(model)
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), _ShapeOnlyFakes():
         fake = _fake_copy(shell, device, dtype)
         yield fake, {id(p.untyped_storage()) for p in fake.parameters()}
+
+
+# [Note: fake kernels narrower than the real ones]
+# aten._grouped_mm's fake kernel (transformers' fused MoE experts: Qwen3-MoE, OLMoE, Mixtral)
+# checks the CUDA kernel's rules whatever the device: bf16 inputs only, rows 16-byte aligned. The
+# CPU kernel, and CUDA's fallback in transformers, also multiply fp32 and any widths, so an fp32
+# MoE stopped the measurement there. `_ShapeOnlyFakes` gives such an op's output from its shape
+# rule alone, in the dtype the real kernel gives (`out_dtype`, by default the inputs'): the bytes
+# made, and the inputs autograd saves, are the real op's. It sits under every other mode of the
+# measurement (they see the op once, with its real dtypes); the real kernel checks at the run.
+
+
+def _grouped_mm_out(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """aten._grouped_mm's output: the shape rule of torch's own fake kernel, without its checks."""
+    if mat_a.dim() == 2 and mat_b.dim() == 2:
+        assert offs is not None, "aten._grouped_mm of two 2-d matrices takes offs"
+        shape = (offs.size(0), mat_a.size(0), mat_b.size(1))
+    elif mat_a.dim() == 2:
+        shape = (mat_a.size(0), mat_b.size(-1))
+    elif mat_b.dim() == 2:
+        shape = (mat_a.size(1), mat_b.size(1))
+    else:
+        shape = (mat_a.size(0), mat_a.size(1), mat_b.size(-1))
+    return torch.empty(shape, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
+
+
+_SHAPE_ONLY_FAKES: dict[Any, Callable[..., torch.Tensor]] = {torch.ops.aten._grouped_mm.default: _grouped_mm_out}
+
+
+class _ShapeOnlyFakes(TorchDispatchMode):
+    """The ops whose fake kernel refuses inputs the real kernel takes, given by their shape rule
+    (see [Note: fake kernels narrower than the real ones])."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        rule = _SHAPE_ONLY_FAKES.get(func)
+        return func(*args, **(kwargs or {})) if rule is None else rule(*args, **(kwargs or {}))
 
 
 def _shell_copy(model: nn.Module) -> nn.Module:

@@ -5,7 +5,7 @@ modules", the way FSDP2 splits its levels). The phases of a step: [Note: a wrapp
 wrapping.py.
 """
 
-from tierzero.runtime.accumulate import accumulate
+from tierzero.runtime.accumulate import LayerMajorRefusal, accumulate
 from tierzero.runtime.collectives import RankRuntimeError, all_reduce_, rank_errors, world
 from tierzero.runtime.compile import compile
 from tierzero.runtime.flat_param import FlatParam
@@ -21,7 +21,7 @@ from tierzero.runtime.update import (MASTER, BlockState, Piece, UpdateRoom, besi
                                      global_norm, update_queue)
 from tierzero.runtime.wrapping import refresh, wrap
 
-__all__ = ["wrap", "accumulate", "compile", "tier_bytes", "refresh", "gathered_params", "state_of", "state_of_param",
+__all__ = ["wrap", "accumulate", "LayerMajorRefusal", "compile", "tier_bytes", "refresh", "gathered_params", "state_of", "state_of_param",
            "placement_manager", "step_stats", "step_comm_bytes", "full_state_dict", "settle",
            "close", "model_dtype", "TieredState", "FlatParam", "FlatGrad", "StepContext", "StepQueue", "StepFailed",
            "RankRuntimeError", "rank_errors", "world", "all_reduce_", "TIERED_OPTIMIZER", "MASTER", "BlockState", "UpdateRoom", "Piece",

@@ -37,7 +37,8 @@ from tierzero.runtime.step_context import Phase
 #   reach different blocks (data-dependent routing) or finish while others wait, and a block
 #   reached inside another block's call or inside a region that changes autograd's thread
 #   state (no_grad, autocast, torch.utils.checkpoint: the model's own checkpointing), which
-#   the other micro-batches would inherit. The plain loop runs those.
+#   the other micro-batches would inherit. The plain loop runs those: the refusal is a
+#   `LayerMajorRefusal`, and tierzero.hf's trainers take the plain loop on it (one warning).
 
 # [Note: layer-major sums in the gradient's dtype]
 # The plain loop adds each micro-batch's gradient to the stored one, in the stored gradient's
@@ -59,6 +60,18 @@ from tierzero.runtime.step_context import Phase
 # micro-batch (a tied embedding) has its shares added in fp32 rather than first summed in bf16.
 
 PLAIN_LOOP = "for mb in micro_batches: loss_fn(model(mb), mb).backward()"
+
+
+class LayerMajorRefusal(ValueError):
+    """tz.accumulate cannot run this step layer by layer ([Note: layer-major schedule]); raised
+    before any backward, so the plain loop can run the same micro-batches instead. `reason`:
+    why, in a phrase; `losses_computed`: how many loss_fn calls had returned (their side effects
+    happened)."""
+
+    def __init__(self, message: str, reason: str, losses_computed: int) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.losses_computed = losses_computed
 
 
 class _Parked(NamedTuple):
@@ -85,11 +98,13 @@ class LayerMajorStep:
     """One call of `tz.accumulate` (see [Note: layer-major schedule]); the wrapped model's BlockGate."""
 
     def __init__(self, model: nn.Module, state: TieredState, micro_batches: Sequence[Any],
-                 loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+                 loss_fn: Callable[[Any, Any], torch.Tensor], forward: Callable[[Any], Any] | None = None) -> None:
         self.model = model
         self.state = state
         self.micro_batches = micro_batches
         self.loss_fn = loss_fn
+        self.forward = forward or (lambda mb: _call(model, mb))
+        self._losses = 0
         self._workers: dict[greenlet.greenlet, int] = {}
         self._driver = greenlet.getcurrent()
         self._entry_state: tuple[Any, ...] = ()
@@ -107,10 +122,10 @@ class LayerMajorStep:
             raise self.refusal(f"micro-batch {self._workers[current]} reached block {block.name!r} {where}")
         self._driver.switch(_Parked(block))
 
-    def refusal(self, reason: str) -> ValueError:
-        return ValueError(f"tz.accumulate cannot run {type(self.model).__name__} block by block: {reason}. "
+    def refusal(self, reason: str) -> LayerMajorRefusal:
+        return LayerMajorRefusal(f"tz.accumulate cannot run {type(self.model).__name__} block by block: {reason}. "
                           f"Nothing was changed; train it with the plain loop ({PLAIN_LOOP}), which gives the same "
-                          "gradients and fetches each block once per micro-batch")
+                          "gradients and fetches each block once per micro-batch", reason, self._losses)
 
     def run(self) -> list[torch.Tensor]:
         state, ctx = self.state, self.state.ctx
@@ -172,12 +187,13 @@ class LayerMajorStep:
             f"micro-batch {i} at {w}" for i, w in where.items()) + ")"
 
     def _one(self, mb: Any) -> _Finished:
-        out = _call(self.model, mb)
+        out = self.forward(mb)
         loss = self.loss_fn(out, mb)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError(f"tz.accumulate: loss_fn(outputs, micro_batch) must give a one-element tensor that "
                              f"requires grad; it gave {type(loss).__name__}"
                              + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
+        self._losses += 1
         return _Finished(loss, [t for t in output_tensors(out) if t.requires_grad])
 
 
@@ -189,12 +205,14 @@ def _call(model: nn.Module, mb: Any) -> Any:
     return model(mb)
 
 
-def accumulate(model: nn.Module, micro_batches: Iterable[Any],
-               loss_fn: Callable[[Any, Any], torch.Tensor]) -> list[torch.Tensor]:
+def accumulate(model: nn.Module, micro_batches: Iterable[Any], loss_fn: Callable[[Any, Any], torch.Tensor], *,
+               forward: Callable[[Any], Any] | None = None) -> list[torch.Tensor]:
     """Forward and backward over `micro_batches` layer by layer; the gradients summed as the plain
     loop sums them. Each micro-batch is passed as model(**mb) (a dict), model(*mb) (a tuple) or
-    model(mb); `loss_fn(outputs, mb)` gives its loss (scale it, e.g. / k, as wanted). Returns the
-    losses, detached, in order. Then tz.clip_grad_norm_ and opt.step() as after the plain loop."""
+    model(mb), or to `forward(mb)` where given (which calls the model once); `loss_fn(outputs, mb)`
+    gives its loss (scale it, e.g. / k, as wanted). Returns the losses, detached, in order. Then
+    tz.clip_grad_norm_ and opt.step() as after the plain loop. A step that cannot run layer by
+    layer raises `LayerMajorRefusal` (a ValueError) before any backward."""
     state = state_of(model)
     mbs = list(micro_batches)
     if not mbs:
@@ -205,4 +223,4 @@ def accumulate(model: nn.Module, micro_batches: Iterable[Any],
     if state.ctx.layer_major is not None:
         raise ValueError(f"tz.accumulate: {type(model).__name__} is already in a tz.accumulate step; "
                          "call it from the training loop, not from inside a model or loss_fn")
-    return LayerMajorStep(model, state, mbs, loss_fn).run()
+    return LayerMajorStep(model, state, mbs, loss_fn, forward).run()

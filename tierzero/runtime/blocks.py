@@ -25,12 +25,13 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from tierzero.config import Tier
-from tierzero.layout import ROOT
+from tierzero.layout import ROOT, outside_read_hints
 from tierzero.prefetch import FetchPhase, TraceEvent, Unit
 from tierzero.runtime.activation_pack import ActivationPack, SavedActivation
 from tierzero.runtime.activations import Activations
 from tierzero.runtime.fetch_group import FetchGroup
 from tierzero.runtime.flat_param import FlatParam, SavedView
+from tierzero.runtime.placeholders import hint
 from tierzero.runtime.recompute import Frame
 from tierzero.runtime.step_context import Phase, StepContext
 
@@ -175,6 +176,9 @@ class Block:
         """ctx.grads_final was called for this block's flats since its last forward."""
         self._deferred = 0
         """Backward holds whose release waits for the last call of a layer-major step."""
+        if name != ROOT:
+            for p, text in outside_read_hints(name, modules):
+                hint(p, text)
 
     @property
     def nbytes(self) -> int:

@@ -15,6 +15,8 @@ from torch.utils._pytree import tree_leaves
 
 _NAMES: dict[int, str] = {}
 """id(parameter) -> its name in the wrapped model (for messages), while the parameter lives."""
+_HINTS: dict[int, str] = {}
+"""id(parameter) -> what to change if the model reads it outside its block (a block_classes hint)."""
 _CLASSES: dict[type, type] = {}
 """A parameter class -> its Unfetched subclass."""
 
@@ -95,6 +97,13 @@ def guard(p: nn.Parameter, name: str) -> None:
         p.__class__ = _unfetched_class(type(p))
 
 
+def hint(p: nn.Parameter, text: str) -> None:
+    """Said when `p` is refused: how to choose blocks if the model reads it outside its block."""
+    if id(p) not in _HINTS:
+        weakref.finalize(p, _HINTS.pop, id(p), None)
+    _HINTS[id(p)] = text
+
+
 def unguard(p: nn.Parameter) -> None:
     """The parameter holds real data (fetched, or values being loaded): its own class again."""
     if isinstance(p, _Unfetched):
@@ -148,4 +157,4 @@ def _refusal(func: Callable[..., Any], t: torch.Tensor, args: tuple[Any, ...], k
         f"no values (it lives on its tier), so {what}() on it was refused instead of reading zeros. Read or "
         "change it inside `with tz.gathered_params(model, modules, writable=...):`, read values with "
         "model.state_dict(), write them with model.load_state_dict(); a peft merge: "
-        "tz.save_pretrained(model, DIR, merge_adapters=True)")
+        "tz.save_pretrained(model, DIR, merge_adapters=True)" + (f"; {_HINTS[id(t)]}" if id(t) in _HINTS else ""))
