@@ -5,12 +5,14 @@ home folder: tests/cli/test_run_dir.py (its first run has its own)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from tierzero.cli import train
-from tierzero.cli.caches import CACHE_VARIABLES, check_compile_cache, private_caches
+from tierzero.cli.caches import CACHE_VARIABLES, PREFIX, check_compile_cache, private_caches
 
 NOBODY = 65534
 
@@ -26,6 +28,26 @@ def test_the_command_keeps_its_caches_in_a_private_folder_it_removes(monkeypatch
         assert os.environ["MPLCONFIGDIR"] == "/the/users/own"  # placed by the user: kept
     assert not folder.exists() and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
     assert os.environ["MPLCONFIGDIR"] == "/the/users/own"
+
+
+def test_a_killed_commands_folder_is_removed_by_the_next_and_nothing_else(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its PID is free now: a command killed with SIGKILL leaves such a folder
+    killed, live, other = (tmp_path / f"{PREFIX}{gone.pid}-ab", tmp_path / f"{PREFIX}{os.getpid()}-cd",
+                           tmp_path / f"{PREFIX}{gone.pid}-ef")
+    kept = [live, tmp_path / f"{PREFIX}{gone.pid}-link"]
+    for folder in (killed, live):
+        (folder / "torchinductor").mkdir(parents=True)
+    kept[1].symlink_to(live)
+    if os.geteuid() == 0:  # another user's folder (only root can make one): never ours to remove
+        (other / "torchinductor").mkdir(parents=True)
+        os.chown(other, NOBODY, NOBODY)
+        kept.append(other)
+    with private_caches() as folder:
+        assert folder.name.startswith(f"{PREFIX}{os.getpid()}-")
+    assert not killed.exists()
+    assert all(os.path.lexists(k) for k in kept) and live.is_dir()
 
 
 def test_a_compile_cache_others_can_write_is_refused(tmp_path: Path, monkeypatch) -> None:

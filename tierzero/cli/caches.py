@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from io_engine import pid_alive
+
 # [Note: private caches]
 # torch's inductor (and triton under it) cache compiled kernels, code that a later run loads and
 # runs; matplotlib caches its font list. By default they live in /tmp/torchinductor_<user> (made
@@ -22,18 +24,39 @@ from typing import Iterator
 # one private folder it makes for the command (mkdtemp: 0700, this user's) and removes at its end:
 # nothing is left in /tmp or the home folder, and a compiled run compiles afresh. The variables are
 # set in the command's process before those libraries read them (they read them when first used,
-# not at import). A cache folder the user gave is theirs to place, but a run that compiles refuses
+# not at import). The folder's name carries the command's PID, so one left by a killed command
+# (SIGKILL runs no cleanup) is removed by this user's next command once that PID is gone. A cache folder the user gave is theirs to place, but a run that compiles refuses
 # one that is another user's, a link, or writable by group or others (`check_compile_cache`).
 CACHE_VARIABLES = {"TORCHINDUCTOR_CACHE_DIR": "torchinductor", "TRITON_CACHE_DIR": "triton",
                    "MPLCONFIGDIR": "matplotlib"}
 """The environment variables set for the command, and their folders in its private one."""
 
 
+PREFIX = "tierzero-caches-"
+"""The private folders' names: PREFIX, the command's PID, '-', mkdtemp's letters."""
+
+
+def _reclaim_killed() -> None:
+    """Remove the private cache folders this user's killed commands left (their PID gone): only
+    real folders of this user's, named as private_caches names them."""
+    tmp = Path(tempfile.gettempdir())
+    for entry in tmp.glob(f"{PREFIX}*-*"):
+        pid = entry.name[len(PREFIX):].split("-", 1)[0]
+        try:
+            st = os.lstat(entry)
+        except OSError:
+            continue
+        if not pid.isdigit() or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or pid_alive(int(pid)):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def private_caches() -> Iterator[Path]:
     """The command's private cache folder, each of CACHE_VARIABLES the user did not set pointing
     into it, for the duration of the block; the folder removed and the variables unset after."""
-    folder = Path(tempfile.mkdtemp(prefix="tierzero-caches-"))
+    _reclaim_killed()
+    folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
     ours = [var for var in CACHE_VARIABLES if var not in os.environ]
     for var in ours:
         os.environ[var] = str(folder / CACHE_VARIABLES[var])
