@@ -26,6 +26,7 @@ from tierzero.layout import FlatLayout, ZeroStage, fetched_bytes
 from tierzero.placement import CheckpointHome, Kind, TensorHandle
 from tierzero.runtime.collectives import all_gather_flat, broadcast_from_first_, rank_errors
 from tierzero.runtime.gathers import discard_gather
+from tierzero.runtime.grad_views import view_of
 from tierzero.runtime.grads import FlatGrad
 from tierzero.runtime.placeholders import guard, unguard
 from tierzero.runtime.step_context import StepContext
@@ -264,13 +265,24 @@ class FlatParam:
     def uninstall(self) -> None:
         """HELD / SCRATCH -> FREE: the parameters become placeholders again, refusing reads
         ([Note: unfetched parameters] in placeholders.py)."""
-        for p, ph, slot in zip(self.params, self._placeholders, self.layout.slots):
+        for i, (p, ph, slot) in enumerate(zip(self.params, self._placeholders, self.layout.slots)):
             p.data = ph
-            guard(p, slot.fqn)
+            guard(p, slot.fqn, (self, i) if self.trainable else None)
         if self._device is not None:
             self.ctx.untrack(self._device)
             self._device = None
         self._state = ParamState.FREE
+
+    def grad_view(self, index: int) -> torch.Tensor | None:
+        """`p.grad` of parameter `index` while FREE: its gradient as torch's clipping sees it
+        ([Note: gradients seen through p.grad] in grad_views.py), None where torch's is None."""
+        ctx = self.ctx
+        if self.grad is None:
+            return None
+        if ctx.updating((self.param,)):  # the overlapped step may still use (and then clear) it
+            ctx.drain_updates()
+        return view_of(self.grad, index, self.layout.slots[index].fqn, self._placeholders[index],
+                       refused=ctx.wants_grads_final)
 
     def saved_view(self, saved: SavedView) -> torch.Tensor:
         """A tensor saved for backward as a view of this flat tensor's device copy, rebuilt on the

@@ -7,7 +7,7 @@ zero-stride tensor of the right shape and dtype (flat_param.py), which refuses t
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -17,13 +17,21 @@ _NAMES: dict[int, str] = {}
 """id(parameter) -> its name in the wrapped model (for messages), while the parameter lives."""
 _CLASSES: dict[type, type] = {}
 """A parameter class -> its Unfetched subclass."""
+_GRAD_OF: dict[int, tuple["weakref.ref[GradSource]", int]] = {}
+"""id(parameter) -> (what holds its gradient, its index there), while the parameter lives."""
+
+
+class GradSource(Protocol):
+    """What holds an unfetched parameter's gradient (a FlatParam)."""
+
+    def grad_view(self, index: int) -> torch.Tensor | None: ...
 
 
 def _descriptors(names: tuple[str, ...], part: str) -> set[Any]:
     return {getattr(getattr(torch.Tensor, n), part) for n in names if hasattr(torch.Tensor, n)}
 
 
-_METADATA: set[Any] = (
+METADATA: set[Any] = (
     _descriptors(("shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "grad_fn", "layout", "ndim",
                   "names", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested",
                   "itemsize", "nbytes", "output_nr", "_version", "_backward_hooks",
@@ -38,6 +46,8 @@ _METADATA: set[Any] = (
        torch.autograd.grad, torch.autograd.backward})
 """What a placeholder answers: its metadata, never its values (autograd's calls that name
 parameters as the inputs to differentiate for)."""
+_GRAD = torch.Tensor.grad.__get__
+"""`p.grad`: a gradient kept apart may stand behind it ([Note: gradients seen through p.grad])."""
 _VIEWS = {torch.Tensor.detach, torch.Tensor.data.__get__}
 """What gives an UnfetchedTensor (a state dict's values until its hook replaces them)."""
 _CONVERSIONS = {torch.Tensor.to, torch.Tensor.half, torch.Tensor.float, torch.Tensor.double,
@@ -68,9 +78,14 @@ class _Unfetched:
     def __torch_function__(cls, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if func in _METADATA or (func is torch.Tensor.type and len(args) == 1 and not kwargs):
+        if func in METADATA or (func is torch.Tensor.type and len(args) == 1 and not kwargs):
             with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
+                out = func(*args, **kwargs)
+            if func == _GRAD and out is None and id(args[0]) in _GRAD_OF:
+                source, index = _GRAD_OF[id(args[0])]
+                held = source()
+                return held.grad_view(index) if held is not None else None
+            return out
         this = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, _Unfetched))
         if func in _VIEWS:
             with torch._C.DisableTorchFunctionSubclass():
@@ -86,11 +101,16 @@ class UnfetchedTensor(_Unfetched, torch.Tensor):
     _plain = torch.Tensor
 
 
-def guard(p: nn.Parameter, name: str) -> None:
-    """The parameter now holds a placeholder: reads are refused from here on."""
+def guard(p: nn.Parameter, name: str, grad: tuple[GradSource, int] | None = None) -> None:
+    """The parameter now holds a placeholder: reads are refused from here on; `grad`: what
+    holds its gradient and its index there, which `p.grad` reads through."""
     if id(p) not in _NAMES:
-        weakref.finalize(p, _NAMES.pop, id(p), None)
+        weakref.finalize(p, _forget, id(p))
     _NAMES[id(p)] = name
+    if grad is not None:
+        _GRAD_OF[id(p)] = (weakref.ref(grad[0]), grad[1])
+    else:
+        _GRAD_OF.pop(id(p), None)
     if not isinstance(p, _Unfetched):
         p.__class__ = _unfetched_class(type(p))
 
@@ -99,6 +119,11 @@ def unguard(p: nn.Parameter) -> None:
     """The parameter holds real data (fetched, or values being loaded): its own class again."""
     if isinstance(p, _Unfetched):
         p.__class__ = type(p)._plain
+
+
+def _forget(key: int) -> None:
+    _NAMES.pop(key, None)
+    _GRAD_OF.pop(key, None)
 
 
 def _unfetched_class(cls: type) -> type:

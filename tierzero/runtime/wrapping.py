@@ -264,7 +264,9 @@ def _refreshed_flats(block: Block, added: list[tuple[str, nn.Parameter]], config
             flat = FlatParam(block.name, [p for _, p, _ in side], layout, [d for _, _, d in side], ctx,
                              home_of(ctx, config, block.name, trainable))
             flat.register([values[id(p)] for _, p, _ in side])
-            if flat.grad is not None and any(p.grad is not None for p in flat.params):
+            with torch._C.DisableTorchFunctionSubclass():  # autograd's .grad (grad_views.py)
+                computed = any(p.grad is not None for p in flat.params)
+            if flat.grad is not None and computed:
                 flat.grad.accumulate(flat.params)  # a backward before the optimizer: its gradient is kept
         if flat is not None:
             out.append(flat)
