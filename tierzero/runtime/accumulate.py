@@ -195,7 +195,7 @@ def accumulate(model: nn.Module, micro_batches: Iterable[Any],
     loop sums them. Each micro-batch is passed as model(**mb) (a dict), model(*mb) (a tuple) or
     model(mb); `loss_fn(outputs, mb)` gives its loss (scale it, e.g. / k, as wanted). Returns the
     losses, detached, in order. Then tz.clip_grad_norm_ and opt.step() as after the plain loop."""
-    state = state_of(model)
+    state = state_of(model).renewed()  # parameters unfrozen since wrap are taken in first
     mbs = list(micro_batches)
     if not mbs:
         raise ValueError("tz.accumulate: micro_batches is empty; give at least one micro-batch")

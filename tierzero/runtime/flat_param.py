@@ -267,7 +267,7 @@ class FlatParam:
         ([Note: unfetched parameters] in placeholders.py)."""
         for i, (p, ph, slot) in enumerate(zip(self.params, self._placeholders, self.layout.slots)):
             p.data = ph
-            guard(p, slot.fqn, (self, i) if self.trainable else None)
+            guard(p, slot.fqn, self, i)
         if self._device is not None:
             self.ctx.untrack(self._device)
             self._device = None
@@ -283,6 +283,12 @@ class FlatParam:
             ctx.drain_updates()
         return view_of(self.grad, index, self.layout.slots[index].fqn, self._placeholders[index],
                        refused=ctx.wants_grads_final)
+
+    def requires_grad_set(self, index: int, requires_grad: bool) -> None:
+        """Parameter `index` was set to require a gradient or not while FREE: one of a frozen flat
+        tensor unfrozen is taken in before the next forward (wrapping.refresh)."""
+        if requires_grad and not self.trainable:
+            self.ctx.unfrozen = True
 
     def saved_view(self, saved: SavedView) -> torch.Tensor:
         """A tensor saved for backward as a view of this flat tensor's device copy, rebuilt on the

@@ -448,6 +448,22 @@ class FlatGrad:
             with self._stored(overwrite=True) as buf:
                 buf.zero_()
 
+    def clear_slots(self, indices: Sequence[int], *, set_to_none: bool = True) -> None:
+        """`clear` for parameters `indices` only (an optimizer's zero_grad, whose groups leave out
+        the others: torch's leaves their `.grad`): their part zeroed, and forgotten (set_to_none)."""
+        if set(indices) >= set(range(len(self.layout.slots))):
+            self.clear(set_to_none=set_to_none)
+            return
+        if self.empty:
+            return
+        self._settle_partial()
+        with self._stored(writable=True) as buf:
+            mine = self._fold_scale(buf)
+            for i in indices:
+                self._slot_of(mine, i).zero_()
+        if set_to_none:
+            self._reached.difference_update(indices)
+
     def __repr__(self) -> str:
         return f"FlatGrad({self.handle.name!r}, empty={self.empty}, scaled={self.scale is not None})"
 

@@ -17,14 +17,17 @@ _NAMES: dict[int, str] = {}
 """id(parameter) -> its name in the wrapped model (for messages), while the parameter lives."""
 _CLASSES: dict[type, type] = {}
 """A parameter class -> its Unfetched subclass."""
-_GRAD_OF: dict[int, tuple["weakref.ref[GradSource]", int]] = {}
-"""id(parameter) -> (what holds its gradient, its index there), while the parameter lives."""
+_SOURCE_OF: dict[int, tuple["weakref.ref[ParamSource]", int]] = {}
+"""id(parameter) -> (the flat tensor it views, its index there), while the parameter lives."""
 
 
-class GradSource(Protocol):
-    """What holds an unfetched parameter's gradient (a FlatParam)."""
+class ParamSource(Protocol):
+    """What an unfetched parameter belongs to (a FlatParam): where `p.grad` reads its gradient,
+    and what hears that the parameter was set to require a gradient or not."""
 
     def grad_view(self, index: int) -> torch.Tensor | None: ...
+
+    def requires_grad_set(self, index: int, requires_grad: bool) -> None: ...
 
 
 def _descriptors(names: tuple[str, ...], part: str) -> set[Any]:
@@ -48,6 +51,8 @@ METADATA: set[Any] = (
 parameters as the inputs to differentiate for)."""
 _GRAD = torch.Tensor.grad.__get__
 """`p.grad`: a gradient kept apart may stand behind it ([Note: gradients seen through p.grad])."""
+_SETS_REQUIRES_GRAD = {torch.Tensor.requires_grad.__set__, torch.Tensor.requires_grad_}
+"""Unfreezing a parameter frozen at wrap: its flat tensor hears of it (FlatParam.requires_grad_set)."""
 _VIEWS = {torch.Tensor.detach, torch.Tensor.data.__get__}
 """What gives an UnfetchedTensor (a state dict's values until its hook replaces them)."""
 _CONVERSIONS = {torch.Tensor.to, torch.Tensor.half, torch.Tensor.float, torch.Tensor.double,
@@ -81,10 +86,13 @@ class _Unfetched:
         if func in METADATA or (func is torch.Tensor.type and len(args) == 1 and not kwargs):
             with torch._C.DisableTorchFunctionSubclass():
                 out = func(*args, **kwargs)
-            if func == _GRAD and out is None and id(args[0]) in _GRAD_OF:
-                source, index = _GRAD_OF[id(args[0])]
-                held = source()
-                return held.grad_view(index) if held is not None else None
+                requires_grad = args[0].requires_grad if func in _SETS_REQUIRES_GRAD else None
+            if (func == _GRAD and out is None) or requires_grad is not None:
+                source, index = _source_of(args[0])
+                if source is not None and requires_grad is not None:
+                    source.requires_grad_set(index, requires_grad)
+                elif source is not None:
+                    return source.grad_view(index)
             return out
         this = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, _Unfetched))
         if func in _VIEWS:
@@ -101,18 +109,22 @@ class UnfetchedTensor(_Unfetched, torch.Tensor):
     _plain = torch.Tensor
 
 
-def guard(p: nn.Parameter, name: str, grad: tuple[GradSource, int] | None = None) -> None:
-    """The parameter now holds a placeholder: reads are refused from here on; `grad`: what
-    holds its gradient and its index there, which `p.grad` reads through."""
+def guard(p: nn.Parameter, name: str, source: ParamSource | None = None, index: int = 0) -> None:
+    """The parameter now holds a placeholder: reads are refused from here on; `source` (and the
+    parameter's `index` there): the flat tensor it views, which answers `p.grad` and hears of
+    `requires_grad` set."""
     if id(p) not in _NAMES:
         weakref.finalize(p, _forget, id(p))
     _NAMES[id(p)] = name
-    if grad is not None:
-        _GRAD_OF[id(p)] = (weakref.ref(grad[0]), grad[1])
-    else:
-        _GRAD_OF.pop(id(p), None)
+    if source is not None:
+        _SOURCE_OF[id(p)] = (weakref.ref(source), index)
     if not isinstance(p, _Unfetched):
         p.__class__ = _unfetched_class(type(p))
+
+
+def _source_of(p: torch.Tensor) -> tuple[ParamSource | None, int]:
+    ref, index = _SOURCE_OF.get(id(p), (None, 0))
+    return (ref() if ref is not None else None), index
 
 
 def unguard(p: nn.Parameter) -> None:
@@ -123,7 +135,7 @@ def unguard(p: nn.Parameter) -> None:
 
 def _forget(key: int) -> None:
     _NAMES.pop(key, None)
-    _GRAD_OF.pop(key, None)
+    _SOURCE_OF.pop(key, None)
 
 
 def _unfetched_class(cls: type) -> type:
