@@ -279,8 +279,8 @@ class FlatParam:
         ctx = self.ctx
         if self.grad is None:
             return None
-        if ctx.updating((self.param,)):  # the overlapped step may still use (and then clear) it
-            ctx.drain_updates()
+        if ctx.updates is not None and ctx.updates.clears(self.param):
+            ctx.drain_updates()  # a zero_grad waits behind the overlapped step's update: answer after it
         return view_of(self.grad, index, self.layout.slots[index].fqn, self._placeholders[index],
                        refused=ctx.wants_grads_final)
 

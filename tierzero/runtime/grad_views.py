@@ -8,6 +8,7 @@ import weakref
 from typing import Any, Callable
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from tierzero.runtime.grads import FlatGrad
 from tierzero.runtime.placeholders import METADATA
@@ -28,15 +29,21 @@ while the view lives."""
 #
 #     vector_norm, norm, _foreach_norm   the parameter's norm, from the norms backward computed
 #                                        as it wrote the gradient (FlatGrad.norms, fp32): the
-#                                        total torch builds from them is tz.clip_grad_norm_'s
+#                                        total torch builds from them, in the model's parameter
+#                                        order, is tz.clip_grad_norm_'s, bit for bit
 #     mul_, _foreach_mul_                FlatGrad.scale_slot: once every parameter of the flat
 #                                        gradient has the same factor, its pending factor, as
 #                                        tz.clip_grad_norm_ sets it (a subset: multiplied in)
 #     clamp_, _foreach_clamp_min_/max_   FlatGrad.clamp_slot, in the stored bytes (clip_grad_value_)
 #
 # With several ranks each holds a shard of every gradient: a parameter's norm would take a
-# collective per parameter, so the norms are refused there, naming tz.clip_grad_norm_ (global).
-# The read of `p.grad` costs a forward nothing: a fetched parameter has its own class back.
+# collective per parameter, so the norms are refused there, naming tz.clip_grad_norm_ (global);
+# clamping is elementwise and works. Under Config.step_in_backward the blocks were updated with
+# unclipped gradients: every view refuses, as tz.clip_grad_norm_ does. A view's operations wait
+# for the overlapped step's updates; `p.grad` itself waits only where a zero_grad is queued behind
+# its block's update (its answer comes after). Reading `p.grad` costs a forward nothing: a
+# fetched parameter has its own class back, and wrap's own readers of autograd's `.grad` look
+# past the view.
 class GradView(torch.Tensor):
     """`p.grad` of an unfetched wrapped parameter (see [Note: gradients seen through p.grad])."""
 
@@ -51,8 +58,7 @@ class GradView(torch.Tensor):
             return args[0]
         handler = _HANDLERS.get(func)
         if handler is None:
-            view = next(a for a in [*args, *(x for a in args if isinstance(a, (list, tuple)) for x in a)]
-                        if isinstance(a, GradView))
+            view = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, GradView))
             raise _refusal(view, getattr(func, "__name__", str(func)))
         return handler(*args, **kwargs)
 
@@ -117,11 +123,20 @@ def _foreach_norm(tensors: list[torch.Tensor], ord: float = 2.0, dtype: Any = No
     return tuple(_norm_of(t, float(ord)) if isinstance(t, GradView) else next(norms) for t in tensors)
 
 
+_LAST_FACTOR: list[Any] = [None, None]
+"""(the factor torch's clipping gave last, its fp32 CPU copy): one copy per clip, not per parameter."""
+
+
 def _mul_(x: torch.Tensor, factor: Any) -> torch.Tensor:
     grad, index, name = _source(x)
-    if isinstance(factor, torch.Tensor) and factor.numel() != 1:
-        raise _refusal(x, "mul_ by a tensor of several elements")
-    grad.scale_slot(index, factor)
+    if isinstance(factor, torch.Tensor):
+        if factor.numel() != 1:
+            raise _refusal(x, "mul_ by a tensor of several elements")
+        if _LAST_FACTOR[0] is not factor:
+            with torch._C.DisableTorchFunctionSubclass():
+                _LAST_FACTOR[:] = [factor, factor.detach().to("cpu", torch.float32).reshape(())]
+        factor = _LAST_FACTOR[1]
+    grad.scale_slot(index, factor if isinstance(factor, torch.Tensor) else float(factor))
     return x
 
 

@@ -141,23 +141,22 @@ class FlatGrad:
     # Through p.grad: a parameter's part of the gradient ([Note: gradients seen through p.grad]).
 
     def scale_slot(self, index: int, factor: torch.Tensor | float) -> None:
-        """Parameter `index`'s gradient times `factor` (torch's clipping multiplies each `p.grad`
-        by one factor): once every parameter with a gradient has had the same factor, it is
-        the pending factor of the whole flat gradient, as tz.clip_grad_norm_ sets it; a factor
-        given to some parameters only is multiplied into their stored bytes before the gradient
-        is next read."""
-        key = factor.cpu() if isinstance(factor, torch.Tensor) else float(factor)
+        """Parameter `index`'s gradient times `factor` (a CPU scalar tensor, or a number): torch's
+        clipping multiplies each `p.grad` by one factor. Once every parameter with a gradient has
+        had the same factor, it is the pending factor of the whole flat gradient, as
+        tz.clip_grad_norm_ sets it; a factor given to some parameters only is multiplied into
+        their stored bytes before the gradient is next read."""
         if self._partial is not None:
             given, indices = self._partial
-            same = given is factor if isinstance(factor, torch.Tensor) else given == key
+            same = given is factor or (not isinstance(given, torch.Tensor) and given == factor)
             if not same or index in indices:
                 self._settle_partial()
         if self._partial is None:
-            self._partial = (factor if isinstance(factor, torch.Tensor) else key, set())
+            self._partial = (factor, set())
         self._partial[1].add(index)
         if self._partial[1] >= self.reached():
             self._partial = None
-            self.scale_by(torch.as_tensor(key, dtype=torch.float32))
+            self.scale_by(torch.as_tensor(factor, dtype=torch.float32))
 
     def _settle_partial(self) -> None:
         """A factor that reached only some parameters: multiplied into their stored bytes."""
@@ -168,7 +167,7 @@ class FlatGrad:
         with self._stored(writable=True) as buf:
             mine = self._fold_scale(buf)
             for i in sorted(indices):
-                self._slot_of(mine, i).mul_(factor.cpu() if isinstance(factor, torch.Tensor) else factor)
+                self._slot_of(mine, i).mul_(factor)
 
     def clamp_slot(self, index: int, lo: float | None, hi: float | None) -> None:
         """Parameter `index`'s gradient clamped elementwise to [lo, hi] (clip_grad_value_), in

@@ -72,7 +72,10 @@ _TARGET_DTYPE = {torch.Tensor.half: torch.float16, torch.Tensor.float: torch.flo
 # real ones before the caller sees them). A conversion (`model.to(dtype)`, `.half()`,
 # `.to(device)`) is refused naming Config.compute_dtype, unless it changes nothing. When the
 # block is fetched the parameter gets its own class back: a forward runs on plain parameters, at
-# no cost. The class is the only state on the parameter; its name is kept in a side table.
+# no cost. The class is the only state on the parameter; its name and its flat tensor are kept in
+# side tables. The flat tensor answers `p.grad` (a GradView where it holds a gradient: [Note:
+# gradients seen through p.grad] in grad_views.py) and hears `requires_grad` set, so that a
+# parameter frozen at wrap and unfrozen is taken in before the next forward (wrapping.refresh).
 class _Unfetched:
     """The behaviour of an unfetched parameter (see [Note: unfetched parameters])."""
 
