@@ -51,8 +51,9 @@ METADATA: set[Any] = (
 parameters as the inputs to differentiate for)."""
 _GRAD = torch.Tensor.grad.__get__
 """`p.grad`: a gradient kept apart may stand behind it ([Note: gradients seen through p.grad])."""
-_SETS_REQUIRES_GRAD = {torch.Tensor.requires_grad.__set__, torch.Tensor.requires_grad_}
-"""Unfreezing a parameter frozen at wrap: its flat tensor hears of it (FlatParam.requires_grad_set)."""
+_HEARD = {_GRAD, torch.Tensor.requires_grad.__set__, torch.Tensor.requires_grad_}
+"""What the parameter's flat tensor answers (`p.grad`) or hears of (`requires_grad` set: a
+parameter frozen at wrap unfrozen, FlatParam.requires_grad_set)."""
 _VIEWS = {torch.Tensor.detach, torch.Tensor.data.__get__}
 """What gives an UnfetchedTensor (a state dict's values until its hook replaces them)."""
 _CONVERSIONS = {torch.Tensor.to, torch.Tensor.half, torch.Tensor.float, torch.Tensor.double,
@@ -89,13 +90,15 @@ class _Unfetched:
         if func in METADATA or (func is torch.Tensor.type and len(args) == 1 and not kwargs):
             with torch._C.DisableTorchFunctionSubclass():
                 out = func(*args, **kwargs)
-                requires_grad = args[0].requires_grad if func in _SETS_REQUIRES_GRAD else None
-            if (func == _GRAD and out is None) or requires_grad is not None:
-                source, index = _source_of(args[0])
-                if source is not None and requires_grad is not None:
-                    source.requires_grad_set(index, requires_grad)
-                elif source is not None:
-                    return source.grad_view(index)
+                if func not in _HEARD:
+                    return out
+                requires_grad = args[0].requires_grad
+            source, index = _source_of(args[0])
+            if source is None:
+                return out
+            if func == _GRAD:
+                return source.grad_view(index) if out is None else out
+            source.requires_grad_set(index, requires_grad)
             return out
         this = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, _Unfetched))
         if func in _VIEWS:
