@@ -90,7 +90,7 @@ def test_clipping_some_parameters_scales_only_theirs(wrapped: Any) -> None:
             opt_.step()
             opt_.zero_grad()
         for name, value in plain.state_dict().items():
-            torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-6, atol=1e-7, msg=name)
+            assert torch.equal(model.state_dict()[name], value), (step, name)
 
 
 @pytest.mark.parametrize("foreach", [None, True])
@@ -128,3 +128,23 @@ def test_step_in_backward_refuses_torch_clipping(wrapped: Any, tmp_path: Any) ->
     with pytest.raises(ValueError, match="step_in_backward=False to clip"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.zero_grad()
+
+
+def test_model_zero_grad_and_p_grad_none_forget_as_torch(wrapped: Any) -> None:
+    # model.zero_grad() (not the optimizer's) between steps, and one parameter's p.grad set to None
+    # after a backward (the optimizer skips it): as plain PyTorch, under the overlapped step
+    model, _, plain = trio(wrapped, tier_config(tier="host"))
+    opt, popt = tz.AdamW(model, lr=1e-2), torch.optim.AdamW(plain.parameters(), lr=1e-2, fused=True)
+    for step in range(4):
+        for m in (model, plain):
+            m.zero_grad()
+            m(torch.randn(6, 11, generator=torch.Generator().manual_seed(step))).backward()
+            if step == 2:
+                m.layers[1].weight.grad = None
+        assert model.layers[1].weight.grad is None if step == 2 else model.layers[1].weight.grad is not None
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        assert torch.equal(norm, torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)), step
+        opt.step()
+        popt.step()
+        for name, value in plain.state_dict().items():
+            assert torch.equal(model.state_dict()[name], value), (step, name)

@@ -284,6 +284,15 @@ class FlatParam:
         return view_of(self.grad, index, self.layout.slots[index].fqn, self._placeholders[index],
                        refused=ctx.wants_grads_final)
 
+    def grad_set_none(self, index: int) -> None:
+        """`p.grad = None` of parameter `index` while FREE (model.zero_grad()): its gradient is
+        forgotten, as torch forgets it (after the overlapped step's update of the block)."""
+        if self.grad is None:
+            return
+        if self.ctx.updating((self.param,)):
+            self.ctx.drain_updates()
+        self.grad.forget_slot(index)
+
     def requires_grad_set(self, index: int, requires_grad: bool) -> None:
         """Parameter `index` was set to require a gradient or not while FREE: one of a frozen flat
         tensor unfrozen is taken in before the next forward (wrapping.refresh)."""
@@ -301,8 +310,9 @@ class FlatParam:
         return self._device.as_strided(saved.size, saved.stride, saved.offset)
 
     def clear_grad(self, *, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
+        with torch._C.DisableTorchFunctionSubclass():  # autograd's .grad (not forget_slot's p.grad = None)
+            for p in self.params:
+                p.grad = None
         if self.grad is not None:
             self.grad.clear(set_to_none=set_to_none)
 

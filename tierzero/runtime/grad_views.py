@@ -36,6 +36,9 @@ while the view lives."""
 #                                        tz.clip_grad_norm_ sets it (a subset: multiplied in)
 #     clamp_, _foreach_clamp_min_/max_   FlatGrad.clamp_slot, in the stored bytes (clip_grad_value_)
 #
+# and `p.grad = None` (model.zero_grad()) forgets the parameter's gradient (FlatGrad.forget_slot),
+# which model.zero_grad() would otherwise leave to be summed into by the next backward.
+#
 # With several ranks each holds a shard of every gradient: a parameter's norm would take a
 # collective per parameter, so the norms are refused there, naming tz.clip_grad_norm_ (global);
 # clamping is elementwise and works. Under Config.step_in_backward the blocks were updated with

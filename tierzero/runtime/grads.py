@@ -70,12 +70,16 @@ class FlatGrad:
         self._partial: tuple[Any, set[int]] | None = None
         """A factor `scale_slot` gave some parameters, not yet every one with a gradient:
         (the factor, those parameters by index); see [Note: gradients seen through p.grad]."""
+        self._forgotten: set[int] = set()
+        """Parameters whose `p.grad` was set to None (model.zero_grad()), not yet every one with a
+        gradient: zeroed in the stored bytes before the gradient is next read or added to."""
 
     @contextlib.contextmanager
     def acquire(self, *, writable: bool = False, tier: Tier | None = None) -> Iterator[torch.Tensor]:
         """This rank's shard as stored (its dtype, without the pending factor) on `tier` (None:
         the tier the CPU works on it in; an update elsewhere takes a copy there)."""
         self._settle_partial()
+        self._settle_forgotten()
         with self._stored(writable=writable, tier=tier) as buf:
             yield self._mine(buf)
 
@@ -168,6 +172,27 @@ class FlatGrad:
             mine = self._fold_scale(buf)
             for i in sorted(indices):
                 self._slot_of(mine, i).mul_(factor)
+
+    def forget_slot(self, index: int) -> None:
+        """`p.grad = None` for parameter `index` (model.zero_grad()): its gradient forgotten, as
+        torch forgets it; once every parameter with a gradient is, the whole gradient is cleared
+        (`clear`), else their parts are zeroed before the gradient is next read."""
+        if index not in self.reached():
+            return
+        self._forgotten.add(index)
+        if not self.reached():
+            self.clear(set_to_none=True)
+
+    def _settle_forgotten(self) -> None:
+        if not self._forgotten:
+            return
+        forgotten, self._forgotten = sorted(self._forgotten), set()
+        self._settle_partial()
+        with self._stored(writable=True) as buf:
+            mine = self._fold_scale(buf)
+            for i in forgotten:
+                self._slot_of(mine, i).zero_()
+        self._reached.difference_update(forgotten)
 
     def clamp_slot(self, index: int, lo: float | None, hi: float | None) -> None:
         """Parameter `index`'s gradient clamped elementwise to [lo, hi] (clip_grad_value_), in
@@ -305,8 +330,10 @@ class FlatGrad:
         if all(g is None for g in grads) and self._held is None:
             return
         self._settle_partial()
-        for p in params:
-            p.grad = None  # frees the device copy as soon as it is accumulated
+        self._settle_forgotten()
+        with torch._C.DisableTorchFunctionSubclass():  # autograd's .grad: not model.zero_grad()'s
+            for p in params:
+                p.grad = None  # frees the device copy as soon as it is accumulated
         self._reached.update(i for i, g in enumerate(grads) if g is not None)
         with torch.profiler.record_function(f"tierzero::accumulate_grad {self.handle.owner}"):
             if self._held is not None and self._scratch is None:
@@ -426,10 +453,11 @@ class FlatGrad:
     def unreached(self) -> frozenset[int]:
         """Parameters (by index) without a gradient, which torch's optimizers and clipping skip
         (`p.grad is None`): on one rank those no gradient reached since zero_grad(set_to_none);
-        with several ranks none (their stored zeros are the gradient, as DDP makes them)."""
+        with several ranks none (their stored zeros are the gradient, as DDP makes them); and
+        those whose `p.grad` was set to None since (forget_slot)."""
         if self.layout.world_size > 1:
-            return frozenset()
-        return frozenset(range(len(self.layout.slots))) - self._reached
+            return frozenset(self._forgotten)
+        return frozenset(range(len(self.layout.slots))) - self._reached | self._forgotten
 
     def clear(self, *, set_to_none: bool = True) -> None:
         """Forget the gradient (set_to_none) or make it zeros (a parameter without a gradient
@@ -439,6 +467,7 @@ class FlatGrad:
             self._reached.clear()
         self.scale = None
         self._partial = None
+        self._forgotten.clear()
         self._norms = None
         self.empty = set_to_none
         if set_to_none:

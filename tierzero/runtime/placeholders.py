@@ -29,6 +29,8 @@ class ParamSource(Protocol):
 
     def requires_grad_set(self, index: int, requires_grad: bool) -> None: ...
 
+    def grad_set_none(self, index: int) -> None: ...
+
 
 def _descriptors(names: tuple[str, ...], part: str) -> set[Any]:
     return {getattr(getattr(torch.Tensor, n), part) for n in names if hasattr(torch.Tensor, n)}
@@ -51,9 +53,10 @@ METADATA: set[Any] = (
 parameters as the inputs to differentiate for)."""
 _GRAD = torch.Tensor.grad.__get__
 """`p.grad`: a gradient kept apart may stand behind it ([Note: gradients seen through p.grad])."""
-_HEARD = {_GRAD, torch.Tensor.requires_grad.__set__, torch.Tensor.requires_grad_}
-"""What the parameter's flat tensor answers (`p.grad`) or hears of (`requires_grad` set: a
-parameter frozen at wrap unfrozen, FlatParam.requires_grad_set)."""
+_GRAD_SET = torch.Tensor.grad.__set__
+_HEARD = {_GRAD, _GRAD_SET, torch.Tensor.requires_grad.__set__, torch.Tensor.requires_grad_}
+"""What the parameter's flat tensor answers (`p.grad`) or hears of (`p.grad = None`:
+model.zero_grad(); `requires_grad` set: a parameter frozen at wrap unfrozen)."""
 _VIEWS = {torch.Tensor.detach, torch.Tensor.data.__get__}
 """What gives an UnfetchedTensor (a state dict's values until its hook replaces them)."""
 _CONVERSIONS = {torch.Tensor.to, torch.Tensor.half, torch.Tensor.float, torch.Tensor.double,
@@ -98,7 +101,11 @@ class _Unfetched:
                 return out
             if func == _GRAD:
                 return source.grad_view(index) if out is None else out
-            source.requires_grad_set(index, requires_grad)
+            if func == _GRAD_SET:
+                if args[1] is None:
+                    source.grad_set_none(index)
+            else:
+                source.requires_grad_set(index, requires_grad)
             return out
         this = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, _Unfetched))
         if func in _VIEWS:
