@@ -95,10 +95,10 @@ def _norm_of(view: torch.Tensor, norm_type: float) -> torch.Tensor:
     ctx = grad.ctx
     if ctx.world_size > 1:
         raise ValueError(
-            f"the norm of parameter {name!r}'s gradient (p.grad, as torch.nn.utils.clip_grad_norm_ and "
-            f"accelerate's clip_grad_norm_ read it) on rank {ctx.rank} of {ctx.world_size}: with several ranks "
-            "each holds a shard of a tierzero-wrapped model's gradients, so a parameter's norm is not at hand; "
-            "clip with tz.clip_grad_norm_(model, max_norm), which returns the global norm")
+            f"rank {ctx.rank} of {ctx.world_size}: the norm of p.grad of parameter {name!r} (as "
+            "torch.nn.utils.clip_grad_norm_ and accelerate's clip_grad_norm_ read it) was refused: with several "
+            "ranks each holds only a shard of a tierzero-wrapped model's gradients, so one parameter's norm is not "
+            "at hand. Clip with tz.clip_grad_norm_(model, max_norm), which returns the global norm")
     ctx.clips_with(float(norm_type))  # from now on backward computes the norms as it writes
     return grad.norms(float(norm_type))[index].to(view.device)
 
