@@ -49,7 +49,8 @@ def test_default_blocks_are_the_repeated_layers_plus_root(wrapped) -> None:
     assert model.wte.weight.shape == (VOCAB, D) and model.wte.weight.stride() == (0, 0)
     x, y = batch()
     model(x, y).loss.backward()
-    assert all(p.grad is None for p in model.parameters())
+    with torch._C.DisableTorchFunctionSubclass():  # autograd's .grad: p.grad reads the flat gradient
+        assert all(p.grad is None for p in model.parameters())
     assert not state.ctx.held
 
 

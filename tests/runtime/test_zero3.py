@@ -69,6 +69,12 @@ def train_rank(rank: int, world_size: int, out_dir: str) -> None:
               "nvme_used": pm.bytes_used("nvme"), "device_peak": pm.peak_bytes("device"),
               "device_budget": pm.budget("device"), "full_keys": sorted(full),
               "state_dict_keys": sorted(sd), "gathered": dataclasses.asdict(runtime.state_of(model).ctx.gather_counts)}
+    model(x[rows], y[rows]).loss.backward()  # torch's clipping: p.grad stands for this rank's shard only
+    try:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    except ValueError as e:
+        result["torch_clip"] = str(e)
+    opt.zero_grad()
     torch.save({"result": result, "state": full}, os.path.join(out_dir, f"rank{rank}.pt"))
     runtime.close(model)
 
@@ -126,6 +132,7 @@ def test_parity_and_tier_bytes(tmp_path: Path, world_size: int, one_process: dic
                                    msg=lambda m: f"rank {r}: global gradient norms: {m}")
         assert res["device_peak"] <= res["device_budget"], (r, res["device_peak"], res["device_budget"])
         assert res["state_dict_keys"] == keys, r
+        assert f"rank {r} of {world_size}" in res["torch_clip"] and "tz.clip_grad_norm_" in res["torch_clip"], res
         # After the first step records the trace, the prefetcher starts the all-gathers ahead (the
         # last block keeps its gathered copy from forward to backward): of 16 flat-tensor fetches
         # a step, only the root's 2 at the start of forward are left on demand.

@@ -148,6 +148,9 @@ class TieredOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's add_param_group, for parameters of this optimizer's wrapped model: the
         state of the blocks the group reaches is registered now (zero moments)."""
+        if self._ready:  # parameters unfrozen since: taken in, so that the group reaches them
+            runtime.refresh(self._model_state.model)
+            self._follow_refresh()
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
@@ -203,10 +206,53 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._flats, self._group_of = flats, where
         self._batches.clear()
 
+    def _follow_refresh(self) -> None:
+        """The model's flat tensors were built again since this optimizer last looked
+        (runtime.refresh: parameters unfrozen or added): each parameter's moments and step count
+        move to the flat tensor that holds it now (the master weights are the flat tensor's)."""
+        state = runtime.state_of(self._model_state.model)
+        if state is self._model_state:
+            return
+        live = set(state.flat_params(trainable=True))
+        gone = [f for f in self._states if f not in live]
+        self._model_state = state
+        if not self._states:  # a newer optimizer took over: nothing to move
+            self._flats = [f for f in self._flats if f in live]
+            return
+        if gone and state.ctx.world_size > 1:
+            raise ValueError(
+                f"{type(self).__name__}: the parameters of blocks {[f.name for f in gone]} were unfrozen or added "
+                f"since this optimizer was built, and with {state.ctx.world_size} ranks their moments cannot move to "
+                "the rebuilt blocks; build a new optimizer after unfreezing (tz.AdamW(model, ...))")
+        moves: dict[FlatParam, list[tuple[int, int, int, dict[str, torch.Tensor], int]]] = {}
+        for old in gone:
+            states, steps = self._states.pop(old), self._steps.pop(old)
+            values = {k: states.read(k) for k in states.states}
+            for kind in states.states:
+                states.remove(kind)
+            for i, (p, slot) in enumerate(zip(old.params, old.layout.slots)):
+                new, j = state.locate(p) or (None, 0)
+                if new in live:
+                    moves.setdefault(new, []).append((j, slot.offset, slot.numel, values, steps[i]))
+        self._cover()
+        for new, parts in moves.items():
+            if new not in self._states:
+                continue  # none of its parameters is in a group of this optimizer now
+            block = self._states[new]
+            for kind in block.states:
+                moved = block.read(kind)
+                for j, offset, numel, values, _ in parts:
+                    at = new.layout.slots[j].offset
+                    moved[at:at + numel] = values[kind][offset:offset + numel]
+                block.store(kind, moved)
+            for j, _, _, _, steps in parts:
+                self._steps[new][j] = steps
+
     @property
     def flat_params(self) -> list[FlatParam]:
         """The blocks' flat tensors this optimizer updates (a step takes them in the last
         forward's order)."""
+        self._follow_refresh()
         return list(self._flats)
 
     def block_state(self, flat: FlatParam) -> BlockState:
@@ -238,6 +284,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_live()
+        self._follow_refresh()
         self._model_state.ctx.drain_updates()
         groups = [dict(g) for g in self.param_groups]  # as now: an LR scheduler changes them before queued updates run
         todo = [f for f in self._flats if not flat_grad(f).empty and f not in self._stepped]
@@ -360,8 +407,13 @@ class TieredOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._follow_refresh()
         for flat in self._flats:
-            clear = functools.partial(flat.clear_grad, set_to_none=set_to_none)
+            mine = [j for j, g in enumerate(self._group_of[flat]) if g is not None]
+            if len(mine) == len(flat.layout.slots):
+                clear = functools.partial(flat.clear_grad, set_to_none=set_to_none)
+            else:  # torch's zero_grad leaves the gradients of parameters in none of its groups
+                clear = functools.partial(flat_grad(flat).clear_slots, mine, set_to_none=set_to_none)
             if self._queue is None or not self._queue.clear_after(flat.param, clear):
                 clear()
 
@@ -397,6 +449,7 @@ class TieredOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """param_groups as torch packs them; "state" maps each block to its step count and its
         fp32 master weights and moments (full CPU tensors)."""
+        self._follow_refresh()
         self._model_state.ctx.drain_updates()
         sd = super().state_dict()
         sd["state"] = {}

@@ -213,7 +213,7 @@ def accumulate(model: nn.Module, micro_batches: Iterable[Any], loss_fn: Callable
     gives its loss (scale it, e.g. / k, as wanted). Returns the losses, detached, in order. Then
     tz.clip_grad_norm_ and opt.step() as after the plain loop. A step that cannot run layer by
     layer raises `LayerMajorRefusal` (a ValueError) before any backward."""
-    state = state_of(model)
+    state = state_of(model).renewed()  # parameters unfrozen since wrap are taken in first
     mbs = list(micro_batches)
     if not mbs:
         raise ValueError("tz.accumulate: micro_batches is empty; give at least one micro-batch")

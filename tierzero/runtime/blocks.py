@@ -179,6 +179,8 @@ class Block:
         if name != ROOT:
             for p, text in outside_read_hints(name, modules):
                 hint(p, text)
+        self.successor = self
+        """The block that took its place when the root state was built again (wrapping.refresh)."""
 
     @property
     def nbytes(self) -> int:
@@ -250,7 +252,13 @@ class Block:
     # may stop it early (no post-forward hook) and reentrant checkpointing backpropagates through
     # it, so its hold ends at the block's next post-backward, not at its post-forward.
 
-    def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
+        if kwargs is None:
+            # Called without kwargs: torch runs the hooks a module had when its call began, and
+            # this one's handle was removed since (the root state built again in the root's
+            # pre-forward, wrapping.refresh): the block that replaced it runs in its place.
+            out = self.successor._pre_forward(module, args, {})
+            return None if out is None else out[0]
         recompute = self.ctx.phase is Phase.BACKWARD
         if self.ctx.layer_major is not None and not recompute and self.name != ROOT:
             self.ctx.layer_major.arrive(self)  # [Note: layer-major schedule] in accumulate.py

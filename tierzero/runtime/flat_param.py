@@ -26,6 +26,7 @@ from tierzero.layout import FlatLayout, ZeroStage, fetched_bytes
 from tierzero.placement import CheckpointHome, Kind, TensorHandle
 from tierzero.runtime.collectives import all_gather_flat, broadcast_from_first_, rank_errors
 from tierzero.runtime.gathers import discard_gather
+from tierzero.runtime.grad_views import view_of
 from tierzero.runtime.grads import FlatGrad
 from tierzero.runtime.placeholders import guard, unguard
 from tierzero.runtime.step_context import StepContext
@@ -264,13 +265,39 @@ class FlatParam:
     def uninstall(self) -> None:
         """HELD / SCRATCH -> FREE: the parameters become placeholders again, refusing reads
         ([Note: unfetched parameters] in placeholders.py)."""
-        for p, ph, slot in zip(self.params, self._placeholders, self.layout.slots):
+        for i, (p, ph, slot) in enumerate(zip(self.params, self._placeholders, self.layout.slots)):
             p.data = ph
-            guard(p, slot.fqn)
+            guard(p, slot.fqn, self, i)
         if self._device is not None:
             self.ctx.untrack(self._device)
             self._device = None
         self._state = ParamState.FREE
+
+    def grad_view(self, index: int) -> torch.Tensor | None:
+        """`p.grad` of parameter `index` while FREE: its gradient as torch's clipping sees it
+        ([Note: gradients seen through p.grad] in grad_views.py), None where torch's is None."""
+        ctx = self.ctx
+        if self.grad is None:
+            return None
+        if ctx.updates is not None and ctx.updates.clears(self.param):
+            ctx.drain_updates()  # a zero_grad waits behind the overlapped step's update: answer after it
+        return view_of(self.grad, index, self.layout.slots[index].fqn, self._placeholders[index],
+                       refused=ctx.wants_grads_final)
+
+    def grad_set_none(self, index: int) -> None:
+        """`p.grad = None` of parameter `index` while FREE (model.zero_grad()): its gradient is
+        forgotten, as torch forgets it (after the overlapped step's update of the block)."""
+        if self.grad is None:
+            return
+        if self.ctx.updating((self.param,)):
+            self.ctx.drain_updates()
+        self.grad.forget_slot(index)
+
+    def requires_grad_set(self, index: int, requires_grad: bool) -> None:
+        """Parameter `index` was set to require a gradient or not while FREE: one of a frozen flat
+        tensor unfrozen is taken in before the next forward (wrapping.refresh)."""
+        if requires_grad and not self.trainable:
+            self.ctx.unfrozen = True
 
     def saved_view(self, saved: SavedView) -> torch.Tensor:
         """A tensor saved for backward as a view of this flat tensor's device copy, rebuilt on the
@@ -283,8 +310,9 @@ class FlatParam:
         return self._device.as_strided(saved.size, saved.stride, saved.offset)
 
     def clear_grad(self, *, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
+        with torch._C.DisableTorchFunctionSubclass():  # autograd's .grad (not forget_slot's p.grad = None)
+            for p in self.params:
+                p.grad = None
         if self.grad is not None:
             self.grad.clear(set_to_none=set_to_none)
 

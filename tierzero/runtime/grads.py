@@ -67,11 +67,19 @@ class FlatGrad:
         """Early capture on the device: the buffer `_held` views, given back at accumulate."""
         self._refused = False
         """Early capture found no room for its buffer in this backward: none until accumulate."""
+        self._partial: tuple[Any, set[int]] | None = None
+        """A factor `scale_slot` gave some parameters, not yet every one with a gradient:
+        (the factor, those parameters by index); see [Note: gradients seen through p.grad]."""
+        self._forgotten: set[int] = set()
+        """Parameters whose `p.grad` was set to None (model.zero_grad()), not yet every one with a
+        gradient: zeroed in the stored bytes before the gradient is next read or added to."""
 
     @contextlib.contextmanager
     def acquire(self, *, writable: bool = False, tier: Tier | None = None) -> Iterator[torch.Tensor]:
         """This rank's shard as stored (its dtype, without the pending factor) on `tier` (None:
         the tier the CPU works on it in; an update elsewhere takes a copy there)."""
+        self._settle_partial()
+        self._settle_forgotten()
         with self._stored(writable=writable, tier=tier) as buf:
             yield self._mine(buf)
 
@@ -107,6 +115,7 @@ class FlatGrad:
         return g.mul_(self.scale) if inplace else g * self.scale
 
     def scale_by(self, factor: torch.Tensor) -> None:
+        self._settle_partial()
         if not self.empty:
             self.scale = factor if self.scale is None else self.scale * factor
             self._norms = None  # of the unscaled bytes: clipping twice reads again
@@ -126,11 +135,92 @@ class FlatGrad:
         return self._norms is not None and self._norms[0] == norm_type
 
     def norms(self, norm_type: float) -> list[torch.Tensor]:
-        """norms_of() the stored gradient: as computed in backward, or read now."""
+        """norms_of() the stored gradient: as computed in backward, or read now (and kept)."""
         if self._norms is not None and self.has_norms(norm_type):
             return self._norms[1]
         with self.acquire() as g:
-            return self.norms_of(g, norm_type)
+            self._norms = (norm_type, self.norms_of(g, norm_type))
+        return self._norms[1]
+
+    # Through p.grad: a parameter's part of the gradient ([Note: gradients seen through p.grad]).
+
+    def scale_slot(self, index: int, factor: torch.Tensor | float) -> None:
+        """Parameter `index`'s gradient times `factor` (a CPU scalar tensor, or a number): torch's
+        clipping multiplies each `p.grad` by one factor. Once every parameter with a gradient has
+        had the same factor, it is the pending factor of the whole flat gradient, as
+        tz.clip_grad_norm_ sets it; a factor given to some parameters only is multiplied into
+        their stored bytes before the gradient is next read."""
+        if self._partial is not None:
+            given, indices = self._partial
+            same = given is factor or (not isinstance(given, torch.Tensor) and given == factor)
+            if not same or index in indices:
+                self._settle_partial()
+        if self._partial is None:
+            self._partial = (factor, set())
+        self._partial[1].add(index)
+        if self._partial[1] >= self.reached():
+            self._partial = None
+            self.scale_by(torch.as_tensor(factor, dtype=torch.float32))
+
+    def _settle_partial(self) -> None:
+        """A factor that reached only some parameters: multiplied into their stored bytes."""
+        if self._partial is None:
+            return
+        factor, indices = self._partial
+        self._partial = None
+        with self._stored(writable=True) as buf:
+            mine = self._fold_scale(buf)
+            for i in sorted(indices):
+                self._slot_of(mine, i).mul_(factor)
+
+    def forget_slot(self, index: int) -> None:
+        """`p.grad = None` for parameter `index` (model.zero_grad()): its gradient forgotten, as
+        torch forgets it; once every parameter with a gradient is, the whole gradient is cleared
+        (`clear`), else their parts are zeroed before the gradient is next read."""
+        if index not in self.reached():
+            return
+        self._forgotten.add(index)
+        if not self.reached():
+            self.clear(set_to_none=True)
+
+    def _settle_forgotten(self) -> None:
+        if not self._forgotten:
+            return
+        forgotten, self._forgotten = sorted(self._forgotten), set()
+        self._settle_partial()
+        with self._stored(writable=True) as buf:
+            mine = self._fold_scale(buf)
+            for i in forgotten:
+                self._slot_of(mine, i).zero_()
+        self._reached.difference_update(forgotten)
+
+    def clamp_slot(self, index: int, lo: float | None, hi: float | None) -> None:
+        """Parameter `index`'s gradient clamped elementwise to [lo, hi] (clip_grad_value_), in
+        the stored bytes (the pending factor folded in first)."""
+        self._settle_partial()
+        with self._stored(writable=True) as buf:
+            self._slot_of(self._fold_scale(buf), index).clamp_(min=lo, max=hi)
+
+    def _fold_scale(self, buf: torch.Tensor) -> torch.Tensor:
+        """The pending factor multiplied into the stored gradient `buf`, the norms forgotten;
+        returns this rank's shard of it."""
+        self.scaled(buf, inplace=True)
+        self.scale = None
+        self._norms = None
+        return self._mine(buf)
+
+    def _slot_of(self, mine: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter `index`'s part of this rank's shard `mine` (empty where the shard has none)."""
+        start, stop = self.layout.shard_range(self.ctx.rank)
+        slot = self.layout.slots[index]
+        lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, stop)
+        return mine[lo - start:max(lo, hi) - start]
+
+    def reached(self) -> frozenset[int]:
+        """Parameters (by index) that have a gradient, as torch's `p.grad is not None`."""
+        if self.empty:
+            return frozenset()
+        return frozenset(range(len(self.layout.slots))) - self.unreached()
 
     @property
     def _on_device(self) -> bool:
@@ -235,11 +325,15 @@ class FlatGrad:
     def accumulate(self, params: list[nn.Parameter]) -> None:
         """Move the parameters' .grad (and what early capture summed) into the shard;
         idempotent (no .grad, nothing captured: no-op)."""
-        grads = [p.grad for p in params]
+        with torch._C.DisableTorchFunctionSubclass():  # autograd's .grad, never a GradView
+            grads = [p.grad for p in params]
         if all(g is None for g in grads) and self._held is None:
             return
-        for p in params:
-            p.grad = None  # frees the device copy as soon as it is accumulated
+        self._settle_partial()
+        self._settle_forgotten()
+        with torch._C.DisableTorchFunctionSubclass():  # autograd's .grad: not model.zero_grad()'s
+            for p in params:
+                p.grad = None  # frees the device copy as soon as it is accumulated
         self._reached.update(i for i, g in enumerate(grads) if g is not None)
         with torch.profiler.record_function(f"tierzero::accumulate_grad {self.handle.owner}"):
             if self._held is not None and self._scratch is None:
@@ -359,10 +453,11 @@ class FlatGrad:
     def unreached(self) -> frozenset[int]:
         """Parameters (by index) without a gradient, which torch's optimizers and clipping skip
         (`p.grad is None`): on one rank those no gradient reached since zero_grad(set_to_none);
-        with several ranks none (their stored zeros are the gradient, as DDP makes them)."""
+        with several ranks none (their stored zeros are the gradient, as DDP makes them); and
+        those whose `p.grad` was set to None since (forget_slot)."""
         if self.layout.world_size > 1:
-            return frozenset()
-        return frozenset(range(len(self.layout.slots))) - self._reached
+            return frozenset(self._forgotten)
+        return frozenset(range(len(self.layout.slots))) - self._reached | self._forgotten
 
     def clear(self, *, set_to_none: bool = True) -> None:
         """Forget the gradient (set_to_none) or make it zeros (a parameter without a gradient
@@ -371,6 +466,8 @@ class FlatGrad:
         if set_to_none:
             self._reached.clear()
         self.scale = None
+        self._partial = None
+        self._forgotten.clear()
         self._norms = None
         self.empty = set_to_none
         if set_to_none:
@@ -378,6 +475,22 @@ class FlatGrad:
         else:
             with self._stored(overwrite=True) as buf:
                 buf.zero_()
+
+    def clear_slots(self, indices: Sequence[int], *, set_to_none: bool = True) -> None:
+        """`clear` for parameters `indices` only (an optimizer's zero_grad, whose groups leave out
+        the others: torch's leaves their `.grad`): their part zeroed, and forgotten (set_to_none)."""
+        if set(indices) >= set(range(len(self.layout.slots))):
+            self.clear(set_to_none=set_to_none)
+            return
+        if self.empty:
+            return
+        self._settle_partial()
+        with self._stored(writable=True) as buf:
+            mine = self._fold_scale(buf)
+            for i in indices:
+                self._slot_of(mine, i).zero_()
+        if set_to_none:
+            self._reached.difference_update(indices)
 
     def __repr__(self) -> str:
         return f"FlatGrad({self.handle.name!r}, empty={self.empty}, scaled={self.scale is not None})"

@@ -7,7 +7,7 @@ zero-stride tensor of the right shape and dtype (flat_param.py), which refuses t
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -19,13 +19,26 @@ _HINTS: dict[int, str] = {}
 """id(parameter) -> what to change if the model reads it outside its block (a block_classes hint)."""
 _CLASSES: dict[type, type] = {}
 """A parameter class -> its Unfetched subclass."""
+_SOURCE_OF: dict[int, tuple["weakref.ref[ParamSource]", int]] = {}
+"""id(parameter) -> (the flat tensor it views, its index there), while the parameter lives."""
+
+
+class ParamSource(Protocol):
+    """What an unfetched parameter belongs to (a FlatParam): where `p.grad` reads its gradient,
+    and what hears that the parameter was set to require a gradient or not."""
+
+    def grad_view(self, index: int) -> torch.Tensor | None: ...
+
+    def requires_grad_set(self, index: int, requires_grad: bool) -> None: ...
+
+    def grad_set_none(self, index: int) -> None: ...
 
 
 def _descriptors(names: tuple[str, ...], part: str) -> set[Any]:
     return {getattr(getattr(torch.Tensor, n), part) for n in names if hasattr(torch.Tensor, n)}
 
 
-_METADATA: set[Any] = (
+METADATA: set[Any] = (
     _descriptors(("shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "grad_fn", "layout", "ndim",
                   "names", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested",
                   "itemsize", "nbytes", "output_nr", "_version", "_backward_hooks",
@@ -40,6 +53,12 @@ _METADATA: set[Any] = (
        torch.autograd.grad, torch.autograd.backward})
 """What a placeholder answers: its metadata, never its values (autograd's calls that name
 parameters as the inputs to differentiate for)."""
+_GRAD = torch.Tensor.grad.__get__
+"""`p.grad`: a gradient kept apart may stand behind it ([Note: gradients seen through p.grad])."""
+_GRAD_SET = torch.Tensor.grad.__set__
+_HEARD = {_GRAD, _GRAD_SET, torch.Tensor.requires_grad.__set__, torch.Tensor.requires_grad_}
+"""What the parameter's flat tensor answers (`p.grad`) or hears of (`p.grad = None`:
+model.zero_grad(); `requires_grad` set: a parameter frozen at wrap unfrozen)."""
 _VIEWS = {torch.Tensor.detach, torch.Tensor.data.__get__}
 """What gives an UnfetchedTensor (a state dict's values until its hook replaces them)."""
 _CONVERSIONS = {torch.Tensor.to, torch.Tensor.half, torch.Tensor.float, torch.Tensor.double,
@@ -59,7 +78,10 @@ _TARGET_DTYPE = {torch.Tensor.half: torch.float16, torch.Tensor.float: torch.flo
 # real ones before the caller sees them). A conversion (`model.to(dtype)`, `.half()`,
 # `.to(device)`) is refused naming Config.compute_dtype, unless it changes nothing. When the
 # block is fetched the parameter gets its own class back: a forward runs on plain parameters, at
-# no cost. The class is the only state on the parameter; its name is kept in a side table.
+# no cost. The class is the only state on the parameter; its name and its flat tensor are kept in
+# side tables. The flat tensor answers `p.grad` (a GradView where it holds a gradient: [Note:
+# gradients seen through p.grad] in grad_views.py) and hears `requires_grad` set, so that a
+# parameter frozen at wrap and unfrozen is taken in before the next forward (wrapping.refresh).
 class _Unfetched:
     """The behaviour of an unfetched parameter (see [Note: unfetched parameters])."""
 
@@ -70,9 +92,23 @@ class _Unfetched:
     def __torch_function__(cls, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if func in _METADATA or (func is torch.Tensor.type and len(args) == 1 and not kwargs):
+        if func in METADATA or (func is torch.Tensor.type and len(args) == 1 and not kwargs):
             with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
+                out = func(*args, **kwargs)
+                if func not in _HEARD:
+                    return out
+                requires_grad = args[0].requires_grad
+            source, index = _source_of(args[0])
+            if source is None:
+                return out
+            if func == _GRAD:
+                return source.grad_view(index) if out is None else out
+            if func == _GRAD_SET:
+                if args[1] is None:
+                    source.grad_set_none(index)
+            else:
+                source.requires_grad_set(index, requires_grad)
+            return out
         this = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, _Unfetched))
         if func in _VIEWS:
             with torch._C.DisableTorchFunctionSubclass():
@@ -88,11 +124,15 @@ class UnfetchedTensor(_Unfetched, torch.Tensor):
     _plain = torch.Tensor
 
 
-def guard(p: nn.Parameter, name: str) -> None:
-    """The parameter now holds a placeholder: reads are refused from here on."""
+def guard(p: nn.Parameter, name: str, source: ParamSource | None = None, index: int = 0) -> None:
+    """The parameter now holds a placeholder: reads are refused from here on; `source` (and the
+    parameter's `index` there): the flat tensor it views, which answers `p.grad` and hears of
+    `requires_grad` set."""
     if id(p) not in _NAMES:
-        weakref.finalize(p, _NAMES.pop, id(p), None)
+        weakref.finalize(p, _forget, id(p))
     _NAMES[id(p)] = name
+    if source is not None:
+        _SOURCE_OF[id(p)] = (weakref.ref(source), index)
     if not isinstance(p, _Unfetched):
         p.__class__ = _unfetched_class(type(p))
 
@@ -102,12 +142,20 @@ def hint(p: nn.Parameter, text: str) -> None:
     if id(p) not in _HINTS:
         weakref.finalize(p, _HINTS.pop, id(p), None)
     _HINTS[id(p)] = text
+def _source_of(p: torch.Tensor) -> tuple[ParamSource | None, int]:
+    ref, index = _SOURCE_OF.get(id(p), (None, 0))
+    return (ref() if ref is not None else None), index
 
 
 def unguard(p: nn.Parameter) -> None:
     """The parameter holds real data (fetched, or values being loaded): its own class again."""
     if isinstance(p, _Unfetched):
         p.__class__ = type(p)._plain
+
+
+def _forget(key: int) -> None:
+    _NAMES.pop(key, None)
+    _SOURCE_OF.pop(key, None)
 
 
 def _unfetched_class(cls: type) -> type:

@@ -9,7 +9,7 @@ import contextlib
 import sys
 import threading
 import weakref
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -38,7 +38,7 @@ class TieredState:
     """The root state of a wrapped model: placement manager, blocks, prefetcher, root hooks."""
 
     def __init__(self, model: nn.Module, config: Config, ctx: StepContext, blocks: list[Block],
-                 activations: Activations) -> None:
+                 activations: Activations, renew: Callable[[], TieredState] | None = None) -> None:
         self.model = model
         self.config = config
         self.ctx = ctx
@@ -54,6 +54,8 @@ class TieredState:
         self._saved_views = SavedParamViews(ctx, activations)
         self.grouped = False
         """tz.accumulate's step runs the micro-batches' forwards: it, not the root hooks, begins and ends it."""
+        self._renew = renew
+        """wrapping.refresh of this model: the state that takes in parameters unfrozen since wrap."""
         self._grad_capture = GradCapture([(p, flat.grad, i) for b in blocks for flat in b.flats
                                           if flat.grad is not None for i, p in enumerate(flat.params)])
 
@@ -93,7 +95,17 @@ class TieredState:
         self.ctx.check_thread(type(module).__name__)
         if self.grouped:
             return  # a micro-batch of tz.accumulate's step, which began it once
+        fresh = self.renewed()
+        if fresh is not self:  # its hooks replaced these: the rest of this forward is its
+            return fresh._root_pre_forward(module, args)
         self.begin_forward(module)
+
+    def renewed(self) -> TieredState:
+        """This state, or the one that replaces it once parameters frozen at wrap were unfrozen
+        (wrapping.refresh, between steps)."""
+        if not self.ctx.unfrozen or self._renew is None or self.ctx.phase is not Phase.IDLE or self.ctx.held:
+            return self
+        return self._renew()
 
     def begin_forward(self, module: nn.Module) -> None:
         """An iteration's forward starts (the root's pre-forward, or tz.accumulate's step)."""

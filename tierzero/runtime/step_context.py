@@ -164,6 +164,9 @@ class StepContext:
     """The thread whose step is under way (from the root's forward to the end of its backward)."""
     layer_major: BlockGate | None = field(default=None, init=False)
     """The layer-major step under way (tz.accumulate), from its forward to the end of its backward."""
+    unfrozen: bool = field(default=False, init=False)
+    """A parameter of a frozen flat tensor was set to require a gradient since the last
+    wrapping.refresh: the next forward takes it in first."""
     clip_norm_type: float | None = field(default=None, init=False)
     """The norm tz.clip_grad_norm_ last computed: each FlatGrad computes it as its gradient is
     written in backward, so clipping needs no second read of the gradients."""

@@ -172,6 +172,11 @@ class StepQueue:
             self._clear[key] = clear
             return True
 
+    def clears(self, key: TensorHandle) -> bool:
+        """Whether a clear waits for `key`'s update (clear_after)."""
+        with self._lock:
+            return key in self._clear
+
     def _started(self) -> None:
         self._worker = threading.get_ident()
 

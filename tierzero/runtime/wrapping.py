@@ -1,7 +1,8 @@
 """`tz.wrap(model, config)`: transparent tiered training of an unchanged nn.Module.
 
-The parameters' `.grad` stay None: gradients live in the flat gradients, which the clip
-function and the optimizers read and `optimizer.zero_grad()` clears. Outside a block's forward
+Autograd's `.grad` of the parameters stay None: gradients live in the flat gradients, which the
+clip functions and the optimizers read and `optimizer.zero_grad()` clears (`p.grad` stands for
+them in torch's clipping: grad_views.py). Outside a block's forward
 and backward its parameters hold no data (a zero-stride placeholder of the right shape and
 dtype that refuses to be read: placeholders.py): read values with `model.state_dict()`,
 `tz.full_state_dict(model)` or inside `tz.gathered_params(model)`, write them with
@@ -171,7 +172,7 @@ def _start(model: nn.Module, config: Config, ctx: StepContext, blocks: list[Bloc
             if buf is not None and (buf.device != pm.device or not pm.streams.is_device(buf)):
                 module._buffers[key] = pm.streams.to_device(buf)
     _broadcast_buffers(model, ctx)
-    state = TieredState(model, config, ctx, blocks, activations)
+    state = TieredState(model, config, ctx, blocks, activations, renew=lambda: refresh(model))
     groups = {b.name: b.group for b in blocks}
     if ctx.zero.gathers:
         ctx.agree_group = agreement_group(ctx.group)
@@ -206,19 +207,24 @@ def refresh(model: nn.Module) -> TieredState:
     are tiered as wrap tiers its own, in the block of their module, from their values; a flat
     tensor whose parameters were all frozen meanwhile (peft froze the base) becomes a frozen one
     (FlatParam.freeze: on Config.frozen's tier, without gradient or master weights; a
-    copy-on-write home stays unwritten). The flat tensors that did not change are kept; the
-    blocks, hooks and prefetcher are built again (a new root state; returned). Nothing changed:
-    the state as it is. The tiered optimizers and tierzero.hf.Trainer call it, so that the
-    natural orders of LoRA over a tiered base all train the same way."""
+    copy-on-write home stays unwritten); parameters frozen at wrap and set to require a gradient
+    since (progressive unfreezing) join their block's trainable flat tensor, registered anew from
+    the values, with a gradient and master weights on their tiers. The flat tensors that did not
+    change are kept; the blocks, hooks and prefetcher are built again (a new root state;
+    returned). Nothing changed: the state as it is. The tiered optimizers and tierzero.hf.Trainer
+    call it, and so does the next forward once a frozen parameter was unfrozen, so that the
+    natural orders of LoRA over a tiered base, and of unfreezing, all train the same way."""
     state = state_of(model)
+    state.ctx.unfrozen = False
     new = [(fqn, p) for fqn, p in state.model.named_parameters() if state.locate(p) is None]
-    frozen = [f for f in state.flat_params(trainable=True) if not any(p.requires_grad for p in f.params)]
-    if not new and not frozen:
+    changed = [f for f in state.flat_params(trainable=True) if not any(p.requires_grad for p in f.params)]
+    changed += [f for f in state.flat_params(trainable=False) if any(p.requires_grad for p in f.params)]
+    if not new and not changed:
         return state
     ctx, config = state.ctx, state.config
     if ctx.phase is not Phase.IDLE or ctx.held:
-        raise RuntimeError(f"{type(state.model).__name__}: parameters were added or frozen since tz.wrap, which a "
-                           "tiered optimizer takes in between steps, not inside a forward or a backward")
+        raise RuntimeError(f"{type(state.model).__name__}: parameters were added, frozen or unfrozen since tz.wrap, "
+                           "which tierzero takes in between steps, not inside a forward or a backward")
     ctx.drain_updates()
     blocks = state.blocks
     owner = assign_params(state.model, [[(b.name, m) for m in b.modules] for b in blocks if b.name != ROOT])
@@ -228,9 +234,11 @@ def refresh(model: nn.Module) -> TieredState:
     specs = [(b.name, b.modules, [(s.fqn, p) for f in b.flats for s, p in zip(f.layout.slots, f.params)]
               + added.get(b.name, [])) for b in blocks]
     _check_device_budget(config, specs, ctx.compute_dtype, ctx.zero)
-    rebuilt = [b if b.name not in added and not any(f in frozen for f in b.flats)
+    rebuilt = [b if b.name not in added and not any(f in changed for f in b.flats)
                else Block(b.name, b.modules, _refreshed_flats(b, added.get(b.name, []), config), ctx, b.activations)
                for b in blocks]
+    for old, block in zip(blocks, rebuilt):
+        old.successor = block
     state.remove_hooks()
     fresh = _start(state.model, config, ctx, rebuilt, state.activations)
     adopt(state.model, fresh)
@@ -242,13 +250,15 @@ def _refreshed_flats(block: Block, added: list[tuple[str, nn.Parameter]], config
     """A block's flat tensors once `added` parameters join it, by what requires a gradient now:
     its trainable parameters in one flat tensor, then its frozen ones in another, as wrap builds
     them. A flat tensor that holds exactly one side's parameters is kept (frozen by `freeze`
-    when its parameters were); any other side is registered anew from the values."""
+    when its parameters were), but a frozen one whose parameters were unfrozen; any other side is
+    registered anew from the values."""
     ctx = block.ctx
     params = [(s.fqn, p, d) for f in block.flats for s, p, d in zip(f.layout.slots, f.params, f.orig_dtypes)]
     params += [(fqn, p, p.dtype) for fqn, p in added]
     sides = [[x for x in params if x[1].requires_grad == trainable] for trainable in (True, False)]
-    keep = [next((f for f in block.flats if {id(p) for p in f.params} == {id(p) for _, p, _ in side}), None)
-            for side in sides]
+    keep = [next((f for f in block.flats if {id(p) for p in f.params} == {id(p) for _, p, _ in side}
+                  and (f.trainable or not trainable)), None)  # a frozen one unfrozen is registered anew
+            for trainable, side in zip((True, False), sides)]
     values: dict[int, torch.Tensor] = {id(p): p.detach() for _, p in added}
     for flat in block.flats:
         if flat not in keep:  # its parameters go to a new flat tensor: their values first
@@ -264,7 +274,9 @@ def _refreshed_flats(block: Block, added: list[tuple[str, nn.Parameter]], config
             flat = FlatParam(block.name, [p for _, p, _ in side], layout, [d for _, _, d in side], ctx,
                              home_of(ctx, config, block.name, trainable))
             flat.register([values[id(p)] for _, p, _ in side])
-            if flat.grad is not None and any(p.grad is not None for p in flat.params):
+            with torch._C.DisableTorchFunctionSubclass():  # autograd's .grad (grad_views.py)
+                computed = any(p.grad is not None for p in flat.params)
+            if flat.grad is not None and computed:
                 flat.grad.accumulate(flat.params)  # a backward before the optimizer: its gradient is kept
         if flat is not None:
             out.append(flat)
