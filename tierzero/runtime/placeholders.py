@@ -142,6 +142,8 @@ def hint(p: nn.Parameter, text: str) -> None:
     if id(p) not in _HINTS:
         weakref.finalize(p, _HINTS.pop, id(p), None)
     _HINTS[id(p)] = text
+
+
 def _source_of(p: torch.Tensor) -> tuple[ParamSource | None, int]:
     ref, index = _SOURCE_OF.get(id(p), (None, 0))
     return (ref() if ref is not None else None), index
