@@ -113,6 +113,8 @@ class PlacementPlan:
     """The name of the largest block besides the root, as fetched."""
     fetched_largest: int
     """Device bytes of that block while fetched."""
+    fetched_root: int
+    """Device bytes of the root block while fetched (held through forward and backward)."""
     window: int
     """Device bytes of the fetched blocks at once (0: every parameter lives there whole)."""
     update_sets: dict[str, int]
@@ -208,7 +210,7 @@ def _plan(config: Config, resolved: Config, inputs: PlanInputs) -> PlacementPlan
     tensors = tuple(state_tensors(inputs.blocks, tiers, config.frozen_tier, inputs.zero, inputs.element))
     room, largest, window, update_sets = _room(config, inputs, tiers, tensors)
     plan = PlacementPlan(config, resolved, tiers, tensors, tier_need(tensors), room, {}, largest,
-                         inputs.fetched.get(largest, 0), window, update_sets)
+                         inputs.fetched.get(largest, 0), inputs.fetched.get(ROOT, 0), window, update_sets)
     return _replace_least(plan, plan.need)
 
 

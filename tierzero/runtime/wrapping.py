@@ -25,8 +25,7 @@ from torch import nn
 
 from tierzero.config import Config, Tier
 from tierzero.formats import LoadedShard, check_buffers, init_buffers, init_params, load_buffers, open_weights
-from tierzero.layout import (ROOT, FlatLayout, assign_params, block_specs, fetched_bytes, flat_groups,
-                             group_modules)
+from tierzero.layout import ROOT, FlatLayout, assign_params, block_specs, flat_groups, group_modules
 from tierzero.placement import PlacementManager
 from tierzero.prefetch import Prefetcher, Unit, policy_from_config, prefetch_units
 from tierzero.runtime.activations import Activations
@@ -122,8 +121,8 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
             specs = block_specs(model, groups, owner)
             layouts = [(name, modules, flat_groups(params, world_size, compute_dtype))
                        for name, modules, params in specs]
-            tiers = checked_plan(config, layouts, world_size, cuda=pm.device.type == "cuda").tiers
-            ctx = StepContext(pm=pm, compute_dtype=compute_dtype, tiers=tiers,
+            placement = checked_plan(config, layouts, world_size, cuda=pm.device.type == "cuda")
+            ctx = StepContext(pm=pm, compute_dtype=compute_dtype, tiers=placement.tiers,
                               rank=rank, world_size=world_size, group=process_group,
                               zero_stage=config.zero_stage, grad_dtype=grad_dtype)
             shards = None
@@ -136,9 +135,8 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
                           for name, _, flats in layouts for ps, layout in flats]
                 # closed before the files (the exit stack unwinds in reverse): no read left in flight
                 shards = files.enter_context(contextlib.closing(plan.read_shards(wanted, rank, swap=pm.swap)))
-            sizes = [sum(fetched_bytes(layout, compute_dtype, gathered=ctx.zero.gathers) for _, layout in flats)
-                     for _, _, flats in layouts]
-            activations = Activations(ctx, config, root_bytes=sizes[-1], largest_block=max(sizes[:-1], default=0))
+            activations = Activations(ctx, config, root_bytes=placement.fetched_root,
+                                      largest_block=placement.fetched_largest)
             blocks = [_build_block(name, modules, flats, ctx, config, activations, shards)
                       for name, modules, flats in layouts]
             if plan is not None:
