@@ -14,6 +14,7 @@ from typing import Mapping, Sequence
 from tierzero.config import KINDS, TIER_NAMES, Config, ElementBytes, format_size, round_up, shares, update_tier, \
     windowed_room
 from tierzero.layout.grouping import ROOT
+from tierzero.layout.sizes import fetched_numel
 from tierzero.layout.split import BlockTiers, split_blocks
 from tierzero.layout.state_bytes import (Blocks, FlatTensor, KindSizes, kind_sizes, placement_order, state_tensors,
                                          tier_need)
@@ -75,7 +76,7 @@ class PlanInputs:
         object.__setattr__(self, "sizes", kind_sizes(self.blocks, self.zero, self.element))
         gathered = self.zero.gathers
         object.__setattr__(self, "fetched", {
-            name: sum(self.device_bytes((lay.padded_numel + (lay.shard_numel if gathered else 0)) * self.element.params)
+            name: sum(self.device_bytes(self.element.nbytes("params", fetched_numel(lay, gathered=gathered)))
                       for _, lay in flats) for name, flats in self.blocks})
 
     @classmethod
@@ -165,9 +166,6 @@ class PlacementPlan:
             return
         need = self.need
         placed = ", ".join(f"{k}={getattr(self.config, k)!r}" for k in KINDS)
-        if _autos(self.config):
-            placed += " (resolved at these budgets to " + ", ".join(
-                f"{k}={getattr(self.resolved, k)!r}" for k in _autos(self.config)) + ")"
         detail = "; ".join(self._shortfall(t, need[t]) for t in short)
         least = ", ".join(f"{t}_budget {self.least[t]}" for t in TIER_NAMES)
         raise ValueError(
