@@ -11,8 +11,9 @@ step counts one update's traffic. Per run: the NVMe bytes read and written per s
 the placement plan's (tierzero.layout.PlacementPlan, [Note: one placement plan]): each fixed
 fraction runs at its least host budget (its NVMe share is moved every step, not kept in spare
 host memory); the device at the least budget of the states all on NVMe (no room for states).
-Then, at three host budgets (the states all on NVMe's least plus a quarter, a half and three
-quarters of the states' bytes), "auto" (optimizer_states="auto", grads=None) against the best
+Then, at three host budgets a quarter, a half and three quarters of the way from the least of the
+states all on NVMe to the least of the states all on the host (room for that share of the
+states), "auto" (optimizer_states="auto", grads=None) against the best
 fixed share the plan accepts at that budget (the fewest NVMe bytes a step among
 --compare-fractions), A B A B in the same process.
 
@@ -50,7 +51,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--fractions", default="0,0.25,0.5,0.75,1", help="the fixed NVMe fractions run each at its least")
     p.add_argument("--shares", default="0.25,0.5,0.75",
-                   help="the host budgets auto is compared at: the states on NVMe's least plus these shares of the states")
+                   help="the host budgets auto is compared at: these shares of the way from the states all on NVMe's "
+                        "least host budget to all on the host's")
     p.add_argument("--compare-fractions", default="0,0.125,0.25,0.375,0.5,0.625,0.75,0.875,1",
                    help="the fixed NVMe fractions the best one at each host budget is chosen from")
     p.add_argument("--pairs", type=int, default=2, help="A B pairs of auto against the best fixed fraction")
@@ -86,8 +88,9 @@ def budgets(model: torch.nn.Module, args: argparse.Namespace) -> dict[str, Any]:
     for f in fractions(args.fractions):
         out["fixed"][f] = placement_plan(model, config(args.nvme_dir, split_of(f), 1 << 40, device)).need["host"]
     steps = fractions(args.compare_fractions)
-    for share in fractions(args.shares):
-        host = on_nvme.need["host"] + int(share * states)
+    on_host = placement_plan(model, config(args.nvme_dir, "host", 1 << 40, device)).need["host"]
+    for share in fractions(args.shares):  # between the least of the states all on NVMe and all on the host
+        host = on_nvme.need["host"] + int(share * (on_host - on_nvme.need["host"]))
         auto = placement_plan(model, config(args.nvme_dir, "auto", host, device))
         plans = [(placement_plan(model, config(args.nvme_dir, split_of(f), host, device)), f) for f in steps]
         plan, best = min(((p, f) for p, f in plans if not p.short()), key=lambda pf: (pf[0].nvme_step_bytes, -pf[1]))
@@ -164,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "auto_over_best_nvme": [p["auto"]["nvme_bytes_per_step"] / max(1, p["best_fixed"]["nvme_bytes_per_step"])
                                                  for p in pairs]})
         if not args.json:
-            print(f"host {format_size(at['host'])} (states on NVMe's least + {at['share']:g} of the states): auto "
+            print(f"host {format_size(at['host'])} ({at['share']:g} of the way from the states on NVMe's least to on the host's): auto "
                   f"{at['auto_split']} plans {format_size(at['auto_plan_nvme_bytes'])}/step, best fixed "
                   f"{at['best_fraction']} {format_size(at['best_plan_nvme_bytes'])}/step; measured auto / best: step "
                   + ", ".join(f"{x:.2f}" for x in compared[-1]["auto_over_best_step"]) + "; NVMe bytes "
