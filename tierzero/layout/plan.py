@@ -253,7 +253,11 @@ def _room(config: Config, inputs: PlanInputs, tiers: BlockTiers,
               "fetched at once": window,
               "the step's working set (Config.device_reserve)": config.device_reserve,
               "a device update's gradient copied in": device_update}
-    host = {"a block's update or an NVMe-homed tensor, staged through host memory": max(host_update, staging)}
+    what = "a block's update or an NVMe-homed tensor, staged through host memory"
+    if inputs.pinned_host:  # [Note: working set windows]
+        what += (" (in the host tier's one pinned region the last buffer an update takes needs a free run of its "
+                 "size between the others)")
+    host = {what: max(host_update, staging)}
     return {"device": device, "host": host, "nvme": {}}, largest, window, updates
 
 
