@@ -128,7 +128,7 @@ class PlacementPlan:
         plan = _plan(config, resolved, inputs)
         if _autos(config):
             least = _plan(config, _frugal(config, inputs), inputs).need
-            return _replace_least(plan, least)
+            return dataclasses.replace(plan, least=least)
         return plan
 
     @property
@@ -184,10 +184,6 @@ class PlacementPlan:
                 + f"; raise {tier}_budget to at least {need} bytes")
 
 
-def _replace_least(plan: PlacementPlan, least: dict[str, int]) -> PlacementPlan:
-    return dataclasses.replace(plan, least=least)
-
-
 def _autos(config: Config) -> list[str]:
     return [k for k in KINDS if getattr(config, k) == "auto"]
 
@@ -209,7 +205,7 @@ def _plan(config: Config, resolved: Config, inputs: PlanInputs) -> PlacementPlan
     room, largest, window, update_sets = _room(config, inputs, tiers, tensors)
     plan = PlacementPlan(config, resolved, tiers, tensors, tier_need(tensors), room, {}, largest,
                          inputs.fetched.get(largest, 0), inputs.fetched.get(ROOT, 0), window, update_sets)
-    return _replace_least(plan, plan.need)
+    return dataclasses.replace(plan, least=plan.need)
 
 
 def _room(config: Config, inputs: PlanInputs, tiers: BlockTiers,
