@@ -43,8 +43,9 @@ from tierzero.layout.zero import ZeroStage
 # tier is refused at once, naming every tier that falls short. "auto" chooses, kind by kind in
 # the order params, grads, optimizer states (params move the most NVMe bytes per byte homed: read
 # twice, written once), among every run of blocks on the device, then the host, then NVMe, the
-# one that fits the budgets and moves the fewest NVMe bytes a step (then the most on the device,
-# then on the host); with grads=None a block whose states land on NVMe may take its gradient
+# one that fits the budgets and moves the fewest NVMe bytes a step (then the fewest gradients on
+# NVMe, which backward writes on its critical path, then the most on the device, then on the
+# host); with grads=None a block whose states land on NVMe may take its gradient
 # there too, when the host cannot hold it. Its least budgets are those of every "auto" kind on
 # the slowest tier it may use. The runs are cut by the split rule ([Note: split placement]), so
 # the Config "auto" resolves to places the same blocks when it is wrapped again.
@@ -332,7 +333,9 @@ def _choose(config: Config, inputs: PlanInputs) -> Config:
                 plan = _plan(config, option, inputs)
                 if plan.short():
                     continue
-                key = (plan.nvme_step_bytes, -placed["device"], -placed["host"])
+                # among equal bytes, gradients off NVMe: backward writes them on its critical path
+                grads = sum(t.nbytes for t in plan.tensors if t.kind == "grads" and t.home == "nvme")
+                key = (plan.nvme_step_bytes, grads, -placed["device"], -placed["host"])
                 if best is None or key < best[0]:
                     best = (key, option)
         if best is not None:
