@@ -43,10 +43,11 @@ from tierzero.layout.zero import ZeroStage
 # tier is refused at once, naming every tier that falls short. "auto" chooses, kind by kind in
 # the order params, grads, optimizer states (params move the most NVMe bytes per byte homed: read
 # twice, written once), among every run of blocks on the device, then the host, then NVMe, the
-# one that fits the budgets and moves the fewest NVMe bytes a step (then the fewest gradients on
-# NVMe, which backward writes on its critical path, then the most on the device, then on the
-# host); with grads=None a block whose states land on NVMe may take its gradient
-# there too, when the host cannot hold it. Its least budgets are those of every "auto" kind on
+# one that fits the budgets and moves the fewest NVMe bytes a step (then the most on the device,
+# then on the host). With grads=None the gradients go where their updates run; only when no run
+# fits so (the budgets call for it) does a block whose states land on NVMe take its gradient there
+# too: backward writes gradients on its critical path, where the states' reads and writes hide
+# under the overlapped update (benchmarks/RESULTS.md, issue 51). Its least budgets are those of every "auto" kind on
 # the slowest tier it may use. The runs are cut by the split rule ([Note: split placement]), so
 # the Config "auto" resolves to places the same blocks when it is wrapped again.
 
@@ -317,27 +318,29 @@ def _choose(config: Config, inputs: PlanInputs) -> Config:
     chosen = config.replace(**{k: getattr(frugal, k) for k in autos})  # the kinds not chosen yet: frugal
     if config.grads is None:
         chosen = chosen.replace(grads=None)
+    # grads=None: gradients where their updates run; on NVMe with their states only when nothing
+    # fits so (the budgets call for it: backward writes them on its critical path)
+    modes = [False, True] if config.grads is None and "nvme" in order else [False]
     for kind in autos:
         sizes = getattr(inputs.sizes, kind)
         best: tuple[tuple[int, int, int], Config] | None = None
-        for run in _runs(len(sizes), order):
-            split = _fractions(sizes, run)
-            cfg = chosen.replace(**{kind: split})
-            options = [cfg]
-            if config.grads is None and kind != "grads" and "nvme" in order:
-                options = [cfg.replace(grads=None), cfg.replace(grads=_with_states(cfg, inputs))]
-            placed = dict.fromkeys(TIER_NAMES, 0)
-            for n, t in zip(sizes, split_blocks(sizes, shares(split))):
-                placed[t] += n
-            for option in options:
+        for grads_too in modes:
+            for run in _runs(len(sizes), order):
+                split = _fractions(sizes, run)
+                option = chosen.replace(**{kind: split})
+                if config.grads is None:
+                    option = option.replace(grads=_with_states(option, inputs) if grads_too else None)
                 plan = _plan(config, option, inputs)
                 if plan.short():
                     continue
-                # among equal bytes, gradients off NVMe: backward writes them on its critical path
-                grads = sum(t.nbytes for t in plan.tensors if t.kind == "grads" and t.home == "nvme")
-                key = (plan.nvme_step_bytes, grads, -placed["device"], -placed["host"])
+                placed = dict.fromkeys(TIER_NAMES, 0)
+                for n, t in zip(sizes, split_blocks(sizes, shares(split))):
+                    placed[t] += n
+                key = (plan.nvme_step_bytes, -placed["device"], -placed["host"])
                 if best is None or key < best[0]:
                     best = (key, option)
+            if best is not None:
+                break
         if best is not None:
             chosen = best[1]
     return chosen
