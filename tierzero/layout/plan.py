@@ -46,8 +46,8 @@ from tierzero.layout.zero import ZeroStage
 # one that fits the budgets and moves the fewest NVMe bytes a step (then the most on the device,
 # then on the host). With grads=None the gradients go where their updates run; only when no run
 # fits so (the budgets call for it) does a block whose states land on NVMe take its gradient there
-# too: backward writes gradients on its critical path, where the states' reads and writes hide
-# under the overlapped update (benchmarks/RESULTS.md, issue 51). Its least budgets are those of every "auto" kind on
+# too, as grads=None promises (the gradients where their updates run) wherever it can be kept.
+# Its least budgets are those of every "auto" kind on
 # the slowest tier it may use. The runs are cut by the split rule ([Note: split placement]), so
 # the Config "auto" resolves to places the same blocks when it is wrapped again.
 
@@ -319,7 +319,7 @@ def _choose(config: Config, inputs: PlanInputs) -> Config:
     if config.grads is None:
         chosen = chosen.replace(grads=None)
     # grads=None: gradients where their updates run; on NVMe with their states only when nothing
-    # fits so (the budgets call for it: backward writes them on its critical path)
+    # fits so (the budgets call for it)
     modes = [False, True] if config.grads is None and "nvme" in order else [False]
     for kind in autos:
         sizes = getattr(inputs.sizes, kind)
