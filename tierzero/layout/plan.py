@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Sequence
 
-from tierzero.config import KINDS, TIER_NAMES, Config, ElementBytes, format_size, round_up, shares, update_tier, \
-    windowed_room
+from tierzero.config import (KINDS, TIER_NAMES, Config, ElementBytes, format_size, round_up, shares, update_tier,
+                             windowed_room)
 from tierzero.layout.grouping import ROOT
 from tierzero.layout.sizes import fetched_numel
 from tierzero.layout.split import BlockTiers, split_blocks
