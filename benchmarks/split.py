@@ -1,5 +1,5 @@
 """Optimizer states split between host and NVMe: the NVMe bytes a step moves and its time, per
-NVMe fraction, and "auto" at a host budget that holds about half the states.
+NVMe fraction, and "auto" against the best fixed host/NVMe share at three host budgets.
 
 The built-in GPT (default: 125m, GPT-2 124M's shape) in fp32, parameters and gradients on the
 host, optimizer states (fp32 master weights and AdamW's moments) split {"host": 1 - f, "nvme": f}
@@ -7,16 +7,18 @@ for each fraction f of --fractions, block by block ([Note: split placement]). Ea
 --steps steps of one batch; the first (which records the trace) is left out of the figures, and
 its update lands before the second starts (settled), as the last step's lands in it: each steady
 step counts one update's traffic. Per run: the NVMe bytes read and written per steady step
-(tierzero's counters, reads and writes apart), the states' bytes on
-NVMe (tz.tier_bytes), the step time. Then "auto" (optimizer_states="auto" under a host budget
-that holds the parameters, the gradients and about half the states beside the update's working
-set, and a device budget with no room for states) against the best fixed fraction that fits the
-same host budget, at that budget, as A B A B in the same process. Each fixed fraction runs at a
-host budget that holds its host share of the states and no more (so its NVMe share is read and
-written every step, not kept in spare host memory).
+(tierzero's counters), the states' bytes on NVMe (tz.tier_bytes), the step time. Every budget is
+the placement plan's (tierzero.layout.PlacementPlan, [Note: one placement plan]): each fixed
+fraction runs at its least host budget (its NVMe share is moved every step, not kept in spare
+host memory); the device at the least budget of the states all on NVMe (no room for states).
+Then, at three host budgets a quarter, a half and three quarters of the way from the least of the
+states all on NVMe to the least of the states all on the host (room for that share of the
+states), "auto" (optimizer_states="auto", grads=None) against the best
+fixed share the plan accepts at that budget (the fewest NVMe bytes a step among
+--compare-fractions), A B A B in the same process.
 
     .venv/bin/python benchmarks/split.py --nvme-dir runs/split [--model 125m] [--steps 4]
-        [--fractions 0,0.25,0.5,0.75,1] [--batch 1] [--seq 128] [--json]
+        [--fractions 0,0.25,0.5,0.75,1] [--shares 0.25,0.5,0.75] [--batch 1] [--seq 128] [--json]
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ import torch
 import tierzero as tz
 from tierzero import runtime
 from tierzero.config import format_size
-from tierzero.layout import ROOT, blocks_of
 from tierzero.models import build
+from tierzero.planning.placement import placement_plan
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -47,7 +49,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--fractions", default="0,0.25,0.5,0.75,1")
+    p.add_argument("--fractions", default="0,0.25,0.5,0.75,1", help="the fixed NVMe fractions run each at its least")
+    p.add_argument("--shares", default="0.25,0.5,0.75",
+                   help="the host budgets auto is compared at: these shares of the way from the states all on NVMe's "
+                        "least host budget to all on the host's")
+    p.add_argument("--compare-fractions", default="0,0.125,0.25,0.375,0.5,0.625,0.75,0.875,1",
+                   help="the fixed NVMe fractions the best one at each host budget is chosen from")
     p.add_argument("--pairs", type=int, default=2, help="A B pairs of auto against the best fixed fraction")
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
@@ -61,23 +68,40 @@ def make_model(args: argparse.Namespace) -> torch.nn.Module:
     return build(args.model, seq_len=args.seq, **overrides)
 
 
-def budgets(model: torch.nn.Module, args: argparse.Namespace) -> dict[str, int]:
-    """Device: the root and two blocks fetched (no room for states); host for the fixed fractions:
-    everything; host for auto: params, grads, half the states and the update's working set."""
-    cfg = tz.Config(compute_dtype="float32")
-    sizes = {name: sum(p.numel() for _, p in ps) for name, _, ps in blocks_of(model, cfg)}
-    root, block = sizes.pop(ROOT), max(sizes.values())
-    n = sum(sizes.values()) + root
-    device = 4 * (root + 3 * block)  # the root, the block computing, two fetched ahead: no block's states fit beside
-    work = 3 * block * 20 + 4 * root * 2  # three blocks' params, grads and states in flight, the root's staging
-    out = {"device": device, "host_auto": 8 * n + 6 * n + 12 * block + work}  # about half the states
-    for f in fractions(args):  # params and grads, the host's share of the states (whole blocks: one more), the rest
-        out[f"host_{f}"] = 8 * n + int((1 - f) * 12 * n) + (12 * block if 0 < f < 1 else 0) + work
+def config(folder: Path | str, states: Any, host: int, device: int) -> tz.Config:
+    return tz.Config(device_budget=device, host_budget=host, nvme_dir=str(folder), nvme_budget="64GiB",
+                     compute_dtype="float32", params="host", grads=None, optimizer_states=states)
+
+
+def split_of(f: float) -> Any:
+    return "host" if f == 0 else "nvme" if f == 1 else {"host": 1 - f, "nvme": f}
+
+
+def budgets(model: torch.nn.Module, args: argparse.Namespace) -> dict[str, Any]:
+    """The plan's budgets: the device at the least of the states all on NVMe; each fixed
+    fraction's least host budget; the three host budgets auto is compared at, with the best
+    fixed share the plan accepts at each (the fewest NVMe bytes a step)."""
+    on_nvme = placement_plan(model, config(args.nvme_dir, "nvme", 1 << 40, 1 << 40))
+    device = on_nvme.need["device"]
+    states = sum(t.nbytes for t in on_nvme.tensors if t.kind in ("master", "moments"))
+    out: dict[str, Any] = {"device": device, "states": states, "fixed": {}, "auto": []}
+    for f in fractions(args.fractions):
+        out["fixed"][f] = placement_plan(model, config(args.nvme_dir, split_of(f), 1 << 40, device)).need["host"]
+    steps = fractions(args.compare_fractions)
+    on_host = placement_plan(model, config(args.nvme_dir, "host", 1 << 40, device)).need["host"]
+    for share in fractions(args.shares):  # between the least of the states all on NVMe and all on the host
+        host = on_nvme.need["host"] + int(share * (on_host - on_nvme.need["host"]))
+        auto = placement_plan(model, config(args.nvme_dir, "auto", host, device))
+        plans = [(placement_plan(model, config(args.nvme_dir, split_of(f), host, device)), f) for f in steps]
+        plan, best = min(((p, f) for p, f in plans if not p.short()), key=lambda pf: (pf[0].nvme_step_bytes, -pf[1]))
+        out["auto"].append({"share": share, "host": host, "auto_plan_nvme_bytes": auto.nvme_step_bytes,
+                            "auto_split": auto.resolved.optimizer_states, "auto_grads": auto.resolved.grads,
+                            "best_fraction": best, "best_plan_nvme_bytes": plan.nvme_step_bytes})
     return out
 
 
-def fractions(args: argparse.Namespace) -> list[float]:
-    return [float(x) for x in args.fractions.split(",")]
+def fractions(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
 
 
 def run(model_args: argparse.Namespace, name: str, states: Any, host: int, device: int,
@@ -85,8 +109,7 @@ def run(model_args: argparse.Namespace, name: str, states: Any, host: int, devic
     folder = Path(model_args.nvme_dir) / name
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    cfg = tz.Config(device_budget=device, host_budget=host, nvme_dir=str(folder), nvme_budget="64GiB",
-                    compute_dtype="float32", params="host", optimizer_states=states)
+    cfg = config(folder, states, host, device)
     model = tz.wrap(make_model(model_args), cfg)
     try:
         opt = tz.AdamW(model, lr=1e-4, weight_decay=0.1)
@@ -127,25 +150,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     vocab = probe.config.vocab_size
     data = [torch.randint(0, vocab, (args.batch, args.seq + 1), generator=g) for _ in range(args.steps)]
     fixed = []
-    for f in fractions(args):  # each at a host budget that holds its host share and no more
-        states = "host" if f == 0 else "nvme" if f == 1 else {"host": 1 - f, "nvme": f}
-        fixed.append({"fraction": f, **run(args, f"fixed-{f}", states, b[f"host_{f}"], b["device"], data)})
+    for f, host in b["fixed"].items():  # each at its least host budget
+        fixed.append({"fraction": f, "host": host, **run(args, f"fixed-{f}", split_of(f), host, b["device"], data)})
         report_line(fixed[-1], args)
-    fits = [r for r in fixed if b[f"host_{r['fraction']}"] <= b["host_auto"]] or fixed
-    best = min(fits, key=lambda r: r["step_s"])  # the fastest fixed fraction that fits auto's host budget
-    pairs = []
-    for _ in range(args.pairs):  # A B A B: auto, then the best fixed fraction, both at auto's host budget
-        a = run(args, "auto", "auto", b["host_auto"], b["device"], data)
-        report_line(a, args)
-        bf = run(args, f"best-{best['fraction']}", best["states"], b["host_auto"], b["device"], data)
-        report_line(bf, args)
-        pairs.append({"auto": a, "best_fixed": bf})
-    result = {"model": args.model, "budgets": b, "fixed": fixed, "best_fraction": best["fraction"], "pairs": pairs,
-              "auto_over_best": [p["auto"]["step_s"] / p["best_fixed"]["step_s"] for p in pairs]}
+    compared = []
+    for at in b["auto"]:
+        pairs = []
+        for _ in range(args.pairs):  # A B A B: auto, then the best fixed share, at the same budgets
+            a = run(args, "auto", "auto", at["host"], b["device"], data)
+            report_line(a, args)
+            bf = run(args, f"best-{at['best_fraction']}", split_of(at["best_fraction"]), at["host"], b["device"], data)
+            report_line(bf, args)
+            pairs.append({"auto": a, "best_fixed": bf})
+        compared.append({**at, "pairs": pairs,
+                         "auto_over_best_step": [p["auto"]["step_s"] / p["best_fixed"]["step_s"] for p in pairs],
+                         "auto_over_best_nvme": [p["auto"]["nvme_bytes_per_step"] / max(1, p["best_fixed"]["nvme_bytes_per_step"])
+                                                 for p in pairs]})
+        if not args.json:
+            print(f"host {format_size(at['host'])} ({at['share']:g} of the way from the states on NVMe's least to on the host's): auto "
+                  f"{at['auto_split']} plans {format_size(at['auto_plan_nvme_bytes'])}/step, best fixed "
+                  f"{at['best_fraction']} {format_size(at['best_plan_nvme_bytes'])}/step; measured auto / best: step "
+                  + ", ".join(f"{x:.2f}" for x in compared[-1]["auto_over_best_step"]) + "; NVMe bytes "
+                  + ", ".join(f"{x:.2f}" for x in compared[-1]["auto_over_best_nvme"]), flush=True)
+    result = {"model": args.model, "device": b["device"], "states": b["states"], "fixed": fixed, "auto": compared}
     if args.json:
         print(json.dumps(result))
-    else:
-        print(f"auto / best fixed ({best['fraction']}): " + ", ".join(f"{x:.2f}" for x in result["auto_over_best"]))
     return result
 
 

@@ -73,3 +73,24 @@ def test_train_with_auto_sets_the_working_set_aside_and_records_the_split(tmp_pa
     assert summary["config"]["device_reserve"] > 0 and summary["config"]["optimizer_states"] != "auto"
     placed = summary["placement"]["optimizer_states"]
     assert placed["device"] > 0 and placed["host"] > 0, placed  # the reserve took part of the device
+
+
+def test_the_least_budgets_printed_train_and_a_page_less_is_refused(tmp_path: Any, capsys: Any) -> None:
+    """`tierzero estimate --json`'s least budgets of a host/NVMe split (the tiny GPT as train
+    builds it at --seq 256) are accepted by `tierzero train`, which trains; a page less on the
+    host is refused at start (exit 2), naming the tier."""
+    from tierzero.cli import train
+
+    place = ["--nvme-dir", str(tmp_path / "nvme"), "--params", "host", "--optimizer-states", "host=0.5,nvme=0.5"]
+    assert estimate.main(["--model", "tiny", *place, "--json"]) == 0
+    least = json.loads(capsys.readouterr().out)["least_budgets"]
+
+    def run(name: str, budgets: dict[str, int]) -> int:
+        return train.main(["--model", "tiny", "--steps", "1", "--batch", "1", "--seq", "256", "--no-progress",
+                           "--run-dir", str(tmp_path / name), *place, "--device-budget", str(budgets["device"]),
+                           "--host-budget", str(budgets["host"]), "--nvme-budget", str(budgets["nvme"])])
+
+    assert run("least", least) == 0
+    capsys.readouterr()
+    assert run("less", {**least, "host": least["host"] - 4096}) == 2
+    assert "--host-budget" in capsys.readouterr().err

@@ -240,24 +240,19 @@ def test_a_torch_optimizer_stepped_before_wrap_or_given_more_params_is_refused_a
 
 def test_a_host_budget_too_small_for_a_blocks_update_is_refused_at_construction(tmp_path: Any) -> None:
     """The update of a block holds its gradient, master weights and both moments on the host at
-    once (all NVMe-homed, staged through host memory): a host budget that passes wrap but
-    cannot hold that is refused by the optimizer's constructor, naming the bytes it needs,
-    instead of waiting at the first step; that many bytes then train."""
+    once (all NVMe-homed, staged through host memory): a host budget that cannot hold that is
+    refused by wrap's placement plan at once (the optimizer's constructor checks it again),
+    naming the bytes it needs, instead of waiting at the first step; that many bytes then train."""
     import builders
 
     def attempt(host: str | int) -> nn.Module:
         model = builders.gpt(seq=16, layers=2, width=128)
         return tz.wrap(model, builders.tier_config(tmp_path / f"nvme-{host}", device_budget="4MiB", host_budget=host))
 
-    model = attempt("1MiB")
-    try:
-        with pytest.raises(ValueError, match=r"AdamW's update of block 'blocks.0' \(its gradient, master weights and "
-                                             r"moments\) holds .* on the host tier at once .* raise host_budget to "
-                                             r"at least (\d+) bytes") as e:
-            tz.AdamW(model, lr=1e-3)
-        need = int(e.value.args[0].split("at least ")[1].split(" bytes")[0])
-    finally:
-        runtime.close(model)
+    with pytest.raises(ValueError, match=r"host: .* a block's update or an NVMe-homed tensor, staged through host "
+                                         r"memory .* raise host_budget to at least (\d+) bytes") as e:
+        attempt("1MiB")
+    need = int(e.value.args[0].split("at least ")[1].split(" bytes")[0])
     model = attempt(need)
     try:
         opt = tz.AdamW(model, lr=1e-3)

@@ -53,16 +53,14 @@ def test_a_step_in_backward_host_budget_too_small_for_the_update_beside_backward
         tmp_path: Path) -> None:
     """3200 KiB holds a block's update (four 776 KiB buffers) but not that and the root's
     gradient, which backward keeps pinned meanwhile: before the check counted it, the optimizer
-    was built and the first backward failed ('none can come'). Now the constructor refuses it,
-    and the number it names trains, step for step as torch.optim.AdamW and bit for bit as a
-    roomy host budget does."""
+    was built and the first backward failed ('none can come'). Now wrap's placement plan counts
+    it and refuses at once, and the number it names trains, step for step as torch.optim.AdamW
+    and bit for bit as a roomy host budget does."""
     source = tiny()
-    model = tz.wrap(copy.deepcopy(source), config(tmp_path / "small", "3200KiB"))
-    with pytest.raises(ValueError, match="'root' gradient backward holds meanwhile") as err:
-        tz.AdamW(model, lr=1e-3)
+    with pytest.raises(ValueError, match="host_budget") as err:
+        tz.wrap(copy.deepcopy(source), config(tmp_path / "small", "3200KiB"))
     needed = int(re.search(r"raise host_budget to at least (\d+) bytes", str(err.value)).group(1))
-    assert 3200 * 1024 < needed
-    runtime.close(model)
+    assert 3200 * 1024 < needed == 3330048  # the four 776 KiB buffers and the root's 145 KiB gradient
 
     exact = tz.wrap(copy.deepcopy(source), config(tmp_path / "exact", needed))
     roomy = tz.wrap(copy.deepcopy(source), config(tmp_path / "roomy", "16MiB"))
@@ -91,14 +89,13 @@ def test_in_one_pinned_region_the_check_counts_the_windows_and_the_number_it_nam
     region (the stream stand-in, as CUDA), the 3330048 bytes a HostPool needs were accepted and
     the first backward failed for 8 of 10 delay seeds (the update's last moment found free bytes
     but no window). The check now asks for the room in which the last slice always finds one,
-    and that number trains under the stand-in as a roomy synchronous run does, bit for bit."""
+    and that number trains under the stand-in as a roomy synchronous run does, bit for bit (wrap's
+    placement plan asks it, at once)."""
     source = tiny()
-    model = tz.wrap(copy.deepcopy(source), config(tmp_path / "small", 3330048, "async", seed))
     with pytest.raises(ValueError, match="needs a free run of its size between the others") as err:
-        tz.AdamW(model, lr=1e-3)
+        tz.wrap(copy.deepcopy(source), config(tmp_path / "small", 3330048, "async", seed))
     needed = int(re.search(r"raise host_budget to at least (\d+) bytes", str(err.value)).group(1))
     assert needed > 3330048
-    runtime.close(model)
 
     exact = tz.wrap(copy.deepcopy(source), config(tmp_path / "exact", needed, "async", seed))
     roomy = tz.wrap(copy.deepcopy(source), config(tmp_path / "roomy", "16MiB"))

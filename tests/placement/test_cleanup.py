@@ -167,11 +167,15 @@ def test_a_host_buffer_still_held_at_exit_does_not_keep_the_swap_files(tmp_path:
 STUCK = """
 import torch, tierzero as tz
 from tierzero.models import build
+# wrap's placement plan and the check at construction refuse this budget now (tests/optim/
+# test_update_room.py); both taken out here to reach the stuck wait they guard against
+import tierzero.runtime.wrapping as wrapping
+from tierzero.layout import PlacementPlan, PlanInputs
+wrapping.checked_plan = lambda config, layouts, world_size, *, cuda: PlacementPlan.build(
+    config, PlanInputs.of(config, [(n, f) for n, _, f in layouts], world_size, cuda=cuda))
 model = tz.wrap(build("tiny", device="meta", vocab_size=256, seq_len=32),
                 tz.Config(device_budget="4MiB", host_budget="3136KiB", nvme_dir={nvme!r}, params="nvme", grads="nvme",
                           optimizer_states="nvme", step_in_backward=True))
-# the check at construction refuses this budget now (tests/optim/test_update_room.py); taken out
-# here to reach the stuck wait it guards against
 import tierzero.runtime.update as update
 update._held_through_backward = lambda state, flat, where: []
 opt = tz.AdamW(model, lr=1e-3)

@@ -18,7 +18,7 @@ from tierzero import runtime
 from tierzero.cli import main
 from tierzero.hf import meta_model
 from tierzero.planning import expected_traffic, flat_tensors, least_budgets, param_counts, step_traffic
-from tierzero.planning.minimums import round_up
+from tierzero.config import round_up
 import builders
 
 pytest.importorskip("transformers")

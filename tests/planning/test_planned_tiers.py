@@ -11,7 +11,8 @@ import torch
 
 import tierzero as tz
 from tierzero.planning import flat_tensors, planned_tiers, resolve_placement
-from tierzero.planning.placement import sizes_and_room
+from tierzero.config import round_up
+from tierzero.planning.placement import placement_plan
 from tierzero.runtime import state_of
 import builders
 
@@ -43,13 +44,15 @@ def test_auto_with_frozen_parameters_plans_what_wrap_places(wrapped: Any, tmp_pa
     probe = lora_like()
     cfg = tz.Config(device_budget="8MiB", host_budget="8MiB", nvme_dir=str(tmp_path), compute_dtype="float32",
                     grads=None, optimizer_states="auto")
-    sizes, room = sizes_and_room(probe, cfg)
-    aside = {t: cfg.budget(t) - room[t] for t in ("device", "host")}  # fetched blocks; read-ahead and frozen
-    assert aside["host"] > 3 * max(sizes.optimizer_states[1:])  # the frozen bytes are taken off the host
-    host = aside["host"] + sum(sizes.params) + sum(sizes.grads) + sum(sizes.optimizer_states) // 2
-    cfg = cfg.replace(device_budget=aside["device"] + 4096, host_budget=host)  # no state on the device
+    on_host = placement_plan(probe, cfg.replace(optimizer_states="host"))
+    frozen = sum(round_up(t.nbytes) for t in on_host.tensors if t.kind == "frozen")
+    assert frozen > 0
+    states = sum(round_up(t.nbytes) for t in on_host.tensors if t.kind in ("master", "moments"))
+    host = on_host.need["host"] - states // 2  # half the states do not fit beside the frozen base
+    cfg = cfg.replace(device_budget=on_host.need["device"] + 4096, host_budget=host)  # no state on the device
     resolved = resolve_placement(probe, cfg)
     assert isinstance(resolved.optimizer_states, dict) and resolved.optimizer_states["nvme"] > 0, resolved
+    assert resolved.optimizer_states["host"] > 0, resolved
     tiers = planned_tiers(probe, cfg)
     model = wrapped(lora_like(), cfg)
     tz.AdamW(model, lr=1e-3)

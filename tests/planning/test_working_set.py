@@ -13,7 +13,8 @@ import torch
 
 import tierzero as tz
 from tierzero.planning import resolve_placement, working_set
-from tierzero.planning.placement import sizes_and_room
+from tierzero.config import round_up
+from tierzero.planning.placement import placement_plan
 import builders
 
 
@@ -48,9 +49,9 @@ def test_the_peak_holds_the_largest_temporaries_and_not_the_parameters() -> None
 def test_auto_sets_the_reserve_aside(wrapped: Any, tmp_path: Path) -> None:
     cfg = tz.Config(device_budget="64MiB", host_budget="64MiB", compute_dtype="float32", grads=None,
                     optimizer_states="auto")
-    sizes, room = sizes_and_room(gpt(), cfg)
-    window = cfg.device_budget - room["device"]
-    states = sum(sizes.optimizer_states) + sum(sizes.grads)
+    plan = placement_plan(gpt(), cfg.replace(optimizer_states="device"))
+    window = plan.window
+    states = sum(round_up(t.nbytes) for t in plan.tensors if t.kind in ("master", "moments", "grads"))
     ws = working_set(gpt(), cfg, lm_loss, batch=1, seq=24)
     assert ws.reserve < states  # the reserve displaces some of the states
     cfg = cfg.replace(device_budget=window + states + 4096)

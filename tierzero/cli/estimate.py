@@ -23,7 +23,7 @@ from tierzero.formats import meta_model
 from tierzero.models import CONFIGS, build
 from tierzero.planning import (PLACEMENTS, ActivationBytes, ActivationModel, DriveRates, Estimate, Traffic,
                                activation_model, estimate, expected_traffic, flat_tensors, largest_trainable,
-                               least_budgets, param_counts, resolve_placement, step_traffic,
+                               param_counts, resolve_placement, step_traffic,
                                Recording, TierModel, WorkingSet, simulate, update_reads, with_split, working_set)
 from tierzero.prefetch import policy_from_config
 
@@ -92,10 +92,10 @@ def main(argv: list[str]) -> int:
     if args.host_budget:
         budgets["host"] = parse_size(args.host_budget, what="--host-budget")
     cfg, model, ws = _config_and_model(p, args, budgets)
-    cfg = resolve_placement(model, cfg, args.world_size)  # "auto" as wrap would choose it
     est = estimate(model, cfg, args.world_size)
     assert est.per_rank is not None and est.layout_per_rank is not None and est.comm is not None
-    least = least_budgets(model, cfg, args.world_size)
+    least = est.least  # with "auto": the least budgets at which "auto" finds a placement
+    cfg = resolve_placement(model, cfg, args.world_size)  # "auto" as wrap would choose it
     traffic = step_traffic(est.params, cfg, world_size=args.world_size, trainable=param_counts(model, cfg).trainable,
                            micro_batches=args.micro_batches)
     fewest, most = expected_traffic(traffic, flat_tensors(model, cfg, args.world_size),

@@ -38,7 +38,8 @@ def add_placement_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer-states", default=None, type=_placement("--optimizer-states"), metavar="PLACEMENT",
                    help=f"fp32 master weights and moments: {tiers} (default: as --params)")
     p.add_argument("--grads", default=None, type=_placement("--grads"), metavar="PLACEMENT",
-                   help=f"gradients: {tiers} (default: as --params)")
+                   help=f"gradients: {tiers} (default: where each block's update runs, as Config(grads=None): the "
+                        "device for optimizer states there, else the host; with auto, NVMe where the host is short)")
     p.add_argument("--frozen", default=None, choices=TIER_NAMES,
                    help="home tier of frozen parameters, such as a LoRA base (default: as --params)")
 
@@ -73,7 +74,7 @@ def join_negative_values(argv: list[str], flags: tuple[str, ...]) -> list[str]:
 def placement_from_flags(args: argparse.Namespace) -> dict[str, object]:
     """The Config placement fields from the flags of `add_placement_flags` (and --nvme-dir)."""
     params = args.params or ("nvme" if args.nvme_dir else "host")
-    return {"params": params, "grads": args.grads or params,
+    return {"params": params, "grads": args.grads,
             "optimizer_states": args.optimizer_states or params, "frozen": args.frozen}
 
 

@@ -22,8 +22,8 @@ def split_rows(args: argparse.Namespace, base: tz.Config, setting: tz.Config, re
     workers = max(2, setting.prefetch.nvme_depth)
     rates = TierModel.calibrate(recording, bench, io_threads=setting.io.threads, workers=workers)
     rows = []
-    for name, split in split_candidates(model, base):
-        cfg = setting.replace(optimizer_states=split, grads=None)
+    for name, split, grads in split_candidates(model, base):
+        cfg = setting.replace(optimizer_states=split, grads=grads)
         reads = update_reads(model, cfg)
         pred = simulate(with_split(recording, reads), policy_from_config(cfg), rates, workers=workers,
                         speedup=args.compute_speedup, nvme_depth=setting.prefetch.nvme_depth, as_recorded=recording)

@@ -18,12 +18,12 @@ from typing import Any, Literal, Mapping, NamedTuple
 from io_engine import format_size, parse_size
 from tierzero.config.machine import has_cuda, machine_budgets
 from tierzero.config.policy_names import check_policy
-from tierzero.config.split import KINDS, Placement, check_placement, shares, tiers_used
+from tierzero.config.split import KINDS, Placement, check_placement, shares, tiers_used, update_tier
 from tierzero.config.stand_in import STREAM_MODES, StandInConfig, StreamSettings, stream_settings
 from tierzero.config.tiernames import TIER_NAMES, TierName
 
 __all__ = ["Config", "IOConfig", "PrefetchConfig", "StandInConfig", "StreamSettings", "StateBytes", "TIER_NAMES", "TierName", "format_size", "parse_size",
-           "OPTIMIZER_BYTES_PER_PARAM", "MASTER_BYTES_PER_PARAM", "DTYPE_BYTES"]
+           "OPTIMIZER_BYTES_PER_PARAM", "MASTER_BYTES_PER_PARAM", "DTYPE_BYTES", "ElementBytes"]
 
 
 def _check_bool(what: str, value: Any) -> None:
@@ -110,6 +110,39 @@ MASTER_BYTES_PER_PARAM = 4
 """fp32 master weights alone (part of OPTIMIZER_BYTES_PER_PARAM)."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 """Bytes of an element of each dtype a Config names."""
+
+
+class ElementBytes(NamedTuple):
+    """Bytes per element of each flat tensor a trainable parameter has: the one count every
+    byte figure of the state is made from (the plan, the ZeRO model, the estimate, Config.auto).
+    A state format of fewer bytes changes these, here."""
+
+    params: int
+    """Compute-dtype parameters (and frozen ones)."""
+    grads: int
+    """Gradients (Config.grad_dtype)."""
+    master: int
+    """Master weights (fp32)."""
+    moments: tuple[int, ...]
+    """Each optimizer state besides the master weights (AdamW: exp_avg, exp_avg_sq)."""
+
+    def nbytes(self, kind: str, numel: int) -> int:
+        """Bytes of a flat tensor of `kind` ("params", "frozen", "grads", "master", "moment")
+        holding `numel` elements."""
+        per = {"params": self.params, "frozen": self.params, "grads": self.grads, "master": self.master,
+               "moment": self.moments[0] if self.moments else 0}[kind]
+        return per * numel
+
+    def params_are_master(self, *, same_tier: bool, params_whole: bool) -> bool:
+        """Whether fp32 parameters double as the master weights: on the optimizer states' tier
+        and kept as this rank's shard (not whole, as ZeRO stages 1 and 2 keep them across ranks),
+        so one copy serves both (tierzero/runtime/flat_param.py, [Note: master weights])."""
+        return self.params == self.master == 4 and same_tier and not params_whole
+
+    def per_param(self, *, params_are_master: bool) -> StateBytes:
+        """Bytes per trainable parameter of each kind of state."""
+        return StateBytes(self.params, self.grads,
+                          (0 if params_are_master else self.master) + sum(self.moments))
 
 
 class StateBytes(NamedTuple):
@@ -321,13 +354,13 @@ class Config:
     def shares(self, kind: str) -> dict[str, float]:
         """Fractions of `kind`'s bytes on each tier ("params", "grads", "optimizer_states");
         grads=None: where the updates run (the optimizer states' NVMe share on the host).
-        ValueError for "auto", which a model resolves (tierzero.layout.resolve_auto)."""
+        ValueError for "auto", which a model resolves (tierzero.layout.PlacementPlan)."""
         _check_choice("kind", kind, KINDS)
         value = getattr(self, kind)
         if value is None:
-            out = shares(self.optimizer_states)
-            out["host"] += out.pop("nvme")
-            out["nvme"] = 0.0
+            out = dict.fromkeys(TIER_NAMES, 0.0)
+            for tier, f in shares(self.optimizer_states).items():
+                out[update_tier(tier)] += f
             return out
         return shares(value)
 
@@ -387,13 +420,19 @@ class Config:
             raise ValueError(f"config file {str(p)!r}: expected a .toml or .json file")
         return cls.from_dict(data)
 
-    def state_bytes_per_param(self, *, cuda: bool) -> StateBytes:
-        """Bytes per parameter of each kind of state under this config (`cuda`: whether the
-        device is a GPU, which decides compute_dtype "auto")."""
-        compute = DTYPE_BYTES[self.compute_dtype_name(cuda=cuda)]
-        shared = compute == 4 and self.params == self.optimizer_states  # fp32 params are the masters
-        optim = OPTIMIZER_BYTES_PER_PARAM - (MASTER_BYTES_PER_PARAM if shared else 0)
-        return StateBytes(compute, DTYPE_BYTES[self.grad_dtype], optim)
+    def element_bytes(self, *, cuda: bool) -> ElementBytes:
+        """Bytes per element of each kind of flat tensor under this config (`cuda`: whether the
+        device is a GPU, which decides compute_dtype "auto"); AdamW's two moments."""
+        return ElementBytes(DTYPE_BYTES[self.compute_dtype_name(cuda=cuda)], DTYPE_BYTES[self.grad_dtype],
+                            MASTER_BYTES_PER_PARAM, (4, 4))
+
+    def state_bytes_per_param(self, *, cuda: bool, params_whole: bool = False) -> StateBytes:
+        """Bytes per parameter of each kind of state under this config (`params_whole`: the
+        ZeRO stage keeps whole parameters on every rank, so they are not the master weights)."""
+        element = self.element_bytes(cuda=cuda)
+        same = self.params == self.optimizer_states and self.params != "auto"
+        return element.per_param(params_are_master=element.params_are_master(same_tier=same,
+                                                                              params_whole=params_whole))
 
     @classmethod
     def auto(cls, model: Any = None, *, nvme_dir: str | os.PathLike[str] | None = None,

@@ -55,10 +55,16 @@ def shares(value: str | Mapping[str, float]) -> dict[str, float]:
     """The fractions per tier of a checked placement that is not "auto" (a tier name: all of it)."""
     if value == "auto":
         raise ValueError("a placement of 'auto' has no fractions until it is resolved for a model "
-                         "(tz.wrap does; tierzero.layout.resolve_auto)")
+                         "(tz.wrap does: tierzero.layout.PlacementPlan)")
     if isinstance(value, str):
         return {t: float(t == value) for t in TIER_NAMES}
     return {t: float(value.get(t, 0.0)) for t in TIER_NAMES}
+
+
+def update_tier(states_tier: str) -> str:
+    """Where a block's update runs, and so where its gradient lives when `grads` is None: on the
+    device for optimizer states homed there, on the host (the CPU's update) for "host" and "nvme"."""
+    return "device" if states_tier == "device" else "host"
 
 
 def tiers_used(value: str | Mapping[str, float]) -> set[str]:

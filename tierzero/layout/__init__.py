@@ -7,23 +7,25 @@ communication), shared by the runtime that builds blocks and the planning that s
     zero.py         ZeroStage (what a rank keeps whole) and CommBytes (bytes of collectives)
     sizes.py        device bytes of a block while fetched
     saved.py        PackLayout: the tensors autograd saves in a block call, packed as segments
-    split.py        split placement: each block's tier per kind, and the split "auto" chooses
-    state_bytes.py  the state's bytes per block, kind and tier: what wrap checks and planning sizes
+    split.py        split placement: each block's tier of a kind split across tiers
+    state_bytes.py  the state's flat tensors per block, kind and tier, and their bytes
+    plan.py         PlacementPlan: every block's tiers, every tier's homes and the step's room there,
+                    the check wrap refuses by, the least budgets, the split "auto" chooses
 """
 
 from tierzero.layout.flat_layout import ALIGN_BYTES, FlatLayout, ParamSlot
 from tierzero.layout.grouping import (ROOT, BlockSpec, assign_params, block_specs, blocks_of, group_modules,
                                       outside_read_hints, param_count, unique_params)
 from tierzero.layout.saved import SEGMENT_ALIGN, PackLayout, SavedSpan, Segment, saved_span
-from tierzero.layout.split import (BlockTiers, KindSizes, block_tiers, resolve_auto, split_blocks, state_room)
-from tierzero.layout.state_bytes import (PAGE, Blocks, FlatTensor, fetch_window, frozen_bytes, kind_sizes,
-                                         placement_order, round_up, state_tensors, tier_need)
+from tierzero.layout.split import BlockTiers, split_blocks
+from tierzero.layout.state_bytes import (Blocks, FlatTensor, KindSizes, kind_sizes, placement_order, state_tensors,
+                                         tier_need)
+from tierzero.layout.plan import NVME_MOVES, PlacementPlan, PlanInputs
 from tierzero.layout.sizes import block_fetch_bytes, fetched_bytes, flat_groups
 from tierzero.layout.zero import CommBytes, ZeroStage
 
 __all__ = ["FlatLayout", "ParamSlot", "ALIGN_BYTES", "ROOT", "BlockSpec", "assign_params", "block_specs",
            "blocks_of", "group_modules", "outside_read_hints", "param_count", "unique_params", "block_fetch_bytes", "fetched_bytes",
            "flat_groups", "CommBytes", "ZeroStage", "PackLayout", "SavedSpan", "Segment", "SEGMENT_ALIGN",
-           "saved_span", "BlockTiers", "KindSizes", "block_tiers", "resolve_auto", "state_room", "split_blocks",
-           "PAGE", "Blocks", "FlatTensor", "fetch_window", "frozen_bytes", "kind_sizes", "placement_order", "round_up",
-           "state_tensors", "tier_need"]
+           "saved_span", "BlockTiers", "KindSizes", "split_blocks", "Blocks", "FlatTensor", "kind_sizes",
+           "placement_order", "state_tensors", "tier_need", "NVME_MOVES", "PlacementPlan", "PlanInputs"]

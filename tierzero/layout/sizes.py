@@ -35,5 +35,9 @@ def flat_groups(params: list[tuple[str, nn.Parameter]], world_size: int,
 def fetched_bytes(layout: FlatLayout, dtype: torch.dtype, *, gathered: bool) -> int:
     """Device bytes of a fetched flat tensor: the full tensor, plus when it is `gathered` across
     ranks (stage 3) the shard it is gathered from (pinned until the gather is done)."""
-    extra = layout.shard_numel if gathered else 0
-    return (layout.padded_numel + extra) * dtype.itemsize
+    return fetched_numel(layout, gathered=gathered) * dtype.itemsize
+
+
+def fetched_numel(layout: FlatLayout, *, gathered: bool) -> int:
+    """Elements of a fetched flat tensor on the device (`fetched_bytes`)."""
+    return layout.padded_numel + (layout.shard_numel if gathered else 0)

@@ -25,10 +25,11 @@ from typing import Callable
 import torch
 
 from io_engine import aligned_empty
-from tierzero.config import Tier
+from tierzero.config import PAGE, Tier, windowed_room
 
-ALIGNMENT = 4096
-"""Alignment (bytes) of host buffers and NVMe extents: the page size O_DIRECT needs."""
+ALIGNMENT = PAGE
+"""Alignment (bytes) of host buffers and NVMe extents: the page size O_DIRECT needs
+(tierzero/config/pages.py, with the rounding and the working set's room: one rule each)."""
 
 HUGE_PAGE = 2 << 20
 """Where the host arena's region starts (x86-64's transparent huge page)."""
@@ -37,19 +38,9 @@ BudgetHook = Callable[[Tier, int], None]
 
 
 def round_up(nbytes: int, multiple: int = ALIGNMENT) -> int:
+    """tierzero.config.round_up, on the fetch path: kept inside placement so that a fetch crosses
+    no package for arithmetic (tests/benchmarks/test_crossings.py)."""
     return -(-nbytes // multiple) * multiple
-
-
-def windowed_room(sizes: Sequence[int]) -> int:
-    """Bytes of one region in which buffers of `sizes`, taken one at a time and held together,
-    always find a window, wherever the ones taken first were cut (PinnedArena.room_for, and the
-    estimate's least host budget where the host tier is one pinned region). See [Note: working
-    set windows]."""
-    pages = sorted(round_up(max(n, 1)) for n in sizes)
-    if not pages:
-        return 0
-    *rest, last = pages
-    return sum(rest) + (len(rest) + 1) * (last - ALIGNMENT) + ALIGNMENT
 
 
 class Budget:

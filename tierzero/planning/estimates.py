@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tierzero.config import OPTIMIZER_BYTES_PER_PARAM, TIER_NAMES, Config
+from tierzero.config import TIER_NAMES, Config
 from tierzero.layout import ROOT, CommBytes, blocks_of
 from tierzero.models import CONFIGS, build
-from tierzero.planning.placement import resolve_placement
+from tierzero.planning.placement import placement_plan
 from tierzero.planning.zero_model import StateSizes, ZeroModel, param_counts
 
 
@@ -32,8 +32,9 @@ class Estimate:
     per_tier: dict[str, int]
     """Bytes needed on each tier: the state homed there plus the runtime's working sets."""
     home: dict[str, int]
-    """Bytes of state homed on each tier (params, grads, optimizer states): the least each
-    tier's budget must hold."""
+    """Bytes of state homed on each tier (params, grads, optimizer states), by the ZeRO model."""
+    least: dict[str, int]
+    """The least budget of each tier (tierzero.layout.PlacementPlan): `per_tier` is never below."""
     state_bytes: int
     """Params + grads + optimizer states, wherever they live (the whole model's, in one process)."""
     world_size: int = 1
@@ -59,13 +60,13 @@ def largest_block_params(model: nn.Module, cfg: Config) -> int:
 def estimate(model: nn.Module, cfg: Config, world_size: int = 1) -> Estimate:
     """Bytes per tier that each of `world_size` ranks needs to train `model` under `cfg` (model
     may be on the meta device). Kinds placed "auto" are resolved first (placement.py)."""
-    cfg = resolve_placement(model, cfg, world_size)
+    plan = placement_plan(model, cfg, world_size)
+    cfg = plan.resolved
     counts = param_counts(model, cfg)
     n, trainable = counts.params, counts.trainable
     block = largest_block_params(model, cfg)
-    per_param = cfg.state_bytes_per_param(cuda=torch.cuda.is_available())
-    cb = per_param.params
     zm = ZeroModel.of(cfg, world_size)
+    per_param = cfg.state_bytes_per_param(cuda=torch.cuda.is_available(), params_whole=zm.zero.params_whole)
     per_rank = zm.per_rank(n, trainable)
     need = per_rank.by_tier(cfg)
     if cfg.frozen_tier != cfg.params:  # frozen parameters (a LoRA base) live on their own tier
@@ -74,18 +75,21 @@ def estimate(model: nn.Module, cfg: Config, world_size: int = 1) -> Estimate:
             need[tier] -= round(frozen * f)
         need[cfg.frozen_tier] += frozen
     home = dict(need)
-    # adaptive keeps at least two blocks coming (more only where the room allows)
+    # beside the least budgets, the working sets prefetching wants: blocks ahead on the device,
+    # NVMe read-ahead and the update's read k+1 / write k-1 on the host (never below the least)
+    need = plan.need
     policy = cfg.prefetch.policy if isinstance(cfg.prefetch.policy, str) else "object"
-    ahead = {"lookahead": cfg.prefetch.depth, "adaptive": 2}.get(policy, 1)
-    if cfg.params != "device" or zm.zero.gathers:
-        need["device"] += (counts.root + block * (1 + ahead)) * cb
-    if cfg.shares("params")["nvme"] or cfg.frozen_tier == "nvme":
-        need["host"] += block * cb * cfg.prefetch.nvme_depth
-    if cfg.shares("optimizer_states")["nvme"]:
-        # read k+1, update k, write k-1: three blocks' master + moments in flight
-        need["host"] += 3 * block * (OPTIMIZER_BYTES_PER_PARAM + per_param.grads)
+    ahead = {"lookahead": cfg.prefetch.depth, "adaptive": 2}.get(policy, 1)  # adaptive: at least two
+    if plan.window:
+        need["device"] += ahead * plan.fetched_largest
+    blocks = [t for t in plan.tensors if t.block != ROOT]  # the root is read once and held
+    read = max((t.nbytes for t in blocks if t.home == "nvme" and t.kind in ("params", "frozen")), default=0)
+    updates = max((n for b, n in plan.update_sets.items() if b != ROOT), default=0)
+    need["host"] += cfg.prefetch.nvme_depth * read + 2 * updates
+    need = {t: max(need[t], plan.least[t]) for t in TIER_NAMES}
     state = n * per_param.params + trainable * (per_param.grads + per_param.optimizer_states)
-    return Estimate(params=n, largest_block_params=block, per_tier=need, home=home, state_bytes=state,
+    return Estimate(params=n, largest_block_params=block, per_tier=need, home=home, least=dict(plan.least),
+                    state_bytes=state,
                     world_size=world_size, per_rank=per_rank, layout_per_rank=zm.layout_per_rank(model, cfg),
                     comm=zm.comm_per_step(counts))
 

@@ -9,9 +9,9 @@ from typing import Mapping
 
 from torch import nn
 
-from tierzero.config import TIER_NAMES, Config
-from tierzero.planning.minimums import flat_tensors, least_budgets
-from tierzero.planning.placement import resolve_placement
+from tierzero.config import Config
+from tierzero.planning.minimums import flat_tensors
+from tierzero.planning.placement import placement_plan
 from tierzero.planning.recording import Leg, Recording
 
 Split = str | Mapping[str, float]
@@ -31,24 +31,19 @@ STEPS = (0.0, 0.25, 0.5, 0.75, 1.0)
 # splits that move states to a GPU are weighed by the budgets, not by speed.
 
 
-def split_candidates(model: nn.Module, cfg: Config, world_size: int = 1) -> list[tuple[str, Split]]:
-    """(name, optimizer_states split) of "auto"'s choice at `cfg`'s budgets and the fixed splits
-    between its two slowest tiers used (host and NVMe with nvme_dir, else device and host) at
-    `STEPS`, those that fit the budgets (tierzero.planning.least_budgets), auto's first."""
-    auto = resolve_placement(model, cfg.replace(optimizer_states="auto", grads=None), world_size).optimizer_states
+def split_candidates(model: nn.Module, cfg: Config, world_size: int = 1) -> list[tuple[str, Split, Split | None]]:
+    """(name, optimizer_states split, grads) of "auto"'s choice at `cfg`'s budgets and the fixed
+    splits between its two slowest tiers used (host and NVMe with nvme_dir, else device and host)
+    at `STEPS` (grads None), those that fit the budgets (the placement plan), auto's first."""
+    auto = placement_plan(model, cfg.replace(optimizer_states="auto", grads=None), world_size)
     fast, slow = ("host", "nvme") if cfg.nvme_dir is not None else ("device", "host")
-    out = [("auto", auto)]
+    out = [("auto", auto.resolved.optimizer_states, auto.resolved.grads)]
     for f in STEPS:
         split: Split = slow if f == 1.0 else fast if f == 0.0 else {fast: 1.0 - f, slow: f}
-        if split != auto and _fits(model, cfg.replace(optimizer_states=split, grads=None), world_size):
-            out.append((f"{slow}={f:g}", split))
+        fixed = cfg.replace(optimizer_states=split, grads=None)
+        if split != out[0][1] and not placement_plan(model, fixed, world_size).short():
+            out.append((f"{slow}={f:g}", split, None))
     return out
-
-
-def _fits(model: nn.Module, cfg: Config, world_size: int) -> bool:
-    least = least_budgets(model, cfg, world_size)
-    least["device"] += cfg.device_reserve
-    return all(least[t] <= cfg.budget(t) for t in TIER_NAMES)
 
 
 def update_reads(model: nn.Module, cfg: Config, world_size: int = 1) -> dict[str, int]:

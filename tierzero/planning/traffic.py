@@ -76,9 +76,10 @@ def step_traffic(n_params: int, cfg: Config, *, world_size: int = 1, trainable: 
     n = -(-n_params // world_size)
     whole_params = n_params if zero.params_whole else n
     whole_grads = n_params if zero.grads_whole else n
-    compute = getattr(torch, cfg.compute_dtype_name(cuda=torch.cuda.is_available())).itemsize
-    grad = getattr(torch, cfg.grad_dtype).itemsize
-    params_are_master = compute == 4 and cfg.params == cfg.optimizer_states and not zero.params_whole
+    element = cfg.element_bytes(cuda=torch.cuda.is_available())
+    compute, grad = element.params, element.grads
+    params_are_master = element.params_are_master(same_tier=cfg.params == cfg.optimizer_states,
+                                                  params_whole=zero.params_whole)
     t = Traffic()
     passes = 1 if layer_major else micro_batches
     on_nvme = {kind: cfg.shares(kind)["nvme"] for kind in KINDS}  # a split moves its NVMe share
@@ -93,11 +94,12 @@ def step_traffic(n_params: int, cfg: Config, *, world_size: int = 1, trainable: 
         t.add("grads", read=passes * grad * g, write=passes * grad * g)
     if on_nvme["optimizer_states"]:
         s = round(n * on_nvme["optimizer_states"])
-        t.add("moments", read=8 * s, write=8 * s)
+        moments = sum(element.moments) * s
+        t.add("moments", read=moments, write=moments)
         if params_are_master:
-            t.add("params", read=0 if cfg.step_in_backward else 4 * s)
+            t.add("params", read=0 if cfg.step_in_backward else element.params * s)
         else:
-            t.add("master", read=4 * s, write=4 * s)
+            t.add("master", read=element.master * s, write=element.master * s)
     return t
 
 

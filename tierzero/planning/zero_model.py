@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from tierzero.config import KINDS, MASTER_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, TIER_NAMES, Config
+from tierzero.config import KINDS, TIER_NAMES, Config
 from tierzero.layout import ROOT, CommBytes, FlatLayout, ZeroStage, blocks_of
 
 
@@ -85,12 +85,8 @@ class ZeroModel:
         """The model for training under `cfg` with tz.AdamW on `world_size` ranks."""
         cuda = torch.cuda.is_available() if cuda is None else cuda
         zero = ZeroStage(cfg.zero_stage, world_size)
-        compute = getattr(torch, cfg.compute_dtype_name(cuda=cuda)).itemsize
-        # fp32 parameters on the optimizer states' tier are the master weights, where a rank
-        # holds just its shard of them (flat_param.FlatParam.ensure_master)
-        shared = compute == 4 and cfg.params == cfg.optimizer_states and not zero.params_whole
-        optim = OPTIMIZER_BYTES_PER_PARAM - (MASTER_BYTES_PER_PARAM if shared else 0)
-        return cls(zero, compute, getattr(torch, cfg.grad_dtype).itemsize, optim)
+        per = cfg.state_bytes_per_param(cuda=cuda, params_whole=zero.params_whole)
+        return cls(zero, per.params, per.grads, per.optimizer_states)
 
     def per_rank(self, params: int, trainable: int) -> StateSizes:
         """Bytes one rank holds of `params` parameters, `trainable` of them trainable."""

@@ -1,17 +1,15 @@
-"""Split placement at wrap: each block's tier per kind of state (Config's tiers, splits and
-"auto" resolved by tierzero.layout's rule, [Note: split placement]), the refusal of a split that
-cannot fit, and `tz.tier_bytes(model)`: the bytes each kind holds on each tier."""
+"""Placement at wrap: the plan of each block's tier per kind of state (Config's tiers, splits and
+"auto" resolved by tierzero.layout.PlacementPlan), refused when it cannot fit the budgets, and
+`tz.tier_bytes(model)`: the bytes each kind holds on each tier."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
-import torch
 from torch import nn
 
-from tierzero.config import KINDS, TIER_NAMES, Config, format_size
-from tierzero.layout import (BlockTiers, FlatLayout, FlatTensor, ZeroStage, block_tiers, frozen_bytes, kind_sizes,
-                             placement_order, resolve_auto, state_room, state_tensors, tier_need)
+from tierzero.config import KINDS, TIER_NAMES, Config
+from tierzero.layout import FlatLayout, PlacementPlan, PlanInputs
 from tierzero.placement import Kind
 from tierzero.runtime.state import state_of
 
@@ -22,48 +20,14 @@ _KIND_OF = {Kind.PARAM: "params", Kind.FROZEN: "frozen", Kind.GRAD: "grads", Kin
             Kind.EXP_AVG: "optimizer_states", Kind.EXP_AVG_SQ: "optimizer_states", Kind.MOMENTUM: "optimizer_states"}
 
 
-def plan_tiers(config: Config, layouts: Layouts, zero: ZeroStage, compute: torch.dtype, grad: torch.dtype,
-               device_window: int) -> BlockTiers:
-    """Each block's tier per kind: `config`'s tiers, splits and "auto" (resolved into the room
-    left on each tier once `device_window` bytes of the device (the fetched blocks) and
-    `config.device_reserve` (the step's working set), the host staging of the update's
-    read-ahead and the frozen parameters are set aside). A split that cannot fit the budgets is
-    refused here, with the bytes it needs per tier."""
-    names = [name for name, _, _ in layouts]
-    if not config.is_split:
-        return BlockTiers.uniform(names, config)
-    blocks = [(layouts[i][0], layouts[i][2]) for i in placement_order(names)]
-    sizes = kind_sizes(blocks, zero, compute.itemsize, grad.itemsize)
-    frozen = frozen_bytes(blocks, zero, compute.itemsize)
-    room, largest = state_room(config, sizes, device_window, frozen)
-    resolved = resolve_auto(config, sizes, room)
-    tiers = BlockTiers.build([n for n, _ in blocks], block_tiers(resolved, sizes))
-    _check_fits(config, resolved, state_tensors(blocks, tiers, config.frozen_tier, zero, compute.itemsize,
-                                                grad.itemsize), device_window, largest)
-    return tiers
-
-
-def _check_fits(config: Config, resolved: Config, tensors: Sequence[FlatTensor], device_window: int,
-                largest: int) -> None:
-    """ValueError naming the bytes per tier when the placed flat tensors (`state_tensors`), the
-    fetched blocks, the reserved working set and an NVMe block's host staging exceed the budgets."""
-    need = tier_need(tensors)
-    need["device"] += device_window + config.device_reserve
-    if any(t.home == "nvme" and t.kind != "frozen" for t in tensors):
-        need["host"] += largest  # an NVMe block's update is staged in host memory
-    over = [t for t in TIER_NAMES if need[t] > config.budget(t)]
-    if not over:
-        return
-    placed = ", ".join(f"{k}={getattr(resolved, k)!r}" for k in KINDS)
-    aside = f" (of which {format_size(device_window)} the fetched blocks"
-    aside += f", {format_size(config.device_reserve)} the reserved working set)" if config.device_reserve else ")"
-    detail = "; ".join(f"{t}: {format_size(need[t])} ({need[t]} bytes) needed, budget {format_size(config.budget(t))}"
-                       + ("" if t != "device" else aside) for t in TIER_NAMES)
-    raise ValueError(
-        f"the placement {placed} cannot fit: {detail}. Over budget: {', '.join(over)}. Raise "
-        f"{' and '.join(t + '_budget' for t in over)}, or give a smaller fraction of those tiers (or 'auto', "
-        "which fills each tier to its budget); optimizer states are counted as AdamW keeps them "
-        "(fp32 master weights and two moments)")
+def checked_plan(config: Config, layouts: Layouts, world_size: int, *, cuda: bool) -> PlacementPlan:
+    """The placement plan of wrap's blocks under `config` (splits and "auto" resolved), refused
+    with the bytes of every tier that falls short before anything is registered
+    ([Note: one placement plan])."""
+    plan = PlacementPlan.build(config, PlanInputs.of(config, [(name, flats) for name, _, flats in layouts],
+                                                     world_size, cuda=cuda))
+    plan.check()
+    return plan
 
 
 def tier_bytes(model: nn.Module) -> dict[str, dict[str, int]]:

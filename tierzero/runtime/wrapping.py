@@ -24,10 +24,9 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from tierzero.config import Config, Tier, format_size
+from tierzero.config import Config, Tier
 from tierzero.formats import LoadedShard, check_buffers, init_buffers, init_params, load_buffers, open_weights
-from tierzero.layout import (ROOT, BlockSpec, FlatLayout, ZeroStage, assign_params, block_fetch_bytes,
-                             block_specs, fetched_bytes, flat_groups, group_modules)
+from tierzero.layout import ROOT, FlatLayout, assign_params, block_specs, flat_groups, group_modules
 from tierzero.placement import PlacementManager
 from tierzero.prefetch import Prefetcher, Unit, policy_from_config, prefetch_units
 from tierzero.runtime.activations import Activations
@@ -36,7 +35,7 @@ from tierzero.runtime.collectives import agreement_group, broadcast_from_first_,
 from tierzero.runtime.fetch_group import gather_ahead
 from tierzero.runtime.flat_param import FlatParam, borrows_checkpoint, shard_request
 from tierzero.runtime.optimizer_guard import refuse_other_optimizers
-from tierzero.runtime.split import plan_tiers
+from tierzero.runtime.split import checked_plan
 from tierzero.runtime.state import TieredState, adopt, is_wrapped, state_of
 from tierzero.runtime.step_context import Phase, StepContext
 
@@ -119,13 +118,12 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
         pm = PlacementManager(config, rank=rank, world_size=world_size)
         try:
             compute_dtype = getattr(torch, config.compute_dtype_name(cuda=pm.device.type == "cuda"))
-            zero, grad_dtype = ZeroStage(config.zero_stage, world_size), getattr(torch, config.grad_dtype)
+            grad_dtype = getattr(torch, config.grad_dtype)
             specs = block_specs(model, groups, owner)
-            window = _check_device_budget(config, specs, compute_dtype, zero)
             layouts = [(name, modules, flat_groups(params, world_size, compute_dtype))
                        for name, modules, params in specs]
-            tiers = plan_tiers(config, layouts, zero, compute_dtype, grad_dtype, window)
-            ctx = StepContext(pm=pm, compute_dtype=compute_dtype, tiers=tiers,
+            placement = checked_plan(config, layouts, world_size, cuda=pm.device.type == "cuda")
+            ctx = StepContext(pm=pm, compute_dtype=compute_dtype, tiers=placement.tiers,
                               rank=rank, world_size=world_size, group=process_group,
                               zero_stage=config.zero_stage, grad_dtype=grad_dtype)
             shards = None
@@ -138,9 +136,8 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
                           for name, _, flats in layouts for ps, layout in flats]
                 # closed before the files (the exit stack unwinds in reverse): no read left in flight
                 shards = files.enter_context(contextlib.closing(plan.read_shards(wanted, rank, swap=pm.swap)))
-            sizes = [sum(fetched_bytes(layout, compute_dtype, gathered=ctx.zero.gathers) for _, layout in flats)
-                     for _, _, flats in layouts]
-            activations = Activations(ctx, config, root_bytes=sizes[-1], largest_block=max(sizes[:-1], default=0))
+            activations = Activations(ctx, config, root_bytes=placement.fetched_root,
+                                      largest_block=placement.fetched_largest)
             blocks = [_build_block(name, modules, flats, ctx, config, activations, shards)
                       for name, modules, flats in layouts]
             if plan is not None:
@@ -233,7 +230,8 @@ def refresh(model: nn.Module) -> TieredState:
         added.setdefault(blocks[owner.get(id(p), -1)].name, []).append((fqn, p))
     specs = [(b.name, b.modules, [(s.fqn, p) for f in b.flats for s, p in zip(f.layout.slots, f.params)]
               + added.get(b.name, [])) for b in blocks]
-    _check_device_budget(config, specs, ctx.compute_dtype, ctx.zero)
+    checked_plan(config, [(name, modules, flat_groups(ps, ctx.world_size, ctx.compute_dtype))
+                          for name, modules, ps in specs], ctx.world_size, cuda=ctx.pm.device.type == "cuda")
     rebuilt = [b if b.name not in added and not any(f in changed for f in b.flats)
                else Block(b.name, b.modules, _refreshed_flats(b, added.get(b.name, []), config), ctx, b.activations)
                for b in blocks]
@@ -281,29 +279,6 @@ def _refreshed_flats(block: Block, added: list[tuple[str, nn.Parameter]], config
         if flat is not None:
             out.append(flat)
     return out
-
-
-def _check_device_budget(config: Config, specs: list[BlockSpec], dtype: torch.dtype, zero: ZeroStage) -> int:
-    """The device bytes of the fetched blocks (root, largest block, prefetch reserve): ValueError
-    when they alone exceed the device budget."""
-    if config.params == "device" and not zero.gathers:
-        return 0  # every block lives on the device whole; the placement manager checks the total
-    sizes = {name: block_fetch_bytes(ps, dtype, zero.world_size, zero.stage) for name, _, ps in specs}
-    root = sizes.pop(ROOT)
-    largest_name, largest = max(sizes.items(), key=lambda kv: kv[1], default=("(none)", 0))
-    reserve = config.prefetch.reserve if config.prefetch.policy == "bytes" else 0
-    need = root + largest + reserve
-    if config.device_budget - config.device_reserve < need:
-        aside = (f" once the step's working set ({format_size(config.device_reserve)}, Config.device_reserve) is "
-                 "set aside" if config.device_reserve else "")
-        raise ValueError(
-            f"device_budget {format_size(config.device_budget)} ({config.device_budget} bytes){aside} is smaller "
-            f"than the root block ({format_size(root)}) plus the largest block {largest_name!r} "
-            f"({format_size(largest)}) plus the prefetch reserve ({format_size(reserve)}) = "
-            f"{format_size(need)} ({need} bytes) that must be on the device at once; raise "
-            f"device_budget to at least {need + config.device_reserve} bytes, lower prefetch.reserve, or split the "
-            "model into smaller blocks with config.block_classes")
-    return need
 
 
 def home_of(ctx: StepContext, config: Config, block: str, trainable: bool) -> Tier:
