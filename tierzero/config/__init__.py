@@ -9,6 +9,7 @@ No torch at import time (`import tierzero.config` stays light for tools and the 
     machine.py       the one rule for what this machine offers (Config.auto, `tierzero estimate`)
     stand_in.py      how the CPU's copy streams run: at once, or the asynchronous stand-in
     split.py         a kind's placement: a tier, a split across tiers, or "auto"
+    state_format.py  the optimizer states' formats (float32, bfloat16, int8) and their bytes
 """
 
 from io_engine import format_size, parse_size
@@ -18,9 +19,12 @@ from tierzero.config.stand_in import StandInConfig, StreamSettings
 from tierzero.config.machine import machine_budgets
 from tierzero.config.policy_names import BUILTIN_POLICIES, check_policy, load_policy_class
 from tierzero.config.split import KINDS, Placement, Split, check_placement, parse_placement, shares, tiers_used
+from tierzero.config.state_format import (MASTER_DTYPES, QUANT_BLOCK, STATE_DTYPES, quant_blocks, state_bytes_per_param,
+                                          state_nbytes)
 from tierzero.config.tiernames import TIER_NAMES, Tier, TierName
 
 __all__ = ["Config", "IOConfig", "PrefetchConfig", "Tier", "TierName", "TIER_NAMES", "format_size", "parse_size",
            "machine_budgets", "BUILTIN_POLICIES", "check_policy", "load_policy_class", "StateBytes",
            "DTYPE_BYTES", "OPTIMIZER_BYTES_PER_PARAM", "MASTER_BYTES_PER_PARAM", "StandInConfig", "StreamSettings",
-           "KINDS", "Placement", "Split", "check_placement", "parse_placement", "shares", "tiers_used"]
+           "KINDS", "Placement", "Split", "check_placement", "parse_placement", "shares", "tiers_used",
+           "STATE_DTYPES", "MASTER_DTYPES", "QUANT_BLOCK", "quant_blocks", "state_nbytes", "state_bytes_per_param"]

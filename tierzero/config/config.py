@@ -20,6 +20,7 @@ from tierzero.config.machine import has_cuda, machine_budgets
 from tierzero.config.policy_names import check_policy
 from tierzero.config.split import KINDS, Placement, check_placement, shares, tiers_used
 from tierzero.config.stand_in import STREAM_MODES, StandInConfig, StreamSettings, stream_settings
+from tierzero.config.state_format import MASTER_DTYPES, STATE_DTYPES, StateDtype, state_bytes_per_param
 from tierzero.config.tiernames import TIER_NAMES, TierName
 
 __all__ = ["Config", "IOConfig", "PrefetchConfig", "StandInConfig", "StreamSettings", "StateBytes", "TIER_NAMES", "TierName", "format_size", "parse_size",
@@ -114,9 +115,9 @@ class StateBytes(NamedTuple):
     """Compute-dtype parameters."""
     grads: int
     """Gradients (Config.grad_dtype)."""
-    optimizer_states: int
-    """fp32 master weights and two moments (with fp32 parameters on the optimizer states'
-    tier, the parameters are the master weights)."""
+    optimizer_states: float
+    """Master weights and two moments in their formats, scales included (with parameters in
+    the master dtype on the optimizer states' tier, the parameters are the master weights)."""
 
     def by_tier(self, cfg: Config) -> dict[str, int]:
         """Bytes per parameter on each tier, as `cfg` places the kinds."""
@@ -158,6 +159,16 @@ class Config:
     """Tier of fp32 master weights and optimizer moments: a tier, a split or "auto" as
     `params`. Each block is updated where its states live: on the device by torch's fused kernel
     there, on the CPU for host and NVMe blocks, in the same step."""
+    optimizer_state_dtype: StateDtype = "float32"
+    """The format of the optimizer's states (AdamW's moments, SGD's momentum) on every tier and
+    in checkpoints: "float32" (torch's fused AdamW, bit for bit), "bfloat16" (half the bytes,
+    rounded to nearest), "int8" (a quarter: blocks of 256 with an fp32 scale each, the second
+    moment kept as its fourth root so small values survive). See docs/state-formats.md."""
+    master_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The master weights' dtype: "float32", or "bfloat16" (needs compute_dtype "bfloat16"):
+    the parameters are then the master weights, no second copy, and each update rounds them
+    stochastically (random bits from the step, the block and the element: the same bits on
+    every placement)."""
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """dtype of parameters on the device: "auto" = bfloat16 with CUDA, float32 without."""
     grad_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -252,6 +263,12 @@ class Config:
             raise ValueError("grad_dtype: expected one of 'float32', 'bfloat16', got 'float16' (float16 "
                              "gradients need loss scaling, which tierzero does not do; use 'bfloat16')")
         _check_choice("grad_dtype", self.grad_dtype, ("float32", "bfloat16"))
+        _check_choice("optimizer_state_dtype", self.optimizer_state_dtype, STATE_DTYPES)
+        _check_choice("master_dtype", self.master_dtype, MASTER_DTYPES)
+        if self.master_dtype == "bfloat16" and self.compute_dtype != "bfloat16":
+            raise ValueError(f"master_dtype: 'bfloat16' makes the parameters the master weights, so it needs "
+                             f"compute_dtype='bfloat16', got compute_dtype={self.compute_dtype!r}; set "
+                             "compute_dtype='bfloat16', or keep master_dtype='float32'")
         if type(self.zero_stage) is not int or self.zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage: expected 1, 2 or 3 (1: optimizer states partitioned, 2: "
                              f"and gradients, 3: and parameters), got {self.zero_stage!r}")
@@ -383,10 +400,12 @@ class Config:
     def state_bytes_per_param(self, *, cuda: bool) -> StateBytes:
         """Bytes per parameter of each kind of state under this config (`cuda`: whether the
         device is a GPU, which decides compute_dtype "auto")."""
-        compute = DTYPE_BYTES[self.compute_dtype_name(cuda=cuda)]
-        shared = compute == 4 and self.params == self.optimizer_states  # fp32 params are the masters
-        optim = OPTIMIZER_BYTES_PER_PARAM - (MASTER_BYTES_PER_PARAM if shared else 0)
-        return StateBytes(compute, DTYPE_BYTES[self.grad_dtype], optim)
+        compute = self.compute_dtype_name(cuda=cuda)
+        # parameters in the master dtype on the optimizer states' tier are the master weights
+        shared = compute == self.master_dtype and self.params == self.optimizer_states
+        optim = (0 if shared else DTYPE_BYTES[self.master_dtype]) + 2 * state_bytes_per_param(self.optimizer_state_dtype)
+        optim = int(optim) if optim == int(optim) else optim
+        return StateBytes(DTYPE_BYTES[compute], DTYPE_BYTES[self.grad_dtype], optim)
 
     @classmethod
     def auto(cls, model: Any = None, *, nvme_dir: str | os.PathLike[str] | None = None,
