@@ -9,6 +9,7 @@ communication), shared by the runtime that builds blocks and the planning that s
     saved.py        PackLayout: the tensors autograd saves in a block call, packed as segments
     split.py        split placement: each block's tier per kind, and the split "auto" chooses
     state_bytes.py  the state's bytes per block, kind and tier: what wrap checks and planning sizes
+    state_codec.py  an optimizer state's values in its format (fp32, bf16, blockwise int8)
 """
 
 from tierzero.layout.flat_layout import ALIGN_BYTES, FlatLayout, ParamSlot
@@ -18,6 +19,7 @@ from tierzero.layout.saved import SEGMENT_ALIGN, PackLayout, SavedSpan, Segment,
 from tierzero.layout.split import (BlockTiers, KindSizes, block_tiers, resolve_auto, split_blocks, state_room)
 from tierzero.layout.state_bytes import (PAGE, Blocks, FlatTensor, fetch_window, frozen_bytes, kind_sizes,
                                          placement_order, round_up, state_tensors, tier_need)
+from tierzero.layout.state_codec import StateCodec, round_stochastic_, window_room
 from tierzero.layout.sizes import block_fetch_bytes, fetched_bytes, flat_groups
 from tierzero.layout.zero import CommBytes, ZeroStage
 
@@ -26,4 +28,4 @@ __all__ = ["FlatLayout", "ParamSlot", "ALIGN_BYTES", "ROOT", "BlockSpec", "assig
            "flat_groups", "CommBytes", "ZeroStage", "PackLayout", "SavedSpan", "Segment", "SEGMENT_ALIGN",
            "saved_span", "BlockTiers", "KindSizes", "block_tiers", "resolve_auto", "state_room", "split_blocks",
            "PAGE", "Blocks", "FlatTensor", "fetch_window", "frozen_bytes", "kind_sizes", "placement_order", "round_up",
-           "state_tensors", "tier_need"]
+           "state_tensors", "tier_need", "StateCodec", "round_stochastic_", "window_room"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import functools
 import weakref
-from typing import Any, Callable, Iterable, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Sequence, Union
 
 import torch
 from torch import nn
@@ -51,14 +51,18 @@ UPDATE_CHUNK = 1 << 22
 # and wherever they lie in the block (a group splits a flat tensor at parameter boundaries
 # only), and the bits are those of torch's optimizer over the same groups.
 def _update_batches(layout: FlatLayout, rank: int, skip: frozenset[int] = frozenset(),
-                    classes: Sequence[int] | None = None) -> list[tuple[int, list[Piece]]]:
+                    classes: Sequence[int] | None = None, *,
+                    windowed: bool = False) -> list[tuple[int, list[Piece]]]:
     """This rank's shard of `layout` as (lo, hi, parameter index) pieces, lo and hi in shard
     coordinates, in batches of at most UPDATE_CHUNK elements, leaving out the parameters in
     `skip` (by index: those without a gradient, which torch's optimizers skip). Each piece lies
     inside one parameter (padding is never updated), and a parameter longer than UPDATE_CHUNK is
     cut at multiples of UPDATE_CHUNK from its own start. `classes` (by parameter index) sorts
     the pieces of each chunk of UPDATE_CHUNK elements into one batch per class: (class, pieces),
-    in the order each class first appears (None: one class, 0). See the Notes above."""
+    in the order each class first appears (None: one class, 0). `windowed` (states kept in
+    fewer bits): every chunk lies in one window of UPDATE_CHUNK elements from the shard's start
+    instead, and a parameter is cut at the windows' edges ([Note: state windows] in
+    tierzero/runtime/update.py). See the Notes above."""
     start, stop = layout.shard_range(rank)
     chunks: list[list[Piece]] = [[]]
     room = UPDATE_CHUNK
@@ -67,7 +71,13 @@ def _update_batches(layout: FlatLayout, rank: int, skip: frozenset[int] = frozen
             continue
         lo, end = max(slot.offset, start), min(slot.offset + slot.numel, stop)
         while lo < end:
-            hi = min(end, slot.offset + ((lo - slot.offset) // UPDATE_CHUNK + 1) * UPDATE_CHUNK)
+            if windowed:
+                hi = min(end, start + ((lo - start) // UPDATE_CHUNK + 1) * UPDATE_CHUNK)
+                if chunks[-1] and (chunks[-1][-1][1] - 1) // UPDATE_CHUNK != (lo - start) // UPDATE_CHUNK:
+                    chunks.append([])
+                    room = UPDATE_CHUNK
+            else:
+                hi = min(end, slot.offset + ((lo - slot.offset) // UPDATE_CHUNK + 1) * UPDATE_CHUNK)
             if hi - lo > room:
                 chunks.append([])
                 room = UPDATE_CHUNK
@@ -81,6 +91,16 @@ def _update_batches(layout: FlatLayout, rank: int, skip: frozenset[int] = frozen
             by_class.setdefault(0 if classes is None else classes[piece[2]], []).append(piece)
         batches += by_class.items()
     return batches
+
+
+def _windows(batches: list[tuple[int, list[Piece]]]) -> Iterator[tuple[list[tuple[int, list[Piece]]], int, int]]:
+    """Windowed batches (`_update_batches(..., windowed=True)`) by window: (the batches, the
+    window's first element, one past its last piece's end), in order."""
+    by_window: dict[int, list[tuple[int, list[Piece]]]] = {}
+    for c, pieces in batches:
+        by_window.setdefault(pieces[0][0] // UPDATE_CHUNK, []).append((c, pieces))
+    for w, group in by_window.items():
+        yield group, w * UPDATE_CHUNK, max(p[-1][1] for _, p in group)
 
 
 class TieredOptimizer(torch.optim.Optimizer):
@@ -185,7 +205,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         try:
             for flat in flats:
                 if flat not in self._steps:
-                    self._states[flat] = BlockState(flat)
+                    self._states[flat] = BlockState(flat, state.config.optimizer_state_dtype)
                     self._steps[flat] = [0] * len(flat.layout.slots)
                 for kind in self.state_kinds:
                     if kind not in self._states[flat].states:
@@ -330,13 +350,24 @@ class TieredOptimizer(torch.optim.Optimizer):
             for j, g in enumerate(self._group_of[flat]):
                 if g is not None and j not in room.skip:
                     steps[j] += 1
-            for c, pieces in self._batches_of(flat, room.skip, groups):
-                grads, tensors = room.pieces(pieces)
-                self._update(groups[c], [steps[j] for _, _, j in pieces], grads, *tensors)
+            batches = self._batches_of(flat, room.skip, groups, windowed=room.windowed)
+            if not room.windowed:
+                self._update_pieces(groups, steps, room, batches)
+            else:  # [Note: state windows]
+                step = max(steps)
+                for w, lo, hi in _windows(batches):
+                    with room.window(lo, hi, step):
+                        self._update_pieces(groups, steps, room, w)
         return room.collectives
 
-    def _batches_of(self, flat: FlatParam, skip: frozenset[int],
-                    groups: list[dict[str, Any]]) -> list[tuple[int, list[Piece]]]:
+    def _update_pieces(self, groups: list[dict[str, Any]], steps: list[int], room: runtime.UpdateRoom,
+                       batches: list[tuple[int, list[Piece]]]) -> None:
+        for c, pieces in batches:
+            grads, tensors = room.pieces(pieces)
+            self._update(groups[c], [steps[j] for _, _, j in pieces], grads, *tensors)
+
+    def _batches_of(self, flat: FlatParam, skip: frozenset[int], groups: list[dict[str, Any]], *,
+                    windowed: bool = False) -> list[tuple[int, list[Piece]]]:
         """`flat`'s update batches (see the function `_update_batches`): the parameters in no group and those
         in `skip` left out, one batch per chunk and set of equal hyper-parameters, named by the
         first group that has them. Kept while the skipped parameters and the way the groups'
@@ -344,13 +375,13 @@ class TieredOptimizer(torch.optim.Optimizer):
         first: dict[Any, int] = {}
         same = tuple(first.setdefault(_hyper_key(g), i) for i, g in enumerate(groups))
         slots = self._group_of[flat]
-        key = (skip, same)
+        key = (skip, same, windowed)
         cached = self._batches.get(flat)
         if cached is None or cached[0] != key:
             unused = skip | {j for j, g in enumerate(slots) if g is None}
             classes = [-1 if g is None else same[g] for g in slots]
             cached = self._batches[flat] = (key, _update_batches(flat.layout, self._model_state.ctx.rank,
-                                                                  frozenset(unused), classes))
+                                                                  frozenset(unused), classes, windowed=windowed))
         return cached[1]
 
     def _update(self, group: dict[str, Any], steps: list[int], grads: list[torch.Tensor],
