@@ -19,7 +19,8 @@ from tierzero.config.stand_in import StandInConfig, StreamSettings
 from tierzero.config.machine import machine_budgets
 from tierzero.config.policy_names import BUILTIN_POLICIES, check_policy, load_policy_class
 from tierzero.config.split import KINDS, Placement, Split, check_placement, parse_placement, shares, tiers_used
-from tierzero.config.state_format import (MASTER_DTYPES, QUANT_BLOCK, STATE_DTYPES, quant_blocks, state_bytes_per_param,
+from tierzero.config.state_format import (MASTER_DTYPES, QUANT_BLOCK, STATE_DTYPES, optimizer_bytes_per_param,
+                                          quant_blocks, state_bytes_per_param,
                                           state_nbytes)
 from tierzero.config.tiernames import TIER_NAMES, Tier, TierName
 
@@ -27,4 +28,5 @@ __all__ = ["Config", "IOConfig", "PrefetchConfig", "Tier", "TierName", "TIER_NAM
            "machine_budgets", "BUILTIN_POLICIES", "check_policy", "load_policy_class", "StateBytes",
            "DTYPE_BYTES", "OPTIMIZER_BYTES_PER_PARAM", "MASTER_BYTES_PER_PARAM", "StandInConfig", "StreamSettings",
            "KINDS", "Placement", "Split", "check_placement", "parse_placement", "shares", "tiers_used",
-           "STATE_DTYPES", "MASTER_DTYPES", "QUANT_BLOCK", "quant_blocks", "state_nbytes", "state_bytes_per_param"]
+           "STATE_DTYPES", "MASTER_DTYPES", "QUANT_BLOCK", "quant_blocks", "state_nbytes", "state_bytes_per_param",
+           "optimizer_bytes_per_param"]

@@ -20,7 +20,7 @@ from tierzero.config.machine import has_cuda, machine_budgets
 from tierzero.config.policy_names import check_policy
 from tierzero.config.split import KINDS, Placement, check_placement, shares, tiers_used
 from tierzero.config.stand_in import STREAM_MODES, StandInConfig, StreamSettings, stream_settings
-from tierzero.config.state_format import MASTER_DTYPES, STATE_DTYPES, StateDtype, state_bytes_per_param
+from tierzero.config.state_format import MASTER_DTYPES, STATE_DTYPES, StateDtype, optimizer_bytes_per_param
 from tierzero.config.tiernames import TIER_NAMES, TierName
 
 __all__ = ["Config", "IOConfig", "PrefetchConfig", "StandInConfig", "StreamSettings", "StateBytes", "TIER_NAMES", "TierName", "format_size", "parse_size",
@@ -403,8 +403,7 @@ class Config:
         compute = self.compute_dtype_name(cuda=cuda)
         # parameters in the master dtype on the optimizer states' tier are the master weights
         shared = compute == self.master_dtype and self.params == self.optimizer_states
-        optim = (0 if shared else DTYPE_BYTES[self.master_dtype]) + 2 * state_bytes_per_param(self.optimizer_state_dtype)
-        optim = int(optim) if optim == int(optim) else optim
+        optim = optimizer_bytes_per_param(self.optimizer_state_dtype, self.master_dtype, master=not shared)
         return StateBytes(DTYPE_BYTES[compute], DTYPE_BYTES[self.grad_dtype], optim)
 
     @classmethod

@@ -37,6 +37,17 @@ def state_nbytes(numel: int, dtype: str) -> int:
     return numel * _ELEMENT_BYTES[dtype]
 
 
+_MASTER_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def optimizer_bytes_per_param(state_dtype: str = "float32", master_dtype: str = "float32", *,
+                              master: bool = True) -> float:
+    """Bytes per parameter of AdamW's state: the master weights (unless `master` is False: the
+    parameters are them) and two moments in `state_dtype` (the ZeRO paper's K: 12 in fp32)."""
+    k = (_MASTER_BYTES[master_dtype] if master else 0) + 2 * state_bytes_per_param(state_dtype)
+    return int(k) if k == int(k) else k
+
+
 def state_bytes_per_param(dtype: str) -> float:
     """Bytes per parameter of one state in the format `dtype`, scales included (the limit of
     state_nbytes(n, dtype) / n for large n)."""

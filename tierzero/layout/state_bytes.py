@@ -9,7 +9,7 @@ from typing import Mapping, Sequence
 
 from torch import nn
 
-from tierzero.config import KINDS, MASTER_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, TIER_NAMES, Config
+from tierzero.config import KINDS, TIER_NAMES, Config, state_nbytes
 from tierzero.layout.flat_layout import FlatLayout
 from tierzero.layout.grouping import ROOT
 from tierzero.layout.split import BlockTiers, KindSizes
@@ -39,7 +39,8 @@ def _trainable(flats: Flats) -> list[FlatLayout]:
     return [layout for ps, layout in flats if ps[0][1].requires_grad]
 
 
-def kind_sizes(blocks: Blocks, zero: ZeroStage, compute_itemsize: int, grad_itemsize: int) -> KindSizes:
+def kind_sizes(blocks: Blocks, zero: ZeroStage, compute_itemsize: int, grad_itemsize: int, *,
+               state_dtype: str = "float32", master_itemsize: int = 4) -> KindSizes:
     """Bytes per block of each kind on this rank, in the order of `blocks` (AdamW's optimizer
     states: fp32 master weights and two moments; fp32 parameters sharing a tier with their
     master weights are counted by `state_tensors`, not here). Each flat tensor is rounded up to
@@ -51,8 +52,8 @@ def kind_sizes(blocks: Blocks, zero: ZeroStage, compute_itemsize: int, grad_item
                           for lay in layouts))
         grads.append(sum(round_up((lay.padded_numel if zero.grads_whole else lay.shard_numel) * grad_itemsize)
                          for lay in layouts))
-        states.append(sum(round_up(MASTER_BYTES_PER_PARAM * lay.shard_numel)
-                          + 2 * round_up((OPTIMIZER_BYTES_PER_PARAM - MASTER_BYTES_PER_PARAM) // 2 * lay.shard_numel)
+        states.append(sum(round_up(master_itemsize * lay.shard_numel)
+                          + 2 * round_up(state_nbytes(lay.shard_numel, state_dtype))  # issue 53: real bytes
                           for lay in layouts))
     return KindSizes(params, grads, states)
 
@@ -69,13 +70,13 @@ class FlatTensor:
 
 
 def state_tensors(blocks: Blocks, tiers: BlockTiers, frozen_tier: str, zero: ZeroStage, compute_itemsize: int,
-                  grad_itemsize: int) -> list[FlatTensor]:
+                  grad_itemsize: int, *, state_dtype: str = "float32", master_itemsize: int = 4) -> list[FlatTensor]:
     """The flat tensors `tz.wrap` registers for `blocks` placed by `tiers` (AdamW's states), on
     one rank: fp32 parameters homed with their states double as the master weights."""
     out = []
     for name, flats in blocks:
         home = {kind: getattr(tiers, kind).get(name, "host") for kind in KINDS}
-        shared = compute_itemsize == 4 and home["params"] == home["optimizer_states"] and not zero.params_whole
+        shared = compute_itemsize == master_itemsize and home["params"] == home["optimizer_states"] and not zero.params_whole
         for ps, layout in flats:
             whole, shard = layout.padded_numel, layout.shard_numel
             kept = (whole if zero.params_whole else shard) * compute_itemsize
@@ -85,8 +86,8 @@ def state_tensors(blocks: Blocks, tiers: BlockTiers, frozen_tier: str, zero: Zer
             out.append(FlatTensor(name, "params", home["params"], kept))
             out.append(FlatTensor(name, "grads", home["grads"], grad_itemsize * (whole if zero.grads_whole else shard)))
             if not shared:
-                out.append(FlatTensor(name, "master", home["optimizer_states"], MASTER_BYTES_PER_PARAM * shard))
-            out += [FlatTensor(name, "moments", home["optimizer_states"], 4 * shard)] * 2
+                out.append(FlatTensor(name, "master", home["optimizer_states"], master_itemsize * shard))
+            out += [FlatTensor(name, "moments", home["optimizer_states"], state_nbytes(shard, state_dtype))] * 2
     return out
 
 

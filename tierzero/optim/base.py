@@ -427,7 +427,8 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """param_groups as torch packs them; "state" maps each block to its step count and its
-        fp32 master weights and moments (full CPU tensors)."""
+        master weights and moments, this rank's shards as CPU tensors in their formats
+        (Config.optimizer_state_dtype: an int8 state is its bytes, codes then scales)."""
         self._model_state.ctx.drain_updates()
         sd = super().state_dict()
         sd["state"] = {}
@@ -449,6 +450,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             self.set_block_steps(flat, entry["step"])
             states = self._live_states(flat)
             for k in states.kinds:
+                _check_format(name, k, entry[k], states.read(k))
                 states.store(k, entry[k])
             _then_collectives(flat.master_updated(entry[MASTER]))
 
@@ -497,6 +499,15 @@ def _hyper_key(group: dict[str, Any]) -> tuple[Any, ...]:
             return ("tensor", id(v))
         return tuple(hashable(x) for x in v) if isinstance(v, (list, tuple)) else v
     return tuple((k, hashable(v)) for k, v in sorted(group.items()) if k not in ("params", "param_names"))
+
+
+def _check_format(block: str, kind: str, given: torch.Tensor, mine: torch.Tensor) -> None:
+    """ValueError unless a state dict's `given` state is stored as this optimizer's (`mine`)."""
+    if given.dtype != mine.dtype or given.shape != mine.shape:
+        raise ValueError(f"optimizer state {kind!r} of block {block!r}: expected {mine.dtype} of shape {tuple(mine.shape)} "
+                         f"(this optimizer's format, Config.optimizer_state_dtype), got {given.dtype} of shape "
+                         f"{tuple(given.shape)}; load a state dict saved with the same optimizer_state_dtype, or "
+                         "convert through tz.load_checkpoint(..., convert_states=True)")
 
 
 def _then_collectives(collectives: Callable[[], None] | None) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tierzero.config import OPTIMIZER_BYTES_PER_PARAM, TIER_NAMES, Config
+from tierzero.config import TIER_NAMES, Config, optimizer_bytes_per_param
 from tierzero.layout import ROOT, CommBytes, blocks_of
 from tierzero.models import CONFIGS, build
 from tierzero.planning.placement import resolve_placement
@@ -83,7 +83,8 @@ def estimate(model: nn.Module, cfg: Config, world_size: int = 1) -> Estimate:
         need["host"] += block * cb * cfg.prefetch.nvme_depth
     if cfg.shares("optimizer_states")["nvme"]:
         # read k+1, update k, write k-1: three blocks' master + moments in flight
-        need["host"] += 3 * block * (OPTIMIZER_BYTES_PER_PARAM + per_param.grads)
+        need["host"] += round(3 * block * (optimizer_bytes_per_param(cfg.optimizer_state_dtype, cfg.master_dtype)
+                                           + per_param.grads))
     state = n * per_param.params + trainable * (per_param.grads + per_param.optimizer_states)
     return Estimate(params=n, largest_block_params=block, per_tier=need, home=home, state_bytes=state,
                     world_size=world_size, per_rank=per_rank, layout_per_rank=zm.layout_per_rank(model, cfg),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tierzero.config import Config
+from tierzero.config import DTYPE_BYTES, Config
 from tierzero.layout import (ROOT, FlatTensor, ZeroStage, blocks_of, fetched_bytes, flat_groups, round_up,
                              state_tensors, tier_need)
 from tierzero.planning.placement import placed_blocks, planned_tiers
@@ -21,7 +21,8 @@ def flat_tensors(model: nn.Module, cfg: Config, world_size: int = 1) -> list[Fla
     zero = ZeroStage(cfg.zero_stage, world_size)
     compute = getattr(torch, cfg.compute_dtype_name(cuda=torch.cuda.is_available())).itemsize
     return state_tensors(placed_blocks(model, cfg, world_size), planned_tiers(model, cfg, world_size),
-                         cfg.frozen_tier, zero, compute, getattr(torch, cfg.grad_dtype).itemsize)
+                         cfg.frozen_tier, zero, compute, getattr(torch, cfg.grad_dtype).itemsize,
+                         state_dtype=cfg.optimizer_state_dtype, master_itemsize=DTYPE_BYTES[cfg.master_dtype])
 
 
 # [Note: least budgets]

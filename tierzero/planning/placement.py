@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tierzero.config import KINDS, Config
+from tierzero.config import DTYPE_BYTES, KINDS, Config
 from tierzero.layout import (BlockTiers, Blocks, KindSizes, ZeroStage, block_fetch_bytes, block_tiers, blocks_of,
                              fetch_window, flat_groups, frozen_bytes, kind_sizes, placement_order, resolve_auto,
                              state_room)
@@ -33,7 +33,8 @@ def sizes_and_room(model: nn.Module, cfg: Config, world_size: int = 1) -> tuple[
     zero = ZeroStage(cfg.zero_stage, world_size)
     compute, grad = _dtypes(cfg)
     blocks = placed_blocks(model, cfg, world_size)
-    sizes = kind_sizes(blocks, zero, compute.itemsize, grad.itemsize)
+    sizes = kind_sizes(blocks, zero, compute.itemsize, grad.itemsize, state_dtype=cfg.optimizer_state_dtype,
+                       master_itemsize=DTYPE_BYTES[cfg.master_dtype])
     fetched = {name: block_fetch_bytes(params, compute, world_size, cfg.zero_stage)
                for name, _, params in blocks_of(model, cfg)}
     room, _ = state_room(cfg, sizes, fetch_window(cfg, fetched, zero), frozen_bytes(blocks, zero, compute.itemsize))

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from tierzero.config import KINDS, MASTER_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, TIER_NAMES, Config
+from tierzero.config import KINDS, TIER_NAMES, Config, optimizer_bytes_per_param
 from tierzero.layout import ROOT, CommBytes, FlatLayout, ZeroStage, blocks_of
 
 
@@ -77,7 +77,7 @@ class ZeroModel:
     """c: bytes per compute-dtype parameter."""
     grad_bytes: int
     """g: bytes per gradient element."""
-    optimizer_bytes: int
+    optimizer_bytes: float
     """K: bytes of optimizer state per trainable parameter."""
 
     @classmethod
@@ -88,8 +88,9 @@ class ZeroModel:
         compute = getattr(torch, cfg.compute_dtype_name(cuda=cuda)).itemsize
         # fp32 parameters on the optimizer states' tier are the master weights, where a rank
         # holds just its shard of them (flat_param.FlatParam.ensure_master)
-        shared = compute == 4 and cfg.params == cfg.optimizer_states and not zero.params_whole
-        optim = OPTIMIZER_BYTES_PER_PARAM - (MASTER_BYTES_PER_PARAM if shared else 0)
+        shared = (cfg.compute_dtype_name(cuda=cuda) == cfg.master_dtype and cfg.params == cfg.optimizer_states
+                  and not zero.params_whole)
+        optim = optimizer_bytes_per_param(cfg.optimizer_state_dtype, cfg.master_dtype, master=not shared)
         return cls(zero, compute, getattr(torch, cfg.grad_dtype).itemsize, optim)
 
     def per_rank(self, params: int, trainable: int) -> StateSizes:
@@ -99,7 +100,7 @@ class ZeroModel:
         return StateSizes(
             params=self.compute_bytes * (params if self.zero.params_whole else share(params)),
             grads=self.grad_bytes * (trainable if self.zero.grads_whole else share(trainable)),
-            optimizer_states=self.optimizer_bytes * share(trainable))
+            optimizer_states=round(self.optimizer_bytes * share(trainable)))
 
     def comm_per_step(self, counts: "ParamCounts", *, backwards: int = 1) -> CommBytes:
         """Bytes one rank's collectives cover in a step of `backwards` backward passes."""
@@ -128,7 +129,7 @@ class ZeroModel:
                 params += self.compute_bytes * (whole if self.zero.params_whole else shard)
                 if trainable:
                     grads += self.grad_bytes * (whole if self.zero.grads_whole else shard)
-                    optim += self.optimizer_bytes * shard
+                    optim += round(self.optimizer_bytes * shard)
         return StateSizes(params, grads, optim)
 
 

@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from tierzero.config import KINDS, TIER_NAMES, Config, format_size
+from tierzero.config import DTYPE_BYTES, KINDS, TIER_NAMES, Config, format_size
 from tierzero.layout import (BlockTiers, FlatLayout, FlatTensor, ZeroStage, block_tiers, frozen_bytes, kind_sizes,
                              placement_order, resolve_auto, state_room, state_tensors, tier_need)
 from tierzero.placement import Kind
@@ -33,13 +33,14 @@ def plan_tiers(config: Config, layouts: Layouts, zero: ZeroStage, compute: torch
     if not config.is_split:
         return BlockTiers.uniform(names, config)
     blocks = [(layouts[i][0], layouts[i][2]) for i in placement_order(names)]
-    sizes = kind_sizes(blocks, zero, compute.itemsize, grad.itemsize)
+    formats = dict(state_dtype=config.optimizer_state_dtype, master_itemsize=DTYPE_BYTES[config.master_dtype])
+    sizes = kind_sizes(blocks, zero, compute.itemsize, grad.itemsize, **formats)
     frozen = frozen_bytes(blocks, zero, compute.itemsize)
     room, largest = state_room(config, sizes, device_window, frozen)
     resolved = resolve_auto(config, sizes, room)
     tiers = BlockTiers.build([n for n, _ in blocks], block_tiers(resolved, sizes))
     _check_fits(config, resolved, state_tensors(blocks, tiers, config.frozen_tier, zero, compute.itemsize,
-                                                grad.itemsize), device_window, largest)
+                                                grad.itemsize, **formats), device_window, largest)
     return tiers
 
 

@@ -166,7 +166,7 @@ class BlockState:
 
     def shards(self) -> dict[str, RankShard]:
         """The states besides the master weights, as a checkpoint stores them."""
-        return {k: RankShard(self.flat, h, values=False) for k, h in list(self._handles.items())[1:]}
+        return {k: RankShard(self.flat, h, values=False, codec=self._codecs[k]) for k, h in list(self._handles.items())[1:]}
 
     def prefetch(self, *, speculative: bool, grad: bool = True) -> None:
         """Start reading the state (and the gradient, `grad`) toward the tiers the update uses."""
