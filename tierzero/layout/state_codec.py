@@ -15,9 +15,9 @@ from tierzero.config import QUANT_BLOCK, quant_blocks, state_nbytes
 # Each block of QUANT_BLOCK elements keeps its absolute maximum `s` (fp32) and one byte per
 # element, companded so that small values keep some precision, as the 8-bit optimizers' dynamic
 # maps do (Dettmers et al.), in two plain elementwise maps that vectorise on any device:
-#   signed states (AdamW's first moment, SGD's momentum): q = round(127 sign(x) sqrt(|x| / s)),
+#   signed states (AdamW's first moment, SGD's momentum): q = round(sign(x) sqrt(|x| 127^2 / s)),
 #     x = s sign(q) (q / 127)^2: the smallest non-zero value is s / 16129;
-#   AdamW's second moment (never negative): q = round(255 (x / s)^(1/4)), x = s (q / 255)^4:
+#   AdamW's second moment (never negative): q = round((x 255^4 / s)^(1/4)), x = s (q / 255)^4:
 #     its square root, which the update divides by, in the first map's resolution, and values
 #     down to s * 2.4e-10 kept non-zero.
 # A window is decoded once and encoded once per update, so a value no update touched (padding,
@@ -75,15 +75,16 @@ class StateCodec:
         codes, scales = self._parts(stored, numel)
         b0, b1 = lo // QUANT_BLOCK, quant_blocks(hi)
         x = values.view(-1)[:(b1 - b0) * QUANT_BLOCK].view(b1 - b0, QUANT_BLOCK)
-        s = torch.amax(x.abs(), dim=1, keepdim=True)
-        scales[b0:b1] = s
-        inv = torch.where(s > 0, 1.0 / s, 0.0)
+        # the maps' constants are folded into the scale's inverse: one pass fewer each
         if self.unsigned:
-            x.mul_(inv).sqrt_().sqrt_().mul_(_UNSIGNED).round_()
+            s = torch.amax(x, dim=1, keepdim=True)
+            x.mul_(torch.where(s > 0, _UNSIGNED ** 4 / s, 0.0)).sqrt_().sqrt_().round_()
+            codes[b0:b1] = x
         else:
-            sign = torch.sign(x)
-            x.abs_().mul_(inv).sqrt_().mul_(_SIGNED).round_().mul_(sign)
-        codes[b0:b1] = x
+            s = torch.maximum(torch.amax(x, dim=1, keepdim=True), -torch.amin(x, dim=1, keepdim=True))
+            y = torch.abs(x).mul_(torch.where(s > 0, _SIGNED ** 2 / s, 0.0)).sqrt_().round_().copysign_(x)
+            codes[b0:b1] = y
+        scales[b0:b1] = s
 
     def __repr__(self) -> str:
         return f"StateCodec({self.dtype!r}{', unsigned' if self.unsigned else ''})"

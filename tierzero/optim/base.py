@@ -33,6 +33,11 @@ has the next block's reads queued behind the current one's writes."""
 UPDATE_CHUNK = 1 << 22
 """Elements updated at a time (16 MiB of fp32): bounds the scaled gradient's temporary."""
 
+STATE_WINDOW = 1 << 18
+"""Elements of the shard widened to fp32 at a time when states are kept in fewer bits (a
+multiple of QUANT_BLOCK): the windows' fp32 room (1 MiB a state) stays in the CPU's caches
+through the passes that decode, update and encode it ([Note: state windows])."""
+
 
 # [Note: fused chunks]
 # torch's fused CPU kernels run a vector loop and then a scalar loop for the last
@@ -60,7 +65,7 @@ def _update_batches(layout: FlatLayout, rank: int, skip: frozenset[int] = frozen
     cut at multiples of UPDATE_CHUNK from its own start. `classes` (by parameter index) sorts
     the pieces of each chunk of UPDATE_CHUNK elements into one batch per class: (class, pieces),
     in the order each class first appears (None: one class, 0). `windowed` (states kept in
-    fewer bits): every chunk lies in one window of UPDATE_CHUNK elements from the shard's start
+    fewer bits): every chunk lies in one window of STATE_WINDOW elements from the shard's start
     instead, and a parameter is cut at the windows' edges ([Note: state windows] in
     tierzero/runtime/update.py). See the Notes above."""
     start, stop = layout.shard_range(rank)
@@ -72,8 +77,8 @@ def _update_batches(layout: FlatLayout, rank: int, skip: frozenset[int] = frozen
         lo, end = max(slot.offset, start), min(slot.offset + slot.numel, stop)
         while lo < end:
             if windowed:
-                hi = min(end, start + ((lo - start) // UPDATE_CHUNK + 1) * UPDATE_CHUNK)
-                if chunks[-1] and (chunks[-1][-1][1] - 1) // UPDATE_CHUNK != (lo - start) // UPDATE_CHUNK:
+                hi = min(end, start + ((lo - start) // STATE_WINDOW + 1) * STATE_WINDOW)
+                if chunks[-1] and (chunks[-1][-1][1] - 1) // STATE_WINDOW != (lo - start) // STATE_WINDOW:
                     chunks.append([])
                     room = UPDATE_CHUNK
             else:
@@ -98,9 +103,9 @@ def _windows(batches: list[tuple[int, list[Piece]]]) -> Iterator[tuple[list[tupl
     window's first element, one past its last piece's end), in order."""
     by_window: dict[int, list[tuple[int, list[Piece]]]] = {}
     for c, pieces in batches:
-        by_window.setdefault(pieces[0][0] // UPDATE_CHUNK, []).append((c, pieces))
+        by_window.setdefault(pieces[0][0] // STATE_WINDOW, []).append((c, pieces))
     for w, group in by_window.items():
-        yield group, w * UPDATE_CHUNK, max(p[-1][1] for _, p in group)
+        yield group, w * STATE_WINDOW, max(p[-1][1] for _, p in group)
 
 
 class TieredOptimizer(torch.optim.Optimizer):

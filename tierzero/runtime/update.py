@@ -52,6 +52,8 @@ class UpdateRoom:
         """Per held tensor, the fp32 values `pieces` slices: the tensor itself, or a window's."""
         self._base = 0
         """Shard offset of the window's first element (0 outside a window)."""
+        self._scratch: torch.Tensor | None = None
+        """fp32 room for the windows, kept through the update (fresh pages cost a fault each)."""
         self.skip: frozenset[int] = frozenset()
         """Parameters (by index) no gradient reached: torch's optimizers skip them."""
         self.collectives: Callable[[], None] | None = None
@@ -70,7 +72,9 @@ class UpdateRoom:
         weights rounded stochastically with random bits from (block, `step`, element)."""
         numel, room = self._block.flat.layout.shard_numel, window_room(lo, hi)
         coded = [i for i, c in enumerate(self._block.codecs) if not c.exact]
-        scratch = torch.empty(len(coded), room, dtype=torch.float32, device=self._tensors[0].device)
+        if self._scratch is None or self._scratch.shape[1] < room:
+            self._scratch = torch.empty(len(coded), room, dtype=torch.float32, device=self._tensors[0].device)
+        scratch = self._scratch[:, :room]
         for row, i in zip(scratch, coded):
             self._views[i] = self._block.codecs[i].decode(self._tensors[i], numel, lo, hi, row)
         self._base = lo
@@ -99,8 +103,10 @@ class UpdateRoom:
 # States kept in bfloat16 or int8 (Config.optimizer_state_dtype), and bf16 master weights, are
 # updated a window of the shard at a time: widened to fp32 scratch, updated there by the same
 # fused kernel as fp32 states, then stored back in their format. Windows start at multiples of
-# the optimizer's chunk (a multiple of QUANT_BLOCK), so an int8 block is decoded and encoded
-# once per update, and the bits depend on neither the tier nor the placement.
+# the optimizer's STATE_WINDOW (a multiple of QUANT_BLOCK) from the shard's start, so an int8
+# block is decoded and encoded once per update, and the bits depend on neither the tier nor
+# the placement. bf16 master weights are rounded stochastically with bits hashed from the
+# block's name, its step and each element's index in the whole flat tensor.
 
 
 class BlockState:
