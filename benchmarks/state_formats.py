@@ -5,7 +5,13 @@ time, [Note: state windows] in tierzero/runtime/update.py), beside torch.optim.A
 and, when torchao is installed, torchao's AdamW8bit on a plain tensor of the same size.
 The formats alternate within each round (A B A B), so the machine's drift hits them alike.
 
+`--converge N` instead trains the built-in "tiny" GPT N steps on the default corpus (the
+Python standard library's source bytes) from the same weights and batches with tz.AdamW in each
+format (every state on the host tier) and with torchao's AdamW8bit on the plain model in
+memory, and prints the loss curve and the final loss (the mean of the last 10% of steps).
+
     python benchmarks/state_formats.py [--sizes 1M,4M,16M] [--rounds 5] [--steps 3] [--json]
+    python benchmarks/state_formats.py --converge 500 [--batch 8] [--seq 128] [--json]
 """
 
 from __future__ import annotations
@@ -57,13 +63,69 @@ def plain(numel: int, kind: str) -> Callable[[], None] | None:
     return opt.step
 
 
+def converge(steps: int, batch: int, seq: int) -> dict:
+    """Loss curves of the formats (and torchao's AdamW8bit in memory) on the same run."""
+    import copy
+
+    from tierzero.formats.corpus import BatchSampler, stdlib_corpus
+    from tierzero.models import build
+
+    torch.manual_seed(0)
+    base = build("tiny", seq_len=seq)
+    data = stdlib_corpus(8 << 20)
+    runs: dict[str, list[float]] = {}
+    entries = [f"tz {fmt}" for fmt in FORMATS] + ["torch AdamW", "torchao AdamW8bit"]
+    for name in entries:
+        model = copy.deepcopy(base)
+        if name.startswith("tz "):
+            tz.wrap(model, tz.Config(device_budget="1GiB", host_budget="4GiB", compute_dtype="float32",
+                                     optimizer_state_dtype=name[3:]))
+            opt = tz.AdamW(model, lr=1e-3, weight_decay=0.1)
+        elif name == "torch AdamW":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+        else:
+            try:
+                from torchao.optim import AdamW8bit
+            except ImportError:
+                continue
+            opt = AdamW8bit(model.parameters(), lr=1e-3, weight_decay=0.1, block_size=256)
+        sampler, losses = BatchSampler(data, batch, seq, seed=0), []
+        for _ in range(steps):
+            x, y = sampler.next()
+            loss = model(x, y).loss
+            loss.backward()
+            if name.startswith("tz "):
+                tz.clip_grad_norm_(model, 1.0)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        if name.startswith("tz "):
+            runtime.close(model)
+        runs[name] = losses
+        print(f"  {name}: final {statistics.mean(losses[-max(1, steps // 10):]):.4f}", flush=True)
+    tail = max(1, steps // 10)
+    final = {n: statistics.mean(ls[-tail:]) for n, ls in runs.items()}
+    return {"steps": steps, "batch": batch, "seq": seq, "final_loss": final,
+            "vs_tz_float32": {n: v / final["tz float32"] - 1 for n, v in final.items()},
+            "curve": {n: [round(statistics.mean(ls[i:i + 50]), 4) for i in range(0, steps, 50)] for n, ls in runs.items()}}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="benchmarks/state_formats.py", description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="1M,4M,16M", help="block sizes in parameters")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=3, help="steps timed per round and entry")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--converge", type=int, default=0, metavar="N", help="the loss curves of N steps instead")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
     args = p.parse_args(argv)
+    if args.converge:
+        out = converge(args.converge, args.batch, args.seq)
+        print(json.dumps(out, indent=None if not args.json else 1))
+        return 0
     out = {"threads": torch.get_num_threads(), "torch": torch.__version__, "sizes": {}}
     for size in args.sizes.split(","):
         numel = _elements(size)

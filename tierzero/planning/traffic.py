@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierzero.config import KINDS, Config
+from tierzero.config import DTYPE_BYTES, KINDS, Config, state_bytes_per_param
 from tierzero.layout import ZeroStage
 from tierzero.placement import TRAFFIC_GROUPS
 
@@ -78,7 +78,9 @@ def step_traffic(n_params: int, cfg: Config, *, world_size: int = 1, trainable: 
     whole_grads = n_params if zero.grads_whole else n
     compute = getattr(torch, cfg.compute_dtype_name(cuda=torch.cuda.is_available())).itemsize
     grad = getattr(torch, cfg.grad_dtype).itemsize
-    params_are_master = compute == 4 and cfg.params == cfg.optimizer_states and not zero.params_whole
+    master = DTYPE_BYTES[cfg.master_dtype]
+    moment = state_bytes_per_param(cfg.optimizer_state_dtype)  # issue 53: the states' format, scales included
+    params_are_master = compute == master and cfg.params == cfg.optimizer_states and not zero.params_whole
     t = Traffic()
     passes = 1 if layer_major else micro_batches
     on_nvme = {kind: cfg.shares(kind)["nvme"] for kind in KINDS}  # a split moves its NVMe share
@@ -93,11 +95,11 @@ def step_traffic(n_params: int, cfg: Config, *, world_size: int = 1, trainable: 
         t.add("grads", read=passes * grad * g, write=passes * grad * g)
     if on_nvme["optimizer_states"]:
         s = round(n * on_nvme["optimizer_states"])
-        t.add("moments", read=8 * s, write=8 * s)
+        t.add("moments", read=round(2 * moment * s), write=round(2 * moment * s))
         if params_are_master:
-            t.add("params", read=0 if cfg.step_in_backward else 4 * s)
+            t.add("params", read=0 if cfg.step_in_backward else master * s)
         else:
-            t.add("master", read=4 * s, write=4 * s)
+            t.add("master", read=master * s, write=master * s)
     return t
 
 
