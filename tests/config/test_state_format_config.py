@@ -42,3 +42,21 @@ def test_train_flags() -> None:
     assert (cfg.optimizer_state_dtype, cfg.master_dtype, cfg.compute_dtype) == ("float32", "float32", "auto")
     with pytest.raises(SystemExit):
         parser().parse_args(["--optimizer-state-dtype", "int4"])
+
+
+def test_estimate_counts_the_format(capsys) -> None:
+    import json
+
+    from tierzero.cli import estimate
+
+    out = {}
+    for fmt in ("float32", "bfloat16", "int8"):
+        assert estimate.main(["--model", "125m", "--json", "--optimizer-state-dtype", fmt]) == 0
+        out[fmt] = json.loads(capsys.readouterr().out)
+    n = out["float32"]["params"]
+    # fp32 compute on the CPU: parameters 4, gradients 4, the moments (the parameters are the masters)
+    assert out["float32"]["state_bytes"] == 16 * n
+    assert out["bfloat16"]["state_bytes"] == 12 * n
+    assert out["int8"]["state_bytes"] == round(n * (8 + 2 * 260 / 256))
+    hosts = [out[f]["least_budgets"]["host"] for f in ("float32", "bfloat16", "int8")]
+    assert hosts[0] > hosts[1] > hosts[2], hosts
