@@ -424,7 +424,8 @@ class Config:
         state = 0
         if model is not None:
             n = sum(p.numel() for p in model.parameters())
-            probe = cls(compute_dtype=overrides.get("compute_dtype", "auto"))
+            probe = cls(**{k: overrides[k] for k in ("compute_dtype", "optimizer_state_dtype", "master_dtype")
+                           if k in overrides})
             state = n * sum(probe.state_bytes_per_param(cuda=has_cuda()))
         params, grads, optim = "host", "host", "host"
         nvme_budget: int | str = cls.nvme_budget

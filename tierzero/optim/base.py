@@ -455,7 +455,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             self.set_block_steps(flat, entry["step"])
             states = self._live_states(flat)
             for k in states.kinds:
-                _check_format(name, k, entry[k], states.read(k))
+                _check_format(name, k, entry[k], *states.stored_as(k))
                 states.store(k, entry[k])
             _then_collectives(flat.master_updated(entry[MASTER]))
 
@@ -506,10 +506,10 @@ def _hyper_key(group: dict[str, Any]) -> tuple[Any, ...]:
     return tuple((k, hashable(v)) for k, v in sorted(group.items()) if k not in ("params", "param_names"))
 
 
-def _check_format(block: str, kind: str, given: torch.Tensor, mine: torch.Tensor) -> None:
-    """ValueError unless a state dict's `given` state is stored as this optimizer's (`mine`)."""
-    if given.dtype != mine.dtype or given.shape != mine.shape:
-        raise ValueError(f"optimizer state {kind!r} of block {block!r}: expected {mine.dtype} of shape {tuple(mine.shape)} "
+def _check_format(block: str, kind: str, given: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> None:
+    """ValueError unless a state dict's `given` state is stored as this optimizer's (`dtype`, `shape`)."""
+    if given.dtype != dtype or given.shape != shape:
+        raise ValueError(f"optimizer state {kind!r} of block {block!r}: expected {dtype} of shape {tuple(shape)} "
                          f"(this optimizer's format, Config.optimizer_state_dtype), got {given.dtype} of shape "
                          f"{tuple(given.shape)}; load a state dict saved with the same optimizer_state_dtype, or "
                          "convert through tz.load_checkpoint(..., convert_states=True)")

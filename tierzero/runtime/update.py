@@ -166,6 +166,11 @@ class BlockState:
         format (an int8 state: its bytes, codes then scales)."""
         return self.flat.ctx.pm.read(self._handles[kind])
 
+    def stored_as(self, kind: str) -> tuple[torch.dtype, torch.Size]:
+        """The dtype and shape `kind`'s shard is stored as (its format's), without reading it."""
+        handle = self._handles[kind]
+        return handle.dtype, handle.shape
+
     def store(self, kind: str, values: torch.Tensor) -> None:
         """Overwrite this rank's shard of `kind` on its home tier (`values` in its format)."""
         self.flat.ctx.pm.store(self._handles[kind], values)
