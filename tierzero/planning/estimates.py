@@ -85,7 +85,7 @@ def estimate(model: nn.Module, cfg: Config, world_size: int = 1) -> Estimate:
         # read k+1, update k, write k-1: three blocks' master + moments in flight
         need["host"] += round(3 * block * (optimizer_bytes_per_param(cfg.optimizer_state_dtype, cfg.master_dtype)
                                            + per_param.grads))
-    state = n * per_param.params + trainable * (per_param.grads + per_param.optimizer_states)
+    state = round(n * per_param.params + trainable * (per_param.grads + per_param.optimizer_states))
     return Estimate(params=n, largest_block_params=block, per_tier=need, home=home, state_bytes=state,
                     world_size=world_size, per_rank=per_rank, layout_per_rank=zm.layout_per_rank(model, cfg),
                     comm=zm.comm_per_step(counts))
