@@ -23,6 +23,8 @@ from tierzero.config import QUANT_BLOCK, quant_blocks, state_nbytes
 # A window is decoded once and encoded once per update, so a value no update touched (padding,
 # a parameter without a gradient) keeps its code. Rounding is half-to-even, no randomness.
 _SIGNED, _UNSIGNED = 127.0, 255.0
+_FLOOR = 1e-30
+"""Scaled values are raised to this before their roots: a normal float whose codes are 0."""
 
 
 class StateCodec:
@@ -75,15 +77,18 @@ class StateCodec:
         codes, scales = self._parts(stored, numel)
         b0, b1 = lo // QUANT_BLOCK, quant_blocks(hi)
         x = values.view(-1)[:(b1 - b0) * QUANT_BLOCK].view(b1 - b0, QUANT_BLOCK)
-        # the maps' constants are folded into the scale's inverse: one pass fewer each
+        # The maps' constants are folded into the scale's inverse (one pass fewer each). torch's
+        # CPU sqrt takes ~7x longer on zeros (~30x on subnormals) than on normal floats: values
+        # below _FLOOR, whose codes are 0 either way, are raised to it first (the same codes).
         if self.unsigned:
             s = torch.amax(x, dim=1, keepdim=True)
-            x.mul_(torch.where(s > 0, _UNSIGNED ** 4 / s, 0.0)).sqrt_().sqrt_().round_()
-            codes[b0:b1] = x
+            # the fourth root as rsqrt(rsqrt(.)): 0.54 ns an element against 0.90 for two sqrts
+            x.mul_(torch.where(s > 0, _UNSIGNED ** 4 / s, 0.0)).clamp_min_(_FLOOR).rsqrt_().rsqrt_().round_()
+            codes[b0:b1] = x.to(torch.int32)  # float -> uint8 is ~6x slower than through int32
         else:
             s = torch.maximum(torch.amax(x, dim=1, keepdim=True), -torch.amin(x, dim=1, keepdim=True))
-            y = torch.abs(x).mul_(torch.where(s > 0, _SIGNED ** 2 / s, 0.0)).sqrt_().round_().copysign_(x)
-            codes[b0:b1] = y
+            y = torch.abs(x).mul_(torch.where(s > 0, _SIGNED ** 2 / s, 0.0)).clamp_min_(_FLOOR)
+            codes[b0:b1] = y.sqrt_().round_().copysign_(x)
         scales[b0:b1] = s
 
     def __repr__(self) -> str:
