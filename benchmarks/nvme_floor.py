@@ -34,7 +34,8 @@ drive measurement and the report stay this one's. Peak RSS of each child is meas
 outside (wait4's ru_maxrss).
 
     .venv/bin/python benchmarks/nvme_floor.py --nvme-dir runs/nvme-floor [--sizes 1b,3b]
-        [--modes clip,step_in_backward] [--steps 3] [--host-budget 4GiB] [--streams sync|async] [--json]
+        [--modes clip,step_in_backward] [--steps 3] [--host-budget 4GiB] [--streams sync|async]
+        [--optimizer-state-dtype float32|bfloat16|int8] [--json]
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--streams", default="sync", choices=("sync", "async"), help="the CPU's copy streams: at "
                    "once, or the asynchronous stand-in for the GPU's")
     p.add_argument("--poison", action="store_true", help="with --streams async: the stand-in's poisoning too")
+    p.add_argument("--optimizer-state-dtype", default="float32", choices=("float32", "bfloat16", "int8"),
+                   help="Config.optimizer_state_dtype of the runs (docs/state-formats.md)")
     p.add_argument("--tree", default=None, help="run the children on the tierzero checkout at PATH")
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -165,7 +168,9 @@ def child(spec: dict) -> None:
                     io=tz.IOConfig(threads=spec["io_threads"]),
                     **({"overlap_step": spec["overlap_step"]} if "overlap_step" in tz.Config.__dataclass_fields__ else {}),
                     **({"streams": spec["streams"], "stand_in": {"poison": spec["poison"]}}
-                       if "streams" in tz.Config.__dataclass_fields__ else {}))
+                       if "streams" in tz.Config.__dataclass_fields__ else {}),
+                    **({"optimizer_state_dtype": spec["optimizer_state_dtype"]}
+                       if spec.get("optimizer_state_dtype", "float32") != "float32" else {}))
     Path(spec["nvme_dir"]).mkdir(parents=True, exist_ok=True)
     disk = _disk_of(Path(spec["nvme_dir"]))
     t0 = time.perf_counter()
@@ -226,7 +231,7 @@ def run_child(args: argparse.Namespace, size: str, mode: str) -> dict:
     spec = {"size": size, "mode": mode, "steps": args.steps, "batch": args.batch, "seq": args.seq,
             "device_budget": args.device_budget, "host_budget": args.host_budget, "nvme_dir": str(nvme),
             "io_threads": args.io_threads, "overlap_step": not args.no_overlap_step, "streams": args.streams,
-            "poison": args.poison}
+            "poison": args.poison, "optimizer_state_dtype": args.optimizer_state_dtype}
     env = dict(os.environ)
     if args.tree:
         env["PYTHONPATH"] = str(Path(args.tree).resolve())
@@ -265,7 +270,8 @@ def summarise(run: dict, drive: dict, args: argparse.Namespace) -> dict:
     read, write, step_s = mean("read_bytes"), mean("write_bytes"), mean("step_s")
     floor = rates.floor_s(read, write)
     least = step_traffic(n, Config(nvme_dir=args.nvme_dir, params="nvme", grads="nvme", optimizer_states="nvme",
-                                   compute_dtype="float32", step_in_backward=run["mode"] == "step_in_backward"))
+                                   compute_dtype="float32", step_in_backward=run["mode"] == "step_in_backward",
+                                   optimizer_state_dtype=args.optimizer_state_dtype))
     out = {
         "size": run["size"], "mode": run["mode"], "params": n, "state_bytes": 16 * n, "wrap_s": run["wrap_s"],
         "step_s": step_s, "step_s_each": [round(s["step_s"], 2) for s in steady],

@@ -32,8 +32,10 @@ from tierzero.checkpoint.format import (CHUNK_BYTES, EXTRA_FILES, MANIFEST, PREF
                                         VALUES, CheckpointError, FlatEntry, Manifest, RankFiles, checkpoints,
                                         latest_checkpoint, next_number, not_own_checkpoint, open_checkpoint, round_up,
                                         torch_dtype, write_manifest)
-from tierzero.checkpoint.reshard import reshard_plan
+from tierzero.checkpoint.reshard import ReadOp, reshard_plan
+from tierzero.config import state_nbytes
 from tierzero.formats import fsync_dir, persistent_buffers, write_config_files
+from tierzero.layout import FlatLayout, StateCodec, window_room
 from tierzero.optim import TieredOptimizer
 from tierzero.runtime import FlatParam, RankShard, model_dtype, values_shard, world
 
@@ -235,7 +237,7 @@ def _manifest(state: runtime.TieredState, optimizer: TieredOptimizer | None, wor
               ranks: list[RankFiles], files: dict[str, int]) -> Manifest:
     flats = []
     for flat in state.flat_params():
-        kinds = {kind: str(shard.dtype).removeprefix("torch.") for kind, shard in _stored(flat, optimizer).items()}
+        kinds = {kind: shard.format for kind, shard in _stored(flat, optimizer).items()}
         steps = optimizer.block_steps(flat) if _steps(flat, optimizer) else None
         flats.append(FlatEntry(name=flat.param.name, trainable=flat.trainable, layout=flat.layout,
                                dtypes=tuple(str(d).removeprefix("torch.") for d in flat.orig_dtypes),
@@ -284,10 +286,12 @@ def _write_rank(tmp: Path, rank: int, state: runtime.TieredState, optimizer: Tie
 # chunk fails the load with an error naming the file and byte range; the model is then partially
 # loaded and must be loaded again before use.
 def load_checkpoint(dir: str | os.PathLike[str], model: nn.Module,
-                    optimizer: TieredOptimizer | None = None) -> Any:
+                    optimizer: TieredOptimizer | None = None, *, convert_states: bool = False) -> Any:
     """Load the newest checkpoint in `dir` (or the checkpoint folder `dir`) into the wrapped
     model and optimizer, resharding when the world size differs; returns the `extra` saved by
-    this rank (rank 0's when the checkpoint had fewer ranks). Call it on every rank."""
+    this rank (rank 0's when the checkpoint had fewer ranks). Call it on every rank.
+    Optimizer states saved in another format (Config.optimizer_state_dtype) are refused unless
+    `convert_states` ([Note: state formats in checkpoints])."""
     state = runtime.state_of(model)
     _check_optimizer(state, optimizer)
     state.ctx.drain_updates(forget_failure=True)  # what a failed step left is replaced now
@@ -295,6 +299,7 @@ def load_checkpoint(dir: str | os.PathLike[str], model: nn.Module,
     folder, manifest = open_checkpoint(dir)
     jobs = _jobs(state, optimizer)
     _check_model(folder / MANIFEST, manifest, state, optimizer, jobs)
+    _check_formats(folder / MANIFEST, manifest, jobs, rank, convert_states)
     with open_engine(state.config.io) as engine:
         reader = Reader(folder, manifest, engine)
         reader.check_files()
@@ -307,23 +312,23 @@ def load_checkpoint(dir: str | os.PathLike[str], model: nn.Module,
                 f"this model has {sorted(buffers)[:6]}; load it into the model it was saved from")
         if optimizer is not None:
             _check_groups(folder / manifest.ranks[state_rank].state, saved["param_groups"], state, optimizer)
-        plans = []
-        for job in jobs:
-            entry = manifest.flat(job.flat.param.name)
-            plans.append((torch_dtype(entry.kinds[job.kind]), reshard_plan(entry.layout, job.flat.layout, rank)))
-        size = max((round_up(job.numel * dtype.itemsize) for job, (dtype, _) in zip(jobs, plans)), default=PAGE)
+        plans = [_read_plan(manifest, job, rank) for job in jobs]
+        size = max((round_up(numel * dtype.itemsize) for dtype, _, numel in plans), default=PAGE)
 
         def read(i: int, buf: np.ndarray) -> torch.Tensor:
             """Job i's shard, in the saved dtype, in `buf`."""
-            (dtype, ops), nbytes = plans[i], jobs[i].numel * plans[i][0].itemsize
-            dst = buf[:round_up(nbytes)]
+            dtype, ops, numel = plans[i]
+            dst = buf[:round_up(numel * dtype.itemsize)]
             reader.read_ops(jobs[i].key, ops, dtype.itemsize, dst)
-            return torch.from_numpy(dst[:nbytes]).view(dtype)
+            return torch.from_numpy(dst[:numel * dtype.itemsize]).view(dtype)
+
+        def store(i: int, futures: list[cf.Future[torch.Tensor]]) -> None:
+            job, saved_format = jobs[i], manifest.flat(jobs[i].flat.param.name).kinds[jobs[i].kind]
+            jobs[i].shard.write(_converted(futures[0].result(), saved_format, job))
 
         # one thread reads the next shard while this one stores the current one to its tier
         with cf.ThreadPoolExecutor(1, thread_name_prefix="tierzero-ckpt-read") as ahead:
-            double_buffered(len(jobs), size, lambda i, buf: [ahead.submit(read, i, buf)],
-                            lambda i, futures: jobs[i].shard.write(futures[0].result()))
+            double_buffered(len(jobs), size, lambda i, buf: [ahead.submit(read, i, buf)], store)
     with torch.no_grad():
         for name, buf in buffers.items():
             buf.copy_(saved["buffers"][name])
@@ -332,6 +337,65 @@ def load_checkpoint(dir: str | os.PathLike[str], model: nn.Module,
         for flat in optimizer.flat_params:
             optimizer.set_block_steps(flat, manifest.flat(flat.param.name).steps)
     return saved["extra"]
+
+
+# [Note: state formats in checkpoints]
+# A checkpoint stores each optimizer state in its format (Config.optimizer_state_dtype; the
+# manifest's kinds name it): bf16 as bf16, int8 as this rank's bytes (codes, then one scale per
+# block), never widened. A load into an optimizer whose states take another format is refused,
+# naming both, unless `convert_states=True`, which widens the saved values to fp32 and stores
+# them in the new format. bf16 and fp32 states reshard to any world size element by element;
+# int8 blocks are cut from each rank's shard, so int8 states load at the world size and layout
+# they were saved with only.
+def _check_formats(path: Path, manifest: Manifest, jobs: list[_Job], rank: int, convert: bool) -> None:
+    for job in jobs:
+        if job.shard.codec is None:
+            continue
+        entry = manifest.flat(job.flat.param.name)
+        saved, mine = entry.kinds[job.kind], job.shard.format
+        if saved != mine and not convert:
+            raise CheckpointError(
+                f"{str(path)!r} holds the optimizer state {job.kind!r} of {job.flat.param.name!r} in {saved}, this "
+                f"optimizer keeps it in {mine} (Config.optimizer_state_dtype); load with convert_states=True to "
+                f"convert it, or set optimizer_state_dtype={saved!r}")
+        if saved == "int8" and not _same_layout(entry.layout, job.flat.layout):
+            raise CheckpointError(
+                f"{str(path)!r} holds the optimizer state {job.kind!r} of {job.flat.param.name!r} in int8 blocks "
+                f"cut from {entry.layout.world_size} rank(s)' shards; this rank {rank} of "
+                f"{job.flat.layout.world_size} has another layout, and int8 states load at the world size they "
+                "were saved with only; load it at that world size, or save it with optimizer_state_dtype 'bfloat16'")
+
+
+def _same_layout(a: FlatLayout, b: FlatLayout) -> bool:
+    return (a.world_size, a.padded_numel, tuple(s.offset for s in a.slots)) == \
+        (b.world_size, b.padded_numel, tuple(s.offset for s in b.slots))
+
+
+def _read_plan(manifest: Manifest, job: _Job, rank: int) -> tuple[torch.dtype, list[ReadOp], int]:
+    """(saved dtype, read ops, elements read) of `job`'s shard for `rank`: an int8 state is this
+    rank's bytes whole (the same layout: _check_formats), the rest resharded element by element."""
+    entry = manifest.flat(job.flat.param.name)
+    saved = entry.kinds[job.kind]
+    if saved == "int8":
+        nbytes = state_nbytes(job.flat.layout.shard_numel, "int8")
+        return torch.uint8, [ReadOp(rank, 0, 0, nbytes)], nbytes
+    return torch_dtype(saved), reshard_plan(entry.layout, job.flat.layout, rank), job.flat.layout.shard_numel
+
+
+def _converted(saved: torch.Tensor, saved_format: str, job: _Job) -> torch.Tensor:
+    """`saved` (a shard in `saved_format`) as `job`'s shard takes it: values as they are (any
+    floating dtype), a state in its own format, converted through fp32 when the formats differ."""
+    codec = job.shard.codec
+    if codec is None or saved_format == codec.dtype:
+        return saved
+    numel = job.flat.layout.shard_numel
+    source = StateCodec(saved_format, unsigned=codec.unsigned)
+    wide = source.decode(saved, numel, 0, numel, torch.zeros(window_room(0, numel)))
+    if codec.exact:
+        return wide.clone()
+    out = codec.zeros(numel)
+    codec.encode(torch.cat([wide, torch.zeros(window_room(0, numel) - numel)]), out, numel, 0, numel)
+    return out
 
 
 def _check_groups(path: Path, saved: list[dict[str, Any]], state: runtime.TieredState,

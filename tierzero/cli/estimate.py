@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 
 from tierzero import formats
-from tierzero.cli.flags import (add_activation_flags, add_placement_flags, add_rate_flags, add_zero_flags,
-                                activations_from_flags, placement_from_flags, rates_from_flags, zero_from_flags)
+from tierzero.cli.flags import (add_activation_flags, add_placement_flags, add_rate_flags, add_state_format_flags,
+                                add_zero_flags, activations_from_flags, placement_from_flags, rates_from_flags,
+                                state_format_from_flags, zero_from_flags)
 from tierzero.cli.harness import batch_loss, with_lora
 from tierzero.cli.micro_batches import add_micro_batch_flag
 from tierzero.config import KINDS, TIER_NAMES, Config, format_size, machine_budgets, parse_size
@@ -49,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nvme-dir", default=None)
     add_placement_flags(p)
     add_zero_flags(p)
+    add_state_format_flags(p)  # issue 53
     p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (figures are per rank)")
     p.add_argument("--compute-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="dtype of the parameters (auto: bfloat16 with CUDA, float32 without)")
@@ -152,7 +154,7 @@ def _config_and_model(p: argparse.ArgumentParser, args: argparse.Namespace,
     """The flags' Config, the model on the meta device, and with --batch/--seq the device's
     working set (set aside in the Config when a kind is "auto")."""
     cfg = Config(nvme_dir=args.nvme_dir, device_budget=budgets["device"], host_budget=budgets["host"],
-                 compute_dtype=args.compute_dtype, step_in_backward=args.step_in_backward,
+                 step_in_backward=args.step_in_backward, **state_format_from_flags(args, args.compute_dtype),
                  **placement_from_flags(args), **zero_from_flags(args), **activations_from_flags(args))
     try:
         model = _meta_model(args.model)

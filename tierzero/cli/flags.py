@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-from tierzero.config import TIER_NAMES, parse_placement
+from tierzero.config import MASTER_DTYPES, STATE_DTYPES, TIER_NAMES, parse_placement
 from tierzero.planning import DriveRates, rates_from_bench
 
 
@@ -90,6 +90,24 @@ def add_zero_flags(p: argparse.ArgumentParser) -> None:
 def zero_from_flags(args: argparse.Namespace) -> dict[str, object]:
     """The Config fields of `add_zero_flags`."""
     return {"zero_stage": args.zero_stage, "grad_dtype": args.grad_dtype}
+
+
+def add_state_format_flags(p: argparse.ArgumentParser) -> None:
+    """--optimizer-state-dtype and --master-dtype; read them back with `state_format_from_flags`."""
+    p.add_argument("--optimizer-state-dtype", default="float32", choices=STATE_DTYPES,
+                   help="format of the optimizer's states on every tier and in checkpoints: float32 (default), "
+                        "bfloat16 (half the bytes), int8 (blockwise, a quarter); docs/state-formats.md")
+    p.add_argument("--master-dtype", default="float32", choices=MASTER_DTYPES,
+                   help="master weights' dtype (default float32); bfloat16: the bf16 parameters are the master "
+                        "weights, updated with stochastic rounding (computes in bfloat16)")
+
+
+def state_format_from_flags(args: argparse.Namespace, compute_dtype: str = "auto") -> dict[str, object]:
+    """The Config fields of `add_state_format_flags`; bf16 master weights compute in bf16."""
+    if args.master_dtype == "bfloat16" and compute_dtype == "auto":
+        compute_dtype = "bfloat16"
+    return {"optimizer_state_dtype": args.optimizer_state_dtype, "master_dtype": args.master_dtype,
+            "compute_dtype": compute_dtype}
 
 
 def add_activation_flags(p: argparse.ArgumentParser) -> None:

@@ -25,8 +25,8 @@ from io_engine import replace_file
 from tierzero.cli.caches import check_compile_cache, compile_cache
 from tierzero.cli.estimate import run_config
 from tierzero.cli.flags import (activations_from_flags, add_activation_flags, add_placement_flags, add_rate_flags,
-                                add_zero_flags, join_negative_values, placement_from_flags, rates_from_flags,
-                                zero_from_flags)
+                                add_state_format_flags, add_zero_flags, join_negative_values, placement_from_flags,
+                                rates_from_flags, state_format_from_flags, zero_from_flags)
 from tierzero.cli.harness import check_room, corpus, heads, meta_model, pretrained, with_lora
 from tierzero.cli.micro_batches import add_micro_batch_flag, check_micro_batches, check_step_memory, forward_backward
 from tierzero.cli.outputs import check_outputs
@@ -56,6 +56,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nvme-budget", default="256GiB")
     add_placement_flags(p)
     add_zero_flags(p)
+    add_state_format_flags(p)
     add_activation_flags(p)
     add_micro_batch_flag(p)
     p.add_argument("--run-dir", default="runs/train")
@@ -148,7 +149,8 @@ def _config(args: argparse.Namespace) -> tz.Config:
                      nvme_dir=args.nvme_dir, nvme_budget=args.nvme_budget,
                      collective_timeout_s=args.collective_timeout, step_in_backward=args.step_in_backward,
                      file_mode=args.file_mode,
-                     **placement_from_flags(args), **zero_from_flags(args), **activations_from_flags(args))
+                     **placement_from_flags(args), **zero_from_flags(args), **activations_from_flags(args),
+                     **state_format_from_flags(args))
 
 
 def _init_distributed(cfg: tz.Config) -> tuple[int, int]:

@@ -21,7 +21,8 @@ import torch
 import tierzero as tz
 from io_engine import Progress, bench, parse_size
 from tierzero.cli.estimate import reserve_working_set
-from tierzero.cli.flags import activations_from_flags, add_activation_flags, add_placement_flags, placement_from_flags
+from tierzero.cli.flags import (activations_from_flags, add_activation_flags, add_placement_flags,
+                                add_state_format_flags, placement_from_flags, state_format_from_flags)
 from tierzero.cli.harness import batch_loss, check_room, corpus, meta_model, peak_rss, release_memory
 from tierzero.cli.tune_splits import split_lines, split_rows
 from tierzero.config import format_size
@@ -158,6 +159,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nvme-budget", default="256GiB")
     add_placement_flags(p)
     add_activation_flags(p)
+    add_state_format_flags(p)  # issue 53
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--steps", type=int, default=5, help="measured steps per candidate (a median and a spread)")
@@ -228,7 +230,7 @@ class Trainer:
         self.args = args
         self.base = tz.Config(device_budget=args.device_budget, host_budget=args.host_budget,
                               nvme_dir=args.nvme_dir, nvme_budget=args.nvme_budget, **placement_from_flags(args),
-                              **activations_from_flags(args))
+                              **activations_from_flags(args), **state_format_from_flags(args))
         model, self.tokenizer = self._meta_model()
         # with a kind "auto", the step's working set set aside as `tierzero train` sets it
         self.base, _ = reserve_working_set(self.base, model, batch=args.batch, seq=args.seq)

@@ -10,21 +10,24 @@ No torch at import time (`import tierzero.config` stays light for tools and the 
     stand_in.py      how the CPU's copy streams run: at once, or the asynchronous stand-in
     split.py         a kind's placement: a tier, a split across tiers, or "auto"; where an update runs
     pages.py         the tiers' page, and the room one region needs for a working set
+    state_format.py  the optimizer states' formats (float32, bfloat16, int8) and their bytes
 """
 
 from io_engine import format_size, parse_size
-from tierzero.config.config import (DTYPE_BYTES, MASTER_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, Config,
-                                    ElementBytes, IOConfig, PrefetchConfig, StateBytes)
+from tierzero.config.config import DTYPE_BYTES, Config, ElementBytes, IOConfig, PrefetchConfig, StateBytes
 from tierzero.config.pages import PAGE, round_up, windowed_room
 from tierzero.config.stand_in import StandInConfig, StreamSettings
 from tierzero.config.machine import machine_budgets
 from tierzero.config.policy_names import BUILTIN_POLICIES, check_policy, load_policy_class
 from tierzero.config.split import (KINDS, Placement, Split, check_placement, parse_placement, shares, tiers_used,
                                    update_tier)
+from tierzero.config.state_format import (MASTER_DTYPES, QUANT_BLOCK, STATE_DTYPES, quant_blocks,
+                                          state_bytes_per_param, state_nbytes)
 from tierzero.config.tiernames import TIER_NAMES, Tier, TierName
 
 __all__ = ["Config", "IOConfig", "PrefetchConfig", "Tier", "TierName", "TIER_NAMES", "format_size", "parse_size",
            "machine_budgets", "BUILTIN_POLICIES", "check_policy", "load_policy_class", "StateBytes",
-           "DTYPE_BYTES", "OPTIMIZER_BYTES_PER_PARAM", "MASTER_BYTES_PER_PARAM", "StandInConfig", "StreamSettings",
+           "DTYPE_BYTES", "StandInConfig", "StreamSettings",
            "KINDS", "Placement", "Split", "check_placement", "parse_placement", "shares", "tiers_used",
-           "update_tier", "ElementBytes", "PAGE", "round_up", "windowed_room"]
+           "update_tier", "ElementBytes", "PAGE", "round_up", "windowed_room",
+           "STATE_DTYPES", "MASTER_DTYPES", "QUANT_BLOCK", "quant_blocks", "state_nbytes", "state_bytes_per_param"]

@@ -20,10 +20,11 @@ from tierzero.config.machine import has_cuda, machine_budgets
 from tierzero.config.policy_names import check_policy
 from tierzero.config.split import KINDS, Placement, check_placement, shares, tiers_used, update_tier
 from tierzero.config.stand_in import STREAM_MODES, StandInConfig, StreamSettings, stream_settings
+from tierzero.config.state_format import MASTER_DTYPES, STATE_DTYPES, StateDtype, state_bytes_per_param, state_nbytes
 from tierzero.config.tiernames import TIER_NAMES, TierName
 
 __all__ = ["Config", "IOConfig", "PrefetchConfig", "StandInConfig", "StreamSettings", "StateBytes", "TIER_NAMES", "TierName", "format_size", "parse_size",
-           "OPTIMIZER_BYTES_PER_PARAM", "MASTER_BYTES_PER_PARAM", "DTYPE_BYTES", "ElementBytes"]
+           "DTYPE_BYTES", "ElementBytes"]
 
 
 def _check_bool(what: str, value: Any) -> None:
@@ -104,10 +105,6 @@ class PrefetchConfig:
         object.__setattr__(self, "options", dict(self.options))
 
 
-OPTIMIZER_BYTES_PER_PARAM = 12
-"""AdamW: fp32 master weight + exp_avg + exp_avg_sq (the ZeRO paper's K)."""
-MASTER_BYTES_PER_PARAM = 4
-"""fp32 master weights alone (part of OPTIMIZER_BYTES_PER_PARAM)."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 """Bytes of an element of each dtype a Config names."""
 
@@ -122,22 +119,29 @@ class ElementBytes(NamedTuple):
     grads: int
     """Gradients (Config.grad_dtype)."""
     master: int
-    """Master weights (fp32)."""
-    moments: tuple[int, ...]
-    """Each optimizer state besides the master weights (AdamW: exp_avg, exp_avg_sq)."""
+    """Master weights (Config.master_dtype)."""
+    moments: tuple[float, ...]
+    """Bytes per element of each optimizer state besides the master weights (AdamW: exp_avg,
+    exp_avg_sq), in the states' format, an int8 state's scales included."""
+    state_dtype: str = "float32"
+    """The optimizer states' format (Config.optimizer_state_dtype)."""
+    master_is_compute: bool = True
+    """Whether the master weights have the compute dtype (fp32 compute, or bf16 masters)."""
 
     def nbytes(self, kind: str, numel: int) -> int:
         """Bytes of a flat tensor of `kind` ("params", "frozen", "grads", "master", "moment")
-        holding `numel` elements."""
-        per = {"params": self.params, "frozen": self.params, "grads": self.grads, "master": self.master,
-               "moment": self.moments[0] if self.moments else 0}[kind]
+        holding `numel` elements, as it is allocated (an int8 state in whole blocks, with scales)."""
+        if kind == "moment":
+            return state_nbytes(numel, self.state_dtype) if self.moments else 0
+        per = {"params": self.params, "frozen": self.params, "grads": self.grads, "master": self.master}[kind]
         return per * numel
 
     def params_are_master(self, *, same_tier: bool, params_whole: bool) -> bool:
-        """Whether fp32 parameters double as the master weights: on the optimizer states' tier
-        and kept as this rank's shard (not whole, as ZeRO stages 1 and 2 keep them across ranks),
-        so one copy serves both (tierzero/runtime/flat_param.py, [Note: master weights])."""
-        return self.params == self.master == 4 and same_tier and not params_whole
+        """Whether parameters in the master dtype double as the master weights: on the optimizer
+        states' tier and kept as this rank's shard (not whole, as ZeRO stages 1 and 2 keep them
+        across ranks), so one copy serves both (tierzero/runtime/flat_param.py, [Note: master
+        weights])."""
+        return self.master_is_compute and same_tier and not params_whole
 
     def per_param(self, *, params_are_master: bool) -> StateBytes:
         """Bytes per trainable parameter of each kind of state."""
@@ -152,9 +156,9 @@ class StateBytes(NamedTuple):
     """Compute-dtype parameters."""
     grads: int
     """Gradients (Config.grad_dtype)."""
-    optimizer_states: int
-    """fp32 master weights and two moments (with fp32 parameters on the optimizer states'
-    tier, the parameters are the master weights)."""
+    optimizer_states: float
+    """Master weights and two moments in their formats, scales included (with parameters in
+    the master dtype on the optimizer states' tier, the parameters are the master weights)."""
 
     def by_tier(self, cfg: Config) -> dict[str, int]:
         """Bytes per parameter on each tier, as `cfg` places the kinds."""
@@ -196,6 +200,16 @@ class Config:
     """Tier of fp32 master weights and optimizer moments: a tier, a split or "auto" as
     `params`. Each block is updated where its states live: on the device by torch's fused kernel
     there, on the CPU for host and NVMe blocks, in the same step."""
+    optimizer_state_dtype: StateDtype = "float32"
+    """The format of the optimizer's states (AdamW's moments, SGD's momentum) on every tier and
+    in checkpoints: "float32" (torch's fused AdamW, bit for bit), "bfloat16" (half the bytes,
+    rounded to nearest), "int8" (a quarter: blocks of 256 with an fp32 scale each, the second
+    moment kept as its fourth root so small values survive). See docs/state-formats.md."""
+    master_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The master weights' dtype: "float32", or "bfloat16" (needs compute_dtype "bfloat16"):
+    the parameters are then the master weights, no second copy, and each update rounds them
+    stochastically (random bits from the step, the block and the element: the same bits on
+    every placement)."""
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """dtype of parameters on the device: "auto" = bfloat16 with CUDA, float32 without."""
     grad_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -292,6 +306,12 @@ class Config:
             raise ValueError("grad_dtype: expected one of 'float32', 'bfloat16', got 'float16' (float16 "
                              "gradients need loss scaling, which tierzero does not do; use 'bfloat16')")
         _check_choice("grad_dtype", self.grad_dtype, ("float32", "bfloat16"))
+        _check_choice("optimizer_state_dtype", self.optimizer_state_dtype, STATE_DTYPES)
+        _check_choice("master_dtype", self.master_dtype, MASTER_DTYPES)
+        if self.master_dtype == "bfloat16" and self.compute_dtype != "bfloat16":
+            raise ValueError(f"master_dtype: 'bfloat16' makes the parameters the master weights, so it needs "
+                             f"compute_dtype='bfloat16', got compute_dtype={self.compute_dtype!r}; set "
+                             "compute_dtype='bfloat16', or keep master_dtype='float32'")
         if type(self.zero_stage) is not int or self.zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage: expected 1, 2 or 3 (1: optimizer states partitioned, 2: "
                              f"and gradients, 3: and parameters), got {self.zero_stage!r}")
@@ -422,9 +442,12 @@ class Config:
 
     def element_bytes(self, *, cuda: bool) -> ElementBytes:
         """Bytes per element of each kind of flat tensor under this config (`cuda`: whether the
-        device is a GPU, which decides compute_dtype "auto"); AdamW's two moments."""
-        return ElementBytes(DTYPE_BYTES[self.compute_dtype_name(cuda=cuda)], DTYPE_BYTES[self.grad_dtype],
-                            MASTER_BYTES_PER_PARAM, (4, 4))
+        device is a GPU, which decides compute_dtype "auto"); AdamW's two moments, in
+        optimizer_state_dtype's format, the master weights in master_dtype."""
+        compute = self.compute_dtype_name(cuda=cuda)
+        moment = state_bytes_per_param(self.optimizer_state_dtype)
+        return ElementBytes(DTYPE_BYTES[compute], DTYPE_BYTES[self.grad_dtype], DTYPE_BYTES[self.master_dtype],
+                            (moment, moment), self.optimizer_state_dtype, compute == self.master_dtype)
 
     def state_bytes_per_param(self, *, cuda: bool, params_whole: bool = False) -> StateBytes:
         """Bytes per parameter of each kind of state under this config (`params_whole`: the
@@ -452,7 +475,8 @@ class Config:
         state = 0
         if model is not None:
             n = sum(p.numel() for p in model.parameters())
-            probe = cls(compute_dtype=overrides.get("compute_dtype", "auto"))
+            probe = cls(**{k: overrides[k] for k in ("compute_dtype", "optimizer_state_dtype", "master_dtype")
+                           if k in overrides})
             state = n * sum(probe.state_bytes_per_param(cuda=has_cuda()))
         params, grads, optim = "host", "host", "host"
         nvme_budget: int | str = cls.nvme_budget

@@ -11,6 +11,7 @@ communication), shared by the runtime that builds blocks and the planning that s
     state_bytes.py  the state's flat tensors per block, kind and tier, and their bytes
     plan.py         PlacementPlan: every block's tiers, every tier's homes and the step's room there,
                     the check wrap refuses by, the least budgets, the split "auto" chooses
+    state_codec.py  an optimizer state's values in its format (fp32, bf16, blockwise int8)
 """
 
 from tierzero.layout.flat_layout import ALIGN_BYTES, FlatLayout, ParamSlot
@@ -21,6 +22,7 @@ from tierzero.layout.split import BlockTiers, split_blocks
 from tierzero.layout.state_bytes import (Blocks, FlatTensor, KindSizes, kind_sizes, placement_order, state_tensors,
                                          tier_need)
 from tierzero.layout.plan import NVME_MOVES, PlacementPlan, PlanInputs
+from tierzero.layout.state_codec import StateCodec, round_stochastic_, window_room
 from tierzero.layout.sizes import block_fetch_bytes, fetched_bytes, flat_groups
 from tierzero.layout.zero import CommBytes, ZeroStage
 
@@ -28,4 +30,5 @@ __all__ = ["FlatLayout", "ParamSlot", "ALIGN_BYTES", "ROOT", "BlockSpec", "assig
            "blocks_of", "group_modules", "outside_read_hints", "param_count", "unique_params", "block_fetch_bytes", "fetched_bytes",
            "flat_groups", "CommBytes", "ZeroStage", "PackLayout", "SavedSpan", "Segment", "SEGMENT_ALIGN",
            "saved_span", "BlockTiers", "KindSizes", "split_blocks", "Blocks", "FlatTensor", "kind_sizes",
-           "placement_order", "state_tensors", "tier_need", "NVME_MOVES", "PlacementPlan", "PlanInputs"]
+           "placement_order", "state_tensors", "tier_need", "NVME_MOVES", "PlacementPlan", "PlanInputs",
+           "StateCodec", "round_stochastic_", "window_room"]

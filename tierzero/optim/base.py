@@ -17,7 +17,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import functools
 import weakref
-from typing import Any, Callable, Iterable, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Sequence, Union
 
 import torch
 from torch import nn
@@ -32,6 +32,11 @@ has the next block's reads queued behind the current one's writes."""
 
 UPDATE_CHUNK = 1 << 22
 """Elements updated at a time (16 MiB of fp32): bounds the scaled gradient's temporary."""
+
+STATE_WINDOW = 1 << 18
+"""Elements of the shard widened to fp32 at a time when states are kept in fewer bits (a
+multiple of QUANT_BLOCK): the windows' fp32 room (1 MiB a state) stays in the CPU's caches
+through the passes that decode, update and encode it ([Note: state windows])."""
 
 
 # [Note: fused chunks]
@@ -51,14 +56,18 @@ UPDATE_CHUNK = 1 << 22
 # and wherever they lie in the block (a group splits a flat tensor at parameter boundaries
 # only), and the bits are those of torch's optimizer over the same groups.
 def _update_batches(layout: FlatLayout, rank: int, skip: frozenset[int] = frozenset(),
-                    classes: Sequence[int] | None = None) -> list[tuple[int, list[Piece]]]:
+                    classes: Sequence[int] | None = None, *,
+                    windowed: bool = False) -> list[tuple[int, list[Piece]]]:
     """This rank's shard of `layout` as (lo, hi, parameter index) pieces, lo and hi in shard
     coordinates, in batches of at most UPDATE_CHUNK elements, leaving out the parameters in
     `skip` (by index: those without a gradient, which torch's optimizers skip). Each piece lies
     inside one parameter (padding is never updated), and a parameter longer than UPDATE_CHUNK is
     cut at multiples of UPDATE_CHUNK from its own start. `classes` (by parameter index) sorts
     the pieces of each chunk of UPDATE_CHUNK elements into one batch per class: (class, pieces),
-    in the order each class first appears (None: one class, 0). See the Notes above."""
+    in the order each class first appears (None: one class, 0). `windowed` (states kept in
+    fewer bits): every chunk lies in one window of STATE_WINDOW elements from the shard's start
+    instead, and a parameter is cut at the windows' edges ([Note: state windows] in
+    tierzero/runtime/update.py). See the Notes above."""
     start, stop = layout.shard_range(rank)
     chunks: list[list[Piece]] = [[]]
     room = UPDATE_CHUNK
@@ -67,7 +76,13 @@ def _update_batches(layout: FlatLayout, rank: int, skip: frozenset[int] = frozen
             continue
         lo, end = max(slot.offset, start), min(slot.offset + slot.numel, stop)
         while lo < end:
-            hi = min(end, slot.offset + ((lo - slot.offset) // UPDATE_CHUNK + 1) * UPDATE_CHUNK)
+            if windowed:
+                hi = min(end, start + ((lo - start) // STATE_WINDOW + 1) * STATE_WINDOW)
+                if chunks[-1] and (chunks[-1][-1][1] - 1) // STATE_WINDOW != (lo - start) // STATE_WINDOW:
+                    chunks.append([])
+                    room = UPDATE_CHUNK
+            else:
+                hi = min(end, slot.offset + ((lo - slot.offset) // UPDATE_CHUNK + 1) * UPDATE_CHUNK)
             if hi - lo > room:
                 chunks.append([])
                 room = UPDATE_CHUNK
@@ -81,6 +96,16 @@ def _update_batches(layout: FlatLayout, rank: int, skip: frozenset[int] = frozen
             by_class.setdefault(0 if classes is None else classes[piece[2]], []).append(piece)
         batches += by_class.items()
     return batches
+
+
+def _windows(batches: list[tuple[int, list[Piece]]]) -> Iterator[tuple[list[tuple[int, list[Piece]]], int, int]]:
+    """Windowed batches (`_update_batches(..., windowed=True)`) by window: (the batches, the
+    window's first element, one past its last piece's end), in order."""
+    by_window: dict[int, list[tuple[int, list[Piece]]]] = {}
+    for c, pieces in batches:
+        by_window.setdefault(pieces[0][0] // STATE_WINDOW, []).append((c, pieces))
+    for w, group in by_window.items():
+        yield group, w * STATE_WINDOW, max(p[-1][1] for _, p in group)
 
 
 class TieredOptimizer(torch.optim.Optimizer):
@@ -188,7 +213,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         try:
             for flat in flats:
                 if flat not in self._steps:
-                    self._states[flat] = BlockState(flat)
+                    self._states[flat] = BlockState(flat, state.config.optimizer_state_dtype)
                     self._steps[flat] = [0] * len(flat.layout.slots)
                 for kind in self.state_kinds:
                     if kind not in self._states[flat].states:
@@ -377,13 +402,24 @@ class TieredOptimizer(torch.optim.Optimizer):
             for j, g in enumerate(self._group_of[flat]):
                 if g is not None and j not in room.skip:
                     steps[j] += 1
-            for c, pieces in self._batches_of(flat, room.skip, groups):
-                grads, tensors = room.pieces(pieces)
-                self._update(groups[c], [steps[j] for _, _, j in pieces], grads, *tensors)
+            batches = self._batches_of(flat, room.skip, groups, windowed=room.windowed)
+            if not room.windowed:
+                self._update_pieces(groups, steps, room, batches)
+            else:  # [Note: state windows]
+                step = max(steps)
+                for w, lo, hi in _windows(batches):
+                    with room.window(lo, hi, step):
+                        self._update_pieces(groups, steps, room, w)
         return room.collectives
 
-    def _batches_of(self, flat: FlatParam, skip: frozenset[int],
-                    groups: list[dict[str, Any]]) -> list[tuple[int, list[Piece]]]:
+    def _update_pieces(self, groups: list[dict[str, Any]], steps: list[int], room: runtime.UpdateRoom,
+                       batches: list[tuple[int, list[Piece]]]) -> None:
+        for c, pieces in batches:
+            grads, tensors = room.pieces(pieces)
+            self._update(groups[c], [steps[j] for _, _, j in pieces], grads, *tensors)
+
+    def _batches_of(self, flat: FlatParam, skip: frozenset[int], groups: list[dict[str, Any]], *,
+                    windowed: bool = False) -> list[tuple[int, list[Piece]]]:
         """`flat`'s update batches (see the function `_update_batches`): the parameters in no group and those
         in `skip` left out, one batch per chunk and set of equal hyper-parameters, named by the
         first group that has them. Kept while the skipped parameters and the way the groups'
@@ -391,13 +427,13 @@ class TieredOptimizer(torch.optim.Optimizer):
         first: dict[Any, int] = {}
         same = tuple(first.setdefault(_hyper_key(g), i) for i, g in enumerate(groups))
         slots = self._group_of[flat]
-        key = (skip, same)
+        key = (skip, same, windowed)
         cached = self._batches.get(flat)
         if cached is None or cached[0] != key:
             unused = skip | {j for j, g in enumerate(slots) if g is None}
             classes = [-1 if g is None else same[g] for g in slots]
             cached = self._batches[flat] = (key, _update_batches(flat.layout, self._model_state.ctx.rank,
-                                                                  frozenset(unused), classes))
+                                                                  frozenset(unused), classes, windowed=windowed))
         return cached[1]
 
     def _update(self, group: dict[str, Any], steps: list[int], grads: list[torch.Tensor],
@@ -448,7 +484,8 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """param_groups as torch packs them; "state" maps each block to its step count and its
-        fp32 master weights and moments (full CPU tensors)."""
+        master weights and moments, this rank's shards as CPU tensors in their formats
+        (Config.optimizer_state_dtype: an int8 state is its bytes, codes then scales)."""
         self._follow_refresh()
         self._model_state.ctx.drain_updates()
         sd = super().state_dict()
@@ -471,6 +508,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             self.set_block_steps(flat, entry["step"])
             states = self._live_states(flat)
             for k in states.kinds:
+                _check_format(name, k, entry[k], *states.stored_as(k))
                 states.store(k, entry[k])
             _then_collectives(flat.master_updated(entry[MASTER]))
 
@@ -519,6 +557,15 @@ def _hyper_key(group: dict[str, Any]) -> tuple[Any, ...]:
             return ("tensor", id(v))
         return tuple(hashable(x) for x in v) if isinstance(v, (list, tuple)) else v
     return tuple((k, hashable(v)) for k, v in sorted(group.items()) if k not in ("params", "param_names"))
+
+
+def _check_format(block: str, kind: str, given: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> None:
+    """ValueError unless a state dict's `given` state is stored as this optimizer's (`dtype`, `shape`)."""
+    if given.dtype != dtype or given.shape != shape:
+        raise ValueError(f"optimizer state {kind!r} of block {block!r}: expected {dtype} of shape {tuple(shape)} "
+                         f"(this optimizer's format, Config.optimizer_state_dtype), got {given.dtype} of shape "
+                         f"{tuple(given.shape)}; load a state dict saved with the same optimizer_state_dtype, or "
+                         "convert through tz.load_checkpoint(..., convert_states=True)")
 
 
 def _then_collectives(collectives: Callable[[], None] | None) -> None:

@@ -87,7 +87,7 @@ def estimate(model: nn.Module, cfg: Config, world_size: int = 1) -> Estimate:
     updates = max((n for b, n in plan.update_sets.items() if b != ROOT), default=0)
     need["host"] += cfg.prefetch.nvme_depth * read + 2 * updates
     need = {t: max(need[t], plan.least[t]) for t in TIER_NAMES}
-    state = n * per_param.params + trainable * (per_param.grads + per_param.optimizer_states)
+    state = round(n * per_param.params + trainable * (per_param.grads + per_param.optimizer_states))
     return Estimate(params=n, largest_block_params=block, per_tier=need, home=home, least=dict(plan.least),
                     state_bytes=state,
                     world_size=world_size, per_rank=per_rank, layout_per_rank=zm.layout_per_rank(model, cfg),

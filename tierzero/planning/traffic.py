@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierzero.config import KINDS, Config
+from tierzero.config import DTYPE_BYTES, KINDS, Config, state_bytes_per_param
 from tierzero.layout import ZeroStage
 from tierzero.placement import TRAFFIC_GROUPS
 
@@ -94,7 +94,7 @@ def step_traffic(n_params: int, cfg: Config, *, world_size: int = 1, trainable: 
         t.add("grads", read=passes * grad * g, write=passes * grad * g)
     if on_nvme["optimizer_states"]:
         s = round(n * on_nvme["optimizer_states"])
-        moments = sum(element.moments) * s
+        moments = round(sum(element.moments) * s)  # an int8 state's scales included
         t.add("moments", read=moments, write=moments)
         if params_are_master:
             t.add("params", read=0 if cfg.step_in_backward else element.params * s)

@@ -77,7 +77,7 @@ class ZeroModel:
     """c: bytes per compute-dtype parameter."""
     grad_bytes: int
     """g: bytes per gradient element."""
-    optimizer_bytes: int
+    optimizer_bytes: float
     """K: bytes of optimizer state per trainable parameter."""
 
     @classmethod
@@ -95,7 +95,7 @@ class ZeroModel:
         return StateSizes(
             params=self.compute_bytes * (params if self.zero.params_whole else share(params)),
             grads=self.grad_bytes * (trainable if self.zero.grads_whole else share(trainable)),
-            optimizer_states=self.optimizer_bytes * share(trainable))
+            optimizer_states=round(self.optimizer_bytes * share(trainable)))
 
     def comm_per_step(self, counts: "ParamCounts", *, backwards: int = 1) -> CommBytes:
         """Bytes one rank's collectives cover in a step of `backwards` backward passes."""
@@ -124,7 +124,7 @@ class ZeroModel:
                 params += self.compute_bytes * (whole if self.zero.params_whole else shard)
                 if trainable:
                     grads += self.grad_bytes * (whole if self.zero.grads_whole else shard)
-                    optim += self.optimizer_bytes * shard
+                    optim += round(self.optimizer_bytes * shard)
         return StateSizes(params, grads, optim)
 
 

@@ -192,7 +192,13 @@ class FlatParam:
         """Whether the parameters (compute dtype) hold values of `dtype` exactly, so that master
         weights made from them later are bit for bit those values: fp32 parameters hold the
         floating dtypes values come in (fp32, bf16, fp16), narrower ones only their own."""
-        return dtype == self.ctx.compute_dtype or self.ctx.compute_dtype == torch.float32
+        # bf16 master weights (Config.master_dtype) are the bf16 parameters: they hold the values
+        return dtype == self.ctx.compute_dtype or self.ctx.compute_dtype == torch.float32 or self.master_dtype != torch.float32
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """The master weights' dtype (Config.master_dtype)."""
+        return getattr(torch, self.ctx.pm.config.master_dtype)
 
     def ensure_master(self) -> TensorHandle:
         """fp32 master weights for the optimizer: the parameters themselves when they are fp32
@@ -201,13 +207,14 @@ class FlatParam:
         if self.master is None:
             ctx = self.ctx
             shared = self.home is ctx.master_tier(self.name) and not ctx.zero.params_whole
-            if ctx.compute_dtype == torch.float32 and shared:
+            if ctx.compute_dtype == self.master_dtype and shared:
                 self.master = self.param
             else:
                 values = ctx.pm.read(self.param)
                 if ctx.zero.params_whole:
                     values = values[self.shard]
-                self.master = ctx.register(self.name, values.float(), ctx.master_tier(self.name), kind=Kind.MASTER)
+                self.master = ctx.register(self.name, values.to(self.master_dtype), ctx.master_tier(self.name),
+                                           kind=Kind.MASTER)
         return self.master
 
     def freeze(self, home: Tier) -> None:
@@ -343,7 +350,7 @@ class FlatParam:
         if self.master is not None and self.master is not self.param:
             master = self.ctx.pm.read(self.master)
             changed = shard != master.to(shard.dtype)
-            master[changed] = shard[changed].float()
+            master[changed] = shard[changed].to(master.dtype)
             shard = master
         self.store_values(shard)
 
@@ -358,7 +365,7 @@ class FlatParam:
         if self.master is None and self.trainable and not self._params_hold(shard.dtype):
             self.master = self.ctx.register(self.name, shard.float(), self.ctx.master_tier(self.name), kind=Kind.MASTER)
         elif self.master is not None and self.master is not self.param:
-            self.ctx.pm.store(self.master, shard.float())
+            self.ctx.pm.store(self.master, shard.to(self.master.dtype))
         self._store_param(shard)
 
     def master_updated(self, master: torch.Tensor) -> Callable[[], None] | None:

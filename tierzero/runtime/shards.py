@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tierzero.layout import StateCodec
 from tierzero.placement import TensorHandle
 from tierzero.runtime.flat_param import FlatParam
 
@@ -15,11 +16,20 @@ class RankShard:
     """This rank's shard of one stored tensor of `flat`: its values (`values=True`: the fp32
     master weights when there are any, else the parameters) or an optimizer state's handle."""
 
-    def __init__(self, flat: FlatParam, handle: TensorHandle, *, values: bool) -> None:
+    def __init__(self, flat: FlatParam, handle: TensorHandle, *, values: bool, codec: StateCodec | None = None) -> None:
         self.flat, self.handle, self.values = flat, handle, values
+        self.codec = codec
+        """An optimizer state's format (None: values, kept as their dtype)."""
         self.dtype: torch.dtype = handle.dtype
-        self.numel = flat.layout.shard_numel
+        self.numel = flat.layout.shard_numel if values else handle.shape.numel()
+        """Elements of the stored shard (an int8 state: its bytes, codes then scales)."""
         self.nbytes = self.numel * self.dtype.itemsize
+
+    @property
+    def format(self) -> str:
+        """What a checkpoint's manifest names it by: the dtype, or an optimizer state's format
+        ("float32", "bfloat16", "int8")."""
+        return self.codec.dtype if self.codec is not None else str(self.dtype).removeprefix("torch.")
 
     def read_into(self, buf: np.ndarray) -> None:
         """This rank's shard of the tensor, as bytes, into `buf` (at least `nbytes` long)."""

@@ -14,12 +14,13 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import zlib
 from typing import Callable, Iterator, Sequence, TypeVar
 
 import torch
 
 from tierzero.config import Tier
-from tierzero.layout import ROOT
+from tierzero.layout import ROOT, StateCodec, round_stochastic_, window_room
 from tierzero.placement import UPDATES_TRACK, Kind, TensorHandle
 from tierzero.runtime.collectives import all_reduce_, rank_errors
 from tierzero.runtime.flat_param import FlatParam
@@ -40,33 +41,97 @@ Piece = tuple[int, int, int]
 
 class UpdateRoom:
     """What one update of a block holds pinned: its gradient (as stored, without the pending
-    factor) and its master weights and states, each this rank's whole shard."""
+    factor) and its master weights and states, each this rank's whole shard, in their formats.
+    Tensors not kept as fp32 are worked on a window at a time, widened to fp32 ([Note: state
+    windows])."""
 
-    def __init__(self, gradient: FlatGrad, grad: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-        self._gradient, self._grad, self._tensors = gradient, grad, tensors
+    def __init__(self, block: BlockState, grad: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        self._block, self._grad, self._tensors = block, grad, tensors
+        self._gradient = block.gradient
+        self._views: list[torch.Tensor] = list(tensors)
+        """Per held tensor, the fp32 values `pieces` slices: the tensor itself, or a window's."""
+        self._base = 0
+        """Shard offset of the window's first element (0 outside a window)."""
+        self._scratch: torch.Tensor | None = None
+        """fp32 room for the windows, kept through the update (fresh pages cost a fault each)."""
         self.skip: frozenset[int] = frozenset()
         """Parameters (by index) no gradient reached: torch's optimizers skip them."""
         self.collectives: Callable[[], None] | None = None
         """After the update: what takes collectives (FlatParam.master_updated), for the thread
         that drives the model's."""
 
+    @property
+    def windowed(self) -> bool:
+        """Whether some held tensor is not fp32, so updates go a window at a time (`window`)."""
+        return not all(c.exact for c in self._block.codecs)
+
+    @contextlib.contextmanager
+    def window(self, lo: int, hi: int, step: int) -> Iterator[None]:
+        """Within: `pieces` in [lo, hi) (lo a multiple of QUANT_BLOCK) slice fp32 values decoded
+        from the tensors that are not fp32; on a clean exit they are encoded back, bf16 master
+        weights rounded stochastically with random bits from (block, `step`, element)."""
+        numel, room = self._block.flat.layout.shard_numel, window_room(lo, hi)
+        coded = [i for i, c in enumerate(self._block.codecs) if not c.exact]
+        if self._scratch is None or self._scratch.shape[1] < room:
+            self._scratch = torch.empty(len(coded), room, dtype=torch.float32, device=self._tensors[0].device)
+        scratch = self._scratch[:, :room]
+        for row, i in zip(scratch, coded):
+            self._views[i] = self._block.codecs[i].decode(self._tensors[i], numel, lo, hi, row)
+        self._base = lo
+        try:
+            yield
+            for row, i in zip(scratch, coded):
+                if i == 0:  # bf16 master weights
+                    flat = self._block.flat
+                    first = flat.layout.shard_range(flat.ctx.rank)[0] + lo
+                    seed = zlib.crc32(flat.name.encode()) ^ (step * 0x9E3779B1)
+                    round_stochastic_(row[:hi - lo], self._tensors[0][lo:hi], first, seed)
+                else:
+                    self._block.codecs[i].encode(row, self._tensors[i], numel, lo, hi)
+        finally:
+            self._views, self._base = list(self._tensors), 0
+
     def pieces(self, pieces: Sequence[Piece]) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
         """The fp32 gradient of each piece (the pending factor applied) and, per held tensor
-        (master weights first, then the states in order), its slice for each piece."""
+        (master weights first, then the states in order), its fp32 slice for each piece."""
         grads = [self._gradient.scaled(self._grad[lo:hi]) for lo, hi, _ in pieces]
-        return grads, [[t[lo:hi] for lo, hi, _ in pieces] for t in self._tensors]
+        b = self._base
+        return grads, [[t[lo - b:hi - b] for lo, hi, _ in pieces] for t in self._views]
+
+
+# [Note: state windows]
+# States kept in bfloat16 or int8 (Config.optimizer_state_dtype), and bf16 master weights, are
+# updated a window of the shard at a time: widened to fp32 scratch, updated there by the same
+# fused kernel as fp32 states, then stored back in their format. Windows start at multiples of
+# the optimizer's STATE_WINDOW (a multiple of QUANT_BLOCK) from the shard's start, so an int8
+# block is decoded and encoded once per update, and the bits depend on neither the tier nor
+# the placement. bf16 master weights are rounded stochastically with bits hashed from the
+# block's name, its step and each element's index in the whole flat tensor.
 
 
 class BlockState:
     """One trainable flat tensor's optimizer state: the fp32 master weights (they belong to the
     FlatParam, which holds the values) and the optimizer's states by name, zeros at the start."""
 
-    def __init__(self, flat: FlatParam) -> None:
+    def __init__(self, flat: FlatParam, state_dtype: str = "float32") -> None:
         self.flat = flat
         self.gradient = _gradient(flat)
+        self.state_dtype = state_dtype
+        """The states' format (Config.optimizer_state_dtype)."""
         self._handles: dict[str, TensorHandle] = {Kind.MASTER.value: flat.ensure_master()}
         self._staging: list[Tier] = [self._handles[Kind.MASTER.value].staging]
         """Each handle's staging tier, in order: a handle's home never changes."""
+        self._codecs: dict[str, StateCodec] = {
+            Kind.MASTER.value: StateCodec("float32" if flat.master_dtype == torch.float32 else "bfloat16")}
+        """Each kind's format, in the handles' order."""
+
+    @property
+    def codecs(self) -> list[StateCodec]:
+        """Each kind's format, in the order updates get them (master weights first)."""
+        return list(self._codecs.values())
+
+    def codec(self, kind: str) -> StateCodec:
+        return self._codecs[kind]
 
     @property
     def kinds(self) -> list[str]:
@@ -82,28 +147,37 @@ class BlockState:
         """Register the state `kind` (a placed kind's name: "exp_avg", "momentum"), zeros, on the
         optimizer states' tier."""
         ctx = self.flat.ctx
-        handle = ctx.register(self.flat.name, torch.zeros(self.flat.layout.shard_numel),
+        codec = StateCodec(self.state_dtype, unsigned=kind == Kind.EXP_AVG_SQ.value)
+        handle = ctx.register(self.flat.name, codec.zeros(self.flat.layout.shard_numel),
                               ctx.master_tier(self.flat.name), kind=Kind(kind))
         self._handles[kind] = handle
+        self._codecs[kind] = codec
         self._staging.append(handle.staging)
 
     def remove(self, kind: str) -> None:
         """Unregister the state `kind` (given back: a newer optimizer took over, or a failed add)."""
         handle = self._handles.pop(kind)
+        del self._codecs[kind]
         self._staging = [h.staging for h in self._handles.values()]
         self.flat.ctx.pm.unregister(handle)
 
     def read(self, kind: str) -> torch.Tensor:
-        """A copy of this rank's shard of `kind` ("master" or a state), as a CPU tensor."""
+        """A copy of this rank's shard of `kind` ("master" or a state), as a CPU tensor, in its
+        format (an int8 state: its bytes, codes then scales)."""
         return self.flat.ctx.pm.read(self._handles[kind])
 
+    def stored_as(self, kind: str) -> tuple[torch.dtype, torch.Size]:
+        """The dtype and shape `kind`'s shard is stored as (its format's), without reading it."""
+        handle = self._handles[kind]
+        return handle.dtype, handle.shape
+
     def store(self, kind: str, values: torch.Tensor) -> None:
-        """Overwrite this rank's shard of `kind` on its home tier."""
+        """Overwrite this rank's shard of `kind` on its home tier (`values` in its format)."""
         self.flat.ctx.pm.store(self._handles[kind], values)
 
     def shards(self) -> dict[str, RankShard]:
         """The states besides the master weights, as a checkpoint stores them."""
-        return {k: RankShard(self.flat, h, values=False) for k, h in list(self._handles.items())[1:]}
+        return {k: RankShard(self.flat, h, values=False, codec=self._codecs[k]) for k, h in list(self._handles.items())[1:]}
 
     def prefetch(self, *, speculative: bool, grad: bool = True) -> None:
         """Start reading the state (and the gradient, `grad`) toward the tiers the update uses."""
@@ -131,7 +205,7 @@ class BlockState:
                     tensors.append(pm.acquire(h, t))
                 for k, block in enumerate(ahead):
                     block.prefetch(speculative=k > 0, grad=grads_ahead)
-                room = UpdateRoom(self.gradient, grad, tensors)
+                room = UpdateRoom(self, grad, tensors)
                 room.skip = self.gradient.unreached()
                 yield room
                 room.collectives = flat.master_updated(tensors[0])
