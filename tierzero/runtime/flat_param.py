@@ -201,13 +201,15 @@ class FlatParam:
         return getattr(torch, self.ctx.pm.config.master_dtype)
 
     def ensure_master(self) -> TensorHandle:
-        """fp32 master weights for the optimizer: the parameters themselves when they are fp32
-        and live on the optimizer states' tier, else their values upcast, registered on that
-        tier (exactly the values: the parameters hold them whenever `master` is None)."""
+        """Master weights for the optimizer: the parameters themselves where the plan says they
+        are (ElementBytes.params_are_master: the master dtype, on the optimizer states' tier, kept
+        as this rank's shard), else their values in the master dtype, registered on that tier
+        (exactly the values: the parameters hold them whenever `master` is None)."""
         if self.master is None:
             ctx = self.ctx
-            shared = self.home is ctx.master_tier(self.name) and not ctx.zero.params_whole
-            if ctx.compute_dtype == self.master_dtype and shared:
+            element = ctx.pm.config.element_bytes(cuda=ctx.pm.device.type == "cuda")  # the plan's rule
+            if element.params_are_master(same_tier=self.home is ctx.master_tier(self.name),
+                                         params_whole=ctx.zero.params_whole):
                 self.master = self.param
             else:
                 values = ctx.pm.read(self.param)
