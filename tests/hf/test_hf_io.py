@@ -222,9 +222,9 @@ def test_one_block_of_values_at_a_time(trained, tmp_path, monkeypatch):
         events.append(("read", self.name))
         return values
 
-    def write(path, specs, metadata=None):
+    def write(path, specs, metadata=None, **options):
         events.append(("file", Path(path).name))
-        return real_write(path, specs, metadata)
+        return real_write(path, specs, metadata, **options)
 
     monkeypatch.setattr(FlatParam, "read_full", read_full)
     monkeypatch.setattr(hf_folder, "write_safetensors", write)
