@@ -40,22 +40,29 @@ def test_the_working_set_is_printed_with_what_it_holds(capsys: Any) -> None:
 
 def test_a_recorded_run_gives_the_whole_step_compute_included(tmp_path: Any, capsys: Any) -> None:
     """With --trace the predicted step is the tier model's from the run's recorded compute; less
-    of the optimizer states on NVMe predicts no longer a step. Without it, the floor is labelled."""
+    of the optimizer states on NVMe moves fewer bytes and predicts no longer a step (within the
+    replay's ordering). Without it, the floor is labelled."""
     from tierzero.cli import train
 
     place = ["--nvme-dir", str(tmp_path / "nvme"), "--params", "host", "--grads", "host"]
     assert train.main(["--model", "tiny", "--steps", "3", "--batch", "2", "--seq", "32", "--run-dir",
                        str(tmp_path / "run"), "--optimizer-states", "nvme", *place]) == 0
     capsys.readouterr()
-    out = {}
+    out, moved = {}, {}
     for states in ("nvme", "host=0.5,nvme=0.5"):
         assert estimate.main(["--model", "tiny", "--optimizer-states", states, *place, "--trace", str(tmp_path / "run"),
                               "--json"]) == 0
-        out[states] = json.loads(capsys.readouterr().out)["predicted_step"]
+        result = json.loads(capsys.readouterr().out)
+        out[states] = result["predicted_step"]
+        moved[states] = result["nvme_step_bytes"]["read"] + result["nvme_step_bytes"]["write"]
     for pred in out.values():
         assert 0 < pred["compute_s"] <= pred["step_s"] and pred["stall_s"] >= 0
     assert out["nvme"]["compute_s"] == out["host=0.5,nvme=0.5"]["compute_s"]
-    assert out["host=0.5,nvme=0.5"]["step_s"] <= out["nvme"]["step_s"]
+    assert moved["host=0.5,nvme=0.5"] < moved["nvme"]
+    # The replay races each update against the forward by the recorded times, so which half of
+    # the blocks is on NVMe moves the predicted step a few percent either way (0.0788 against
+    # 0.0778 s seen on one recording): less on NVMe predicts no step longer than that.
+    assert out["host=0.5,nvme=0.5"]["step_s"] <= 1.1 * out["nvme"]["step_s"]
     assert estimate.main(["--model", "tiny", "--optimizer-states", "nvme", *place, "--trace",
                           str(tmp_path / "run")]) == 0
     assert "predicted step for this placement (tier model, from the recorded compute" in capsys.readouterr().out
