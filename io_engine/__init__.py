@@ -13,13 +13,13 @@ from .engine import IOEngine
 from .errors import IOEngineError
 from .files import PreallocatedFile, ReadOnlyFile, free_disk_bytes
 from .future import IOFuture
-from .owners import owner_gone, pid_alive, read_pid, temp_name
+from .owners import not_own, owner_gone, pid_alive, read_pid, temp_name
 from .progress import Progress
 from .safe_files import (MARKER, file_mode, folder_mode, make_folder, make_private, mark_own, marked_own, open_own,
                          remove_if_empty_own, replace_file)
 from .sizes import exact_size, format_size, parse_size
 
 __all__ = ["IOEngine", "IOFuture", "IOEngineError", "PreallocatedFile", "ReadOnlyFile", "aligned_empty", "checksum",
-           "free_disk_bytes", "parse_size", "format_size", "exact_size", "PAGE", "owner_gone", "pid_alive",
+           "free_disk_bytes", "parse_size", "format_size", "exact_size", "PAGE", "not_own", "owner_gone", "pid_alive",
            "read_pid", "temp_name", "Progress", "MARKER", "file_mode", "folder_mode", "make_folder", "make_private",
            "mark_own", "marked_own", "open_own", "remove_if_empty_own", "replace_file"]

@@ -4,6 +4,7 @@ file holding it. Whoever finds one left behind may remove it only when that proc
 from __future__ import annotations
 
 import os
+import stat
 
 
 def pid_alive(pid: int) -> bool:
@@ -15,6 +16,18 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def not_own(st: os.stat_result, *, folder: bool) -> str:
+    """Why the entry `st` (its lstat) is not a regular file (`folder`: a folder) of this user's,
+    which tierzero may write or remove, in words; "" when it is. A link is never followed."""
+    if stat.S_ISLNK(st.st_mode):
+        return "a symbolic link"
+    if not (stat.S_ISDIR(st.st_mode) if folder else stat.S_ISREG(st.st_mode)):
+        return "not a folder" if folder else "not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}, not this user"
+    return ""
 
 
 def temp_name(prefix: str, name: str, pid: int | None = None) -> str:

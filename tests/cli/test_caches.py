@@ -34,9 +34,9 @@ def test_a_killed_commands_folder_is_removed_by_the_next_and_nothing_else(tmp_pa
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     gone = subprocess.Popen(["true"])
     gone.wait()  # its PID is free now: a command killed with SIGKILL leaves such a folder
-    killed, live, other = (tmp_path / f"{PREFIX}{gone.pid}-ab", tmp_path / f"{PREFIX}{os.getpid()}-cd",
-                           tmp_path / f"{PREFIX}{gone.pid}-ef")
-    kept = [live, tmp_path / f"{PREFIX}{gone.pid}-link"]
+    killed, live, other = (tmp_path / f"{PREFIX}ab-{gone.pid}", tmp_path / f"{PREFIX}cd-{os.getpid()}",
+                           tmp_path / f"{PREFIX}ef-{gone.pid}")
+    kept = [live, tmp_path / f"{PREFIX}link-{gone.pid}"]
     for folder in (killed, live):
         (folder / "torchinductor").mkdir(parents=True)
     kept[1].symlink_to(live)
@@ -45,7 +45,7 @@ def test_a_killed_commands_folder_is_removed_by_the_next_and_nothing_else(tmp_pa
         os.chown(other, NOBODY, NOBODY)
         kept.append(other)
     with private_caches() as folder:
-        assert folder.name.startswith(f"{PREFIX}{os.getpid()}-")
+        assert folder.name.startswith(PREFIX) and folder.name.endswith(f"-{os.getpid()}")
     assert not killed.exists()
     assert all(os.path.lexists(k) for k in kept) and live.is_dir()
 

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 import xxhash
 
-from io_engine import PAGE
+from io_engine import PAGE, not_own
 from tierzero.layout import FlatLayout, ParamSlot
 
 FORMAT = "tierzero-checkpoint"
@@ -242,17 +242,14 @@ def not_own_checkpoint(path: Path) -> str:
         st = os.lstat(path)
     except OSError as e:
         return e.strerror or str(e)
-    if stat.S_ISLNK(st.st_mode):
-        return "a symbolic link: tierzero follows no link"
-    if not stat.S_ISDIR(st.st_mode):
-        return "not a folder"
-    if st.st_uid != os.geteuid():
-        return f"owned by uid {st.st_uid}, not this user"
+    why = not_own(st, folder=True)
+    if why:
+        return f"{why}: tierzero follows no link" if stat.S_ISLNK(st.st_mode) else why
     try:
         mst = os.lstat(path / MANIFEST)
     except OSError:
         return f"no {MANIFEST}"
-    if not stat.S_ISREG(mst.st_mode) or mst.st_uid != os.geteuid():
+    if not_own(mst, folder=False):
         return f"its {MANIFEST} is not a regular file of this user"
     return ""
 

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from io_engine import pid_alive
+from io_engine import not_own, owner_gone
 
 # [Note: private caches]
 # torch's inductor (and triton under it) cache compiled kernels, code that a later run loads and
@@ -33,22 +33,20 @@ CACHE_VARIABLES = {"TORCHINDUCTOR_CACHE_DIR": "torchinductor", "TRITON_CACHE_DIR
 
 
 PREFIX = "tierzero-caches-"
-"""The private folders' names: PREFIX, the command's PID, '-', mkdtemp's letters."""
+"""The private folders' names: PREFIX, mkdtemp's letters, '-' and the command's PID (as
+io_engine's temp_name ends them, so owner_gone reads it)."""
 
 
 def _reclaim_killed() -> None:
     """Remove the private cache folders this user's killed commands left (their PID gone): only
     real folders of this user's, named as private_caches names them."""
-    tmp = Path(tempfile.gettempdir())
-    for entry in tmp.glob(f"{PREFIX}*-*"):
-        pid = entry.name[len(PREFIX):].split("-", 1)[0]
+    for entry in Path(tempfile.gettempdir()).glob(f"{PREFIX}*"):
         try:
             st = os.lstat(entry)
         except OSError:
             continue
-        if not pid.isdigit() or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or pid_alive(int(pid)):
-            continue
-        shutil.rmtree(entry, ignore_errors=True)
+        if owner_gone(entry.name) and not not_own(st, folder=True):
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -56,7 +54,7 @@ def private_caches() -> Iterator[Path]:
     """The command's private cache folder, each of CACHE_VARIABLES the user did not set pointing
     into it, for the duration of the block; the folder removed and the variables unset after."""
     _reclaim_killed()
-    folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
+    folder = Path(tempfile.mkdtemp(prefix=PREFIX, suffix=f"-{os.getpid()}"))
     ours = [var for var in CACHE_VARIABLES if var not in os.environ]
     for var in ours:
         os.environ[var] = str(folder / CACHE_VARIABLES[var])
@@ -84,9 +82,7 @@ def check_compile_cache(folder: Path) -> None:
     except FileNotFoundError:
         return
     mode = stat.S_IMODE(st.st_mode)
-    why = ("a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a folder" if not stat.S_ISDIR(st.st_mode)
-           else f"owned by uid {st.st_uid}, not this user" if st.st_uid != os.geteuid()
-           else f"writable by others than you (mode {mode:04o})" if mode & 0o022 else "")
+    why = not_own(st, folder=True) or (f"writable by others than you (mode {mode:04o})" if mode & 0o022 else "")
     if why:
         raise ValueError(f"--compile: torch.compile's cache {str(folder)!r} is {why}: whoever can write there can "
                          "swap the kernels this run would load and run. Point TORCHINDUCTOR_CACHE_DIR at a folder of "

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import stat
 import struct
 from pathlib import Path
 from typing import Callable, Iterable, NamedTuple
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 import xxhash
 
-from io_engine import file_mode
+from io_engine import file_mode, not_own
 
 DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -163,8 +162,7 @@ def check_file_target(path: str | os.PathLike[str], *, what: str = "export") -> 
         st = os.lstat(path)
     except FileNotFoundError:
         return path
-    why = ("a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file" if not stat.S_ISREG(st.st_mode)
-           else f"owned by uid {st.st_uid}, not this user" if st.st_uid != os.geteuid() else "")
+    why = not_own(st, folder=False)
     if not why:
         try:
             meta = read_metadata(path)
