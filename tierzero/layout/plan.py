@@ -175,7 +175,8 @@ class PlacementPlan:
             f"placement trains in are {least} (bytes; `tierzero estimate` prints them): raise "
             f"{' and '.join(t + '_budget' for t in short)}, or place state on a slower tier"
             + ("" if _autos(self.config) else " (or 'auto', which fills each tier to its budget)")
-            + "; optimizer states are counted as AdamW keeps them (fp32 master weights and two moments)")
+            + f"; optimizer states are counted as AdamW keeps them (master weights in {self.config.master_dtype}, two "
+              f"moments in {self.config.optimizer_state_dtype})")
 
     def _shortfall(self, tier: str, need: int) -> str:
         budget = self.config.budget(tier)

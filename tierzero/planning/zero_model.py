@@ -17,7 +17,8 @@ from tierzero.layout import ROOT, CommBytes, FlatLayout, ZeroStage, blocks_of
 # For Ψ parameters (Ψt of them trainable), N ranks, c bytes per compute-dtype parameter, g bytes
 # per gradient element (Config.grad_dtype) and K bytes of optimizer state per trainable parameter
 # (AdamW: fp32 master weights and two moments, K = 12; K = 8 where fp32 parameters double as the
-# master weights: the same tier, and a rank holds only its shard of them), a rank holds
+# master weights: the same tier, and a rank holds only its shard of them; fewer in the formats of
+# Config.optimizer_state_dtype and master_dtype, ElementBytes.per_param), a rank holds
 #
 #     stage   params   grads    optimizer states      the paper (bf16, Ψt = Ψ, K = 12)
 #     1       cΨ       gΨt      KΨt/N                 2Ψ + 2Ψ + KΨ/N
