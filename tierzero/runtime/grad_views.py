@@ -143,16 +143,6 @@ def _mul_(x: torch.Tensor, factor: Any) -> torch.Tensor:
     return x
 
 
-def _foreach_mul_(tensors: list[torch.Tensor], factor: Any) -> None:
-    plain = [t for t in tensors if not isinstance(t, GradView)]
-    if plain:
-        with torch._C.DisableTorchFunctionSubclass():
-            torch._foreach_mul_(plain, factor)
-    for t in tensors:
-        if isinstance(t, GradView):
-            _mul_(t, factor)
-
-
 def _clamp_(x: torch.Tensor, min: Any = None, max: Any = None) -> torch.Tensor:
     if isinstance(min, torch.Tensor) or isinstance(max, torch.Tensor):
         raise _refusal(x, "clamp_ to tensor bounds")
@@ -161,25 +151,26 @@ def _clamp_(x: torch.Tensor, min: Any = None, max: Any = None) -> torch.Tensor:
     return x
 
 
-def _foreach_clamp(bound: str) -> Callable[..., None]:
-    op = getattr(torch, f"_foreach_clamp_{bound}_")
-
-    def clamp(tensors: list[torch.Tensor], scalar: Any) -> None:
+def _foreach(op: Callable[..., None], each: Callable[[torch.Tensor, Any], Any]) -> Callable[..., None]:
+    """A foreach op in place over tensors some of which are views: torch's op on the plain ones,
+    `each(view, scalar)` on every view."""
+    def run(tensors: list[torch.Tensor], scalar: Any) -> None:
         plain = [t for t in tensors if not isinstance(t, GradView)]
         if plain:
             with torch._C.DisableTorchFunctionSubclass():
                 op(plain, scalar)
         for t in tensors:
             if isinstance(t, GradView):
-                _clamp_(t, **{bound: scalar})
-    return clamp
+                each(t, scalar)
+    return run
 
 
 _HANDLERS: dict[Any, Callable[..., Any]] = {
     torch.linalg.vector_norm: _vector_norm, torch.Tensor.norm: _tensor_norm, torch.norm: _tensor_norm,
-    torch._foreach_norm: _foreach_norm, torch.Tensor.mul_: _mul_, torch._foreach_mul_: _foreach_mul_,
-    torch.Tensor.clamp_: _clamp_, torch._foreach_clamp_min_: _foreach_clamp("min"),
-    torch._foreach_clamp_max_: _foreach_clamp("max"),
+    torch._foreach_norm: _foreach_norm, torch.Tensor.mul_: _mul_,
+    torch._foreach_mul_: _foreach(torch._foreach_mul_, _mul_), torch.Tensor.clamp_: _clamp_,
+    torch._foreach_clamp_min_: _foreach(torch._foreach_clamp_min_, lambda t, s: _clamp_(t, min=s)),
+    torch._foreach_clamp_max_: _foreach(torch._foreach_clamp_max_, lambda t, s: _clamp_(t, max=s)),
 }
 """What torch's clipping calls on gradients, and how a GradView answers it."""
 
