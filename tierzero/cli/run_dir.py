@@ -28,7 +28,8 @@ import sys
 from pathlib import Path
 from typing import IO, Callable
 
-from io_engine import free_disk_bytes, make_folder, mark_own, marked_own, open_own, replace_file, temp_name
+from io_engine import (free_disk_bytes, make_folder, mark_own, marked_own, not_own, open_own, read_pid,
+                       replace_file, temp_name)
 from tierzero.checkpoint import PREFIX, TMP_PREFIX, TRASH_PREFIX, checkpoints, not_own_checkpoint
 from tierzero.config import format_size
 from tierzero.placement import MAX_EVENTS
@@ -158,7 +159,7 @@ def _lock(fd: int, folder: Path, flag: str) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        pid = read_pid(fd) or "?"
         raise ValueError(f"{flag} {str(folder)!r} is in use by process {pid} (it holds {str(folder / LOCK)!r}); wait "
                          f"for that run to end, or give another {flag}") from None
 
@@ -240,13 +241,10 @@ class Contents:
 def _not_own(entry: os.DirEntry, *, folder: bool) -> str:
     """Why `entry` is not a file (folder) this user's tierzero wrote, or "" when it may be."""
     st = entry.stat(follow_symlinks=False)
-    if stat.S_ISLNK(st.st_mode):
-        return "a symbolic link: tierzero follows no link in a run folder"
-    if folder != stat.S_ISDIR(st.st_mode) or not (folder or stat.S_ISREG(st.st_mode)):
-        return "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file" if not folder else "not a folder"
-    if st.st_uid != os.geteuid():
-        return f"owned by uid {st.st_uid}, not this user"
-    return ""
+    why = not_own(st, folder=folder)
+    if why and stat.S_ISLNK(st.st_mode):
+        return f"{why}: tierzero follows no link in a run folder"
+    return "a folder" if why and not folder and stat.S_ISDIR(st.st_mode) else why
 
 
 def check_contents(path: Path, *, flag: str, named: set[str], in_run: bool) -> Contents:
