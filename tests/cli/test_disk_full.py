@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 import tierzero as tz
-from tierzero.cli import run_dir, train
-from tierzero.cli.run_dir import RunFolders, disk_error, new_checkpoints
+from tierzero.cli import train
+from tierzero.cli.run import folder as run_dir
+from tierzero.cli.run.folder import RunFolders, disk_error, new_checkpoints
 
 TINY = ["--model", "tiny", "--batch", "2", "--seq", "16", "--host-budget", "16MiB", "--no-progress"]
 

@@ -18,7 +18,7 @@ import pytest
 
 from builders import tmpfs
 from tierzero.cli import train
-from tierzero.cli.run_dir import RunDir
+from tierzero.cli.run.folder import RunDir
 
 TINY = ["--batch", "2", "--seq", "32", "--device-budget", "4MiB", "--host-budget", "8MiB", "--no-progress"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from matplotlib.figure import Figure
 
-from tierzero.cli.plots import tier_panel
+from tierzero.cli.run.plots import tier_panel
 
 MIB = 2**20
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from builders import REPO
 from tierzero.cli import train
 from tierzero.cli.caches import CACHE_VARIABLES
-from tierzero.cli.run_dir import RunDir
+from tierzero.cli.run.folder import RunDir
 
 TINY = ["--model", "tiny", "--batch", "2", "--seq", "32", "--device-budget", "4MiB", "--host-budget", "8MiB",
         "--no-progress"]

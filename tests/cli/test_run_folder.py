@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tierzero.cli import train
-from tierzero.cli.run_dir import RunFolders
+from tierzero.cli.run.folder import RunFolders
 
 NOBODY = 65534
 TINY = ["--model", "tiny", "--batch", "2", "--seq", "32", "--device-budget", "4MiB", "--host-budget", "16MiB",

@@ -7,8 +7,8 @@
     tune.py      `tierzero tune`: prefetch settings measured and predicted
     estimate.py  `tierzero estimate`: bytes per tier, traffic, what fits
     export.py    `tierzero export`: a checkpoint as safetensors or a transformers folder
-    plots.py     tiers.png
-    run_dir.py   the run folder: its lock, what it may already hold, its files
+    run/         one run's parts: its folder, steps, end files, exports, tiers.png, stop signals
+    micro_batches.py  --micro-batches: checked against memory, one step's forward and backward
     caches.py    the libraries' caches kept private to the command
 """
 

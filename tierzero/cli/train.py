@@ -1,7 +1,7 @@
 """`tierzero train`: train a model with tiered state and write a complete run folder.
 
-The flags and the Config they build, and one run: the model wrapped, the steps (train_loop.py),
-the export, the run folder's end files (train_report.py). What the run folder holds, and the
+The flags and the Config they build, and one run: the model wrapped, the steps (run/loop.py),
+the export, the run folder's end files (run/report.py). What the run folder holds, and the
 exit codes: docs/cli.md.
 """
 
@@ -29,12 +29,12 @@ from tierzero.cli.flags import (activations_from_flags, add_activation_flags, ad
                                 rates_from_flags, state_format_from_flags, zero_from_flags)
 from tierzero.cli.harness import check_room, corpus, heads, meta_model, pretrained, with_lora
 from tierzero.cli.micro_batches import add_micro_batch_flag, check_micro_batches, check_step_memory, forward_backward
-from tierzero.cli.outputs import check_outputs
-from tierzero.cli.plots import plot_run
-from tierzero.cli.run_dir import DISK_ERRNOS, DISK_EXIT, RunFolders, checkpoint_dir, not_written
-from tierzero.cli.stop import Stopped, StopSignals
-from tierzero.cli.train_loop import Outcome, Run, lr_lambda, resume, train_steps
-from tierzero.cli.train_report import dump_json, global_mean, run_summary, step_row, write_failure
+from tierzero.cli.run.outputs import check_outputs
+from tierzero.cli.run.plots import plot_run
+from tierzero.cli.run.folder import DISK_ERRNOS, DISK_EXIT, RunFolders, checkpoint_dir, not_written
+from tierzero.cli.run.stop import Stopped, StopSignals
+from tierzero.cli.run.loop import Outcome, Run, lr_lambda, resume, train_steps
+from tierzero.cli.run.report import dump_json, global_mean, run_summary, step_row, write_failure
 from tierzero.formats import corpus as tzdata
 from tierzero.models import CONFIGS
 from tierzero.planning import DriveRates

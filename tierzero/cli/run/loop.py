@@ -18,8 +18,8 @@ import torch
 import tierzero as tz
 from io_engine import Progress
 from tierzero.checkpoint import latest_checkpoint
-from tierzero.cli.run_dir import METRICS, RunFolders, checkpoint_dir, disk_error
-from tierzero.cli.stop import Stopped, StopSignals
+from tierzero.cli.run.folder import METRICS, RunFolders, checkpoint_dir, disk_error
+from tierzero.cli.run.stop import Stopped, StopSignals
 from tierzero.config import format_size
 from tierzero.formats import corpus as tzdata
 from tierzero.placement import PlacementManager

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from tierzero.cli.harness import peak_rss
-from tierzero.cli.run_dir import RunDir
-from tierzero.cli.stop import Stopped
-from tierzero.cli.train_loop import Outcome, Run
+from tierzero.cli.run.folder import RunDir
+from tierzero.cli.run.stop import Stopped
+from tierzero.cli.run.loop import Outcome, Run
 from tierzero.config import TIER_NAMES
 from tierzero.planning import step_traffic
 from tierzero.runtime import step_comm_bytes, step_stats, tier_bytes
