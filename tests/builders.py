@@ -50,6 +50,14 @@ def llama(*, seed: int = 0, **kw: Any) -> Any:
     return transformers.LlamaForCausalLM(llama_config(**kw))
 
 
+def saved_llama(tmp_path_factory: Any, *, dtype: torch.dtype = torch.float32, seed: int = 0, **kw: Any) -> Path:
+    """A pretrained-style folder of `llama(seed=seed, tied=False, **kw)` saved in `dtype` (most
+    checkpoints are bfloat16 on disk), for module-scoped `folder` fixtures."""
+    out = tmp_path_factory.mktemp("llama") / "model"
+    llama(seed=seed, tied=False, **kw).to(dtype).save_pretrained(out)
+    return out
+
+
 def tier_config(nvme_dir: Path | str | None = None, *, tier: str = "nvme", **kw: Any) -> tz.Config:
     """A Config with every kind of state on `tier` (swap files under the folder `nvme_dir`, whose
     parent must exist), fp32 compute and budgets roomy enough for the test models; `kw` override

@@ -21,7 +21,7 @@ import tierzero as tz  # noqa: E402
 from tierzero import runtime  # noqa: E402
 from tierzero.hf import meta_model  # noqa: E402
 from tierzero.config import Tier  # noqa: E402
-from builders import llama_config, tier_config  # noqa: E402
+from builders import llama_config, saved_llama, tier_config  # noqa: E402
 from hf_models import token_batches  # noqa: E402
 
 STEPS = 5
@@ -36,10 +36,7 @@ def lora_config() -> Any:
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A pretrained tiny Llama (untied, bfloat16 on disk as most checkpoints are)."""
-    out = tmp_path_factory.mktemp("base") / "llama"
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(llama_config(tied=False)).to(torch.bfloat16).save_pretrained(out)
-    return out
+    return saved_llama(tmp_path_factory, dtype=torch.bfloat16)
 
 
 def plain(folder: Path) -> Any:

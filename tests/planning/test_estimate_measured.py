@@ -34,9 +34,7 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("llama") / "model"
-    builders.llama(layers=4, tied=False).save_pretrained(out)
-    return out
+    return builders.saved_llama(tmp_path_factory, layers=4)
 
 
 def model_of(folder: Path, lora: int) -> torch.nn.Module:

@@ -25,9 +25,7 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("llama") / "model"
-    builders.llama(layers=8, tied=False).to(torch.bfloat16).save_pretrained(out)
-    return out
+    return builders.saved_llama(tmp_path_factory, layers=8, dtype=torch.bfloat16)
 
 
 def lora(folder: Path) -> torch.nn.Module:
