@@ -159,7 +159,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nvme-budget", default="256GiB")
     add_placement_flags(p)
     add_activation_flags(p)
-    add_state_format_flags(p)  # issue 53
+    add_state_format_flags(p)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--steps", type=int, default=5, help="measured steps per candidate (a median and a spread)")

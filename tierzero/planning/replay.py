@@ -29,11 +29,10 @@ class Prediction(NamedTuple):
 # until written home: outside that room and not evictable. The replay holds them apart from the
 # room until backward begins (the write-backs run beside the forward), and from then on counts
 # them as cached copies: at each fetch it evicts cached copies, in the policy's victims order,
-# while they exceed the room recorded there. In backward the gradients fill the host budget (on
-# 350m with activation checkpointing the room fell from ~1 GiB to 14 MB over the last ten
-# fetches), the recorded run's placement manager evicted the cached copies for them, and the last
-# blocks were read from NVMe again; a replay that kept them predicted none of those reads (0.23 s
-# predicted against 0.40 s measured for lookahead 1; 0.54 s against 0.89 s on demand). Where a
+# while they exceed the room recorded there. In backward the gradients fill the host budget (the
+# room falls to almost nothing over the last fetches), the recorded run's placement manager evicted the cached copies for them, and the last
+# blocks were read from NVMe again; a replay that kept them predicted none of those reads, and
+# about half the stall each policy measured. Where a
 # fetch then finds no host room for its read's staging and no copy of the replay's is in flight to
 # free some, the step's own buffers hold it.
 

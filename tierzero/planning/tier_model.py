@@ -19,24 +19,22 @@ from tierzero.prefetch import NoPrefetch, PrefetchPolicy
 
 # [Note: update waits as a difference] The replayed updates are slower than the real ones by what
 # the replay leaves out of them (one update's reads run concurrently, the disk sweep's rate is
-# above the rate its busy time gives; measured on 125m: 52 ms replayed against 40 ms for the
-# first block), so a candidate's waits for the updates are predicted as the recorded waits plus
+# above the rate its busy time gives: a replayed update is measurably slower than the real one),
+# so a candidate's waits for the updates are predicted as the recorded waits plus
 # the difference between its replay and the replay of the recorded setting (on demand, the
 # recording's workers): what is left out cancels, what the candidate changes (its reads in the
 # updates' way, its workers) remains. Predicted at rates other than the recording's (a candidate's
 # own run, where the shared disk slowed down), the recorded setting's replay stays at the
 # recording's rates (`recorded_model`): the waits then move by what the slower disk adds to the
-# updates (on 350m the disk fell from 1.2 to 0.7 GB/s within one run and the updates' waits rose
-# from 0.2 to 2.3 s a step); with one model for both replays that drift would cancel. The
+# updates (a shared disk can lose much of its rate within one run, and the updates' waits grow
+# many times over); with one model for both replays that drift would cancel. The
 # replay's update waits jump at thresholds (an update's read queued before or after a fetch's
-# read, and the updates after it late by that read): on 125m the on-demand replay's waits went
-# from 0.077 to 0.186 s for a disk 0.5 % slower, and the prediction from 0.058 to 0.006 s (0.05 s
-# measured). So the difference is the median of those at disk rates within 2 % of the model's
+# read, and the updates after it late by that read): a disk a fraction of a percent slower can
+# more than double the on-demand replay's waits. So the difference is the median of those at disk rates within 2 % of the model's
 # (`DISK_BAND`); a real disk's rate varies more than that from step to step anyway. And it only
 # adds: a schedule puts reads in the updates' way, it does not take away the reads the recorded
-# run had there (measured, the updates' waits were those of fetching on demand within noise for
-# every candidate: 125m 0.044-0.051 s against 0.047 recorded, 350m with activation checkpointing
-# 0.18-0.24 s against 0.19-0.21 where the disk held its rate); a replay whose on-demand setting
+# run had there (measured: the updates' waits were those of fetching on demand within noise for
+# every candidate where the disk held its rate); a replay whose on-demand setting
 # waited longer (past a threshold, as above) predicted waits that no run had. A
 # recording without the "updates" track (an older trace) adds the recorded waits as they were.
 #
@@ -45,9 +43,8 @@ from tierzero.prefetch import NoPrefetch, PrefetchPolicy
 # waits for the step's own buffers to go (dirty gradients written home one at a time as the host
 # budget fills in backward), and a schedule only moves who waits. Fetching on demand, the
 # fetches of the last blocks wait for a gradient's write-back; fetched ahead, the block's room is
-# taken sooner and the gradient stored after it waits instead. Measured on 350m with activation
-# checkpointing, "room" stall per step: on demand 0.08-0.09 s, lookahead 1 0.06-0.08, lookahead
-# 4 0.07-0.08, bytes 0.08 s (in fetches or after them). The replay does not wait for it again
+# taken sooner and the gradient stored after it waits instead: measured, the "room" stall a step
+# is about the same for every policy (in fetches or after them). The replay does not wait for it again
 # where it finds no room.
 
 

@@ -364,10 +364,10 @@ class Adaptive(PrefetchPolicy):
 # [Note: read ahead only what Belady would keep]
 # A read into host memory that the room holds only by evicting a copy used sooner is undone
 # before its use: the evicted copy is read again first, and it pushes the read-ahead out in turn.
-# With a host room below a frozen base on NVMe (benchmarks/lora.py: 1.5 GiB beside a 2.05 GiB
-# base) the reads ran as far as the times asked, evicting the host copies of blocks due sooner; a
-# tiny run with the times of a slow disk read the base 1.3-2.0x a step where Lookahead(2) read it
-# 0.4-1.1x, some blocks twice in one pass (tests/prefetch/test_read_once.py). So reads stop where
+# With a host room below a frozen base on NVMe (benchmarks/lora.py) the reads ran as far as the
+# times asked, evicting the host copies of blocks due sooner: with a slow disk's times the base
+# was read more than once a step, some blocks twice in one pass, where Lookahead(2) read less
+# (tests/prefetch/test_read_once.py). So reads stop where
 # the host copies of every unit up to the next one, cached or read now, no longer fit the host
 # room together: eviction (farthest next use first) then only takes copies used later.
 def _reads_in_room(ups: Sequence[tuple[Upcoming, frozenset[Tier]]], chosen: set[str], room: int) -> list[Fetch]:
