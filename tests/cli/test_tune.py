@@ -433,7 +433,9 @@ def test_io_thread_counts_get_the_disk_rate_a_sweep_of_the_nvme_folder_measured(
     ratio = two["model"]["disk_read_gbps"] / one["model"]["disk_read_gbps"]
     at = statistics.mean(r["gbps"] for r in bench["engine"] if r["op"] == "read" and r["threads"] == 1)
     to = statistics.mean(r["gbps"] for r in bench["engine"] if r["op"] == "read" and r["threads"] == 2)
-    assert ratio == pytest.approx(to / at, rel=0.01)
+    # the report rounds each rate to 1 MB/s: on a slow (shared) disk that alone moves the ratio
+    rounding = 0.0005 * (1 / one["model"]["disk_read_gbps"] + ratio / one["model"]["disk_read_gbps"])
+    assert ratio == pytest.approx(to / at, rel=0.01, abs=rounding)
 
 
 def test_one_io_thread_count_needs_no_sweep(tmp_path: Any, capsys: Any, monkeypatch: Any) -> None:
