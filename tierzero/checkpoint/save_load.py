@@ -20,7 +20,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import xxhash
 from torch import nn
 
@@ -37,7 +36,8 @@ from tierzero.config import state_nbytes
 from tierzero.formats import fsync_dir, persistent_buffers, write_config_files
 from tierzero.layout import FlatLayout, StateCodec, window_room
 from tierzero.optim import TieredOptimizer
-from tierzero.runtime import FlatParam, RankShard, model_dtype, values_shard, world
+from tierzero.runtime import (FlatParam, RankShard, all_gather_objects, broadcast_object, model_dtype, values_shard,
+                              world)
 
 _UNMARKED_TMP = re.compile(re.escape(TMP_PREFIX) + r"\d{8}-\d+")
 """The exact name of a save's temporary folder (`temp_name`): one without its marker yet is
@@ -95,27 +95,6 @@ def _check_optimizer(state: runtime.TieredState, optimizer: object) -> None:
                          f"{type(optimizer).__name__}; pass the optimizer created with this model, or None")
 
 
-class _Comm:
-    """The few collectives a save needs (world size 1: none)."""
-
-    def __init__(self, group: Any, world_size: int) -> None:
-        self.group, self.world_size = group, world_size
-
-    def broadcast(self, obj: Any) -> Any:
-        if self.world_size == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
-
-    def gather(self, obj: Any) -> list[Any]:
-        if self.world_size == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
-
 # ----------------------------------------------------------------------------- save
 
 
@@ -141,7 +120,8 @@ def save_checkpoint(dir: str | os.PathLike[str], model: nn.Module, optimizer: Ti
     _check_optimizer(state, optimizer)
     state.ctx.drain_updates()
     rank, world_size = world(state.ctx.group)
-    comm = _Comm(state.ctx.group, world_size)
+    group = state.ctx.group
+    jobs = _jobs(state, optimizer)  # this rank's stored tensors, once: the files and the manifest
     root = Path(dir)
     names = None
     private = state.config.private_files
@@ -158,12 +138,12 @@ def save_checkpoint(dir: str | os.PathLike[str], model: nn.Module, optimizer: Ti
         names = (temp_name(TMP_PREFIX, f"{seq:08d}"), f"{PREFIX}{seq:08d}")
         os.mkdir(root / names[0], folder_mode(private))
         mark_own(root / names[0])
-    names = comm.broadcast(names)
+    names = broadcast_object(names, group, world_size)
     tmp, final = root / names[0], root / names[1]
     # Every rank learns whether every other one succeeded (a failed rank must not leave the
     # others waiting in a collective); only then does rank 0 publish the checkpoint.
     try:
-        outcome: RankFiles | str = _write_rank(tmp, rank, state, optimizer, extra)
+        outcome: RankFiles | str = _write_rank(tmp, rank, state, optimizer, jobs, extra)
     except Exception as e:
         outcome, failure = f"rank {rank}: {e}", e
     except BaseException:  # interrupted: no collective may follow
@@ -172,15 +152,15 @@ def save_checkpoint(dir: str | os.PathLike[str], model: nn.Module, optimizer: Ti
         raise
     else:
         failure = None
-    every = comm.gather(outcome)
+    every = all_gather_objects(outcome, group, world_size)
     errors = [o for o in every if isinstance(o, str)]
     if rank == 0 and not errors:
         try:
             files = _write_hf_config(state, tmp)
-            _publish(root, tmp, final, _manifest(state, optimizer, world_size, every, files), private)
+            _publish(root, tmp, final, _manifest(state, optimizer, jobs, world_size, every, files), private)
         except Exception as e:
             errors, failure = [f"rank 0: {e}"], e
-    errors = comm.broadcast(errors)
+    errors = broadcast_object(errors, group, world_size)
     if rank == 0 and not errors and keep_last is not None:
         _prune(root, keep_last)
     if errors:
@@ -233,11 +213,14 @@ def _write_hf_config(state: runtime.TieredState, tmp: Path) -> dict[str, int]:
             if (tmp / name).is_file()}
 
 
-def _manifest(state: runtime.TieredState, optimizer: TieredOptimizer | None, world_size: int,
+def _manifest(state: runtime.TieredState, optimizer: TieredOptimizer | None, jobs: list[_Job], world_size: int,
               ranks: list[RankFiles], files: dict[str, int]) -> Manifest:
+    formats: dict[FlatParam, dict[str, str]] = {}
+    for j in jobs:
+        formats.setdefault(j.flat, {})[j.kind] = j.shard.format
     flats = []
     for flat in state.flat_params():
-        kinds = {kind: shard.format for kind, shard in _stored(flat, optimizer).items()}
+        kinds = formats[flat]
         steps = optimizer.block_steps(flat) if _steps(flat, optimizer) else None
         flats.append(FlatEntry(name=flat.param.name, trainable=flat.trainable, layout=flat.layout,
                                dtypes=tuple(str(d).removeprefix("torch.") for d in flat.orig_dtypes),
@@ -268,8 +251,8 @@ def _training_blob(state: runtime.TieredState, optimizer: TieredOptimizer | None
 
 
 def _write_rank(tmp: Path, rank: int, state: runtime.TieredState, optimizer: TieredOptimizer | None,
-                extra: Any) -> RankFiles:
-    sources = [Source(j.key, j.nbytes, j.shard.read_into) for j in _jobs(state, optimizer)]
+                jobs: list[_Job], extra: Any) -> RankFiles:
+    sources = [Source(j.key, j.nbytes, j.shard.read_into) for j in jobs]
     blob = _training_blob(state, optimizer, extra, persistent_buffers(state.model))
     return write_rank_files(tmp, rank, sources, blob, state.config.io)
 

@@ -6,7 +6,8 @@ wrapping.py.
 """
 
 from tierzero.runtime.accumulate import LayerMajorRefusal, accumulate
-from tierzero.runtime.collectives import RankRuntimeError, all_reduce_, rank_errors, world
+from tierzero.runtime.collectives import (RankRuntimeError, all_gather_objects, all_reduce_, broadcast_object, rank_errors,
+                                          world)
 from tierzero.runtime.compile import compile
 from tierzero.runtime.flat_param import FlatParam
 from tierzero.runtime.grads import FlatGrad
@@ -24,5 +25,5 @@ from tierzero.runtime.wrapping import refresh, wrap
 __all__ = ["wrap", "accumulate", "LayerMajorRefusal", "compile", "tier_bytes", "refresh", "gathered_params", "state_of", "state_of_param",
            "placement_manager", "step_stats", "step_comm_bytes", "full_state_dict", "settle",
            "close", "model_dtype", "TieredState", "FlatParam", "FlatGrad", "StepContext", "StepQueue", "StepFailed",
-           "RankRuntimeError", "rank_errors", "world", "all_reduce_", "TIERED_OPTIMIZER", "MASTER", "BlockState", "UpdateRoom", "Piece",
+           "RankRuntimeError", "rank_errors", "world", "all_reduce_", "broadcast_object", "all_gather_objects", "TIERED_OPTIMIZER", "MASTER", "BlockState", "UpdateRoom", "Piece",
            "check_update_rooms", "update_queue", "global_norm", "beside_compute", "RankShard", "values_shard"]

@@ -108,6 +108,24 @@ def agree_all(flags: list[bool], group: Any) -> list[bool]:
     return [bool(v) for v in t.tolist()[:len(flags)]]
 
 
+def broadcast_object(obj: Any, group: Any, world_size: int) -> Any:
+    """Rank 0's `obj` on every rank of `group` (pickled; for small records, never tensors' data)."""
+    if world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def all_gather_objects(obj: Any, group: Any, world_size: int) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank of `group` (pickled; small records)."""
+    if world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 class RankRuntimeError(RuntimeError):
     """A failure on one rank of a distributed run; the message starts with "rank N: ". (The name
     ends in RuntimeError so that logs still read "...RuntimeError: rank N: ...".)"""
