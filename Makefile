@@ -40,16 +40,23 @@ ASYNC_TESTS := tests/runtime/test_parity.py tests/runtime/test_split.py tests/ru
 	tests/placement/test_cow_home.py tests/hf/test_hf_trainer.py tests/formats/test_weights.py
 DELAY_SEEDS ?= 1
 
+# Two pytest workers (pytest-xdist), a test file each at a time: most tests wait on subprocesses,
+# files and ranks' collectives as much as they compute, so two keep a 2-core machine busy. Each
+# worker's torch takes one thread (two workers of two threads would spin against each other);
+# a test compares tierzero with plain PyTorch in its own process, at the same thread count.
+TEST_WORKERS ?= 2
+PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 .PHONY: install test test-async test-gpu demo bench-io clean
 
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=20 -m "not gpu" tests
+	$(PYTEST) --durations=20 -m "not gpu" tests
 	$(MAKE) --no-print-directory test-async
 
 test-async: $(STAMP)
 	for seed in $(DELAY_SEEDS); do \
 		TIERZERO_STREAMS=async TIERZERO_POISON=1 TIERZERO_DELAY_SEED=$$seed \
-			$(PY) -m pytest -q -m "not gpu" $(ASYNC_TESTS) || exit 1; \
+			$(PYTEST) -m "not gpu" $(ASYNC_TESTS) || exit 1; \
 	done
 
 test-gpu:
