@@ -203,19 +203,28 @@ def trace(fn: Callable[[], Any], root: Callable[..., Any],
     return windows
 
 
-def figures(events: list[Event]) -> dict[str, Any]:
+def figures(events: list[Event], less: list[Event] = ()) -> dict[str, Any]:  # type: ignore[assignment]
     """calls: the window's tierzero calls (a generator resumed counts as a call, as Python's
     profiler reports it); modules: the distinct modules called; switches: calls whose caller is
     in another module than the callee; worst: the pair of modules with the most switches between
-    them, both ways counted (A -> B and B -> A: each a trip there and back)."""
+    them, both ways counted (A -> B and B -> A: each a trip there and back). With `less`: the
+    figures of `events` less those of `less` (modules: those of `events`)."""
+    pairs = _pairs(events)
+    pairs.subtract(_pairs(less))
+    top = sorted(pairs.items(), key=lambda kv: -kv[1])[:8]
+    return {"calls": len(events) - len(less), "modules": len({e.callee for e in events}),
+            "switches": sum(pairs.values()),
+            "worst": f"{top[0][0][0]} <-> {top[0][0][1]} {top[0][1]}" if top else "-",
+            "worst_n": top[0][1] if top else 0,
+            "pairs": {f"{a} <-> {b}": n for (a, b), n in top}}
+
+
+def _pairs(events: list[Event]) -> collections.Counter[tuple[str, str]]:
     pairs: collections.Counter[tuple[str, str]] = collections.Counter()
     for e in events:
         if e.caller is not None and e.caller != e.callee:
             pairs[tuple(sorted((short(e.caller), short(e.callee))))] += 1  # type: ignore[index]
-    worst = pairs.most_common(1)
-    return {"calls": len(events), "modules": len({e.callee for e in events}), "switches": sum(pairs.values()),
-            "worst": f"{worst[0][0][0]} <-> {worst[0][0][1]} {worst[0][1]}" if worst else "-",
-            "worst_n": worst[0][1] if worst else 0}
+    return pairs
 
 
 def short(module: str) -> str:
@@ -307,7 +316,8 @@ def path_save(nvme_dir: str, folder: str) -> list[list[Event]]:
 
 
 def measure_paths() -> dict[str, dict[str, Any]]:
-    """The four paths' figures (see `figures`); the update's as "lo-hi" over its blocks."""
+    """The four paths' figures (see `figures`); the update's as "lo-hi" over its blocks, the
+    micro-batch's as a step of 3 less a step of 2."""
     with tempfile.TemporaryDirectory() as tmp:
         fetch = path_fetch(f"{tmp}/fetch")
         update = path_update(f"{tmp}/update")
@@ -318,7 +328,7 @@ def measure_paths() -> dict[str, dict[str, Any]]:
         stored = sum(len(flat["kinds"]) for flat in manifest["flats"])
     assert len(fetch) == 1 and len(save) == 1, (len(fetch), len(save))
     out = {"fetch": figures(fetch[0]), "update": _span([figures(w) for w in update]),
-           "micro-batch": _less(figures(three), figures(two)), "save": figures(save[0])}
+           "micro-batch": figures(three, less=two), "save": figures(save[0])}
     out["save"]["stored_tensors"] = stored
     out["tree"] = {"path": str(Path(tz.__file__).parents[1])}
     return out
@@ -329,14 +339,9 @@ def _span(per_block: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("calls", "modules", "switches", "worst_n"):
         lo, hi = min(f[key] for f in per_block), max(f[key] for f in per_block)
         out[key] = lo if lo == hi else f"{lo}-{hi}"
-    out["worst"] = max(per_block, key=lambda f: f["worst_n"])["worst"]
+    most = max(per_block, key=lambda f: f["worst_n"])
+    out["worst"], out["pairs"] = most["worst"], most["pairs"]
     return out
-
-
-def _less(more: dict[str, Any], fewer: dict[str, Any]) -> dict[str, Any]:
-    """A step of k+1 micro-batches less one of k; modules and the worst pair: the larger step's."""
-    return {"calls": more["calls"] - fewer["calls"], "modules": more["modules"],
-            "switches": more["switches"] - fewer["switches"], "worst": more["worst"], "worst_n": more["worst_n"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nvme-dir", default=None, help="--edges: swap files' folder (default: a temporary one)")
     p.add_argument("--layers", type=int, default=3, help="--edges: the GPT's layers")
     p.add_argument("--level", choices=("package", "module"), default="package", help="--edges: what a unit is")
+    p.add_argument("--pairs", action="store_true", help="also each path's 8 pairs of modules most crossed")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if not args.edges:
@@ -356,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'path':<13}{'calls':>10}{'modules':>9}{'switches':>10}  worst back-and-forth")
         for name, f in paths.items():
             print(f"{name:<13}{f['calls']!s:>10}{f['modules']!s:>9}{f['switches']!s:>10}  {f['worst']}")
+            for pair, n in f["pairs"].items() if args.pairs else ():
+                print(f"{'':<13}{n:>10}  {pair}")
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         nvme_dir = args.nvme_dir or str(Path(tmp) / "nvme")
