@@ -10,13 +10,13 @@ from tierzero.placement.handles import TRAFFIC_GROUPS, Kind, TensorHandle
 from tierzero.placement.manager import PlacementManager
 from tierzero.placement.nvme import ChecksumError, SwapSpace
 from tierzero.placement.residency import Residency, TensorRecord
-from tierzero.placement.streams import CopyEvent, CopyStreams
-from tierzero.placement.telemetry import (ACTIVATIONS_TRACK, MAX_EVENTS, STALL_SOURCES, UPDATES_TRACK, StepStats,
-                                         Telemetry)
+from tierzero.placement.streams import CopyEvent, CopyStreams, DeviceCopies
+from tierzero.placement.telemetry import (ACTIVATIONS_TRACK, MAX_EVENTS, STALL_SOURCES, UPDATES_TRACK, StepRecorder,
+                                         StepStats, Telemetry)
 from tierzero.placement.tiers import windowed_room
 
 __all__ = ["PlacementManager", "Tier", "Kind", "TensorHandle", "TRAFFIC_GROUPS", "Residency", "TensorRecord",
-           "CopyStreams", "CopyEvent",
+           "CopyStreams", "CopyEvent", "DeviceCopies", "StepRecorder",
            "EvictionPolicy", "LeastRecentlyUsed", "CheckpointHome", "Segment", "SwapSpace", "ChecksumError",
            "StepStats", "Telemetry", "MAX_EVENTS", "STALL_SOURCES", "UPDATES_TRACK", "ACTIVATIONS_TRACK",
            "windowed_room"]

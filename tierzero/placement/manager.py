@@ -14,21 +14,21 @@ import os
 import threading
 import time
 from functools import partial
-from typing import Collection, Sequence
+from typing import Callable, Collection, Sequence
 
 import numpy as np
 import torch
 
 from tierzero.config import Config, Tier, format_size
-from tierzero.placement.cow_home import CheckpointHome
+from tierzero.placement.cow_home import CheckpointHome, Segment
 from tierzero.placement.eviction import EvictionPolicy, LeastRecentlyUsed, Shortfall
 from tierzero.placement.handles import Kind, TensorHandle
 from tierzero.placement.moves import Move, stall_sources, staging_needs
 from tierzero.placement.nvme import SwapRegion, SwapSpace
 from tierzero.placement.residency import Residency, ResidencyTable, TensorRecord
-from tierzero.placement.streams import CopyEvent, CopyStreams, resolve_device
+from tierzero.placement.streams import CopyEvent, CopyStreams, DeviceCopies, resolve_device
 from tierzero.placement.swap_dirs import close_at_exit, closed, exit_on_sigterm
-from tierzero.placement.telemetry import Telemetry
+from tierzero.placement.telemetry import StepRecorder, Telemetry
 from tierzero.placement.tier_store import as_memory, tier_stores
 from tierzero.placement.tiers import Budget, HostPool, PinnedArena, round_up
 from tierzero.placement.waiting import Waits
@@ -482,6 +482,30 @@ class PlacementManager:
 
     def budget(self, tier: Tier | str) -> int:
         return self.budgets[tier if isinstance(tier, Tier) else Tier.parse(tier)].limit
+
+    # ------------------------------------------------------- the runtime's narrow interface
+    # The runtime reaches the streams, the telemetry, the host pool and the swap space only
+    # through these (tests/test_architecture.py): the protocols say what it may ask of them.
+
+    @property
+    def copies(self) -> DeviceCopies:
+        """The device's copy streams, as compute-side code uses them."""
+        return self.streams
+
+    @property
+    def recorder(self) -> StepRecorder:
+        """The step's record in the telemetry: moves, stalls, activation bytes, spans."""
+        return self.telemetry
+
+    def host_room(self) -> int:
+        """Bytes a host copy could take now: the budget's free bytes and the pool's cached ones."""
+        return self.budgets[Tier.HOST].free + self.pool.cached_bytes
+
+    @property
+    def borrow(self) -> Callable[[list[Segment], int], CheckpointHome] | None:
+        """SwapSpace.borrow (a checkpoint's bytes read and hashed as a home); None without an
+        NVMe tier."""
+        return None if self.swap is None else self.swap.borrow
 
     def close(self, *, flush: bool = True) -> None:
         """Finish in-flight work, free every copy, remove the swap files, join threads; idempotent.
