@@ -21,7 +21,10 @@ Counted in a path (a window: from the root call to its return, everything it cal
 - module switches: the calls whose caller (the nearest tierzero frame below the callee on the
   stack, frames of torch, contextlib or greenlet passed over) is in another module;
 - worst back-and-forth: the pair of modules with the most switches between them, A -> B and
-  B -> A added (each switch is a trip there and back).
+  B -> A added (each switch is a trip there and back);
+- backs and worst callback: the switches back into a module the path is still inside (A -> B ->
+  A, or A -> B -> C -> A: a frame of A lower on the stack), all of them and the pair (the caller's
+  module and A) with the most: the calls that come back rather than go down.
 
 `--edges` gives the older report instead: package crossings (or module crossings, `--level
 module`) by edge on (a) the optimizer's update of one block in opt.step() and (b) one fetch of
@@ -166,6 +169,9 @@ def measure(nvme_dir: str, layers: int, level: str) -> dict[str, Any]:
 class Event(NamedTuple):
     caller: str | None
     callee: str
+    back: bool = False
+    """A switch into a module that has a frame lower on the stack (inside the window): the path
+    went out of it and comes back into it before returning."""
 
 
 def trace(fn: Callable[[], Any], root: Callable[..., Any],
@@ -193,7 +199,13 @@ def trace(fn: Callable[[], Any], root: Callable[..., Any],
         caller = frame.f_back
         while caller is not None and unit_of(caller.f_globals.get("__name__"), "module") is None:
             caller = caller.f_back
-        windows[-1].append(Event(None if caller is None else caller.f_globals["__name__"], callee))
+        back = False
+        if caller is not None and caller.f_globals["__name__"] != callee:
+            below = caller.f_back
+            while below is not None and not back:
+                back = below.f_globals.get("__name__") == callee
+                below = None if below is open_frame[0] else below.f_back
+        windows[-1].append(Event(None if caller is None else caller.f_globals["__name__"], callee, back))
 
     sys.setprofile(profile)
     try:
@@ -207,13 +219,20 @@ def figures(events: list[Event], less: list[Event] = ()) -> dict[str, Any]:  # t
     """calls: the window's tierzero calls (a generator resumed counts as a call, as Python's
     profiler reports it); modules: the distinct modules called; switches: calls whose caller is
     in another module than the callee; worst: the pair of modules with the most switches between
-    them, both ways counted (A -> B and B -> A: each a trip there and back). With `less`: the
+    them, both ways counted (A -> B and B -> A: each a trip there and back); backs: the switches
+    back into a module the path is still inside (A -> B -> A, or A -> B -> C -> A: a callback
+    into A, counted for the pair of its caller and A), worst_back the pair with most. With `less`: the
     figures of `events` less those of `less` (modules: those of `events`)."""
     pairs = _pairs(events)
     pairs.subtract(_pairs(less))
     top = sorted(pairs.items(), key=lambda kv: -kv[1])[:8]
+    backs = _pairs([e for e in events if e.back])
+    backs.subtract(_pairs([e for e in less if e.back]))
+    worst_back = max(backs.items(), key=lambda kv: kv[1], default=None)
     return {"calls": len(events) - len(less), "modules": len({e.callee for e in events}),
-            "switches": sum(pairs.values()),
+            "switches": sum(pairs.values()), "backs": sum(backs.values()),
+            "worst_back": f"{worst_back[0][0]} <-> {worst_back[0][1]} {worst_back[1]}" if worst_back else "-",
+            "worst_back_n": worst_back[1] if worst_back else 0,
             "worst": f"{top[0][0][0]} <-> {top[0][0][1]} {top[0][1]}" if top else "-",
             "worst_n": top[0][1] if top else 0,
             "pairs": {f"{a} <-> {b}": n for (a, b), n in top}}
@@ -336,11 +355,12 @@ def measure_paths() -> dict[str, dict[str, Any]]:
 
 def _span(per_block: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"blocks": len(per_block)}
-    for key in ("calls", "modules", "switches", "worst_n"):
+    for key in ("calls", "modules", "switches", "worst_n", "backs", "worst_back_n"):
         lo, hi = min(f[key] for f in per_block), max(f[key] for f in per_block)
         out[key] = lo if lo == hi else f"{lo}-{hi}"
     most = max(per_block, key=lambda f: f["worst_n"])
     out["worst"], out["pairs"] = most["worst"], most["pairs"]
+    out["worst_back"] = max(per_block, key=lambda f: f["worst_back_n"])["worst_back"]
     return out
 
 
@@ -359,9 +379,11 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(paths))
             return 0
         print(f"tree {paths.pop('tree')['path']}")
-        print(f"{'path':<13}{'calls':>10}{'modules':>9}{'switches':>10}  worst back-and-forth")
+        print(f"{'path':<13}{'calls':>10}{'modules':>9}{'switches':>10}  {'worst back-and-forth':<48}{'backs':>8}"
+              "  worst callback")
         for name, f in paths.items():
-            print(f"{name:<13}{f['calls']!s:>10}{f['modules']!s:>9}{f['switches']!s:>10}  {f['worst']}")
+            print(f"{name:<13}{f['calls']!s:>10}{f['modules']!s:>9}{f['switches']!s:>10}  {f['worst']:<48}"
+                  f"{f['backs']!s:>8}  {f['worst_back']}")
             for pair, n in f["pairs"].items() if args.pairs else ():
                 print(f"{'':<13}{n:>10}  {pair}")
         return 0
