@@ -6,7 +6,8 @@ express: imports across packages go through the package's face, no `_private` na
 from another module, function-level imports only for optional dependencies and the CLI
 dispatcher; that the optimizer and checkpoints reach placement only through the runtime (one way
 in, checked by both); that the runtime reaches placement through its narrow interface (the
-names PLACEMENT_INTERFACE, no field of the manager: checked by both); and a fresh interpreter shows that importing the config loads no torch.
+names PLACEMENT_INTERFACE, no field of the manager: checked by both); and a fresh interpreter
+shows that importing the config loads no torch.
 """
 
 from __future__ import annotations
@@ -142,7 +143,8 @@ def placement_interface_violations(root: Path) -> list[str]:
                 if (isinstance(owner, ast.Name) and owner.id == "pm" or isinstance(owner, ast.Attribute)
                         and owner.attr == "pm" or isinstance(owner, ast.Call) and getattr(owner.func, "attr",
                         getattr(owner.func, "id", None)) == "placement_manager"):
-                    found.append(f"{rel}:{node.lineno}: reads the placement manager's {node.attr}, past its interface")
+                    found.append(f"{rel}:{node.lineno}: reads the placement manager's {node.attr}, "
+                                 "past its interface")
     return found
 
 
