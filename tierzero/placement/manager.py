@@ -203,13 +203,7 @@ class PlacementManager:
         further ahead never pushes out data that is still to be used)."""
         rec, tier = self._lookup(h, tier, "prefetch")
         with self._cond:
-            self._check_open()
-            self._table.check(rec)
-            if tier is h.home or rec.residency[tier] is not Residency.ABSENT:
-                self._room.touch(h, tier)
-                return True
-            self._room.check_fits(h.name, h.nbytes, tier)
-            return self._table.try_fetch(rec, tier, speculative=speculative) is True
+            return self._table.prefetch(rec, tier, speculative=speculative)
 
     def acquire(self, h: TensorHandle, tier: Tier | str = Tier.DEVICE, *, overwrite: bool = False) -> torch.Tensor:
         """The tensor on `tier` (registered shape and dtype), pinned until release().
@@ -272,9 +266,7 @@ class PlacementManager:
         rec, tier = self._lookup(h, tier, "release")
         lazy = lazy and dirty and tier is not h.home and not staging_needs(tier, h.home, h.nbytes)
         with self._cond:
-            self._check_open()
-            self._table.check(rec)
-            rec.check_acquired(tier)
+            self._table.check_held(rec, tier)
             staging = None
             if lazy:  # (a fetch commits after its copy is queued: waited for too)
                 self._waits.until(partial(self._table.still, rec, tier), rec,

@@ -89,6 +89,11 @@ class ResidencyTable:
                            "registered with another PlacementManager)")
         return rec
 
+    def check_held(self, rec: TensorRecord, tier: Tier) -> None:
+        """`check(rec)`, and an acquire() not yet released pins the copy on `tier`."""
+        self.check(rec)
+        rec.check_acquired(tier)
+
     def check(self, subject: TensorRecord | str, what: str = "") -> None:
         """Under the lock: the manager is open, and the tensor still registered."""
         self.check_open()
@@ -279,6 +284,16 @@ class ResidencyTable:
                 if isinstance(started, Shortfall):
                     return started
         return self.pin(rec, tier), self.moves.get(rec.handle, tier)
+
+    def prefetch(self, rec: TensorRecord, tier: Tier, *, speculative: bool = False) -> bool:
+        """PlacementManager.prefetch under the lock: a copy there or on its way is touched (True);
+        else one is started if there is room now (`try_fetch`)."""
+        self.check(rec)
+        if tier is rec.home or rec._residency[tier] is not Residency.ABSENT:
+            self.room.touch(rec.handle, tier)
+            return True
+        self.room.check_fits(rec.name, rec.nbytes, tier)
+        return self.try_fetch(rec, tier, speculative=speculative) is True
 
     def try_fetch(self, rec: TensorRecord, tier: Tier, *, speculative: bool = False) -> Literal[True] | Shortfall:
         """Start a copy toward `tier` if there is room now; True if started or already there or
