@@ -2,9 +2,9 @@
 
 Each registered tensor, named by the `TensorHandle` register() returns, has a home tier that
 holds it for its whole life and, on the other tiers, at most one cached copy whose state is a
-`Residency`. The manager checks each call, waits (waiting.py) for room and for moves under the
-table's lock, and hands each change to the ResidencyTable in one call. See [Note: a placed
-tensor's life].
+`Residency` (records.py). The manager parses each call, has the ResidencyTable check it (open,
+still registered), waits (waiting.py) on the table's conditions for room and for moves under the
+table's lock, and hands each change to the table in one call. See [Note: a placed tensor's life].
 """
 
 from __future__ import annotations
