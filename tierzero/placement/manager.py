@@ -77,6 +77,10 @@ class PlacementManager:
                                      rank=rank, local_rank=None if local_rank is None else int(local_rank))
         self.telemetry = Telemetry()
         self.streams = CopyStreams(self.device, config.stream_settings())
+        self.copies: DeviceCopies = self.streams
+        """The device's copy streams, as compute-side code (the runtime) uses them."""
+        self.recorder: StepRecorder = self.telemetry
+        """The step's record in the telemetry (the runtime's): moves, stalls, activations, spans."""
         # the device's working set (Config.device_reserve) is no tier's: placed tensors never take it
         self.budgets = {t: Budget(t, config.budget(t.value) - (config.device_reserve if t is Tier.DEVICE else 0))
                         for t in Tier}
@@ -475,17 +479,8 @@ class PlacementManager:
 
     # ------------------------------------------------------- the runtime's narrow interface
     # The runtime reaches the streams, the telemetry, the host pool and the swap space only
-    # through these (tests/test_architecture.py): the protocols say what it may ask of them.
-
-    @property
-    def copies(self) -> DeviceCopies:
-        """The device's copy streams, as compute-side code uses them."""
-        return self.streams
-
-    @property
-    def recorder(self) -> StepRecorder:
-        """The step's record in the telemetry: moves, stalls, activation bytes, spans."""
-        return self.telemetry
+    # through these and `copies` and `recorder` (tests/test_architecture.py): the protocols say
+    # what it may ask of them.
 
     def host_room(self) -> int:
         """Bytes a host copy could take now: the budget's free bytes and the pool's cached ones."""
