@@ -5,7 +5,9 @@ absence of cycles (pyproject.toml, [tool.importlinter]); an `ast` walk checks wh
 express: imports across packages go through the package's face, no `_private` name is imported
 from another module, function-level imports only for optional dependencies and the CLI
 dispatcher; that the optimizer and checkpoints reach placement only through the runtime (one way
-in, checked by both); and a fresh interpreter shows that importing the config loads no torch.
+in, checked by both); that the runtime reaches placement through its narrow interface (the
+names PLACEMENT_INTERFACE, no field of the manager: checked by both); and a fresh interpreter
+shows that importing the config loads no torch.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -31,6 +34,14 @@ FUNCTION_LEVEL_ALLOWED = {
 DISPATCHER = "tierzero/cli/dispatch.py"
 THROUGH_THE_RUNTIME = ("optim", "checkpoint")
 """Packages that reach placement only through the runtime: they never import tierzero.placement."""
+PLACEMENT_INTERFACE = {"PlacementManager", "Tier", "Kind", "TensorHandle", "TensorRecord", "Residency", "CopyEvent",
+                       "DeviceCopies", "StepRecorder", "StepStats", "CheckpointHome", "Segment", "UPDATES_TRACK",
+                       "ACTIVATIONS_TRACK"}
+"""What the runtime may import of tierzero.placement: the manager's face, the handles and
+records it hands out, and the protocols of the streams and telemetry it passes through."""
+PLACEMENT_FIELDS = {"streams", "telemetry", "pool", "device_pool", "swap", "budgets"}
+"""The manager's fields the runtime never reads (PlacementManager.copies, .recorder, .host_room()
+and .borrow instead)."""
 
 def lint_imports(root: Path) -> subprocess.CompletedProcess:
     code = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True, no_logo=True))"
@@ -116,6 +127,32 @@ def one_way_in_violations(root: Path) -> list[str]:
     return found
 
 
+def placement_interface_violations(root: Path) -> list[str]:
+    """In tierzero/runtime: names imported from tierzero.placement outside PLACEMENT_INTERFACE,
+    and reads of PLACEMENT_FIELDS off the placement manager (`pm.X`, `<obj>.pm.X`,
+    `placement_manager(...).X`), as 'file:line: what'."""
+    found = []
+    for path in sorted((root / "tierzero" / "runtime").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            if isinstance(node, ast.ImportFrom) and node.module == "tierzero.placement":
+                found += [f"{rel}:{node.lineno}: imports {a.name}, not placement's interface"
+                          for a in node.names if a.name not in PLACEMENT_INTERFACE]
+            if isinstance(node, ast.Attribute) and node.attr in PLACEMENT_FIELDS:
+                owner = node.value
+                if (isinstance(owner, ast.Name) and owner.id == "pm" or isinstance(owner, ast.Attribute)
+                        and owner.attr == "pm" or isinstance(owner, ast.Call) and getattr(owner.func, "attr",
+                        getattr(owner.func, "id", None)) == "placement_manager"):
+                    found.append(f"{rel}:{node.lineno}: reads the placement manager's {node.attr}, "
+                                 "past its interface")
+    return found
+
+
+def placement_modules(root: Path) -> set[str]:
+    return {f"tierzero.placement.{p.stem}" for p in (root / "tierzero" / "placement").glob("*.py")
+            if p.stem != "__init__"}
+
+
 def tree_copy(tmp_path: Path) -> Path:
     for name in ("tierzero", "io_engine"):
         shutil.copytree(REPO / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
@@ -149,6 +186,23 @@ def test_the_optimizer_and_checkpoints_reach_placement_through_the_runtime() -> 
     assert one_way_in_violations(REPO) == []
 
 
+def test_the_runtime_reaches_placement_through_its_interface() -> None:
+    assert placement_interface_violations(REPO) == []
+    # the contract forbids every module of placement (a new one too), the package's face allowed
+    contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    (contract,) = [c for c in contracts if c.get("source_modules") == ["tierzero.runtime"]]
+    assert set(contract["forbidden_modules"]) == placement_modules(REPO), contract
+
+
+@pytest.mark.parametrize("line", ["from tierzero.placement import CopyStreams", "x = ctx.pm.streams",
+                                  "y = pm.telemetry.spans", "z = runtime.placement_manager(m).swap"])
+def test_a_planted_reach_past_placements_interface_is_found(tmp_path: Path, line: str) -> None:
+    root = tree_copy(tmp_path)
+    plant(root, "tierzero/runtime/gathers.py", line, inside_function=True)
+    found = placement_interface_violations(root)
+    assert len(found) == 1 and found[0].startswith("tierzero/runtime/gathers.py"), found
+
+
 def test_the_config_imports_no_torch() -> None:
     code = "import sys, tierzero.config; assert 'torch' not in sys.modules, 'tierzero.config imported torch'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
@@ -166,7 +220,9 @@ def test_the_config_imports_no_torch() -> None:
     # a cycle inside one package: blocks imports wrapping, which imports blocks
     ("tierzero/runtime/blocks.py", "from tierzero.runtime import wrapping", True, "no import cycle"),
     ("tierzero/optim/clip.py", "from tierzero.placement import Kind", True, "reach placement only through the runtime"),
-], ids=["upward-in-function", "upward-type-checking", "io_engine", "library-cli", "cycle", "one-way-in"])
+    ("tierzero/runtime/gathers.py", "from tierzero.placement import residency", True, "placement through its face"),
+], ids=["upward-in-function", "upward-type-checking", "io_engine", "library-cli", "cycle", "one-way-in",
+        "runtime-past-placements-face"])
 def test_a_planted_import_breaks_its_contract(tmp_path: Path, file: str, line: str, inside: bool, broken: str) -> None:
     root = tree_copy(tmp_path)
     plant(root, file, line, inside_function=inside)

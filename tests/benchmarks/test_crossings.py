@@ -1,5 +1,6 @@
 """benchmarks/crossings.py: a crossing is counted once per call into another package, passing
-over frames outside tierzero; the optimizer's update reaches placement only through the runtime."""
+over frames outside tierzero; the optimizer's update reaches placement only through the runtime;
+a path's window counts its calls, modules, module switches and worst pair."""
 
 from __future__ import annotations
 
@@ -53,3 +54,27 @@ def test_the_update_and_the_fetch_are_measured(crossings, tmp_path) -> None:
     # Halved against 96f4799, before one way in and the placement split (RESULTS.md, "One way in"):
     # an update crossed 58.5 times a block, a fetch 10 times (at 4 layers; these are 1 layer's).
     assert result["update_per_block"] <= 58.5 / 2 and result["fetch"] <= 10 / 2, result
+
+
+def test_a_window_counts_calls_modules_switches_and_the_worst_pair(crossings) -> None:
+    leaf = _function("tierzero.placement.residency", "def leaf():\n    return 1\n")
+    back = _function("tierzero.placement.manager", "def back(leaf):\n    return leaf()\n")
+    root = _function("tierzero.placement.manager",
+                     "def root(leaf, back):\n    return [leaf(), back(leaf), leaf()]\n")
+    outside = _function("somelib", "def outside(leaf):\n    return leaf()\n")
+    windows = crossings.trace(lambda: [outside(leaf), root(leaf, back), outside(leaf)], root)
+    assert len(windows) == 1  # the calls outside the root's window are not counted
+    f = crossings.figures(windows[0])
+    # root, leaf, back, leaf (from back), leaf: the three leaf calls go from manager to residency
+    assert (f["calls"], f["modules"], f["switches"]) == (5, 2, 3), f
+    assert f["worst"] == "placement.manager <-> placement.residency 3", f
+
+
+def test_the_update_path_is_one_window_a_block(crossings, tmp_path) -> None:
+    windows = crossings.path_update(str(tmp_path / "nvme"))
+    assert len(windows) == 4  # 3 layers and the root
+    for w in windows:
+        f = crossings.figures(w)
+        assert f["calls"] > f["switches"] > 0 and f["modules"] > 1, f
+        # the waits ask the table, not a lambda of the manager's: 4-5 callbacks a block before (14e38f1)
+        assert f["backs"] <= 1, f

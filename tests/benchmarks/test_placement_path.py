@@ -19,4 +19,4 @@ def test_a_fetch_runs_manager_residency_moves_nvme(monkeypatch) -> None:
     assert visits["manager"] == 1 and visits["nvme"] == 1, visits
     assert visits["residency"] <= 4, entries  # 9 before the split (96f4799)
     worker = [e for e in entries if e.startswith("tierzero-io")]
-    assert worker[0].endswith(":->moves") and any(e.endswith(":moves>nvme") for e in worker), worker
+    assert worker[0].endswith(":->executor") and any(e.endswith(":plans>nvme") for e in worker), worker

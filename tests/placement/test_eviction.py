@@ -1,12 +1,16 @@
 """Room's eviction (tierzero/placement/eviction.py) on a host tier whose memory is one region:
-the victims are the policy's, only those that open a window ([Note: arena windows])."""
+the victims are the policy's, only those that open a window ([Note: arena windows]); by default the
+least recently used, and a policy is pluggable."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from placement_builders import make, same
 from tierzero.config import Config, StandInConfig
 from tierzero.config.tiernames import Tier
+from tierzero.placement.handles import TensorHandle
 from tierzero.placement import PlacementManager, Residency
 from tierzero.placement.tiers import ALIGNMENT, PinnedArena
 
@@ -102,3 +106,35 @@ def test_a_fragmented_arena_writes_back_only_the_dirty_copies_of_one_window(tmp_
         for i in range(6):
             assert torch.equal(pm.acquire(t[i], "host"), torch.full((page,), float(i + 1)))
             pm.release(t[i], "host")
+
+
+def test_eviction_is_lru_by_default_and_policy_pluggable(tmp_path):
+    with make(tmp_path, device="32KiB", host="256KiB") as pm:
+        t = [pm.register(f"t{i}", torch.full((2048,), float(i)), "host") for i in range(4)]  # 8 KiB each: 4 fit the device
+        for i in range(4):
+            pm.acquire(t[i])
+            pm.release(t[i])
+        pm.acquire(t[0])  # t0 is now the most recently used
+        pm.release(t[0])
+        pm.acquire(t[1])
+        pm.release(t[1])
+        t.append(pm.register("t4", torch.full((2048,), 4.0), "host"))
+        assert same(pm.acquire(t[4]), torch.full((2048,), 4.0))  # evicts the LRU copy: t2
+        pm.release(t[4])
+        res = {h.name: pm.record(h).residency[Tier.DEVICE] for h in t}
+        assert res["t2"] is Residency.ABSENT and all(r is Residency.RESIDENT for n, r in res.items() if n != "t2")
+
+        seen = []
+
+        class Biggest:
+            def order(self, candidates):
+                seen.append(list(candidates))
+                return sorted(candidates, key=lambda h: h.name, reverse=True)
+
+        pm.set_eviction_policy(Biggest())
+        pm.acquire(t[2])
+        pm.release(t[2])
+        assert seen and all(isinstance(h, TensorHandle) for h in seen[0])
+        assert pm.record(t[4]).residency[Tier.DEVICE] is Residency.ABSENT
+        with pytest.raises(ValueError, match="order"):
+            pm.set_eviction_policy(object())

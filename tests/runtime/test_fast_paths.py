@@ -15,7 +15,7 @@ import torch
 
 import tierzero as tz
 from tierzero import optim, runtime
-from tierzero.placement import PlacementManager, moves
+from tierzero.placement import PlacementManager, plans
 from builders import assert_state_equal, tier_config
 from dp_model import GLOBAL_BATCH, device_budget, global_batches, make_model
 from gloo import run_ranks
@@ -148,7 +148,7 @@ def test_mutation_check_of_the_writeback_wait(tmp_path: Path, monkeypatch: Any) 
             return False
 
     assert round_trip("async")
-    monkeypatch.setattr(moves, "wait_for_staging", lambda event: None)
+    monkeypatch.setattr(plans, "wait_for_staging", lambda event: None)
     assert round_trip("sync")
     assert not round_trip("async")
 

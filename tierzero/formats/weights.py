@@ -11,7 +11,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -20,7 +20,10 @@ from tierzero.formats.conversions import Converted
 from tierzero.formats.files import readable_file
 from tierzero.formats.safetensors_file import DTYPES, read_header, verify_safetensors
 from tierzero.layout import FlatLayout
-from tierzero.placement import CheckpointHome, Segment, SwapSpace
+from tierzero.placement import CheckpointHome, Segment
+
+Borrow = Callable[[list[Segment], int], CheckpointHome]
+"""SwapSpace.borrow: a checkpoint's segments read and hashed, returned as a tensor's home."""
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -295,17 +298,17 @@ class WeightPlan:
             made = self._made[id(given.conversion)] = given.conversion.run(self.source.read_full)
         return made[given.name].reshape(-1)[start:stop]
 
-    def read_shard(self, request: ShardRequest, *, rank: int, swap: SwapSpace | None = None) -> LoadedShard:
+    def read_shard(self, request: ShardRequest, *, rank: int, borrow: Borrow | None = None) -> LoadedShard:
         """This rank's shard of a flat tensor of `request.layout` (the parameters' values cast to
         their `dtypes`, then to `out_dtype`; padding zero), reading only the rows each slot's
-        part needs. A borrowed one (the request's `borrow`, `swap` given, `segments` found) is
-        read and hashed by `swap` from the files' bytes, which become its home: its values are
+        part needs. A borrowed one (the request's `borrow`, `borrow` given: SwapSpace.borrow,
+        `segments` found) is read and hashed by `borrow` from the files' bytes, which become its home: its values are
         then a meta tensor (nothing to copy anywhere, PlacementManager.register(borrowed=))."""
         layout, out_dtype = request.layout, request.out_dtype
-        segments = self.segments(request, rank) if request.borrow and swap is not None else None
+        segments = self.segments(request, rank) if request.borrow and borrow is not None else None
         if segments is not None:
-            assert swap is not None
-            home = swap.borrow(segments, layout.shard_numel * out_dtype.itemsize)
+            assert borrow is not None
+            home = borrow(segments, layout.shard_numel * out_dtype.itemsize)
             return LoadedShard(torch.empty(layout.shard_numel, dtype=out_dtype, device="meta"), home)
         lo, hi = layout.shard_range(rank)
         out = torch.zeros(hi - lo, dtype=out_dtype)
@@ -344,19 +347,19 @@ class WeightPlan:
         return out
 
     def read_shards(self, wanted: list[ShardRequest], rank: int, *,
-                    swap: SwapSpace | None = None) -> Iterator[LoadedShard]:
+                    borrow: Borrow | None = None) -> Iterator[LoadedShard]:
         """`read_shard` of each request in order, the next one read on a thread while the caller
         registers this one, so that the checkpoint is read while the swap files are written
         (measured: this disk reads at nearly full rate while it writes). Two shards are in
         memory at once (a borrowed one holds none). Close the iterator (or exhaust it) before
         closing the source."""
         with cf.ThreadPoolExecutor(1, thread_name_prefix="tierzero-read-weights") as reader:
-            ahead = [reader.submit(self.read_shard, w, rank=rank, swap=swap) for w in wanted[:1]]
+            ahead = [reader.submit(self.read_shard, w, rank=rank, borrow=borrow) for w in wanted[:1]]
             try:
                 for nxt in [*wanted[1:], None]:
                     current = ahead.pop()
                     if nxt is not None:
-                        ahead.append(reader.submit(self.read_shard, nxt, rank=rank, swap=swap))
+                        ahead.append(reader.submit(self.read_shard, nxt, rank=rank, borrow=borrow))
                     yield current.result()
             finally:  # an early close: the read in flight ends before the files can be closed
                 for fut in ahead:

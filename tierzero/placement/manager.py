@@ -2,9 +2,9 @@
 
 Each registered tensor, named by the `TensorHandle` register() returns, has a home tier that
 holds it for its whole life and, on the other tiers, at most one cached copy whose state is a
-`Residency`. The manager checks each call, waits (waiting.py) for room and for moves under the
-table's lock, and hands each change to the ResidencyTable in one call. See [Note: a placed
-tensor's life].
+`Residency` (records.py). The manager parses each call, has the ResidencyTable check it (open,
+still registered), waits (waiting.py) on the table's conditions for room and for moves under the
+table's lock, and hands each change to the table in one call. See [Note: a placed tensor's life].
 """
 
 from __future__ import annotations
@@ -14,21 +14,21 @@ import os
 import threading
 import time
 from functools import partial
-from typing import Collection, Sequence
+from typing import Callable, Collection, Sequence
 
 import numpy as np
 import torch
 
 from tierzero.config import Config, Tier, format_size
-from tierzero.placement.cow_home import CheckpointHome
+from tierzero.placement.cow_home import CheckpointHome, Segment
 from tierzero.placement.eviction import EvictionPolicy, LeastRecentlyUsed, Shortfall
 from tierzero.placement.handles import Kind, TensorHandle
 from tierzero.placement.moves import Move, stall_sources, staging_needs
 from tierzero.placement.nvme import SwapRegion, SwapSpace
 from tierzero.placement.residency import Residency, ResidencyTable, TensorRecord
-from tierzero.placement.streams import CopyEvent, CopyStreams, resolve_device
+from tierzero.placement.streams import CopyEvent, CopyStreams, DeviceCopies, resolve_device
 from tierzero.placement.swap_dirs import close_at_exit, closed, exit_on_sigterm
-from tierzero.placement.telemetry import Telemetry
+from tierzero.placement.telemetry import StepRecorder, Telemetry
 from tierzero.placement.tier_store import as_memory, tier_stores
 from tierzero.placement.tiers import Budget, HostPool, PinnedArena, round_up
 from tierzero.placement.waiting import Waits
@@ -77,6 +77,10 @@ class PlacementManager:
                                      rank=rank, local_rank=None if local_rank is None else int(local_rank))
         self.telemetry = Telemetry()
         self.streams = CopyStreams(self.device, config.stream_settings())
+        self.copies: DeviceCopies = self.streams
+        """The device's copy streams, as compute-side code (the runtime) uses them."""
+        self.recorder: StepRecorder = self.telemetry
+        """The step's record in the telemetry (the runtime's): moves, stalls, activations, spans."""
         # the device's working set (Config.device_reserve) is no tier's: placed tensors never take it
         self.budgets = {t: Budget(t, config.budget(t.value) - (config.device_reserve if t is Tier.DEVICE else 0))
                         for t in Tier}
@@ -168,11 +172,11 @@ class PlacementManager:
         (budgets given back, an NVMe region freed) and forget it; any later call with it raises
         KeyError. RuntimeError while a copy is pinned (acquired and not released). An error of
         its last write-back stays for flush() to raise."""
-        rec = self._record_of(h, "unregister")
+        rec = self._table.record_of(h, "unregister")
         with self._cond:
             self._check_open()
-            self._waits.check(rec)
-            self._waits.until(lambda: not rec.in_flight or None, rec, f"unregister({h.name!r}) waiting for its moves")
+            self._table.check(rec)
+            self._waits.until(partial(self._table.unmoved, rec), rec, f"unregister({h.name!r}) waiting for its moves")
             pinned = {t.value: rec.pins(t) for t in Tier if rec.pins(t)}
             if pinned:
                 raise RuntimeError(f"unregister({h.name!r}): copies are still pinned (tier: pins) {pinned}; "
@@ -187,7 +191,7 @@ class PlacementManager:
         for tier in (Tier.DEVICE, Tier.HOST):
             if tier is not h.home:
                 self.drop(h, tier)
-        rec = self._record_of(h, "relabel")
+        rec = self._table.record_of(h, "relabel")
         with self._cond:
             name = f"{h.owner}.{kind.value}"
             if self._table.named(name):
@@ -203,13 +207,7 @@ class PlacementManager:
         further ahead never pushes out data that is still to be used)."""
         rec, tier = self._lookup(h, tier, "prefetch")
         with self._cond:
-            self._check_open()
-            self._waits.check(rec)
-            if tier is h.home or rec.residency[tier] is not Residency.ABSENT:
-                self._room.touch(h, tier)
-                return True
-            self._room.check_fits(h.name, h.nbytes, tier)
-            return self._table.try_fetch(rec, tier, speculative=speculative) is True
+            return self._table.prefetch(rec, tier, speculative=speculative)
 
     def acquire(self, h: TensorHandle, tier: Tier | str = Tier.DEVICE, *, overwrite: bool = False) -> torch.Tensor:
         """The tensor on `tier` (registered shape and dtype), pinned until release().
@@ -227,7 +225,7 @@ class PlacementManager:
                 hit = rec.residency[tier] is not Residency.ABSENT  # (all ABSENT once unregistered)
                 attempt = partial(self._table.acquire, rec, tier, overwrite=overwrite)
                 if hit:  # there or on its way: no room to wait for
-                    self._waits.check(rec)
+                    self._table.check(rec)
                     got = attempt()
                     assert not isinstance(got, Shortfall), got
                     copy, move = got
@@ -272,21 +270,17 @@ class PlacementManager:
         rec, tier = self._lookup(h, tier, "release")
         lazy = lazy and dirty and tier is not h.home and not staging_needs(tier, h.home, h.nbytes)
         with self._cond:
-            self._check_open()
-            self._waits.check(rec)
-            rec.check_acquired(tier)
+            self._table.check_held(rec, tier)
             staging = None
-            moving = (Residency.FETCHING, Residency.WRITING_BACK)  # a fetch commits after its copy is queued
-            if lazy:
-                self._waits.until(lambda: rec.residency[tier] not in moving or None, rec,
+            if lazy:  # (a fetch commits after its copy is queued: waited for too)
+                self._waits.until(partial(self._table.still, rec, tier), rec,
                                   f"release({h.name!r}, {tier.value!r}, lazy=True) waiting for its move")
             elif dirty and tier is not h.home:
                 # Still pinned while waiting (for an earlier move of this copy to finish, and
                 # for a staging buffer), so the dirty copy cannot be evicted meanwhile.
                 needs = staging_needs(tier, h.home, h.nbytes)
-                bufs = self._waits.until(
-                    lambda: None if rec.residency[tier] in moving else self._room.take(needs, h),
-                    rec, f"release({h.name!r}, {tier.value!r}, dirty=True)")
+                bufs = self._waits.until(partial(self._table.take_when_still, rec, tier, needs),
+                                         rec, f"release({h.name!r}, {tier.value!r}, dirty=True)")
                 staging = bufs[0] if bufs else None
             self._table.release(rec, tier, dirty=dirty, staging=staging, lazy=lazy, written=written)
             self._cond.notify_all()
@@ -295,9 +289,9 @@ class PlacementManager:
         """Forget the tensor's contents: its cached copies are dropped unwritten, dirty ones too
         (a pinned or moving copy when it is free); the home keeps whatever it held last. For
         data that is dead, such as a gradient set to None; read it again only after writing it."""
-        rec = self._record_of(h, "discard")
+        rec = self._table.record_of(h, "discard")
         with self._cond:
-            self._waits.check(rec)
+            self._table.check(rec)
             self._table.discard(rec)
             self._cond.notify_all()
 
@@ -309,8 +303,8 @@ class PlacementManager:
             raise ValueError(f"drop({h.name!r}, {tier.value!r}): {tier.value} is the tensor's home; "
                              "only cached copies on other tiers can be dropped")
         with self._cond:
-            self._waits.check(rec)
-            self._waits.until(lambda: self._table.settled_clean(rec, tier) or None,
+            self._table.check(rec)
+            self._waits.until(partial(self._table.settled_clean, rec, tier),
                               rec, f"drop({h.name!r}) waiting for its move")
             if rec.residency[tier] is Residency.ABSENT:
                 return
@@ -324,12 +318,12 @@ class PlacementManager:
         """Overwrite the tensor's contents: its home and every cached copy. An NVMe home is
         written asynchronously from a host staging copy of `data` (later reads wait for it;
         `flush()` raises its error), so the caller may reuse `data` at once."""
-        rec = self._record_of(h, "store")
+        rec = self._table.record_of(h, "store")
         if tuple(data.shape) != tuple(h.shape):
             raise ValueError(f"store({h.name!r}): expected shape {tuple(h.shape)}, got {tuple(data.shape)}")
         with self._cond:
             self._check_open()
-            self._waits.check(rec)
+            self._table.check(rec)
             bufs = self._waits.until(lambda: None if rec.in_flight else self._room.take(
                 [(Tier.HOST, h.nbytes)] if self._store_staged(rec, data) else [], h),
                 rec, f"store({h.name!r}) waiting for its moves")
@@ -349,13 +343,13 @@ class PlacementManager:
         """A CPU copy of the tensor's current contents (its home, after write-backs): fresh, or in
         `out` (a page-aligned uint8 numpy buffer of at least `io_bytes(h)`; reused buffers save
         the page faults of fresh ones when a caller streams many tensors)."""
-        rec = self._record_of(h, "read")
+        rec = self._table.record_of(h, "read")
         if out is not None and out.nbytes < self.io_bytes(h):
             raise ValueError(f"read({h.name!r}): out holds {out.nbytes} bytes, expected at least {self.io_bytes(h)}")
         with self._cond:
             self._check_open()
-            self._waits.check(rec)
-            self._waits.until(lambda: not any(m.dst is h.home for m in rec.in_flight) or None,
+            self._table.check(rec)
+            self._waits.until(partial(self._table.home_written, rec),
                               rec, f"read({h.name!r}) waiting for its write-backs")
             return self._table.read_home(rec, None if out is None else torch.from_numpy(out))
 
@@ -397,17 +391,17 @@ class PlacementManager:
 
     def io_bytes(self, h: TensorHandle) -> int:
         """Bytes a buffer given to read(h, out=...) must hold (NVMe regions are whole pages)."""
-        self._record_of(h, "io_bytes")
+        self._table.record_of(h, "io_bytes")
         return round_up(h.nbytes) if h.home is Tier.NVME else h.nbytes
 
     def record(self, h: TensorHandle) -> TensorRecord:
         """The read-only view of where the tensor is: residency per tier, pins(tier), in_flight."""
-        return self._record_of(h, "record")
+        return self._table.record_of(h, "record")
 
     def nvme_location(self, h: TensorHandle) -> tuple[str, int]:
         """(file, byte offset) where an NVMe-homed tensor's bytes start: a swap file, or the
         checkpoint file of a copy-on-write home ([Note: copy-on-write home]); for tools and tests."""
-        rec = self._record_of(h, "nvme_location")
+        rec = self._table.record_of(h, "nvme_location")
         if h.home is not Tier.NVME or self.swap is None:
             raise ValueError(f"nvme_location({h.name!r}): the tensor is homed on {h.home.value}, not nvme")
         with self._cond:
@@ -483,11 +477,26 @@ class PlacementManager:
     def budget(self, tier: Tier | str) -> int:
         return self.budgets[tier if isinstance(tier, Tier) else Tier.parse(tier)].limit
 
+    # ------------------------------------------------------- the runtime's narrow interface
+    # The runtime reaches the streams, the telemetry, the host pool and the swap space only
+    # through these and `copies` and `recorder` (tests/test_architecture.py): the protocols say
+    # what it may ask of them.
+
+    def host_room(self) -> int:
+        """Bytes a host copy could take now: the budget's free bytes and the pool's cached ones."""
+        return self.budgets[Tier.HOST].free + self.pool.cached_bytes
+
+    @property
+    def borrow(self) -> Callable[[list[Segment], int], CheckpointHome] | None:
+        """SwapSpace.borrow (a checkpoint's bytes read and hashed as a home); None without an
+        NVMe tier."""
+        return None if self.swap is None else self.swap.borrow
+
     def close(self, *, flush: bool = True) -> None:
         """Finish in-flight work, free every copy, remove the swap files, join threads; idempotent.
         flush=False: dirty cached copies are dropped, not written home first (at interpreter
         exit, when concurrent.futures already refuses new work and the files are going anyway)."""
-        if self._waits.closed:
+        if self._table.closed:
             return
         closed(self)
         error: BaseException | None = None
@@ -497,7 +506,7 @@ class PlacementManager:
         except BaseException as e:  # still free everything, then report
             error = e
         with self._cond:
-            self._waits.closed = True
+            self._table.closed = True
         self._table.close()  # joins the workers, which take the lock to commit
         with self._cond:
             self._cond.notify_all()  # a call still waiting for room fails now, not after its timeout
@@ -532,8 +541,8 @@ class PlacementManager:
                              "acquire it on 'host' or 'device'")
         with self._cond:
             self._check_open()
-            self._waits.check(rec)
-            self._waits.until(lambda: not any(m.dst is h.home for m in rec.in_flight) or None,
+            self._table.check(rec)
+            self._waits.until(partial(self._table.home_written, rec),
                               rec, f"acquire({h.name!r}) waiting for write-backs to its home")
             self._table.check_home(rec)
             copy = self._table.pin(rec, h.home)
@@ -548,18 +557,8 @@ class PlacementManager:
         with self._cond:
             self._room.check_working_set(what, handles, extra)
 
-    def _record_of(self, h: TensorHandle, what: str) -> TensorRecord:
-        self._check_open()
-        rec = self._table.get(h)
-        if rec is None:
-            if not isinstance(h, TensorHandle):
-                raise TypeError(f"{what}: expected the TensorHandle that register() returned, got {h!r}")
-            raise KeyError(f"{what}: no tensor named {h.name!r} is registered (unregistered, or "
-                           "registered with another PlacementManager)")
-        return rec
-
     def _lookup(self, h: TensorHandle, tier: Tier | str, what: str) -> tuple[TensorRecord, Tier]:
-        rec = self._record_of(h, what)
+        rec = self._table.record_of(h, what)
         if not isinstance(tier, Tier):  # a Tier as given: the hot paths pass one
             tier = Tier.parse(tier, what=f"{what}({h.name!r}) tier")
         if tier is Tier.NVME and tier is not h.home:
@@ -568,5 +567,5 @@ class PlacementManager:
         return rec, tier
 
     def _check_open(self) -> None:
-        if self._waits.closed:
+        if self._table.closed:
             raise RuntimeError("PlacementManager is closed")

@@ -1,17 +1,16 @@
-"""Where placed tensors are: `Residency` per tier, the records, and their transitions.
+"""Where placed tensors are: the state machine of their records (records.py).
 
-A `TensorRecord` is one tensor's state: its handle, its copies (one per tier it is on) and the
-residency of each tier. `ResidencyTable` holds every record; its transition methods are the
-only code that changes residency (the table of them is in its docstring). Everyone else reads
-the `residency`, `pins` and `in_flight` views that `PlacementManager.record(handle)` returns.
+`ResidencyTable` holds every `TensorRecord`; its transition methods are the only code that
+changes residency or a copy (the table of them is in its docstring). It also answers what a
+PlacementManager call checks first (open, still registered) and the conditions its waits end on
+(waiting.py). Everyone else reads the `residency`, `pins` and `in_flight` views that
+`PlacementManager.record(handle)` returns.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
-from enum import Enum
-from types import MappingProxyType
 from typing import Collection, Literal, Mapping
 
 import torch
@@ -21,90 +20,16 @@ from tierzero.config import Tier
 from tierzero.placement.cow_home import CheckpointHome
 from tierzero.placement.eviction import Room, Shortfall
 from tierzero.placement.handles import Kind, TensorHandle
-from tierzero.placement.moves import (Copy, Done, FetchPlan, Move, MoveExecutor, MoveIO, MoveTable, Outcome,
-                                      StorePlan, WritebackPlan, run_fetch, run_store, run_writeback,
-                                      staging_needs)
+from tierzero.placement.executor import MoveExecutor
+from tierzero.placement.moves import Done, Move, MoveTable, Outcome, staging_needs
+from tierzero.placement.plans import (FetchPlan, MoveIO, StorePlan, WritebackPlan, run_fetch, run_store,
+                                      run_writeback)
+from tierzero.placement.records import Copy, Residency, TensorRecord, assert_in_states
 from tierzero.placement.nvme import SwapSpace
 from tierzero.placement.streams import CopyEvent, CopyStreams
 from tierzero.placement.telemetry import Telemetry
 from tierzero.placement.tier_store import Buffer, TierStore, as_memory, region, typed
 from tierzero.placement.tiers import HostPool
-
-
-class Residency(Enum):
-    """State of one tensor on one tier, and what it costs there.
-
-    HOME          the tensor's home copy: its bytes are reserved on the tier from register to
-                  unregister (or close).
-    ABSENT        no copy on this tier: costs nothing.
-    FETCHING      a copy toward this tier is in flight: its bytes are reserved here (plus a host
-                  staging buffer while an NVMe read feeds a device copy).
-    RESIDENT      a valid cached copy: its bytes are reserved; evictable when unpinned.
-    WRITING_BACK  a cached copy whose contents are being written to the home tier: bytes reserved
-                  (plus a host staging buffer for device -> NVMe); not evictable until done.
-    """
-
-    HOME = "home"
-    ABSENT = "absent"
-    FETCHING = "fetching"
-    RESIDENT = "resident"
-    WRITING_BACK = "writing_back"
-
-
-class TensorRecord:
-    """A registered tensor: its handle (name, shape, dtype, bytes, home tier) and where it is now.
-
-    `residency` (per tier), `pins(tier)` and `in_flight` are read-only views; only
-    ResidencyTable's transition methods change them.
-    """
-
-    def __init__(self, handle: TensorHandle, moves: MoveTable) -> None:
-        self.handle = handle
-        self.name = handle.name
-        self.nbytes = handle.nbytes
-        self._residency = {t: Residency.ABSENT for t in Tier}
-        self.residency: Mapping[Tier, Residency] = MappingProxyType(self._residency)
-        """Per tier; read-only (a view, not a property: readers on the hot path call nothing)."""
-        self._copies: dict[Tier, Copy] = {}
-        self._moves = moves
-        self._home_error: BaseException | None = None
-        """The last write to the home failed: its contents there are lost until the next write."""
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.handle.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.handle.dtype
-
-    @property
-    def home(self) -> Tier:
-        return self.handle.home
-
-    @property
-    def in_flight(self) -> tuple[Move, ...]:
-        return self._moves.for_tensor(self.handle)
-
-    def pins(self, tier: Tier | str) -> int:
-        copy = self._copies.get(Tier.parse(tier))
-        return copy.pins if copy is not None else 0
-
-    def check_acquired(self, tier: Tier) -> None:
-        """RuntimeError unless an acquire() not yet released pins the copy on `tier`."""
-        copy = self._copies.get(tier)
-        if copy is None or copy.pins == 0 or not copy.holders:
-            raise RuntimeError(f"release({self.name!r}, {tier.value!r}) without a matching acquire()")
-
-    def __repr__(self) -> str:
-        where = ", ".join(f"{t.value}: {r.value}" for t, r in self._residency.items() if r is not Residency.ABSENT)
-        return (f"TensorRecord({self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
-                f"nbytes={self.nbytes}, home={self.home.value}, {{{where}}})")
-
-
-def assert_in_states(rec: TensorRecord, tier: Tier, *states: Residency) -> None:
-    assert rec._residency[tier] in states, (
-        f"{rec.name} on {tier}: expected {[s.value for s in states]}, is {rec._residency[tier].value}")
 
 
 class ResidencyTable:
@@ -142,9 +67,58 @@ class ResidencyTable:
         self._io = MoveIO(streams, swap)
         self._executor = MoveExecutor(self.cond, self._io, workers=workers, rank=rank)
         self.moves: MoveTable = self._executor.table
+        self.closed = False
+        """Set by PlacementManager.close(): every call and every wait fails."""
 
-    def get(self, handle: TensorHandle) -> TensorRecord | None:
-        return self._records.get(handle)
+    # ---------------------------- what a call checks, and the conditions Waits.until waits on
+    # (each answers None while the wait goes on)
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("PlacementManager is closed")
+
+    def record_of(self, h: TensorHandle, what: str) -> TensorRecord:
+        """The record of a registered handle; TypeError for what is no handle, KeyError for one
+        not registered here."""
+        self.check_open()
+        rec = self._records.get(h)
+        if rec is None:
+            if not isinstance(h, TensorHandle):
+                raise TypeError(f"{what}: expected the TensorHandle that register() returned, got {h!r}")
+            raise KeyError(f"{what}: no tensor named {h.name!r} is registered (unregistered, or "
+                           "registered with another PlacementManager)")
+        return rec
+
+    def check_held(self, rec: TensorRecord, tier: Tier) -> None:
+        """`check(rec)`, and an acquire() not yet released pins the copy on `tier`."""
+        self.check(rec)
+        rec.check_acquired(tier)
+
+    def check(self, subject: TensorRecord | str, what: str = "") -> None:
+        """Under the lock: the manager is open, and the tensor still registered."""
+        self.check_open()
+        if not isinstance(subject, str) and self._records.get(subject.handle) is not subject:
+            raise KeyError(f"{what or subject.name}: {subject.name!r} was unregistered by another thread meanwhile")
+
+    @staticmethod
+    def unmoved(rec: TensorRecord) -> Literal[True] | None:
+        """No move of the tensor in flight."""
+        return True if not rec._moves.for_tensor(rec.handle) else None
+
+    @staticmethod
+    def home_written(rec: TensorRecord) -> Literal[True] | None:
+        """No write toward the tensor's home in flight."""
+        return True if not any(m.dst is rec.home for m in rec._moves.for_tensor(rec.handle)) else None
+
+    @staticmethod
+    def still(rec: TensorRecord, tier: Tier) -> Literal[True] | None:
+        """No fetch filling, nor write-back reading, the copy on `tier`."""
+        return True if rec._residency[tier] not in (Residency.FETCHING, Residency.WRITING_BACK) else None
+
+    def take_when_still(self, rec: TensorRecord, tier: Tier,
+                        needs: list[tuple[Tier, int]]) -> list[Buffer] | Shortfall | None:
+        """`needs` reserved once the copy on `tier` is still: a dirty release's staging."""
+        return None if self.still(rec, tier) is None else self.room.take(needs, rec.handle)
 
     def named(self, name: str) -> bool:
         return name in self._names
@@ -310,6 +284,16 @@ class ResidencyTable:
                 if isinstance(started, Shortfall):
                     return started
         return self.pin(rec, tier), self.moves.get(rec.handle, tier)
+
+    def prefetch(self, rec: TensorRecord, tier: Tier, *, speculative: bool = False) -> bool:
+        """PlacementManager.prefetch under the lock: a copy there or on its way is touched (True);
+        else one is started if there is room now (`try_fetch`)."""
+        self.check(rec)
+        if tier is rec.home or rec._residency[tier] is not Residency.ABSENT:
+            self.room.touch(rec.handle, tier)
+            return True
+        self.room.check_fits(rec.name, rec.nbytes, tier)
+        return self.try_fetch(rec, tier, speculative=speculative) is True
 
     def try_fetch(self, rec: TensorRecord, tier: Tier, *, speculative: bool = False) -> Literal[True] | Shortfall:
         """Start a copy toward `tier` if there is room now; True if started or already there or
@@ -561,13 +545,14 @@ class ResidencyTable:
             for tier in [t for t in rec._copies if t is not rec.home]:
                 self.write_back(rec.handle, tier)
 
-    def settled_clean(self, rec: TensorRecord, tier: Tier) -> bool:
-        """No move on the copy and nothing unwritten in it; starts the write-back of an unpinned
-        dirty copy (a caller waits for it)."""
+    def settled_clean(self, rec: TensorRecord, tier: Tier) -> Literal[True] | None:
+        """True when no move is on the copy and nothing unwritten is in it (None while not);
+        starts the write-back of an unpinned dirty copy (a caller waits for it)."""
         self.write_back(rec.handle, tier)
         copy = rec._copies.get(tier)
-        return rec._residency[tier] not in (Residency.FETCHING, Residency.WRITING_BACK) and not (
+        settled = rec._residency[tier] not in (Residency.FETCHING, Residency.WRITING_BACK) and not (
             copy is not None and copy.dirty)
+        return True if settled else None
 
     def __repr__(self) -> str:
         return f"ResidencyTable(tensors={len(self._records)}, in_flight={len(self.moves)}, {self.room!r})"

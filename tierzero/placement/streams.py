@@ -30,6 +30,31 @@ class CopyEvent(Protocol):
     def query(self) -> bool: ...
 
 
+class DeviceCopies(Protocol):
+    """What the runtime may ask of the device's copy streams (PlacementManager.copies): move a
+    tensor to the device, copy and order copies against compute, allocate for a collective.
+    Registering, lending and freeing buffers stay placement's (CopyStreams)."""
+
+    asynchronous: bool
+    """Copies run beside compute (CUDA streams or the asynchronous stand-in)."""
+
+    def context(self) -> ContextManager[object]: ...
+
+    def compute_ready(self) -> CopyEvent: ...
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, after: CopyEvent | None = None) -> CopyEvent: ...
+
+    def compute_wait(self, event: CopyEvent | None, tensor: torch.Tensor) -> None: ...
+
+    def is_device(self, t: torch.Tensor) -> bool: ...
+
+    def to_device(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor: ...
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
+
+    def check_collective(self, t: torch.Tensor, what: str) -> None: ...
+
+
 class DoneEvent:
     """The event of synchronous work: finished before it was made."""
 

@@ -19,7 +19,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, ContextManager, Iterator, NamedTuple, Protocol
 
 from tierzero.config import TIER_NAMES
 from tierzero.placement.handles import TRAFFIC_GROUPS
@@ -90,6 +90,28 @@ class StepStats:
     activation_stall_s: float = 0.0
     """Seconds compute waited on saved activations: to place them (forward) or to have them back
     on the device (backward); the backward's waits are also in `stall_s`."""
+
+
+class StepRecorder(Protocol):
+    """What the runtime records of a step in placement's telemetry (PlacementManager.recorder):
+    its moves, stalls, activation bytes and spans of the trace; the step's figures are read with
+    `reset_step`. The move and byte accounting of placement's own work stays Telemetry's."""
+
+    info: dict[str, object]
+
+    def record_move(self, tensor: str, src: str, dst: str, nbytes: int, start: float, end: float) -> None: ...
+
+    def record_stall(self, tier: str, seconds: float, sources: dict[str, float]) -> None: ...
+
+    def record_activations(self, tier: str, nbytes: int) -> None: ...
+
+    def record_activation_stall(self, seconds: float) -> None: ...
+
+    def record_span(self, track: str, name: str, start: float, end: float, args: dict) -> None: ...
+
+    def background(self) -> ContextManager[Callable[[], float]]: ...
+
+    def reset_step(self) -> StepStats: ...
 
 
 class Telemetry:

@@ -9,7 +9,8 @@ from typing import Callable, Mapping, TypeVar
 
 from tierzero.config import Tier, format_size
 from tierzero.placement.eviction import Shortfall
-from tierzero.placement.residency import ResidencyTable, TensorRecord
+from tierzero.placement.records import TensorRecord
+from tierzero.placement.residency import ResidencyTable
 from tierzero.placement.swap_dirs import exiting
 
 T = TypeVar("T")
@@ -30,8 +31,6 @@ class Waits:
         self.table = table
         self.timeout_s = timeout_s
         self.stuck_after_s = stuck_after_s
-        self.closed = False
-        """Set by PlacementManager.close(): every wait fails."""
         self._scratch = scratch
         self._short: dict[int, Tier] = {}
         """Threads waiting for room on a tier (under the lock)."""
@@ -54,20 +53,13 @@ class Waits:
             self._short.pop(me, None)
             self._abandoned.discard(me)
 
-    def check(self, subject: TensorRecord | str, what: str = "") -> None:
-        """Under the lock: the manager is open, and the tensor still registered."""
-        if self.closed:
-            raise RuntimeError("PlacementManager is closed")
-        if not isinstance(subject, str) and self.table.get(subject.handle) is not subject:
-            raise KeyError(f"{what or subject.name}: {subject.name!r} was unregistered by another thread meanwhile")
-
     def _loop(self, attempt: Callable[[], T | Shortfall | None], subject: TensorRecord | str, what: str,
               deadline: float) -> T:
         me = threading.get_ident()
         name = subject if isinstance(subject, str) else subject.name
         stuck_since: float | None = None
         while True:
-            self.check(subject, what)
+            self.table.check(subject, what)
             result = attempt()
             if result is not None and not isinstance(result, Shortfall):
                 return result

@@ -150,7 +150,7 @@ class Activations:
         for scope in reversed(self._scopes):
             scope.free()
         self._scopes.clear()
-        self.pm.telemetry.record_activations(Tier.DEVICE, self._outside.layout.finish())
+        self.pm.recorder.record_activations(Tier.DEVICE, self._outside.layout.finish())
         self._outside = ActivationPack(self, ROOT, placed=False)
         self._backward = True
 
@@ -167,7 +167,7 @@ class Activations:
             self.place(pack, self._home(pack))
         else:
             pack.drop_storages()
-            self.pm.telemetry.record_activations(Tier.DEVICE, pack.nbytes)
+            self.pm.recorder.record_activations(Tier.DEVICE, pack.nbytes)
         pack.state = PackState.SEALED
 
     def _home(self, pack: ActivationPack) -> Tier:
@@ -183,10 +183,10 @@ class Activations:
             return Tier(self.mode)
         if fits and (self._keep_from is None or len(self._sizes) >= self._keep_from):
             return Tier.DEVICE
-        free = self.pm.budget(Tier.HOST) - self.pm.bytes_used(Tier.HOST) + self.pm.pool.cached_bytes
+        free = self.pm.host_room()
         if nbytes <= free:
             return Tier.HOST
-        return Tier.NVME if self.pm.swap is not None else Tier.HOST
+        return Tier.NVME if self.pm.config.nvme_dir is not None else Tier.HOST
 
     def _plan(self, sizes: list[int]) -> int:
         """auto: the first pack (in seal order) of the longest run at the end that `_home` will
@@ -233,12 +233,12 @@ class Activations:
             self.ctx.add_activation_bytes(pack.nbytes, home=True)
         self._sizes.append(pack.nbytes)
         self._pending.append(pack)
-        self.pm.telemetry.record_activations(home, pack.nbytes)
+        self.pm.recorder.record_activations(home, pack.nbytes)
         while len(self._unwritten) >= MAX_UNWRITTEN:
             self._wait(self._unwritten.popleft(), f"write {pack.block}")
         if self._writer is None:
             self._writer = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tierzero-act-r{self.ctx.rank}")
-        ready = self.pm.streams.compute_ready()  # the forward's work that made the tensors
+        ready = self.pm.copies.compute_ready()  # the forward's work that made the tensors
         pack.written = self._writer.submit(self._write, pack, pack.pieces(), ready)
         self._unwritten.append(pack.written)
 
@@ -256,18 +256,18 @@ class Activations:
             t0 = time.perf_counter()
             with torch.profiler.record_function(f"tierzero::save_activations {handle.name}"):
                 if tier is Tier.DEVICE:  # device to device: on this thread's stream, after the forward's work
-                    self.pm.streams.compute_wait(ready, dst)
+                    self.pm.copies.compute_wait(ready, dst)
                     for o, src in pieces:
                         dst[o:o + src.numel()].copy_(src)
-                    events = [self.pm.streams.compute_ready()]
+                    events = [self.pm.copies.compute_ready()]
                 else:
-                    events = [self.pm.streams.copy(dst[o:o + src.numel()], src, after=ready) for o, src in pieces]
+                    events = [self.pm.copies.copy(dst[o:o + src.numel()], src, after=ready) for o, src in pieces]
                 for event in events:
                     event.synchronize()
             t1 = time.perf_counter()
             if tier is not Tier.DEVICE:  # a copy within the device moves nothing between tiers
-                self.pm.telemetry.record_move(handle.name, str(Tier.DEVICE), str(tier), handle.nbytes, t0, t1)
-            self.pm.telemetry.record_span(TRACK, f"save {handle.owner}", t0, t1,
+                self.pm.recorder.record_move(handle.name, str(Tier.DEVICE), str(tier), handle.nbytes, t0, t1)
+            self.pm.recorder.record_span(TRACK, f"save {handle.owner}", t0, t1,
                                           {"bytes": handle.nbytes, "tier": handle.home.value})
             done = True
         finally:
@@ -291,8 +291,8 @@ class Activations:
         if pack.handle.home is not Tier.DEVICE:
             self.ctx.add_activation_bytes(pack.nbytes)
         waited = time.perf_counter() - t0
-        self.pm.telemetry.record_activation_stall(waited)
-        self.pm.telemetry.record_span(TRACK, f"fetch {pack.block}", t0, t0 + waited,
+        self.pm.recorder.record_activation_stall(waited)
+        self.pm.recorder.record_span(TRACK, f"fetch {pack.block}", t0, t0 + waited,
                                       {"bytes": pack.nbytes, "stall_s": waited, "tier": pack.handle.home.value,
                                        "ahead": ahead})
         return copy
@@ -301,8 +301,8 @@ class Activations:
         t0 = time.perf_counter()
         future.result()
         if record and (waited := time.perf_counter() - t0) > 0:
-            self.pm.telemetry.record_activation_stall(waited)
-            self.pm.telemetry.record_span(TRACK, f"wait {what}", t0, t0 + waited, {"stall_s": waited})
+            self.pm.recorder.record_activation_stall(waited)
+            self.pm.recorder.record_span(TRACK, f"wait {what}", t0, t0 + waited, {"stall_s": waited})
 
     def _raise_failed_writes(self) -> None:
         while self._unwritten and self._unwritten[0].done():

@@ -2,7 +2,7 @@
 place tierzero calls torch.distributed.
 
 Every tensor given to a collective must be device memory (NCCL refuses host tensors; the
-stream stand-in checks it on the CPU: `CopyStreams.check_collective`), and the buffers they
+stream stand-in checks it on the CPU: `DeviceCopies.check_collective`), and the buffers they
 make are made there. Every all-gather, reduce-scatter and all-reduce adds to a `CommBytes` the
 bytes of the buffer it covers: the gathered output, the reduced input (the unit of the ZeRO paper's traffic model,
 where gathering or reduce-scattering Ψ elements costs Ψ; on a ring each rank sends (N - 1) / N
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tierzero.layout import CommBytes, FlatLayout
-from tierzero.placement import CopyStreams
+from tierzero.placement import DeviceCopies
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -48,13 +48,13 @@ def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
     fn(out, inp, op=dist.ReduceOp.SUM, group=group)
 
 
-def _on_device(streams: CopyStreams, what: str, *tensors: torch.Tensor) -> None:
+def _on_device(streams: DeviceCopies, what: str, *tensors: torch.Tensor) -> None:
     for t in tensors:
         streams.check_collective(t, what)
 
 
 def start_all_gather(shard: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None,
-                     comm: CommBytes, streams: CopyStreams) -> Any:
+                     comm: CommBytes, streams: DeviceCopies) -> Any:
     """Start gathering every rank's `shard` into `full`; returns the collective's work handle
     (wait() on it before reading `full`). Only called with world size > 1."""
     _on_device(streams, "an all-gather", shard, full)
@@ -155,7 +155,7 @@ def rank_errors(rank: int, world_size: int, what: str) -> Iterator[None]:
 
 
 def all_gather_flat(shard: torch.Tensor, layout: FlatLayout, group: dist.ProcessGroup | None,
-                    comm: CommBytes, streams: CopyStreams, *, out: torch.Tensor | None = None) -> torch.Tensor:
+                    comm: CommBytes, streams: DeviceCopies, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """The full flat buffer from every rank's shard, new or in `out` (world 1: the shard
     itself, no copy)."""
     if layout.world_size == 1:
@@ -168,7 +168,7 @@ def all_gather_flat(shard: torch.Tensor, layout: FlatLayout, group: dist.Process
 
 
 def reduce_scatter_flat(full: torch.Tensor, layout: FlatLayout, group: dist.ProcessGroup | None,
-                        comm: CommBytes, streams: CopyStreams) -> torch.Tensor:
+                        comm: CommBytes, streams: DeviceCopies) -> torch.Tensor:
     """This rank's shard of the mean of every rank's full flat buffer (world 1: `full` itself)."""
     if layout.world_size == 1:
         return full
@@ -180,14 +180,14 @@ def reduce_scatter_flat(full: torch.Tensor, layout: FlatLayout, group: dist.Proc
 
 
 def all_reduce_flat(full: torch.Tensor, layout: FlatLayout, group: dist.ProcessGroup | None,
-                    comm: CommBytes, streams: CopyStreams) -> torch.Tensor:
+                    comm: CommBytes, streams: DeviceCopies) -> torch.Tensor:
     """The mean of every rank's full flat buffer, in place (world 1: `full` itself)."""
     if layout.world_size == 1:
         return full
     return all_reduce_(full, group, layout.world_size, streams, comm=comm).div_(layout.world_size)
 
 
-def all_reduce_(t: torch.Tensor, group: dist.ProcessGroup | None, world_size: int, streams: CopyStreams, *,
+def all_reduce_(t: torch.Tensor, group: dist.ProcessGroup | None, world_size: int, streams: DeviceCopies, *,
                 op: str = "sum", comm: CommBytes | None = None) -> torch.Tensor:
     """`t` reduced over the ranks in place (sum or max); world 1: unchanged."""
     if world_size > 1:
@@ -199,7 +199,7 @@ def all_reduce_(t: torch.Tensor, group: dist.ProcessGroup | None, world_size: in
 
 
 def broadcast_from_first_(t: torch.Tensor, group: dist.ProcessGroup | None, world_size: int,
-                          streams: CopyStreams) -> torch.Tensor:
+                          streams: DeviceCopies) -> torch.Tensor:
     """`t` overwritten in place with the group's first rank's values; world 1: unchanged."""
     if world_size > 1:
         _on_device(streams, "a broadcast", t)

@@ -141,8 +141,8 @@ class FlatParam:
         flat = self.layout.flatten(values, dtype=torch.float32, device="cpu")
         if ctx.world_size > 1:  # broadcast on the device, where the group's collectives run
             with rank_errors(ctx.rank, ctx.world_size, f"broadcast of {self.name}.{kind.value} at wrap"):
-                flat = broadcast_from_first_(ctx.pm.streams.to_device(flat), ctx.group, ctx.world_size,
-                                             ctx.pm.streams).cpu()
+                flat = broadcast_from_first_(ctx.pm.copies.to_device(flat), ctx.group, ctx.world_size,
+                                             ctx.pm.copies).cpu()
         self._register(flat[self.shard], flat if ctx.zero.params_whole else None, lazy=False)
 
     def register_shard(self, shard: LoadedShard) -> None:
@@ -156,7 +156,7 @@ class FlatParam:
         whole = None
         if ctx.zero.params_whole:
             assert shard.home is None, self.name  # the whole parameters are not the shard's bytes
-            whole = self._gather(ctx.pm.streams.to_device(shard.values, ctx.compute_dtype), "at wrap")
+            whole = self._gather(ctx.pm.copies.to_device(shard.values, ctx.compute_dtype), "at wrap")
         self._register(shard.values, whole, lazy=True, borrowed=shard.home)
 
     def _register(self, shard: torch.Tensor, whole: torch.Tensor | None, *, lazy: bool,
@@ -336,8 +336,8 @@ class FlatParam:
         flat = ctx.pm.read(self.values)
         if flat.numel() < self.layout.padded_numel:
             with rank_errors(ctx.rank, ctx.world_size, f"all-gather of {self.param.name} for a state dict"):
-                flat = all_gather_flat(ctx.pm.streams.to_device(flat), self.layout, ctx.group, ctx.comm,
-                                       ctx.pm.streams).cpu()
+                flat = all_gather_flat(ctx.pm.copies.to_device(flat), self.layout, ctx.group, ctx.comm,
+                                       ctx.pm.copies).cpu()
         return [v.to(dt, copy=True) for v, dt in zip(self.layout.views(flat), self.orig_dtypes)]
 
     def held_values(self) -> torch.Tensor:
@@ -387,7 +387,7 @@ class FlatParam:
 
     def _store_param(self, shard: torch.Tensor, *, discard: bool = True) -> None:
         ctx = self.ctx
-        streams = ctx.pm.streams
+        streams = ctx.pm.copies
         shard = shard.to(ctx.compute_dtype)
         if ctx.zero.params_whole and self.param.home is Tier.DEVICE:  # gathered in place
             whole = ctx.pm.acquire(self.param, Tier.DEVICE)
@@ -414,7 +414,7 @@ class FlatParam:
         ctx = self.ctx
         with torch.profiler.record_function(f"tierzero::all_gather_updated {self.name}"), \
                 rank_errors(ctx.rank, ctx.world_size, f"all-gather of {self.name}'s parameters {why}"):
-            return all_gather_flat(shard, self.layout, ctx.group, ctx.comm, ctx.pm.streams, out=out)
+            return all_gather_flat(shard, self.layout, ctx.group, ctx.comm, ctx.pm.copies, out=out)
 
     def __repr__(self) -> str:
         kind = "param" if self.trainable else "frozen"

@@ -30,7 +30,7 @@ def start_gather(ctx: StepContext, flat: FlatRef) -> PendingGather:
     try:
         with torch.profiler.record_function(f"tierzero::all_gather {flat.name}"), \
                 rank_errors(ctx.rank, ctx.world_size, f"all-gather of {flat.param.name}"):
-            work = start_all_gather(shard, full, ctx.group, ctx.comm, ctx.pm.streams)
+            work = start_all_gather(shard, full, ctx.group, ctx.comm, ctx.pm.copies)
     except BaseException:
         ctx.pm.free_scratch(scratch, Tier.DEVICE)
         ctx.pm.release(flat.param, Tier.DEVICE)

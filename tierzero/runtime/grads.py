@@ -227,7 +227,7 @@ class FlatGrad:
         """Early capture sums into a device buffer, not the stored gradient
         ([Note: early gradient capture]; in a layer-major step also where that buffer sums in a
         wider dtype than the compute dtype, see [Note: layer-major sums in the gradient's dtype])."""
-        return (self.ctx.pm.streams.asynchronous or self.ctx.world_size > 1
+        return (self.ctx.pm.copies.asynchronous or self.ctx.world_size > 1
                 or self._sum_dtype() != self.ctx.compute_dtype)
 
     def can_capture(self, dtype: torch.dtype) -> bool:
@@ -377,7 +377,7 @@ class FlatGrad:
         gradient: the first time in a step by an asynchronous device-to-host copy (written over
         whole), later times added to it."""
         ctx, h = self.ctx, self.handle
-        streams = ctx.pm.streams
+        streams = ctx.pm.copies
         buf = ctx.pm.acquire(h, h.staging, overwrite=self.empty)
         written = None
         try:
@@ -417,7 +417,7 @@ class FlatGrad:
         parameter's temporary at a time, on the copy stream). The norms are taken from the
         `.grad` on the device before they leave. Returns the event of the last copy: a stream
         runs its copies in order."""
-        streams = self.ctx.pm.streams
+        streams = self.ctx.pm.copies
         if streams.is_device(buf):
             self._written(self.layout.flatten(grads, dtype=buf.dtype, out=buf))
             return None

@@ -262,7 +262,7 @@ def placement_manager(model: nn.Module) -> PlacementManager:
 def step_stats(model: nn.Module) -> StepStats:
     """This step's stall seconds and bytes moved per tier and prefetch hits/misses, since the
     previous call (call it once per training step)."""
-    return state_of(model).pm.telemetry.reset_step()
+    return state_of(model).pm.recorder.reset_step()
 
 
 def step_comm_bytes(model: nn.Module) -> CommBytes:

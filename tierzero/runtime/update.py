@@ -197,7 +197,7 @@ class BlockState:
         the state is released dirty either way."""
         flat, pm = self.flat, self.flat.ctx.pm
         handles, where = list(self._handles.values()), self._staging[0]
-        with torch.profiler.record_function(f"tierzero::optimizer_step {flat.name}"), pm.streams.context(), \
+        with torch.profiler.record_function(f"tierzero::optimizer_step {flat.name}"), pm.copies.context(), \
                 self.gradient.acquire(tier=where) as grad:
             tensors: list[torch.Tensor] = []
             try:
@@ -271,7 +271,7 @@ def _held_through_backward(state: TieredState, flat: FlatParam, where: Tier) -> 
 def update_queue(state: TieredState, read_ahead: int) -> StepQueue:
     """The overlapped step's queue of block updates, attached to the model: the loop's waits
     for an update are host stalls, and the tier model learns how far updates read ahead."""
-    ctx, telemetry = state.ctx, state.pm.telemetry
+    ctx, telemetry = state.ctx, state.pm.recorder
     queue = StepQueue(on_wait=lambda s: telemetry.record_stall(Tier.HOST, s, {"update": s}), on_done=ctx.update_done)
     telemetry.info["update_read_ahead"] = read_ahead  # the tier model replays the updates
     ctx.overlap_step(queue)
@@ -285,7 +285,7 @@ def beside_compute(state: TieredState, update: Callable[[], Result], name: str, 
     are). Each update is a span of the trace's "updates" track, with the seconds it waited for
     data and whether it is the overlapped step's (under the next forward) or step_in_backward's:
     the tier model replays the former."""
-    telemetry = state.pm.telemetry
+    telemetry = state.pm.recorder
 
     def beside() -> Result:
         t0 = time.perf_counter()
@@ -302,7 +302,7 @@ def global_norm(shard_norms: list[torch.Tensor], norm_type: float, ctx: StepCont
     """The norm over every rank's gradient shards from this rank's per-shard norms (shards split
     the flat gradients exactly, padding holds zeros), reduced on the device."""
     local = torch.stack([n.to(ctx.device) for n in shard_norms])
-    streams = ctx.pm.streams
+    streams = ctx.pm.copies
     with rank_errors(ctx.rank, ctx.world_size, "all-reduce of the gradient norm"):
         if math.isinf(norm_type):
             return all_reduce_(streams.to_device(local.max()), ctx.group, ctx.world_size, streams, op="max",

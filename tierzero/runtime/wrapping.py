@@ -135,7 +135,7 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
                                                                   ctx.zero))
                           for name, _, flats in layouts for ps, layout in flats]
                 # closed before the files (the exit stack unwinds in reverse): no read left in flight
-                shards = files.enter_context(contextlib.closing(plan.read_shards(wanted, rank, swap=pm.swap)))
+                shards = files.enter_context(contextlib.closing(plan.read_shards(wanted, rank, borrow=pm.borrow)))
             activations = Activations(ctx, config, root_bytes=placement.fetched_root,
                                       largest_block=placement.fetched_largest)
             blocks = [_build_block(name, modules, flats, ctx, config, activations, shards)
@@ -166,8 +166,8 @@ def _start(model: nn.Module, config: Config, ctx: StepContext, blocks: list[Bloc
     pm = ctx.pm
     for module in model.modules():
         for key, buf in module._buffers.items():
-            if buf is not None and (buf.device != pm.device or not pm.streams.is_device(buf)):
-                module._buffers[key] = pm.streams.to_device(buf)
+            if buf is not None and (buf.device != pm.device or not pm.copies.is_device(buf)):
+                module._buffers[key] = pm.copies.to_device(buf)
     _broadcast_buffers(model, ctx)
     state = TieredState(model, config, ctx, blocks, activations, renew=lambda: refresh(model))
     groups = {b.name: b.group for b in blocks}
@@ -314,7 +314,7 @@ def _broadcast_buffers(model: nn.Module, ctx: StepContext) -> None:
     """Every rank starts with the first rank's buffers (running statistics, masks)."""
     for fqn, buf in model.named_buffers():
         with rank_errors(ctx.rank, ctx.world_size, f"broadcast of buffer {fqn!r} at wrap"):
-            broadcast_from_first_(buf, ctx.group, ctx.world_size, ctx.pm.streams)
+            broadcast_from_first_(buf, ctx.group, ctx.world_size, ctx.pm.copies)
 
 
 # ------------------------------------------------------------------------ meta-device models

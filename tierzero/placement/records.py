@@ -1,0 +1,113 @@
+"""A placed tensor's record: `Residency` per tier, the `Copy` on each tier it is on, and the
+`TensorRecord` that holds them. ResidencyTable (residency.py) is the state machine: its
+transitions are the only writers of these; everyone else reads the views that
+`PlacementManager.record(handle)` returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from types import MappingProxyType
+from typing import Mapping
+
+import torch
+
+from tierzero.config import Tier
+from tierzero.placement.handles import TensorHandle
+from tierzero.placement.moves import Move, MoveTable
+from tierzero.placement.streams import DONE, CopyEvent
+from tierzero.placement.tier_store import Buffer
+
+
+class Residency(Enum):
+    """State of one tensor on one tier, and what it costs there.
+
+    HOME          the tensor's home copy: its bytes are reserved on the tier from register to
+                  unregister (or close).
+    ABSENT        no copy on this tier: costs nothing.
+    FETCHING      a copy toward this tier is in flight: its bytes are reserved here (plus a host
+                  staging buffer while an NVMe read feeds a device copy).
+    RESIDENT      a valid cached copy: its bytes are reserved; evictable when unpinned.
+    WRITING_BACK  a cached copy whose contents are being written to the home tier: bytes reserved
+                  (plus a host staging buffer for device -> NVMe); not evictable until done.
+    """
+
+    HOME = "home"
+    ABSENT = "absent"
+    FETCHING = "fetching"
+    RESIDENT = "resident"
+    WRITING_BACK = "writing_back"
+
+
+@dataclass(eq=False)
+class Copy:
+    """One tensor's bytes on one tier (a TensorRecord keeps one per tier it is on)."""
+
+    buffer: Buffer
+    """What holds the reservation: a host pool buffer, a device buffer, or an NVMe region."""
+    tensor: torch.Tensor | None
+    """The bytes viewed with the registered shape and dtype (None for an NVMe region)."""
+    pins: int = 0
+    """Acquires not yet released, plus moves in flight reading from this copy."""
+    holders: list[int] = field(default_factory=list)
+    """The threads (idents) of the acquires not yet released: a wait for room that only this
+    thread's own copies block can never end (PlacementManager tells it at once)."""
+    stale: bool = False
+    """Another copy was written back while this one was pinned or in flight: drop it when free."""
+    used: bool = False
+    """Acquired since it was fetched: a prefetched copy not yet used is evicted last."""
+    dirty: bool = False
+    """Newer than the home (released dirty with lazy=True): written back before it is evicted,
+    or dropped unwritten by discard()."""
+    event: CopyEvent = DONE
+    """The copy that filled it; compute waits on it before using the tensor."""
+
+
+class TensorRecord:
+    """A registered tensor: its handle (name, shape, dtype, bytes, home tier) and where it is now.
+
+    `residency` (per tier), `pins(tier)` and `in_flight` are read-only views; only
+    ResidencyTable's transition methods change them.
+    """
+
+    def __init__(self, handle: TensorHandle, moves: MoveTable) -> None:
+        self.handle = handle
+        self.name = handle.name
+        self.nbytes = handle.nbytes
+        self.shape: torch.Size = handle.shape
+        self.dtype: torch.dtype = handle.dtype
+        self.home: Tier = handle.home
+        self._residency = {t: Residency.ABSENT for t in Tier}
+        self.residency: Mapping[Tier, Residency] = MappingProxyType(self._residency)
+        """Per tier; read-only (a view, not a property: readers on the hot path call nothing)."""
+        self._copies: dict[Tier, Copy] = {}
+        self._moves = moves
+        self._home_error: BaseException | None = None
+        """The last write to the home failed: its contents there are lost until the next write."""
+
+    @property
+    def in_flight(self) -> tuple[Move, ...]:
+        return self._moves.for_tensor(self.handle)
+
+    def pins(self, tier: Tier | str) -> int:
+        copy = self._copies.get(Tier.parse(tier))
+        return copy.pins if copy is not None else 0
+
+    def check_acquired(self, tier: Tier) -> None:
+        """RuntimeError unless an acquire() not yet released pins the copy on `tier`."""
+        copy = self._copies.get(tier)
+        if copy is None or copy.pins == 0 or not copy.holders:
+            raise RuntimeError(f"release({self.name!r}, {tier.value!r}) without a matching acquire()")
+
+    def __repr__(self) -> str:
+        where = ", ".join(f"{t.value}: {r.value}" for t, r in self._residency.items() if r is not Residency.ABSENT)
+        return (f"TensorRecord({self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"nbytes={self.nbytes}, home={self.home.value}, {{{where}}})")
+
+
+def assert_in_states(rec: TensorRecord, tier: Tier, *states: Residency) -> None:
+    assert rec._residency[tier] in states, (
+        f"{rec.name} on {tier}: expected {[s.value for s in states]}, is {rec._residency[tier].value}")
+
+
