@@ -75,6 +75,12 @@ class PackLayout:
         self.segments[i] = Segment(start, max(seg.end, span.end), phase)
         return i
 
+    def add_tensor(self, t: torch.Tensor, storage: Hashable, address: int) -> tuple[int, SavedSpan]:
+        """`add` of the span `t` reaches in its storage (`storage`, `address` as there); the
+        segment's index and the span."""
+        span = saved_span(t)
+        return self.add(storage, address, span), span
+
     def finish(self) -> int:
         """Give each segment its offset in the pack (its phase kept); the pack's bytes."""
         offset = 0

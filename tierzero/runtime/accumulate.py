@@ -114,8 +114,9 @@ class LayerMajorStep:
         current = greenlet.getcurrent()
         if current not in self._workers:
             return
-        if self.state.activations.in_scope or _thread_state() != self._entry_state:
-            where = ("inside another block's call" if self.state.activations.in_scope else
+        in_scope = self.state.activations.saved.in_scope
+        if in_scope or _thread_state() != self._entry_state:
+            where = ("inside another block's call" if in_scope else
                      "inside a region that changes autograd's state (no_grad, autocast, or torch.utils.checkpoint: "
                      "turn the model's own gradient checkpointing off, Config(activation_checkpointing=True) "
                      "keeps only each block's input)")

@@ -17,7 +17,7 @@ from tierzero.config import Config, Tier, format_size
 from tierzero.layout import ROOT
 from tierzero.placement import ACTIVATIONS_TRACK, Kind, Residency
 from tierzero.prefetch import Unit
-from tierzero.runtime.activation_pack import ActivationPack, PackState
+from tierzero.runtime.activation_pack import ActivationPack, PackState, SavedTensors
 from tierzero.runtime.step_context import StepContext
 
 MAX_UNWRITTEN = 2
@@ -30,7 +30,7 @@ reads backward's "fetch" spans: planning/recording.py)."""
 
 
 # [Note: placed activations]
-# During the root module's forward the saved-tensor hooks (blocks.SavedParamViews) hand every
+# During the root module's forward the saved-tensor hooks (activation_pack.SavedTensors) hand every
 # tensor autograd saves to the innermost block call running, its *scope*. Views of parameters
 # stay references into the block ([Note: saved parameter views]); the rest are the call's
 # activations. An `ActivationPack` gathers them, one segment per storage they view
@@ -77,13 +77,10 @@ class Activations:
         self.largest_block = largest_block
         self.dead: collections.deque[ActivationPack] = collections.deque()
         """Packs given up whose placement is still to undo (appended from any thread)."""
-        self._scopes: list[Any] = []
         self._pending: list[ActivationPack] = []
         """Placed packs not yet freed, in the order they were sealed."""
         self._unwritten: collections.deque[cf.Future[None]] = collections.deque()
         self._writer: cf.ThreadPoolExecutor | None = None
-        self._outside = ActivationPack(self, ROOT, placed=False)
-        """What the forward saves outside every block call: counted only."""
         self._count = 0
         self._sizes: list[int] = []
         """This iteration's placed packs' bytes, in seal order (auto plans the next from them)."""
@@ -94,6 +91,8 @@ class Activations:
         """The forward is over: its packs are read back ahead (see `prefetch`)."""
         self.lock = threading.Lock()
         """Orders a pack's `landed` (the writer) against `wanted` (the prefetcher)."""
+        self.saved = SavedTensors(self, ctx.copies, ctx.compute_dtype)
+        """The saved-tensor hooks of the root's forward and the scopes of its block calls."""
 
     @property
     def placed(self) -> bool:
@@ -118,27 +117,10 @@ class Activations:
     def new_pack(self, block: str) -> ActivationPack:
         return ActivationPack(self, block, placed=self.placed)
 
-    @property
-    def in_scope(self) -> bool:
-        """A block call's scope is open (its forward is running)."""
-        return bool(self._scopes)
-
-    def push(self, scope: Any) -> None:
-        self._scopes.append(scope)
-
-    def pop(self, scope: Any) -> None:
-        assert self._scopes and self._scopes[-1] is scope, (self._scopes, scope)
-        self._scopes.pop()
-
-    def save(self, t: torch.Tensor, param_view: bool) -> Any:
-        """The saved-tensor hook's question: what the innermost scope keeps for `t` (None:
-        the caller saves it as before). Outside every block, `t` is counted on the device."""
-        return (self._scopes[-1] if self._scopes else self._outside).save(t, param_view)
-
     def begin_iteration(self) -> None:
         """A root forward with grad starts: plan auto's placement from the last iteration."""
         self.collect()
-        self._scopes.clear()
+        self.saved.begin()
         self._backward = False
         if self._sizes:
             self._keep_from = None if self.mode != "auto" else self._plan(self._sizes)
@@ -147,11 +129,7 @@ class Activations:
     def end_forward(self) -> None:
         """The root forward is over (or raised): count what it saved outside the blocks; packs
         of block calls a raise left open are dropped."""
-        for scope in reversed(self._scopes):
-            scope.free()
-        self._scopes.clear()
-        self.pm.telemetry.record_activations(Tier.DEVICE, self._outside.layout.finish())
-        self._outside = ActivationPack(self, ROOT, placed=False)
+        self.pm.telemetry.record_activations(Tier.DEVICE, self.saved.end_forward())
         self._backward = True
 
     # ------------------------------------------------------------------------ placement

@@ -15,7 +15,7 @@ compute dtype and all-gathered, in a device scratch buffer, into every rank's wh
 from __future__ import annotations
 
 from enum import Enum
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from tierzero.config import Tier
 from tierzero.formats import LoadedShard, ShardRequest
 from tierzero.layout import FlatLayout, ZeroStage, fetched_bytes
 from tierzero.placement import CheckpointHome, Kind, TensorHandle
+from tierzero.runtime.activation_pack import SavedView
 from tierzero.runtime.collectives import all_gather_flat, broadcast_from_first_, rank_errors
 from tierzero.runtime.gathers import discard_gather
 from tierzero.runtime.grad_views import view_of
@@ -50,15 +51,6 @@ class ParamState(Enum):
     FREE = "free"
     HELD = "held"
     SCRATCH = "scratch"
-
-
-class SavedView(NamedTuple):
-    """A tensor saved for backward that views a held flat tensor's device copy."""
-
-    flat: "FlatParam"
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int
 
 
 # [Note: master weights]
@@ -258,7 +250,7 @@ class FlatParam:
             unguard(p)
             p.data = view
         self._device = flat
-        self.ctx.track(self, flat)
+        self.ctx.copies.track(self, flat)
         self._state = ParamState.HELD
 
     def install_scratch(self, values: list[torch.Tensor]) -> None:
@@ -278,7 +270,7 @@ class FlatParam:
             p.data = ph
             guard(p, slot.fqn, self, i)
         if self._device is not None:
-            self.ctx.untrack(self._device)
+            self.ctx.copies.untrack(self._device)
             self._device = None
         self._state = ParamState.FREE
 

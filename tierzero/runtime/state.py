@@ -18,7 +18,8 @@ from tierzero.config import Config, Tier, format_size
 from tierzero.layout import CommBytes, unique_params
 from tierzero.placement import PlacementManager, StepStats
 from tierzero.runtime.activations import Activations
-from tierzero.runtime.blocks import Block, SavedParamViews, opaque, output_tensors
+from tierzero.runtime.activation_pack import opaque
+from tierzero.runtime.blocks import Block, output_tensors
 from tierzero.runtime.fetch_group import discard_gathers
 from tierzero.runtime.flat_param import FlatParam
 from tierzero.runtime.grads import GradCapture
@@ -51,7 +52,7 @@ class TieredState:
         self.param_order = [self._flat_of[id(p)] for p in model.parameters()]
         """(FlatParam, index) of each parameter in model.parameters() order."""
         self._handles: list[Any] = []
-        self._saved_views = SavedParamViews(ctx, activations)
+        self._saved_views = activations.saved
         self.grouped = False
         """tz.accumulate's step runs the micro-batches' forwards: it, not the root hooks, begins and ends it."""
         self._renew = renew

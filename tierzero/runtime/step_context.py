@@ -24,6 +24,7 @@ from tierzero.config import Tier
 from tierzero.layout import BlockTiers, CommBytes, FlatLayout, ZeroStage
 from tierzero.placement import CheckpointHome, Kind, PlacementManager, TensorHandle
 from tierzero.prefetch import Prefetcher
+from tierzero.runtime.activation_pack import HeldCopies
 from tierzero.runtime.step_queue import StepQueue
 
 
@@ -97,7 +98,6 @@ class GatherCounts:
 #     hold / release    a block is fetched / released (the held set, and device room beside it;
 #                       a forward's first fetches give `forward_order` when its backward ends)
 #     add_activation_bytes  placed activations kept on the device (less device room)
-#     track / untrack   a held flat tensor's device storage (saved-tensor hooks find it by pointer)
 #     put / take gather an all-gather started ahead waits here for its block's fetch
 #     begin_backward    the first pre-backward hook: phase BACKWARD, the final callback queued once
 #                       (after the last step's overlapped updates, which it waits for)
@@ -137,8 +137,6 @@ class StepContext:
     _capture_bytes: int = field(default=0, init=False)
     """Device bytes early capture holds now (not available for fetched copies)."""
     _held: dict[str, HeldBlock] = field(default_factory=dict, init=False)
-    _held_storage: dict[int, FlatRef] = field(default_factory=dict, init=False)
-    """data_ptr of a held flat tensor's device copy -> its FlatParam."""
     _gathers: dict[FlatRef, PendingGather] = field(default_factory=dict, init=False)
     """All-gathers started ahead of their block's fetch (world size > 1), in issue order; they
     are always among the blocks the prefetcher chose last, so they fit the device room."""
@@ -170,6 +168,13 @@ class StepContext:
     clip_norm_type: float | None = field(default=None, init=False)
     """The norm tz.clip_grad_norm_ last computed: each FlatGrad computes it as its gradient is
     written in backward, so clipping needs no second read of the gradients."""
+
+    copies: HeldCopies = field(init=False)
+    """The held flat tensors' device copies, by storage pointer (the saved-tensor hooks tell views
+    of parameters by them: activation_pack.py)."""
+
+    def __post_init__(self) -> None:
+        self.copies = HeldCopies(self.pm.device)
 
     def __repr__(self) -> str:
         return (f"StepContext(rank={self.rank}/{self.world_size}, phase={self.phase.value}, "
@@ -376,21 +381,6 @@ class StepContext:
 
     def capture_done(self, nbytes: int) -> None:
         self._capture_bytes -= nbytes
-
-    def track(self, flat: FlatRef, device_copy: torch.Tensor) -> None:
-        self._held_storage[device_copy.untyped_storage().data_ptr()] = flat
-
-    def untrack(self, device_copy: torch.Tensor) -> None:
-        del self._held_storage[device_copy.untyped_storage().data_ptr()]
-
-    def held_flat(self, t: torch.Tensor) -> FlatRef | None:
-        """The held flat tensor whose device copy `t` views, if any."""
-        if not self._held_storage or t.device != self.device:
-            return None
-        try:
-            return self._held_storage.get(t.untyped_storage().data_ptr())
-        except (RuntimeError, NotImplementedError):  # tensors without storage (subclasses)
-            return None
 
     # --------------------------------------------------------------- all-gathers started ahead
 

@@ -64,7 +64,7 @@ from tierzero.runtime.step_context import Phase, StepContext
 #    fp32 master weights block by block, and store the new parameters on their home tier.
 #
 # During the root's forward, tensors autograd saves that view a block's device copy are saved as
-# references into the block (blocks.SavedParamViews), so the copy is really freed after the
+# references into the block (activation_pack.SavedTensors), so the copy is really freed after the
 # forward and rebuilt for backward; the other tensors a block call saves are placed per
 # Config.activations, or recomputed (Config.activation_checkpointing): see activations.py and
 # recompute.py.
