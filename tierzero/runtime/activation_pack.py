@@ -216,7 +216,7 @@ class ActivationPack:
 class ViewedFlat(Protocol):
     """A flat tensor whose held device copy saved tensors may view (runtime.flat_param.FlatParam)."""
 
-    def saved_view(self, saved: "SavedView") -> torch.Tensor: ...
+    name: str
 
 
 class SavedView(NamedTuple):
@@ -236,12 +236,24 @@ class HeldCopies:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._by_ptr: dict[int, ViewedFlat] = {}
+        self._copy: dict[ViewedFlat, torch.Tensor] = {}
 
     def track(self, flat: ViewedFlat, device_copy: torch.Tensor) -> None:
+        """`flat` is held: its parameters view `device_copy`."""
         self._by_ptr[device_copy.untyped_storage().data_ptr()] = flat
+        self._copy[flat] = device_copy
 
     def untrack(self, device_copy: torch.Tensor) -> None:
-        del self._by_ptr[device_copy.untyped_storage().data_ptr()]
+        del self._copy[self._by_ptr.pop(device_copy.untyped_storage().data_ptr())]
+
+    def view(self, saved: SavedView) -> torch.Tensor:
+        """A tensor saved as a view of a flat tensor's device copy, rebuilt on the copy held now."""
+        copy = self._copy.get(saved.flat)
+        if copy is None:
+            raise RuntimeError(
+                f"tierzero: backward needs parameters of {saved.flat.name!r} but the block is not fetched; "
+                "a second backward through the same graph (retain_graph=True) is not supported")
+        return copy.as_strided(saved.size, saved.stride, saved.offset)
 
     def find(self, t: torch.Tensor) -> ViewedFlat | None:
         """The held flat tensor whose device copy `t` views, if any."""
@@ -355,10 +367,9 @@ class SavedTensors:
         # dropped without backward alive (autograd restores the metadata when unpacking).
         return t.detach()
 
-    @staticmethod
-    def _unpack(packed: Any) -> torch.Tensor:
+    def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, SavedView):
-            return packed.flat.saved_view(packed)
+            return self.copies.view(packed)
         if isinstance(packed, SavedActivation):
             return packed.unpack()
         if isinstance(packed, _Outer):

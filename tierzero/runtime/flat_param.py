@@ -24,7 +24,6 @@ from tierzero.config import Tier
 from tierzero.formats import LoadedShard, ShardRequest
 from tierzero.layout import FlatLayout, ZeroStage, fetched_bytes
 from tierzero.placement import CheckpointHome, Kind, TensorHandle
-from tierzero.runtime.activation_pack import SavedView
 from tierzero.runtime.collectives import all_gather_flat, broadcast_from_first_, rank_errors
 from tierzero.runtime.gathers import discard_gather
 from tierzero.runtime.grad_views import view_of
@@ -299,16 +298,6 @@ class FlatParam:
         tensor unfrozen is taken in before the next forward (wrapping.refresh)."""
         if requires_grad and not self.trainable:
             self.ctx.unfrozen = True
-
-    def saved_view(self, saved: SavedView) -> torch.Tensor:
-        """A tensor saved for backward as a view of this flat tensor's device copy, rebuilt on the
-        copy held now."""
-        if self._state is not ParamState.HELD:
-            raise RuntimeError(
-                f"tierzero: backward needs parameters of {self.name!r} but the block is not fetched; "
-                "a second backward through the same graph (retain_graph=True) is not supported")
-        assert self._device is not None
-        return self._device.as_strided(saved.size, saved.stride, saved.offset)
 
     def clear_grad(self, *, set_to_none: bool = True) -> None:
         with torch._C.DisableTorchFunctionSubclass():  # autograd's .grad (not forget_slot's p.grad = None)

@@ -41,8 +41,6 @@ class FlatRef(Protocol):
     @property
     def nbytes(self) -> int: ...
 
-    def saved_view(self, saved: Any) -> torch.Tensor: ...
-
 
 class HeldBlock(Protocol):
     """What the shared step state uses of a block (tierzero.runtime.blocks.Block, above)."""
