@@ -33,6 +33,7 @@ from tierzero.runtime.fetch_group import FetchGroup
 from tierzero.runtime.flat_param import FlatParam
 from tierzero.runtime.placeholders import hint
 from tierzero.runtime.recompute import Frame
+from tierzero.runtime.schedule import output_tensors
 from tierzero.runtime.step_context import Phase, StepContext
 
 
@@ -177,8 +178,7 @@ class Block:
             out = self.successor._pre_forward(module, args, {})
             return None if out is None else out[0]
         recompute = self.ctx.phase is Phase.BACKWARD
-        if self.ctx.layer_major is not None and not recompute and self.name != ROOT:
-            self.ctx.layer_major.arrive(self)  # [Note: layer-major schedule] in accumulate.py
+        self.ctx.schedule.arrive(self, recompute=recompute)
         self.hold(FetchPhase.RECOMPUTE if recompute else FetchPhase.FORWARD)
         if not torch.is_grad_enabled():
             return None
@@ -245,9 +245,7 @@ class Block:
         done = [c for c in self._calls if c.holds_backward and (call is None or c is call or c.recompute)]
         if call is not None and call.holds_backward and call not in done:
             done.append(call)
-        # A layer-major step reduces and releases at the block's last call ([Note: layer-major schedule]).
-        deferring = call is not None and self.ctx.layer_major is not None and any(
-            not c.post_backward_done for c in self._calls if c not in done and not c.recompute)
+        deferring = call is not None and self.ctx.schedule.defers_release(self._calls, done)
         if not deferring:
             self.group.reduce_grads()
         for c in done:
@@ -271,16 +269,3 @@ class Block:
 
     def __repr__(self) -> str:
         return f"Block({self.name!r}, {len(self.flats)} flat tensors, {self.nbytes} bytes, holds={self._holds})"
-
-
-def output_tensors(obj: Any) -> list[torch.Tensor]:
-    """Tensors inside an output: tuples, lists, dicts, namedtuples and dataclasses."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if dataclass_fields := getattr(obj, "__dataclass_fields__", None):
-        return [t for name in dataclass_fields for t in output_tensors(getattr(obj, name))]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in output_tensors(v)]
-    if isinstance(obj, (tuple, list)):
-        return [t for v in obj for t in output_tensors(v)]
-    return []

@@ -242,8 +242,8 @@ class FlatGrad:
         """The dtype of early capture's device buffer: the compute dtype, in which autograd would
         sum; in a layer-major step of several micro-batches, the stored gradient's where it is
         wider ([Note: layer-major sums in the gradient's dtype])."""
-        gate, compute = self.ctx.layer_major, self.ctx.compute_dtype
-        if gate is not None and len(gate.micro_batches) > 1 and self.handle.dtype.itemsize > compute.itemsize:
+        compute = self.ctx.compute_dtype
+        if self.ctx.schedule.sums_wide and self.handle.dtype.itemsize > compute.itemsize:
             return self.handle.dtype
         return compute
 

@@ -19,10 +19,11 @@ from tierzero.layout import CommBytes, unique_params
 from tierzero.placement import PlacementManager, StepStats
 from tierzero.runtime.activations import Activations
 from tierzero.runtime.activation_pack import opaque
-from tierzero.runtime.blocks import Block, output_tensors
+from tierzero.runtime.blocks import Block
 from tierzero.runtime.fetch_group import discard_gathers
 from tierzero.runtime.flat_param import FlatParam
 from tierzero.runtime.grads import GradCapture
+from tierzero.runtime.schedule import output_tensors
 from tierzero.runtime.step_context import Phase, StepContext
 
 _STATES: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[TieredState]]" = weakref.WeakKeyDictionary()
@@ -53,8 +54,6 @@ class TieredState:
         """(FlatParam, index) of each parameter in model.parameters() order."""
         self._handles: list[Any] = []
         self._saved_views = activations.saved
-        self.grouped = False
-        """tz.accumulate's step runs the micro-batches' forwards: it, not the root hooks, begins and ends it."""
         self._renew = renew
         """wrapping.refresh of this model: the state that takes in parameters unfrozen since wrap."""
         self._grad_capture = GradCapture([(p, flat.grad, i) for b in blocks for flat in b.flats
@@ -94,7 +93,7 @@ class TieredState:
             raise RuntimeError(f"{type(module).__name__}: a forward inside tz.gathered_params(); run it after the "
                                "with block (the gathered parameters are fetched outside any step)")
         self.ctx.check_thread(type(module).__name__)
-        if self.grouped:
+        if self.ctx.schedule.owns_forward:
             return  # a micro-batch of tz.accumulate's step, which began it once
         fresh = self.renewed()
         if fresh is not self:  # its hooks replaced these: the rest of this forward is its
@@ -129,7 +128,8 @@ class TieredState:
         """Runs even when the forward raised (always_call: then with no output, while torch
         handles the exception); a forward that raised is no trace to learn from, and one that
         `check_thread` refused changed nothing to undo."""
-        if self.ctx.phase is Phase.BACKWARD or self.ctx.owner is not threading.current_thread() or self.grouped:
+        if (self.ctx.phase is Phase.BACKWARD or self.ctx.owner is not threading.current_thread()
+                or self.ctx.schedule.owns_forward):
             return
         self.end_forward(output)
 
@@ -144,6 +144,16 @@ class TieredState:
             self.ctx.end_iteration(died=output is None and sys.exc_info()[0] is not None)
         else:
             self._grad_capture.install(outputs)
+
+    def abort_forward(self) -> None:
+        """A step that raised: its forward ended as one that raised, unless it was over."""
+        if self.ctx.phase is Phase.FORWARD:
+            self.end_forward(None)
+
+    @property
+    def in_block_call(self) -> bool:
+        """A block call's forward is running (its saved tensors go to its scope)."""
+        return self.activations.saved.in_scope
 
     def end_backward(self) -> None:
         """Final callback of a backward pass (queued by the first pre-backward hook)."""

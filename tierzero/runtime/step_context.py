@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from tierzero.layout import BlockTiers, CommBytes, FlatLayout, ZeroStage
 from tierzero.placement import CheckpointHome, Kind, PlacementManager, TensorHandle
 from tierzero.prefetch import Prefetcher
 from tierzero.runtime.activation_pack import HeldCopies
+from tierzero.runtime.schedule import PLAIN, Schedule
 from tierzero.runtime.step_queue import StepQueue
 
 
@@ -49,15 +50,6 @@ class HeldBlock(Protocol):
 
     @property
     def nbytes(self) -> int: ...
-
-
-class BlockGate(Protocol):
-    """A layer-major step (tierzero.runtime.accumulate, above): a block's pre-forward hook
-    arrives here first, so the step can run every micro-batch through the block before the next."""
-
-    micro_batches: Sequence[Any]
-
-    def arrive(self, block: HeldBlock) -> None: ...
 
 
 class PendingGather(NamedTuple):
@@ -158,8 +150,9 @@ class StepContext:
     step_queue.py), once a tiered optimizer runs its step under the next forward."""
     owner: threading.Thread | None = field(default=None, init=False)
     """The thread whose step is under way (from the root's forward to the end of its backward)."""
-    layer_major: BlockGate | None = field(default=None, init=False)
-    """The layer-major step under way (tz.accumulate), from its forward to the end of its backward."""
+    schedule: Schedule = field(default=PLAIN, init=False)
+    """The schedule the blocks' hooks consult: PLAIN, or tz.accumulate's layer-major step from its
+    forward to the end of its backward (schedule.py)."""
     unfrozen: bool = field(default=False, init=False)
     """A parameter of a frozen flat tensor was set to require a gradient since the last
     wrapping.refresh: the next forward takes it in first."""
