@@ -93,6 +93,8 @@ class Activations:
         """Orders a pack's `landed` (the writer) against `wanted` (the prefetcher)."""
         self.saved = SavedTensors(self, ctx.copies, ctx.compute_dtype)
         """The saved-tensor hooks of the root's forward and the scopes of its block calls."""
+        if self.placed:
+            ctx.room.ahead = self.bytes_ahead
 
     @property
     def placed(self) -> bool:
@@ -152,7 +154,7 @@ class Activations:
         nbytes = pack.nbytes
         self._check_device_room(pack)
         # room for the blocks coming next and for one pack coming back in backward
-        fits = nbytes <= self.ctx.device_room() - 2 * self.largest_block - nbytes
+        fits = nbytes <= self.ctx.room.room() - 2 * self.largest_block - nbytes
         prefetcher = self.ctx.prefetcher
         upcoming = [u for u in prefetcher.next_units(2) if u != ROOT][:1] if prefetcher is not None else []
         if fits and upcoming == [pack.block]:
@@ -170,7 +172,7 @@ class Activations:
         """auto: the first pack (in seal order) of the longest run at the end that `_home` will
         keep on the device when it comes (beside the root, the block held and two coming, and
         one pack coming back), planned before a forward: the packs backward needs first stay."""
-        room = self.ctx.device_room() - self.root_bytes - 3 * self.largest_block - max(sizes)
+        room = self.ctx.room.room() - self.root_bytes - 3 * self.largest_block - max(sizes)
         keep = len(sizes)
         while keep > 0 and sizes[keep - 1] <= room:
             keep -= 1
@@ -180,7 +182,7 @@ class Activations:
     def _check_device_room(self, pack: ActivationPack) -> None:
         """ValueError when the pack can never be on the device beside the root block and its
         own block, as its backward needs."""
-        room = self.pm.budget(Tier.DEVICE) - self.ctx.device_home_bytes
+        room = self.pm.budget(Tier.DEVICE) - self.ctx.room.homes
         need = pack.nbytes + self.root_bytes + self.largest_block
         if need > room:
             raise ValueError(
@@ -208,7 +210,7 @@ class Activations:
                              "batch x sequence less)") from e
         pack.handle = handle
         if home is Tier.DEVICE:
-            self.ctx.add_activation_bytes(pack.nbytes, home=True)
+            self.ctx.room.add_activations(pack.nbytes, home=True)
         self._sizes.append(pack.nbytes)
         self._pending.append(pack)
         self.pm.telemetry.record_activations(home, pack.nbytes)
@@ -267,7 +269,7 @@ class Activations:
         copy = self.pm.acquire(pack.handle, Tier.DEVICE)
         pack.acquired = True
         if pack.handle.home is not Tier.DEVICE:
-            self.ctx.add_activation_bytes(pack.nbytes)
+            self.ctx.room.add_activations(pack.nbytes)
         waited = time.perf_counter() - t0
         self.pm.telemetry.record_activation_stall(waited)
         self.pm.telemetry.record_span(TRACK, f"fetch {pack.block}", t0, t0 + waited,
@@ -297,7 +299,7 @@ class Activations:
         and host room from the blocks, and pushed out, they were read again (built-in 350m,
         nvme_depth 8: 2.9x the packs' bytes read back, the updates 2-3x slower)."""
         names = {u.name for u in units}
-        room = self.device_room() - sum(u.nbytes for u in units if u.name not in self.ctx.held)
+        room = self.ctx.room.prefetch_room() - sum(u.nbytes for u in units if u.name not in self.ctx.room.held)
         ahead = []
         for pack in reversed(self._pending):
             if pack.acquired:
@@ -313,15 +315,11 @@ class Activations:
         for handle in ahead:
             self.pm.prefetch(handle, Tier.HOST, speculative=True)
 
-    def device_room(self) -> int:
-        """The device room beside the packs brought (or coming) ahead of backward and not used
-        yet, as well as what `StepContext.device_room` leaves out. Counted as free, each fetch
-        brought more packs, and the blocks' fetches pushed them out again before backward
-        reached them (built-in 350m, bytes policy: 16 of 24 packs copied to the device, pushed
-        out and read from NVMe again when backward needed them, 1.0 s of waits a step); so the
-        policy's device plans are clipped to this room too (runtime/wrapping.py)."""
-        ahead = sum(p.nbytes for p in list(self._pending) if not p.acquired and self._coming(p))
-        return self.ctx.device_room() - ahead
+    def bytes_ahead(self) -> int:
+        """Bytes of the packs brought (or coming) to the device ahead of backward and not used
+        yet: the device account leaves them out of the prefetcher's room ([Note: the device
+        account] in device_account.py)."""
+        return sum(p.nbytes for p in list(self._pending) if not p.acquired and self._coming(p))
 
     def _coming(self, pack: ActivationPack) -> bool:
         """A device copy of the pack (homed elsewhere) is there, on its way, or asked for once
@@ -370,12 +368,12 @@ class Activations:
             self.pm.release(h, Tier.DEVICE)
             pack.acquired = False
             if h.home is not Tier.DEVICE:
-                self.ctx.add_activation_bytes(-pack.nbytes)
+                self.ctx.room.add_activations(-pack.nbytes)
         if self.pm.record(h).in_flight and not wait:
             return False
         self.pm.unregister(h)
         if h.home is Tier.DEVICE:
-            self.ctx.add_activation_bytes(-pack.nbytes, home=True)
+            self.ctx.room.add_activations(-pack.nbytes, home=True)
         pack.handle = None
         self._pending.remove(pack)
         return True

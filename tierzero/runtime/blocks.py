@@ -125,7 +125,7 @@ class Block:
         ctx.hold(self)
         with torch.profiler.record_function(f"tierzero::fetch {self.name}"):
             if ctx.prefetcher is not None:
-                ctx.prefetcher.on_fetch(TraceEvent(phase, self.name), ctx.held.keys())
+                ctx.prefetcher.on_fetch(TraceEvent(phase, self.name), ctx.room.held.keys())
             try:
                 ctx.wait_updates(self.flats)  # the overlapped step's update of this block
                 self.group.fetch()
@@ -177,7 +177,7 @@ class Block:
             # pre-forward, wrapping.refresh): the block that replaced it runs in its place.
             out = self.successor._pre_forward(module, args, {})
             return None if out is None else out[0]
-        recompute = self.ctx.phase is Phase.BACKWARD
+        recompute = self.ctx.step.phase is Phase.BACKWARD
         self.ctx.schedule.arrive(self, recompute=recompute)
         self.hold(FetchPhase.RECOMPUTE if recompute else FetchPhase.FORWARD)
         if not torch.is_grad_enabled():
@@ -206,7 +206,7 @@ class Block:
         return scope
 
     def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        if self.ctx.phase is Phase.BACKWARD:
+        if self.ctx.step.phase is Phase.BACKWARD:
             if not torch.is_grad_enabled():
                 self.unhold()  # a recompute without autograd: nothing comes back for it
             return None
@@ -257,7 +257,7 @@ class Block:
             self._deferred -= 1
             self.unhold()
         self.activations.collect()
-        if (self.ctx.wants_grads_final and not self._grads_final_sent
+        if (self.ctx.grads_final is not None and not self._grads_final_sent
                 and all(c.post_backward_done for c in self._calls)):
             # No forward call of this block still waits for its backward: its gradients are final.
             self._grads_final_sent = True

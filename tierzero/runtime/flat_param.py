@@ -282,7 +282,7 @@ class FlatParam:
         if ctx.updates is not None and ctx.updates.clears(self.param):
             ctx.drain_updates()  # a zero_grad waits behind the overlapped step's update: answer after it
         return view_of(self.grad, index, self.layout.slots[index].fqn, self._placeholders[index],
-                       refused=ctx.wants_grads_final)
+                       refused=ctx.grads_final is not None)
 
     def grad_set_none(self, index: int) -> None:
         """`p.grad = None` of parameter `index` while FREE (model.zero_grad()): its gradient is

@@ -92,7 +92,7 @@ class TieredState:
         if self in _GATHERED:
             raise RuntimeError(f"{type(module).__name__}: a forward inside tz.gathered_params(); run it after the "
                                "with block (the gathered parameters are fetched outside any step)")
-        self.ctx.check_thread(type(module).__name__)
+        self.ctx.step.check_thread(type(module).__name__)
         if self.ctx.schedule.owns_forward:
             return  # a micro-batch of tz.accumulate's step, which began it once
         fresh = self.renewed()
@@ -103,15 +103,15 @@ class TieredState:
     def renewed(self) -> TieredState:
         """This state, or the one that replaces it once parameters frozen at wrap were unfrozen
         (wrapping.refresh, between steps)."""
-        if not self.ctx.unfrozen or self._renew is None or self.ctx.phase is not Phase.IDLE or self.ctx.held:
+        if not self.ctx.unfrozen or self._renew is None or self.ctx.step.phase is not Phase.IDLE or self.ctx.room.held:
             return self
         return self._renew()
 
     def begin_forward(self, module: nn.Module) -> None:
         """An iteration's forward starts (the root's pre-forward, or tz.accumulate's step)."""
-        if self.ctx.backward_died():
+        if self.ctx.step.backward_died():
             self.ctx.end_iteration(died=True)  # its final callback never ran; blocks reset below
-        if self.ctx.phase is Phase.BACKWARD:
+        if self.ctx.step.phase is Phase.BACKWARD:
             return
         for block in self.blocks:
             block.begin_iteration()
@@ -128,7 +128,7 @@ class TieredState:
         """Runs even when the forward raised (always_call: then with no output, while torch
         handles the exception); a forward that raised is no trace to learn from, and one that
         `check_thread` refused changed nothing to undo."""
-        if (self.ctx.phase is Phase.BACKWARD or self.ctx.owner is not threading.current_thread()
+        if (self.ctx.step.phase is Phase.BACKWARD or self.ctx.step.owner is not threading.current_thread()
                 or self.ctx.schedule.owns_forward):
             return
         self.end_forward(output)
@@ -147,7 +147,7 @@ class TieredState:
 
     def abort_forward(self) -> None:
         """A step that raised: its forward ended as one that raised, unless it was over."""
-        if self.ctx.phase is Phase.FORWARD:
+        if self.ctx.step.phase is Phase.FORWARD:
             self.end_forward(None)
 
     @property
@@ -214,7 +214,7 @@ class TieredState:
 
     def __repr__(self) -> str:
         return (f"TieredState({type(self.model).__name__}, {len(self.blocks)} blocks, "
-                f"phase={self.ctx.phase.value}, {self.pm!r})")
+                f"phase={self.ctx.step.phase.value}, {self.pm!r})")
 
 
 def adopt(model: nn.Module, state: TieredState) -> None:
@@ -310,13 +310,13 @@ def gathered_params(model: nn.Module, modules: nn.Module | list[nn.Module] | Non
     Between steps only; with several ranks every rank enters it with the same modules."""
     state = state_of(model)
     ctx = state.ctx
-    if ctx.phase is not Phase.IDLE or ctx.held or state in _GATHERED:
+    if ctx.step.phase is not Phase.IDLE or ctx.room.held or state in _GATHERED:
         raise RuntimeError("tz.gathered_params: the model is in a step or already gathered; use it between "
                            "training steps (after opt.step()), not inside a forward, a backward or another "
                            "gathered_params")
     ctx.drain_updates()
     blocks = _blocks_of(state, modules)
-    need, room = sum(b.nbytes for b in blocks), ctx.device_room()
+    need, room = sum(b.nbytes for b in blocks), ctx.room.room()
     if need > room:
         raise ValueError(f"tz.gathered_params: the {len(blocks)} block(s) asked for need {format_size(need)} "
                          f"({need} bytes) on the device tier at once, and its budget leaves {format_size(room)} "
