@@ -14,7 +14,7 @@ from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
 
-from tierzero.layout import ROOT, PackLayout, SavedSpan
+from tierzero.layout import ROOT, PackLayout, SavedGeometry, SavedSpan
 from tierzero.placement import TensorHandle
 
 OPAQUE_REASON = (
@@ -65,6 +65,10 @@ class SavedActivation:
 
     def __del__(self) -> None:
         self.owner.slot_died()
+
+
+_NO_SPAN = SavedSpan(0, 0)
+"""An entry's span until its pack is finished."""
 
 
 class _Entry(NamedTuple):
@@ -118,8 +122,11 @@ class ActivationPack:
         self.placed = placed
         self.layout = PackLayout()
         self.entries: list[_Entry] = []
-        self._storages: list[torch.UntypedStorage] = []
-        """Per segment, the storage its bytes are copied from (held until written)."""
+        self._storages: dict[int, torch.UntypedStorage] = {}
+        """Per segment (in order), the storage its bytes are copied from (held until written),
+        by id; holding it also keeps its id from being reused meanwhile."""
+        self._saved: list[SavedGeometry] = []
+        """Where each saved tensor lies, laid out into segments at `finish`."""
         self.handle: TensorHandle | None = None
         self.written: cf.Future[None] | None = None
         self.acquired = False
@@ -142,23 +149,34 @@ class ActivationPack:
         if param_view or not placeable(t, self.store.device):
             return None
         storage = t.untyped_storage()
-        known = len(self.layout.segments)
-        segment, span = self.layout.add_tensor(t, id(storage), storage.data_ptr())
-        if len(self.layout.segments) > known:
-            self._storages.append(storage)  # also keeps id(storage) from being reused meanwhile
+        key = id(storage)
+        self._storages.setdefault(key, storage)
+        self._saved.append(SavedGeometry(key, storage.data_ptr(), t.storage_offset(), t.element_size(),
+                                         tuple(t.shape), t.stride()))
         if not self.placed:
             return None
-        self.entries.append(_Entry(segment, span, t.dtype, t.shape, t.stride(), t._version, weakref.ref(t)))
+        self.entries.append(_Entry(-1, _NO_SPAN, t.dtype, t.shape, t.stride(), t._version, weakref.ref(t)))
         self._live += 1
         return SavedActivation(self, len(self.entries) - 1)
 
     # ------------------------------------------------------------------------------ life
 
+    def finish(self) -> int:
+        """The forward of the block call is over: the saved tensors laid out into segments, in
+        the order they were saved (entries changed in place since marked); the pack's bytes."""
+        where = self.layout.add_all(self._saved)
+        self._saved = []
+        if self.entries:
+            self.entries = [e._replace(segment=segment, span=span)
+                            for e, (segment, span) in zip(self.entries, where, strict=True)]
+            self.mark_changed()
+        return self.layout.finish()
+
     def pieces(self) -> list[tuple[int, torch.Tensor]]:
         """(byte offset in the pack, the bytes) of every segment, viewing the saved storages;
         handed to the writer, which drops them once copied."""
         out = []
-        for seg, storage in zip(self.layout.segments, self._storages):
+        for seg, storage in zip(self.layout.segments, self._storages.values()):
             src = torch.empty(0, dtype=torch.uint8, device=self.store.device).set_(storage, seg.start, (seg.nbytes,))
             out.append((seg.offset, src))
         self.drop_storages()
@@ -329,7 +347,7 @@ class SavedTensors:
         for scope in reversed(self._scopes):
             scope.free()
         self._scopes.clear()
-        nbytes = self._outside.layout.finish()
+        nbytes = self._outside.finish()
         self._outside = ActivationPack(self.store, ROOT, placed=False)
         return nbytes
 

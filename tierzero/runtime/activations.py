@@ -141,8 +141,7 @@ class Activations:
         (only counted, on the device, when nothing of it is placed)."""
         assert pack.state is PackState.OPEN, pack
         self._raise_failed_writes()
-        pack.layout.finish()
-        pack.mark_changed()
+        pack.finish()
         if pack.placed and pack.entries:
             self.place(pack, self._home(pack))
         else:
