@@ -54,6 +54,8 @@ class DeviceAccount:
         """Bytes of placed activations brought (or coming) to the device ahead of backward and not
         used yet (Activations.bytes_ahead, once the activations are placed)."""
         self._held: dict[str, HeldBlock] = {}
+        self.held: Mapping[str, HeldBlock] = MappingProxyType(self._held)
+        """Blocks fetched now, by name (read-only)."""
         self._homes = 0
         self._activations = 0
         self._activation_homes = 0
@@ -89,11 +91,6 @@ class DeviceAccount:
         """A tensor was registered (`added`) or unregistered: a device home counts."""
         if handle.home is Tier.DEVICE:
             self._homes += handle.nbytes if added else -handle.nbytes
-
-    @property
-    def held(self) -> Mapping[str, HeldBlock]:
-        """Blocks fetched now, by name."""
-        return MappingProxyType(self._held)
 
     def hold(self, block: HeldBlock) -> None:
         self._held[block.name] = block
