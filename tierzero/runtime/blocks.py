@@ -12,9 +12,7 @@ Levels, the way FSDP2 splits them:
   gradients), reduce gradients and release after backward (`RegisterPostBackward` on the inputs).
   Each forward call with grad opens a scope for what autograd saves in it: an ActivationPack
   (activation_pack.py) or, with activation checkpointing, a recompute Frame (recompute.py).
-  The step's `Schedule` (schedule.py: plain, or tz.accumulate's layer-major) is asked at each
-  pre-forward and post-backward.
-- `StepContext` (step_context.py) is what blocks share; the root state (state.py) owns it.
+- `StepContext` (step_context.py) is what blocks share, `Schedule` included; state.py owns it.
 """
 
 from __future__ import annotations
