@@ -46,7 +46,7 @@ def _run(rank: int, world_size: int, nvme: str, out: str) -> None:
         opt = tz.AdamW(model, lr=3e-3, weight_decay=0.1)
         losses = train(model, opt, batches(STEPS), rank, world_size)
         results[name] = {"losses": losses, "state": tz.full_state_dict(model),
-                         "ahead": runtime.state_of(model).ctx.gather_counts.ahead}
+                         "ahead": runtime.state_of(model).ctx.gathers.counts.ahead}
         runtime.close(model)
     if rank == 0:
         torch.save(results, out)

@@ -68,7 +68,7 @@ def train_rank(rank: int, world_size: int, out_dir: str) -> None:
     result = {"losses": losses, "norms": norms, "home_bytes": homes,
               "nvme_used": pm.bytes_used("nvme"), "device_peak": pm.peak_bytes("device"),
               "device_budget": pm.budget("device"), "full_keys": sorted(full),
-              "state_dict_keys": sorted(sd), "gathered": dataclasses.asdict(runtime.state_of(model).ctx.gather_counts)}
+              "state_dict_keys": sorted(sd), "gathered": dataclasses.asdict(runtime.state_of(model).ctx.gathers.counts)}
     model(x[rows], y[rows]).loss.backward()  # torch's clipping: p.grad stands for this rank's shard only
     try:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)

@@ -17,7 +17,7 @@ communication), shared by the runtime that builds blocks and the planning that s
 from tierzero.layout.flat_layout import ALIGN_BYTES, FlatLayout, ParamSlot
 from tierzero.layout.grouping import (ROOT, BlockSpec, assign_params, block_specs, blocks_of, group_modules,
                                       outside_read_hints, param_count, unique_params)
-from tierzero.layout.saved import SEGMENT_ALIGN, PackLayout, SavedSpan, Segment, saved_span
+from tierzero.layout.saved import SEGMENT_ALIGN, PackLayout, SavedGeometry, SavedSpan, Segment, saved_span
 from tierzero.layout.split import BlockTiers, split_blocks
 from tierzero.layout.state_bytes import (Blocks, FlatTensor, KindSizes, kind_sizes, placement_order, state_tensors,
                                          tier_need)
@@ -28,7 +28,7 @@ from tierzero.layout.zero import CommBytes, ZeroStage
 
 __all__ = ["FlatLayout", "ParamSlot", "ALIGN_BYTES", "ROOT", "BlockSpec", "assign_params", "block_specs",
            "blocks_of", "group_modules", "outside_read_hints", "param_count", "unique_params", "block_fetch_bytes", "fetched_bytes",
-           "flat_groups", "CommBytes", "ZeroStage", "PackLayout", "SavedSpan", "Segment", "SEGMENT_ALIGN",
+           "flat_groups", "CommBytes", "ZeroStage", "PackLayout", "SavedGeometry", "SavedSpan", "Segment", "SEGMENT_ALIGN",
            "saved_span", "BlockTiers", "KindSizes", "split_blocks", "Blocks", "FlatTensor", "kind_sizes",
            "placement_order", "state_tensors", "tier_need", "NVME_MOVES", "PlacementPlan", "PlanInputs",
            "StateCodec", "round_stochastic_", "window_room"]

@@ -14,7 +14,7 @@ and planning sizes a model's activations with it without running it for real.
 
 from __future__ import annotations
 
-from typing import Hashable, NamedTuple
+from typing import Hashable, NamedTuple, Sequence
 
 import torch
 
@@ -29,13 +29,30 @@ class SavedSpan(NamedTuple):
     end: int
 
 
+class SavedGeometry(NamedTuple):
+    """Where one saved tensor lies in its storage (`storage`, a key; `address`: where the
+    storage's byte 0 is): what `PackLayout.add_all` needs of it."""
+
+    storage: Hashable
+    address: int
+    offset: int
+    """In elements, as Tensor.storage_offset()."""
+    itemsize: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def _span(offset: int, itemsize: int, shape: Sequence[int], stride: Sequence[int]) -> SavedSpan:
+    first = offset * itemsize
+    if 0 in shape:
+        return SavedSpan(first, first)
+    extent = sum((s - 1) * st for s, st in zip(shape, stride)) + 1
+    return SavedSpan(first, first + extent * itemsize)
+
+
 def saved_span(t: torch.Tensor) -> SavedSpan:
     """The span of `t`'s storage that `t` reaches (empty for a tensor without elements)."""
-    first = t.storage_offset() * t.element_size()
-    if t.numel() == 0:
-        return SavedSpan(first, first)
-    extent = sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1
-    return SavedSpan(first, first + extent * t.element_size())
+    return _span(t.storage_offset(), t.element_size(), t.shape, t.stride())
 
 
 class Segment(NamedTuple):
@@ -74,6 +91,14 @@ class PackLayout:
         phase = seg.phase if start == seg.start else (address + start) % SEGMENT_ALIGN
         self.segments[i] = Segment(start, max(seg.end, span.end), phase)
         return i
+
+    def add_all(self, saved: Sequence[SavedGeometry]) -> list[tuple[int, SavedSpan]]:
+        """`add` of each saved tensor's span, in order; (its segment's index, its span) for each."""
+        out = []
+        for g in saved:
+            span = _span(g.offset, g.itemsize, g.shape, g.stride)
+            out.append((self.add(g.storage, g.address, span), span))
+        return out
 
     def finish(self) -> int:
         """Give each segment its offset in the pack (its phase kept); the pack's bytes."""

@@ -5,7 +5,7 @@ modules", the way FSDP2 splits its levels). The phases of a step: [Note: a wrapp
 wrapping.py.
 """
 
-from tierzero.runtime.accumulate import LayerMajorRefusal, accumulate
+from tierzero.runtime.accumulate import accumulate
 from tierzero.runtime.collectives import (RankRuntimeError, all_gather_objects, all_reduce_, broadcast_object, rank_errors,
                                           world)
 from tierzero.runtime.compile import compile
@@ -14,6 +14,7 @@ from tierzero.runtime.grads import FlatGrad
 from tierzero.runtime.optimizer_guard import TIERED_OPTIMIZER
 from tierzero.runtime.state import (TieredState, close, full_state_dict, gathered_params, model_dtype, placement_manager,
                                     settle, state_of, state_of_param, step_comm_bytes, step_stats)
+from tierzero.runtime.schedule import LayerMajorRefusal
 from tierzero.runtime.shards import RankShard, values_shard
 from tierzero.runtime.step_context import StepContext
 from tierzero.runtime.step_queue import StepFailed, StepQueue

@@ -1,200 +1,16 @@
 """`tz.accumulate`: one step of gradient accumulation over k micro-batches, layer by layer, so
 each block is fetched once for the k forwards and once for the k backwards (GreedySnake's
-schedule). See [Note: layer-major schedule]."""
+schedule). The schedule itself: schedule.py ([Note: layer-major schedule])."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable
 
-import greenlet
 import torch
 from torch import nn
 
-from tierzero.prefetch import FetchPhase
-from tierzero.runtime.blocks import Block, output_tensors
-from tierzero.runtime.state import TieredState, state_of
-from tierzero.runtime.step_context import Phase
-
-# [Note: layer-major schedule]
-# Eager Python cannot run block b for k forwards, then block b+1, in one call stack. So each
-# micro-batch's forward (model, then loss_fn) runs in its own greenlet on the caller's thread.
-# - Forward: a block's pre-forward hook parks the running micro-batch (`arrive`). Once all k
-#   wait at the same block, the step releases the block before, holds this one (one fetch; the
-#   prefetcher is told as in a plain forward) and lets the k through it in the order k..1.
-# - Backward: one `torch.autograd.backward(losses)`. Autograd runs ready nodes by descending
-#   sequence number; the numbers count up in creation order on the thread, which greenlets
-#   share. So it runs block L for micro-batch 1..k, then block L-1 for 1..k, ...: a parameter
-#   used once per micro-batch gets its shares in the plain loop's order (the same bits).
-#   Shares of a parameter used twice (a tied embedding and head) come in another order.
-# - A block's backward holds are released, and its gradient reduced, at its last call's
-#   post-backward (Block.post_backward): one fetch per block, one reduction (at ZeRO 2 and 3 the
-#   plain loop reduces k times, so the sums differ by rounding).
-# - What is held where: what autograd saves in each call goes to its pack or frame (with
-#   activation_checkpointing, only the call's input), placed per Config.activations within the
-#   budgets: k per block. Each parked micro-batch also carries the next block's input, which
-#   stays on the device where compute made it.
-# - Refused with a ValueError, before any backward (nothing falls back): micro-batches that
-#   reach different blocks (data-dependent routing) or finish while others wait, and a block
-#   reached inside another block's call or inside a region that changes autograd's thread
-#   state (no_grad, autocast, torch.utils.checkpoint: the model's own checkpointing), which
-#   the other micro-batches would inherit. The plain loop runs those: the refusal is a
-#   `LayerMajorRefusal`, and tierzero.hf's trainers take the plain loop on it (one warning).
-
-# [Note: layer-major sums in the gradient's dtype]
-# The plain loop adds each micro-batch's gradient to the stored one, in the stored gradient's
-# dtype (fp32 by default): with bf16 compute, one rounding to fp32 per micro-batch. Layer by
-# layer, the k micro-batches' shares of a block meet before the block's gradient is stored. If
-# they met in autograd (its input buffer sums every share of a parameter within the one
-# backward), or in an early-capture buffer of the compute dtype, they would be summed in bf16,
-# far from the plain loop's gradient. So, where the stored gradient is wider than the compute
-# dtype, early capture (grads.py) takes every share in a layer-major step of several
-# micro-batches:
-# - into a device buffer of the stored gradient's dtype: each bf16 share is added to it in
-#   fp32, in the plain loop's order, and the block is still stored (and reduced across ranks)
-#   once, at its last call;
-# - with no device room for that buffer, on one rank, into the stored gradient itself (each
-#   share copied to its tier first): the same sums, more copies;
-# - with no room and several ranks (the shares must be reduced), or a gradient already holding
-#   an earlier backward's sum, autograd sums them, and a RuntimeWarning says so.
-# A parameter used once per micro-batch then gets the plain loop's bits; one used twice in a
-# micro-batch (a tied embedding) has its shares added in fp32 rather than first summed in bf16.
-
-PLAIN_LOOP = "for mb in micro_batches: loss_fn(model(mb), mb).backward()"
-
-
-class LayerMajorRefusal(ValueError):
-    """tz.accumulate cannot run this step layer by layer ([Note: layer-major schedule]); raised
-    before any backward, so the plain loop can run the same micro-batches instead. `reason`:
-    why, in a phrase; `losses_computed`: how many loss_fn calls had returned (their side effects
-    happened)."""
-
-    def __init__(self, message: str, reason: str, losses_computed: int) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.losses_computed = losses_computed
-
-
-class _Parked(NamedTuple):
-    """A micro-batch waiting at `block`'s pre-forward hook."""
-
-    block: Block
-
-
-class _Finished(NamedTuple):
-    """A micro-batch's forward and loss done."""
-
-    loss: torch.Tensor
-    outputs: list[torch.Tensor]
-
-
-def _thread_state() -> tuple[Any, ...]:
-    """Autograd's thread state a parked micro-batch would hand to the others."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
-            torch.is_autocast_enabled("cuda"), top(False) if top is not None else None)
-
-
-class LayerMajorStep:
-    """One call of `tz.accumulate` (see [Note: layer-major schedule]); the wrapped model's BlockGate."""
-
-    def __init__(self, model: nn.Module, state: TieredState, micro_batches: Sequence[Any],
-                 loss_fn: Callable[[Any, Any], torch.Tensor], forward: Callable[[Any], Any] | None = None) -> None:
-        self.model = model
-        self.state = state
-        self.micro_batches = micro_batches
-        self.loss_fn = loss_fn
-        self.forward = forward or (lambda mb: _call(model, mb))
-        self._losses = 0
-        self._workers: dict[greenlet.greenlet, int] = {}
-        self._driver = greenlet.getcurrent()
-        self._entry_state: tuple[Any, ...] = ()
-
-    def arrive(self, block: Block) -> None:
-        """A block's pre-forward hook: park the micro-batch running it until the step resumes it."""
-        current = greenlet.getcurrent()
-        if current not in self._workers:
-            return
-        if self.state.activations.in_scope or _thread_state() != self._entry_state:
-            where = ("inside another block's call" if self.state.activations.in_scope else
-                     "inside a region that changes autograd's state (no_grad, autocast, or torch.utils.checkpoint: "
-                     "turn the model's own gradient checkpointing off, Config(activation_checkpointing=True) "
-                     "keeps only each block's input)")
-            raise self.refusal(f"micro-batch {self._workers[current]} reached block {block.name!r} {where}")
-        self._driver.switch(_Parked(block))
-
-    def refusal(self, reason: str) -> LayerMajorRefusal:
-        return LayerMajorRefusal(f"tz.accumulate cannot run {type(self.model).__name__} block by block: {reason}. "
-                          f"Nothing was changed; train it with the plain loop ({PLAIN_LOOP}), which gives the same "
-                          "gradients and fetches each block once per micro-batch", reason, self._losses)
-
-    def run(self) -> list[torch.Tensor]:
-        state, ctx = self.state, self.state.ctx
-        state.begin_forward(state.model)
-        self._entry_state = _thread_state()
-        ctx.layer_major = self
-        state.grouped = True
-        try:
-            try:
-                finished = self._forward()
-            finally:
-                state.grouped = False
-            outputs = [t for f in finished for t in f.outputs]
-            state.end_forward(outputs)
-            losses = [f.loss for f in finished]
-            torch.autograd.backward(losses)
-        except BaseException:
-            if ctx.phase is Phase.FORWARD:
-                state.end_forward(None)
-            raise
-        finally:
-            ctx.layer_major = None
-        return [loss.detach() for loss in losses]
-
-    def _forward(self) -> list[_Finished]:
-        """Every micro-batch through each block in turn; the micro-batches' results in order."""
-        k = len(self.micro_batches)
-        for i, mb in enumerate(self.micro_batches):
-            self._workers[greenlet.greenlet(lambda mb=mb: self._one(mb), parent=self._driver)] = i
-        workers = list(self._workers)
-        stops: dict[int, _Parked | _Finished] = {}
-        held: Block | None = None
-        try:
-            while True:
-                for i in reversed(range(k)):
-                    stops[i] = workers[i].switch()
-                parked = {stop.block for stop in stops.values() if isinstance(stop, _Parked)}
-                if held is not None:
-                    held.unhold()
-                    held = None
-                if not parked:
-                    return [stop for _, stop in sorted(stops.items())]  # type: ignore[misc]
-                if len(parked) > 1 or any(isinstance(s, _Finished) for s in stops.values()):
-                    raise self.refusal(self._diverged(stops))
-                held = parked.pop()
-                held.hold(FetchPhase.FORWARD)
-        finally:
-            if held is not None:
-                held.unhold()
-            for w in workers:
-                if not w.dead:
-                    w.throw(greenlet.GreenletExit)
-
-    @staticmethod
-    def _diverged(stops: dict[int, _Parked | _Finished]) -> str:
-        where = {i: (f"block {s.block.name!r}" if isinstance(s, _Parked) else "the end of its forward")
-                 for i, s in sorted(stops.items())}
-        return "its micro-batches took different routes through the blocks (" + ", ".join(
-            f"micro-batch {i} at {w}" for i, w in where.items()) + ")"
-
-    def _one(self, mb: Any) -> _Finished:
-        out = self.forward(mb)
-        loss = self.loss_fn(out, mb)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-            raise ValueError(f"tz.accumulate: loss_fn(outputs, micro_batch) must give a one-element tensor that "
-                             f"requires grad; it gave {type(loss).__name__}"
-                             + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
-        self._losses += 1
-        return _Finished(loss, [t for t in output_tensors(out) if t.requires_grad])
+from tierzero.runtime.schedule import PLAIN, LayerMajor
+from tierzero.runtime.state import state_of
 
 
 def _call(model: nn.Module, mb: Any) -> Any:
@@ -220,7 +36,7 @@ def accumulate(model: nn.Module, micro_batches: Iterable[Any], loss_fn: Callable
     if not torch.is_grad_enabled():
         raise ValueError("tz.accumulate runs a training step's backward: call it with grad enabled "
                          "(not under torch.no_grad() or torch.inference_mode())")
-    if state.ctx.layer_major is not None:
+    if state.ctx.schedule is not PLAIN:
         raise ValueError(f"tz.accumulate: {type(model).__name__} is already in a tz.accumulate step; "
                          "call it from the training loop, not from inside a model or loss_fn")
-    return LayerMajorStep(model, state, mbs, loss_fn, forward).run()
+    return LayerMajor(model, state, mbs, loss_fn, forward or (lambda mb: _call(model, mb))).run()

@@ -1,6 +1,8 @@
-"""The saved-tensor records of placed activations: one block call's `ActivationPack` (its
-tensors as segments of one placed byte tensor, see [Note: placed activations] in
-activations.py) and the `SavedActivation` record autograd keeps for each tensor."""
+"""What autograd saves during a wrapped model's forward: the saved-tensor hooks
+(`SavedTensors`, [Note: saved parameter views]), the held device copies they recognise
+(`HeldCopies`), one block call's `ActivationPack` (its tensors as segments of one placed byte
+tensor, see [Note: placed activations] in activations.py) and the records autograd keeps
+(`SavedActivation`, `SavedView`). One module, so that a saved tensor's way in and out stays in it."""
 
 from __future__ import annotations
 
@@ -8,12 +10,25 @@ import collections
 import concurrent.futures as cf
 import weakref
 from enum import Enum
-from typing import NamedTuple, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
 
-from tierzero.layout import PackLayout, SavedSpan, saved_span
+from tierzero.layout import ROOT, PackLayout, SavedGeometry, SavedSpan
 from tierzero.placement import TensorHandle
+
+OPAQUE_REASON = (
+    "tierzero's fetch and release hooks run as Python between compiled graphs: one graph cannot span a "
+    "tierzero-wrapped model or several of its blocks, so fullgraph=True over such a region is refused. Compile "
+    "each block on its own instead: tz.compile(model, fullgraph=True) (or block.compile(fullgraph=True) on each "
+    "block), or torch.compile(model) / model.compile() without fullgraph")
+"""Dynamo's message when it is asked to trace a tierzero hook with fullgraph=True."""
+
+
+def opaque(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """`hook` run as Python, never traced into a compiled graph (torch.compile over a wrapped
+    model breaks the graph there and calls it): see [Note: compiled blocks] in compile.py."""
+    return torch.compiler.disable(hook, recursive=True, reason=OPAQUE_REASON)
 
 
 class PackStore(Protocol):
@@ -50,6 +65,10 @@ class SavedActivation:
 
     def __del__(self) -> None:
         self.owner.slot_died()
+
+
+_NO_SPAN = SavedSpan(0, 0)
+"""An entry's span until its pack is finished."""
 
 
 class _Entry(NamedTuple):
@@ -103,8 +122,11 @@ class ActivationPack:
         self.placed = placed
         self.layout = PackLayout()
         self.entries: list[_Entry] = []
-        self._storages: list[torch.UntypedStorage] = []
-        """Per segment, the storage its bytes are copied from (held until written)."""
+        self._storages: dict[int, torch.UntypedStorage] = {}
+        """Per segment (in order), the storage its bytes are copied from (held until written),
+        by id; holding it also keeps its id from being reused meanwhile."""
+        self._saved: list[SavedGeometry] = []
+        """Where each saved tensor lies, laid out into segments at `finish`."""
         self.handle: TensorHandle | None = None
         self.written: cf.Future[None] | None = None
         self.acquired = False
@@ -127,24 +149,34 @@ class ActivationPack:
         if param_view or not placeable(t, self.store.device):
             return None
         storage = t.untyped_storage()
-        span = saved_span(t)
-        known = len(self.layout.segments)
-        segment = self.layout.add(id(storage), storage.data_ptr(), span)
-        if len(self.layout.segments) > known:
-            self._storages.append(storage)  # also keeps id(storage) from being reused meanwhile
+        key = id(storage)
+        self._storages.setdefault(key, storage)
+        self._saved.append(SavedGeometry(key, storage.data_ptr(), t.storage_offset(), t.element_size(),
+                                         tuple(t.shape), t.stride()))
         if not self.placed:
             return None
-        self.entries.append(_Entry(segment, span, t.dtype, t.shape, t.stride(), t._version, weakref.ref(t)))
+        self.entries.append(_Entry(-1, _NO_SPAN, t.dtype, t.shape, t.stride(), t._version, weakref.ref(t)))
         self._live += 1
         return SavedActivation(self, len(self.entries) - 1)
 
     # ------------------------------------------------------------------------------ life
 
+    def finish(self) -> int:
+        """The forward of the block call is over: the saved tensors laid out into segments, in
+        the order they were saved (entries changed in place since marked); the pack's bytes."""
+        where = self.layout.add_all(self._saved)
+        self._saved = []
+        if self.entries:
+            self.entries = [e._replace(segment=segment, span=span)
+                            for e, (segment, span) in zip(self.entries, where, strict=True)]
+            self.mark_changed()
+        return self.layout.finish()
+
     def pieces(self) -> list[tuple[int, torch.Tensor]]:
         """(byte offset in the pack, the bytes) of every segment, viewing the saved storages;
         handed to the writer, which drops them once copied."""
         out = []
-        for seg, storage in zip(self.layout.segments, self._storages):
+        for seg, storage in zip(self.layout.segments, self._storages.values()):
             src = torch.empty(0, dtype=torch.uint8, device=self.store.device).set_(storage, seg.start, (seg.nbytes,))
             out.append((seg.offset, src))
         self.drop_storages()
@@ -197,3 +229,167 @@ class ActivationPack:
         where = self.handle.home.value if self.handle is not None else "unplaced"
         return (f"ActivationPack({self.block!r}, {len(self.entries)} tensors, {self.nbytes} bytes, {where}, "
                 f"{self.state.value})")
+
+
+class ViewedFlat(Protocol):
+    """A flat tensor whose held device copy saved tensors may view (runtime.flat_param.FlatParam)."""
+
+    name: str
+
+
+class SavedView(NamedTuple):
+    """A tensor saved for backward that views a held flat tensor's device copy."""
+
+    flat: ViewedFlat
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+class HeldCopies:
+    """The device copies of the flat tensors held now, by storage pointer: how the saved-tensor
+    hooks tell a view of a parameter from an activation. Written by the flat tensors as they are
+    fetched and released."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._by_ptr: dict[int, ViewedFlat] = {}
+        self._copy: dict[ViewedFlat, torch.Tensor] = {}
+
+    def track(self, flat: ViewedFlat, device_copy: torch.Tensor) -> None:
+        """`flat` is held: its parameters view `device_copy`."""
+        self._by_ptr[device_copy.untyped_storage().data_ptr()] = flat
+        self._copy[flat] = device_copy
+
+    def untrack(self, device_copy: torch.Tensor) -> None:
+        del self._copy[self._by_ptr.pop(device_copy.untyped_storage().data_ptr())]
+
+    def view(self, saved: SavedView) -> torch.Tensor:
+        """A tensor saved as a view of a flat tensor's device copy, rebuilt on the copy held now."""
+        copy = self._copy.get(saved.flat)
+        if copy is None:
+            raise RuntimeError(
+                f"tierzero: backward needs parameters of {saved.flat.name!r} but the block is not fetched; "
+                "a second backward through the same graph (retain_graph=True) is not supported")
+        return copy.as_strided(saved.size, saved.stride, saved.offset)
+
+    def find(self, t: torch.Tensor) -> ViewedFlat | None:
+        """The held flat tensor whose device copy `t` views, if any."""
+        if not self._by_ptr or t.device != self.device:
+            return None
+        try:
+            return self._by_ptr.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # tensors without storage (subclasses)
+            return None
+
+
+class Scope(Protocol):
+    """What a running block call keeps of a saved tensor: its ActivationPack, or with activation
+    checkpointing its recompute Frame (recompute.py)."""
+
+    def save(self, t: torch.Tensor, param_view: bool) -> Any: ...
+
+    def free(self) -> None: ...
+
+
+class _Outer(NamedTuple):
+    """A tensor packed by the saved-tensor hooks that were active outside the model's forward."""
+
+    unpack: Callable[[Any], torch.Tensor]
+    packed: Any
+
+
+# [Note: saved parameter views]
+# Autograd saves parameters that are leaves by reference (backward reads their current .data),
+# but ops also save views of them (F.linear saves weight.t() for its backward). Those would
+# keep the forward's device copy alive until backward, or read a reused buffer. Instead a
+# saved tensor whose storage is a held block's device copy is packed as (flat, size, stride,
+# offset) and rebuilt from the copy the pre-backward hook fetched. The running block call's
+# scope answers first (tierzero's activation checkpointing recomputes views of parameters too;
+# placed activations are packed: [Note: placed activations] in activations.py). Other tensors
+# go to the hooks that were active outside the forward (e.g. torch.autograd.graph.save_on_cpu),
+# or are saved as they are; torch.utils.checkpoint installs its own hooks inside, which win.
+class SavedTensors:
+    """Saved-tensor hooks active during the root module's forward (see [Note: saved parameter
+    views]), and the scopes of the block calls running in it, innermost last."""
+
+    def __init__(self, store: PackStore, copies: HeldCopies, compute_dtype: torch.dtype) -> None:
+        self.store = store
+        self.copies = copies
+        self.compute_dtype = compute_dtype
+        self._scopes: list[Scope] = []
+        self._outside = ActivationPack(store, ROOT, placed=False)
+        """What the forward saves outside every block call: counted only."""
+        self._context: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._outer: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
+
+    # ---------------------------------------------------------------------------- scopes
+
+    @property
+    def in_scope(self) -> bool:
+        """A block call's scope is open (its forward is running)."""
+        return bool(self._scopes)
+
+    def push(self, scope: Scope) -> None:
+        self._scopes.append(scope)
+
+    def pop(self, scope: Scope) -> None:
+        assert self._scopes and self._scopes[-1] is scope, (self._scopes, scope)
+        self._scopes.pop()
+
+    def begin(self) -> None:
+        """A root forward with grad starts: no scope is open."""
+        self._scopes.clear()
+
+    def end_forward(self) -> int:
+        """The root forward is over (or raised): the scopes of block calls a raise left open are
+        freed; returns the bytes it saved outside every block call (counted, on the device)."""
+        for scope in reversed(self._scopes):
+            scope.free()
+        self._scopes.clear()
+        nbytes = self._outside.finish()
+        self._outside = ActivationPack(self.store, ROOT, placed=False)
+        return nbytes
+
+    # ---------------------------------------------------------------------------- hooks
+
+    def enter(self) -> None:
+        self.exit()
+        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        self._outer = top(False) if top is not None else None
+        self._context = torch.autograd.graph.saved_tensors_hooks(opaque(self._pack), opaque(self._unpack))
+        self._context.__enter__()
+
+    @property
+    def entered(self) -> bool:
+        return self._context is not None
+
+    def exit(self) -> None:
+        if self._context is not None:
+            self._context.__exit__(None, None, None)
+            self._context = None
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        flat = self.copies.find(t)
+        param_view = flat is not None and t.dtype == self.compute_dtype
+        scoped = (self._scopes[-1] if self._scopes else self._outside).save(t, param_view)
+        if scoped is not None:
+            return scoped
+        if param_view:
+            assert flat is not None
+            return SavedView(flat, t.size(), t.stride(), t.storage_offset())
+        if self._outer is not None:
+            pack, unpack = self._outer
+            return _Outer(unpack, pack(t))
+        # Not `t` itself: a saved output would hold its own grad_fn, a cycle that keeps a graph
+        # dropped without backward alive (autograd restores the metadata when unpacking).
+        return t.detach()
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, SavedView):
+            return self.copies.view(packed)
+        if isinstance(packed, SavedActivation):
+            return packed.unpack()
+        if isinstance(packed, _Outer):
+            return packed.unpack(packed.packed)
+        return packed

@@ -17,7 +17,7 @@ from tierzero.config import Config, Tier, format_size
 from tierzero.layout import ROOT
 from tierzero.placement import ACTIVATIONS_TRACK, Kind, Residency
 from tierzero.prefetch import Unit
-from tierzero.runtime.activation_pack import ActivationPack, PackState
+from tierzero.runtime.activation_pack import ActivationPack, PackState, SavedTensors
 from tierzero.runtime.step_context import StepContext
 
 MAX_UNWRITTEN = 2
@@ -30,7 +30,7 @@ reads backward's "fetch" spans: planning/recording.py)."""
 
 
 # [Note: placed activations]
-# During the root module's forward the saved-tensor hooks (blocks.SavedParamViews) hand every
+# During the root module's forward the saved-tensor hooks (activation_pack.SavedTensors) hand every
 # tensor autograd saves to the innermost block call running, its *scope*. Views of parameters
 # stay references into the block ([Note: saved parameter views]); the rest are the call's
 # activations. An `ActivationPack` gathers them, one segment per storage they view
@@ -77,13 +77,10 @@ class Activations:
         self.largest_block = largest_block
         self.dead: collections.deque[ActivationPack] = collections.deque()
         """Packs given up whose placement is still to undo (appended from any thread)."""
-        self._scopes: list[Any] = []
         self._pending: list[ActivationPack] = []
         """Placed packs not yet freed, in the order they were sealed."""
         self._unwritten: collections.deque[cf.Future[None]] = collections.deque()
         self._writer: cf.ThreadPoolExecutor | None = None
-        self._outside = ActivationPack(self, ROOT, placed=False)
-        """What the forward saves outside every block call: counted only."""
         self._count = 0
         self._sizes: list[int] = []
         """This iteration's placed packs' bytes, in seal order (auto plans the next from them)."""
@@ -94,6 +91,10 @@ class Activations:
         """The forward is over: its packs are read back ahead (see `prefetch`)."""
         self.lock = threading.Lock()
         """Orders a pack's `landed` (the writer) against `wanted` (the prefetcher)."""
+        self.saved = SavedTensors(self, ctx.copies, ctx.compute_dtype)
+        """The saved-tensor hooks of the root's forward and the scopes of its block calls."""
+        if self.placed:
+            ctx.room.ahead = self.bytes_ahead
 
     @property
     def placed(self) -> bool:
@@ -118,27 +119,10 @@ class Activations:
     def new_pack(self, block: str) -> ActivationPack:
         return ActivationPack(self, block, placed=self.placed)
 
-    @property
-    def in_scope(self) -> bool:
-        """A block call's scope is open (its forward is running)."""
-        return bool(self._scopes)
-
-    def push(self, scope: Any) -> None:
-        self._scopes.append(scope)
-
-    def pop(self, scope: Any) -> None:
-        assert self._scopes and self._scopes[-1] is scope, (self._scopes, scope)
-        self._scopes.pop()
-
-    def save(self, t: torch.Tensor, param_view: bool) -> Any:
-        """The saved-tensor hook's question: what the innermost scope keeps for `t` (None:
-        the caller saves it as before). Outside every block, `t` is counted on the device."""
-        return (self._scopes[-1] if self._scopes else self._outside).save(t, param_view)
-
     def begin_iteration(self) -> None:
         """A root forward with grad starts: plan auto's placement from the last iteration."""
         self.collect()
-        self._scopes.clear()
+        self.saved.begin()
         self._backward = False
         if self._sizes:
             self._keep_from = None if self.mode != "auto" else self._plan(self._sizes)
@@ -147,11 +131,7 @@ class Activations:
     def end_forward(self) -> None:
         """The root forward is over (or raised): count what it saved outside the blocks; packs
         of block calls a raise left open are dropped."""
-        for scope in reversed(self._scopes):
-            scope.free()
-        self._scopes.clear()
-        self.pm.recorder.record_activations(Tier.DEVICE, self._outside.layout.finish())
-        self._outside = ActivationPack(self, ROOT, placed=False)
+        self.pm.recorder.record_activations(Tier.DEVICE, self.saved.end_forward())
         self._backward = True
 
     # ------------------------------------------------------------------------ placement
@@ -161,8 +141,7 @@ class Activations:
         (only counted, on the device, when nothing of it is placed)."""
         assert pack.state is PackState.OPEN, pack
         self._raise_failed_writes()
-        pack.layout.finish()
-        pack.mark_changed()
+        pack.finish()
         if pack.placed and pack.entries:
             self.place(pack, self._home(pack))
         else:
@@ -174,7 +153,7 @@ class Activations:
         nbytes = pack.nbytes
         self._check_device_room(pack)
         # room for the blocks coming next and for one pack coming back in backward
-        fits = nbytes <= self.ctx.device_room() - 2 * self.largest_block - nbytes
+        fits = nbytes <= self.ctx.room.room() - 2 * self.largest_block - nbytes
         prefetcher = self.ctx.prefetcher
         upcoming = [u for u in prefetcher.next_units(2) if u != ROOT][:1] if prefetcher is not None else []
         if fits and upcoming == [pack.block]:
@@ -192,7 +171,7 @@ class Activations:
         """auto: the first pack (in seal order) of the longest run at the end that `_home` will
         keep on the device when it comes (beside the root, the block held and two coming, and
         one pack coming back), planned before a forward: the packs backward needs first stay."""
-        room = self.ctx.device_room() - self.root_bytes - 3 * self.largest_block - max(sizes)
+        room = self.ctx.room.room() - self.root_bytes - 3 * self.largest_block - max(sizes)
         keep = len(sizes)
         while keep > 0 and sizes[keep - 1] <= room:
             keep -= 1
@@ -202,7 +181,7 @@ class Activations:
     def _check_device_room(self, pack: ActivationPack) -> None:
         """ValueError when the pack can never be on the device beside the root block and its
         own block, as its backward needs."""
-        room = self.pm.budget(Tier.DEVICE) - self.ctx.device_home_bytes
+        room = self.pm.budget(Tier.DEVICE) - self.ctx.room.homes
         need = pack.nbytes + self.root_bytes + self.largest_block
         if need > room:
             raise ValueError(
@@ -230,7 +209,7 @@ class Activations:
                              "batch x sequence less)") from e
         pack.handle = handle
         if home is Tier.DEVICE:
-            self.ctx.add_activation_bytes(pack.nbytes, home=True)
+            self.ctx.room.add_activations(pack.nbytes, home=True)
         self._sizes.append(pack.nbytes)
         self._pending.append(pack)
         self.pm.recorder.record_activations(home, pack.nbytes)
@@ -289,7 +268,7 @@ class Activations:
         copy = self.pm.acquire(pack.handle, Tier.DEVICE)
         pack.acquired = True
         if pack.handle.home is not Tier.DEVICE:
-            self.ctx.add_activation_bytes(pack.nbytes)
+            self.ctx.room.add_activations(pack.nbytes)
         waited = time.perf_counter() - t0
         self.pm.recorder.record_activation_stall(waited)
         self.pm.recorder.record_span(TRACK, f"fetch {pack.block}", t0, t0 + waited,
@@ -319,7 +298,7 @@ class Activations:
         and host room from the blocks, and pushed out, they were read again (built-in 350m,
         nvme_depth 8: 2.9x the packs' bytes read back, the updates 2-3x slower)."""
         names = {u.name for u in units}
-        room = self.device_room() - sum(u.nbytes for u in units if u.name not in self.ctx.held)
+        room = self.ctx.room.prefetch_room() - sum(u.nbytes for u in units if u.name not in self.ctx.room.held)
         ahead = []
         for pack in reversed(self._pending):
             if pack.acquired:
@@ -335,15 +314,11 @@ class Activations:
         for handle in ahead:
             self.pm.prefetch(handle, Tier.HOST, speculative=True)
 
-    def device_room(self) -> int:
-        """The device room beside the packs brought (or coming) ahead of backward and not used
-        yet, as well as what `StepContext.device_room` leaves out. Counted as free, each fetch
-        brought more packs, and the blocks' fetches pushed them out again before backward
-        reached them (built-in 350m, bytes policy: 16 of 24 packs copied to the device, pushed
-        out and read from NVMe again when backward needed them, 1.0 s of waits a step); so the
-        policy's device plans are clipped to this room too (runtime/wrapping.py)."""
-        ahead = sum(p.nbytes for p in list(self._pending) if not p.acquired and self._coming(p))
-        return self.ctx.device_room() - ahead
+    def bytes_ahead(self) -> int:
+        """Bytes of the packs brought (or coming) to the device ahead of backward and not used
+        yet: the device account leaves them out of the prefetcher's room ([Note: the device
+        account] in device_account.py)."""
+        return sum(p.nbytes for p in list(self._pending) if not p.acquired and self._coming(p))
 
     def _coming(self, pack: ActivationPack) -> bool:
         """A device copy of the pack (homed elsewhere) is there, on its way, or asked for once
@@ -392,12 +367,12 @@ class Activations:
             self.pm.release(h, Tier.DEVICE)
             pack.acquired = False
             if h.home is not Tier.DEVICE:
-                self.ctx.add_activation_bytes(-pack.nbytes)
+                self.ctx.room.add_activations(-pack.nbytes)
         if self.pm.record(h).in_flight and not wait:
             return False
         self.pm.unregister(h)
         if h.home is Tier.DEVICE:
-            self.ctx.add_activation_bytes(-pack.nbytes, home=True)
+            self.ctx.room.add_activations(-pack.nbytes, home=True)
         pack.handle = None
         self._pending.remove(pack)
         return True

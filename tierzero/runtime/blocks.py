@@ -11,14 +11,14 @@ Levels, the way FSDP2 splits them:
   fetch before forward, release after it, fetch again before backward (a hook on the outputs'
   gradients), reduce gradients and release after backward (`RegisterPostBackward` on the inputs).
   Each forward call with grad opens a scope for what autograd saves in it: an ActivationPack
-  (activations.py) or, with activation checkpointing, a recompute Frame (recompute.py).
-- `StepContext` (step_context.py) is what blocks share; the root state (state.py) owns it.
+  (activation_pack.py) or, with activation checkpointing, a recompute Frame (recompute.py).
+- `StepContext` (step_context.py) is what blocks share, `Schedule` included; state.py owns it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -27,96 +27,14 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from tierzero.config import Tier
 from tierzero.layout import ROOT, outside_read_hints
 from tierzero.prefetch import FetchPhase, TraceEvent, Unit
-from tierzero.runtime.activation_pack import ActivationPack, SavedActivation
+from tierzero.runtime.activation_pack import ActivationPack, opaque
 from tierzero.runtime.activations import Activations
 from tierzero.runtime.fetch_group import FetchGroup
-from tierzero.runtime.flat_param import FlatParam, SavedView
+from tierzero.runtime.flat_param import FlatParam
 from tierzero.runtime.placeholders import hint
 from tierzero.runtime.recompute import Frame
+from tierzero.runtime.schedule import output_tensors
 from tierzero.runtime.step_context import Phase, StepContext
-
-
-OPAQUE_REASON = (
-    "tierzero's fetch and release hooks run as Python between compiled graphs: one graph cannot span a "
-    "tierzero-wrapped model or several of its blocks, so fullgraph=True over such a region is refused. Compile "
-    "each block on its own instead: tz.compile(model, fullgraph=True) (or block.compile(fullgraph=True) on each "
-    "block), or torch.compile(model) / model.compile() without fullgraph")
-"""Dynamo's message when it is asked to trace a tierzero hook with fullgraph=True."""
-
-
-def opaque(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """`hook` run as Python, never traced into a compiled graph (torch.compile over a wrapped
-    model breaks the graph there and calls it): see [Note: compiled blocks] in compile.py."""
-    return torch.compiler.disable(hook, recursive=True, reason=OPAQUE_REASON)
-
-
-class _Outer(NamedTuple):
-    """A tensor packed by the saved-tensor hooks that were active outside the model's forward."""
-
-    unpack: Callable[[Any], torch.Tensor]
-    packed: Any
-
-
-# [Note: saved parameter views]
-# Autograd saves parameters that are leaves by reference (backward reads their current .data),
-# but ops also save views of them (F.linear saves weight.t() for its backward). Those would
-# keep the forward's device copy alive until backward, or read a reused buffer. Instead a
-# saved tensor whose storage is a held block's device copy is packed as (flat, size, stride,
-# offset) and rebuilt from the copy the pre-backward hook fetched. The running block call's
-# scope answers first (tierzero's activation checkpointing recomputes views of parameters too;
-# placed activations are packed: [Note: placed activations] in activations.py). Other tensors
-# go to the hooks that were active outside the forward (e.g. torch.autograd.graph.save_on_cpu),
-# or are saved as they are; torch.utils.checkpoint installs its own hooks inside, which win.
-class SavedParamViews:
-    """Saved-tensor hooks active during the root module's forward (see [Note: saved parameter views])."""
-
-    def __init__(self, ctx: StepContext, activations: Activations) -> None:
-        self.ctx = ctx
-        self.activations = activations
-        self._context: torch.autograd.graph.saved_tensors_hooks | None = None
-        self._outer: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
-
-    def enter(self) -> None:
-        self.exit()
-        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-        self._outer = top(False) if top is not None else None
-        self._context = torch.autograd.graph.saved_tensors_hooks(opaque(self._pack), opaque(self._unpack))
-        self._context.__enter__()
-
-    @property
-    def entered(self) -> bool:
-        return self._context is not None
-
-    def exit(self) -> None:
-        if self._context is not None:
-            self._context.__exit__(None, None, None)
-            self._context = None
-
-    def _pack(self, t: torch.Tensor) -> Any:
-        flat = self.ctx.held_flat(t)
-        param_view = flat is not None and t.dtype == self.ctx.compute_dtype
-        scoped = self.activations.save(t, param_view)
-        if scoped is not None:
-            return scoped
-        if param_view:
-            assert flat is not None
-            return SavedView(flat, t.size(), t.stride(), t.storage_offset())
-        if self._outer is not None:
-            pack, unpack = self._outer
-            return _Outer(unpack, pack(t))
-        # Not `t` itself: a saved output would hold its own grad_fn, a cycle that keeps a graph
-        # dropped without backward alive (autograd restores the metadata when unpacking).
-        return t.detach()
-
-    @staticmethod
-    def _unpack(packed: Any) -> torch.Tensor:
-        if isinstance(packed, SavedView):
-            return packed.flat.saved_view(packed)
-        if isinstance(packed, SavedActivation):
-            return packed.unpack()
-        if isinstance(packed, _Outer):
-            return packed.unpack(packed.packed)
-        return packed
 
 
 class RegisterPostBackward(torch.autograd.Function):
@@ -207,7 +125,7 @@ class Block:
         ctx.hold(self)
         with torch.profiler.record_function(f"tierzero::fetch {self.name}"):
             if ctx.prefetcher is not None:
-                ctx.prefetcher.on_fetch(TraceEvent(phase, self.name), ctx.held.keys())
+                ctx.prefetcher.on_fetch(TraceEvent(phase, self.name), ctx.room.held.keys())
             try:
                 ctx.wait_updates(self.flats)  # the overlapped step's update of this block
                 self.group.fetch()
@@ -259,9 +177,8 @@ class Block:
             # pre-forward, wrapping.refresh): the block that replaced it runs in its place.
             out = self.successor._pre_forward(module, args, {})
             return None if out is None else out[0]
-        recompute = self.ctx.phase is Phase.BACKWARD
-        if self.ctx.layer_major is not None and not recompute and self.name != ROOT:
-            self.ctx.layer_major.arrive(self)  # [Note: layer-major schedule] in accumulate.py
+        recompute = self.ctx.step.phase is Phase.BACKWARD
+        self.ctx.schedule.arrive(self, recompute=recompute)
         self.hold(FetchPhase.RECOMPUTE if recompute else FetchPhase.FORWARD)
         if not torch.is_grad_enabled():
             return None
@@ -285,18 +202,18 @@ class Block:
         if getattr(module, "gradient_checkpointing", False) is True and module.training:
             acts.note_own_checkpointing(self.name)
         scope = Frame(acts, self.name, module, args, kwargs) if acts.checkpointing else acts.new_pack(self.name)
-        acts.push(scope)
+        acts.saved.push(scope)
         return scope
 
     def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        if self.ctx.phase is Phase.BACKWARD:
+        if self.ctx.step.phase is Phase.BACKWARD:
             if not torch.is_grad_enabled():
                 self.unhold()  # a recompute without autograd: nothing comes back for it
             return None
         call = self._running.pop() if torch.is_grad_enabled() else None
         try:
             if call is not None and call.saved is not None:
-                self.activations.pop(call.saved)
+                self.activations.saved.pop(call.saved)
                 if isinstance(call.saved, ActivationPack):
                     self.activations.seal(call.saved)  # while the block is held: its room counts
                 elif not call.saved.saves:
@@ -328,9 +245,7 @@ class Block:
         done = [c for c in self._calls if c.holds_backward and (call is None or c is call or c.recompute)]
         if call is not None and call.holds_backward and call not in done:
             done.append(call)
-        # A layer-major step reduces and releases at the block's last call ([Note: layer-major schedule]).
-        deferring = call is not None and self.ctx.layer_major is not None and any(
-            not c.post_backward_done for c in self._calls if c not in done and not c.recompute)
+        deferring = call is not None and self.ctx.schedule.defers_release(self._calls, done)
         if not deferring:
             self.group.reduce_grads()
         for c in done:
@@ -342,7 +257,7 @@ class Block:
             self._deferred -= 1
             self.unhold()
         self.activations.collect()
-        if (self.ctx.wants_grads_final and not self._grads_final_sent
+        if (self.ctx.grads_final is not None and not self._grads_final_sent
                 and all(c.post_backward_done for c in self._calls)):
             # No forward call of this block still waits for its backward: its gradients are final.
             self._grads_final_sent = True
@@ -354,16 +269,3 @@ class Block:
 
     def __repr__(self) -> str:
         return f"Block({self.name!r}, {len(self.flats)} flat tensors, {self.nbytes} bytes, holds={self._holds})"
-
-
-def output_tensors(obj: Any) -> list[torch.Tensor]:
-    """Tensors inside an output: tuples, lists, dicts, namedtuples and dataclasses."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if dataclass_fields := getattr(obj, "__dataclass_fields__", None):
-        return [t for name in dataclass_fields for t in output_tensors(getattr(obj, name))]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in output_tensors(v)]
-    if isinstance(obj, (tuple, list)):
-        return [t for v in obj for t in output_tensors(v)]
-    return []

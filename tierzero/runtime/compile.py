@@ -22,8 +22,8 @@ from tierzero.runtime.state import state_of
 # [Note: compiled blocks]
 # A wrapped parameter holds its values only between its block's pre-forward hook and its
 # post-forward hook (a placeholder otherwise: [Note: unfetched parameters]). So the hooks, and
-# the saved-tensor hooks of the root's forward, are `opaque` (blocks.py): dynamo never traces
-# into them, it breaks the graph and calls them as Python. What dynamo then compiles is each
+# the saved-tensor hooks of the root's forward, are `opaque` (activation_pack.py): dynamo never
+# traces into them, it breaks the graph and calls them as Python. What dynamo then compiles is each
 # block's forward, with the block fetched: its parameters enter the graph as inputs, guarded on
 # shape, dtype and strides (the same on every fetch, whatever the device copy's address), so one
 # compile serves every fetch and every block of the same shape (torchtitan compiles each
@@ -37,8 +37,8 @@ from tierzero.runtime.state import state_of
 # inside a loop), and each block's forward is compiled in its own frame. So does
 # `block.compile(fullgraph=True)` on each block (torch runs a compiled module's hooks outside its
 # graph). `fullgraph=True` over a region that spans blocks (the whole model, a Sequential of
-# blocks) cannot hold the hooks between them: dynamo's error then carries blocks.OPAQUE_REASON,
-# which names tz.compile(model, fullgraph=True).
+# blocks) cannot hold the hooks between them: dynamo's error then carries
+# activation_pack.OPAQUE_REASON, which names tz.compile(model, fullgraph=True).
 
 _NO_CUDA_GRAPHS = ("reduce-overhead", "max-autotune")
 

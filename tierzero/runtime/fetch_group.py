@@ -50,8 +50,8 @@ class FetchGroup:
         assert ctx.zero.gathers, self.name
         with torch.profiler.record_function(f"tierzero::gather_ahead {self.name}"):
             for flat in self.flats:
-                if flat.is_free and not ctx.has_gather(flat):
-                    ctx.put_gather(flat, start_gather(ctx, flat))
+                if flat.is_free and flat not in ctx.gathers:
+                    ctx.gathers.put(flat, start_gather(ctx, flat))
 
     def fetch(self) -> None:
         """Every flat tensor FREE -> HELD on its full tensor, gathered ahead or now. On failure
@@ -62,9 +62,9 @@ class FetchGroup:
         finished = 0
         try:
             for flat in self.flats:
-                ahead = ctx.take_gather(flat)
+                ahead = ctx.gathers.take(flat)
                 if ctx.zero.gathers:
-                    ctx.count_gather(ahead=ahead is not None)
+                    ctx.gathers.count(ahead=ahead is not None)
                 pending.append(ahead or start_gather(ctx, flat))
             for flat, p in zip(self.flats, pending):
                 finish_gather(ctx, flat, p)
@@ -94,7 +94,7 @@ class FetchGroup:
             flat.uninstall()
             if keep_gathered:
                 assert p.scratch is not None, flat.name
-                self.ctx.put_gather(flat, p._replace(work=None))  # done; its shard is released
+                self.ctx.gathers.put(flat, p._replace(work=None))  # done; its shard is released
             else:
                 drop_gather(self.ctx, flat, p)
         self._fetched = None
@@ -120,10 +120,10 @@ def gather_ahead(ctx: StepContext, groups: list[FetchGroup], every: Sequence[Fet
     every rank starts the same all-gathers in the same order ([Note: gathers ahead agreed across
     ranks] in collectives.py)."""
     chosen = {g.name for g in groups}
-    keep = chosen | set(ctx.held)
-    room = ctx.device_room() - sum(f.nbytes for g in groups for f in g.flats)
+    keep = chosen | set(ctx.room.held)
+    room = ctx.room.room() - sum(f.nbytes for g in groups for f in g.flats)
     kept = set()
-    for flat in ctx.gathered_flats():
+    for flat in ctx.gathers.flats():
         if flat.name in keep:
             kept.add(flat)
         elif flat.nbytes <= room:
@@ -136,7 +136,7 @@ def gather_ahead(ctx: StepContext, groups: list[FetchGroup], every: Sequence[Fet
         chosen = {g.name for g, yes in zip(every, agreed) if yes}
         kept = {f for f, yes in zip(flats, agreed[len(every):]) if yes}
         groups = _trace_order([g for g in every if g.name in chosen], ctx)
-    for flat in ctx.gathered_flats():
+    for flat in ctx.gathers.flats():
         if flat not in kept:
             discard_gather(ctx, flat)
     for group in groups:
@@ -155,5 +155,5 @@ def _trace_order(groups: list[FetchGroup], ctx: StepContext) -> list[FetchGroup]
 
 def discard_gathers(ctx: StepContext) -> None:
     """Drop every all-gather started ahead (a new iteration starts from a clean slate)."""
-    for flat in ctx.gathered_flats():
+    for flat in ctx.gathers.flats():
         discard_gather(ctx, flat)

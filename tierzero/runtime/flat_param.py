@@ -15,7 +15,7 @@ compute dtype and all-gathered, in a device scratch buffer, into every rank's wh
 from __future__ import annotations
 
 from enum import Enum
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 from torch import nn
@@ -50,15 +50,6 @@ class ParamState(Enum):
     FREE = "free"
     HELD = "held"
     SCRATCH = "scratch"
-
-
-class SavedView(NamedTuple):
-    """A tensor saved for backward that views a held flat tensor's device copy."""
-
-    flat: "FlatParam"
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int
 
 
 # [Note: master weights]
@@ -258,7 +249,7 @@ class FlatParam:
             unguard(p)
             p.data = view
         self._device = flat
-        self.ctx.track(self, flat)
+        self.ctx.copies.track(self, flat)
         self._state = ParamState.HELD
 
     def install_scratch(self, values: list[torch.Tensor]) -> None:
@@ -278,7 +269,7 @@ class FlatParam:
             p.data = ph
             guard(p, slot.fqn, self, i)
         if self._device is not None:
-            self.ctx.untrack(self._device)
+            self.ctx.copies.untrack(self._device)
             self._device = None
         self._state = ParamState.FREE
 
@@ -291,7 +282,7 @@ class FlatParam:
         if ctx.updates is not None and ctx.updates.clears(self.param):
             ctx.drain_updates()  # a zero_grad waits behind the overlapped step's update: answer after it
         return view_of(self.grad, index, self.layout.slots[index].fqn, self._placeholders[index],
-                       refused=ctx.wants_grads_final)
+                       refused=ctx.grads_final is not None)
 
     def grad_set_none(self, index: int) -> None:
         """`p.grad = None` of parameter `index` while FREE (model.zero_grad()): its gradient is
@@ -307,16 +298,6 @@ class FlatParam:
         tensor unfrozen is taken in before the next forward (wrapping.refresh)."""
         if requires_grad and not self.trainable:
             self.ctx.unfrozen = True
-
-    def saved_view(self, saved: SavedView) -> torch.Tensor:
-        """A tensor saved for backward as a view of this flat tensor's device copy, rebuilt on the
-        copy held now."""
-        if self._state is not ParamState.HELD:
-            raise RuntimeError(
-                f"tierzero: backward needs parameters of {self.name!r} but the block is not fetched; "
-                "a second backward through the same graph (retain_graph=True) is not supported")
-        assert self._device is not None
-        return self._device.as_strided(saved.size, saved.stride, saved.offset)
 
     def clear_grad(self, *, set_to_none: bool = True) -> None:
         with torch._C.DisableTorchFunctionSubclass():  # autograd's .grad (not forget_slot's p.grad = None)

@@ -61,7 +61,7 @@ def drop_gather(ctx: StepContext, flat: FlatRef, pending: PendingGather) -> None
 
 def discard_gather(ctx: StepContext, flat: FlatRef) -> None:
     """Forget an all-gather started ahead (its values are stale once the shard is written)."""
-    pending = ctx.take_gather(flat)
+    pending = ctx.gathers.take(flat)
     if pending is not None:
         finish_gather(ctx, flat, pending)
         drop_gather(ctx, flat, pending)

@@ -242,8 +242,8 @@ class FlatGrad:
         """The dtype of early capture's device buffer: the compute dtype, in which autograd would
         sum; in a layer-major step of several micro-batches, the stored gradient's where it is
         wider ([Note: layer-major sums in the gradient's dtype])."""
-        gate, compute = self.ctx.layer_major, self.ctx.compute_dtype
-        if gate is not None and len(gate.micro_batches) > 1 and self.handle.dtype.itemsize > compute.itemsize:
+        compute = self.ctx.compute_dtype
+        if self.ctx.schedule.sums_wide and self.handle.dtype.itemsize > compute.itemsize:
             return self.handle.dtype
         return compute
 
@@ -275,10 +275,10 @@ class FlatGrad:
             dtype = self._sum_dtype()
             nbytes = self.layout.padded_numel * dtype.itemsize
             scratch = None
-            if ctx.capture_room(nbytes):
+            if ctx.room.take_capture(nbytes):
                 scratch = ctx.pm.reserve_scratch(nbytes, Tier.DEVICE, what=f"{h.name} (captured)", wait=False)
                 if scratch is None:
-                    ctx.capture_done(nbytes)
+                    ctx.room.capture_done(nbytes)
             if scratch is None:
                 return self._capture_refused(dtype)
             self._scratch, self._held = scratch, scratch[:nbytes].view(dtype)
@@ -315,7 +315,7 @@ class FlatGrad:
         if self._scratch is not None:
             assert self._held is not None  # set together: the view of the room capture took
             self.ctx.pm.free_scratch(self._scratch, Tier.DEVICE)
-            self.ctx.capture_done(self._held.nbytes)
+            self.ctx.room.capture_done(self._held.nbytes)
         elif self._held is not None:
             self.ctx.pm.release(self.handle, self.handle.staging)
         self._held = self._scratch = None

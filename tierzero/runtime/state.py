@@ -18,10 +18,12 @@ from tierzero.config import Config, Tier, format_size
 from tierzero.layout import CommBytes, unique_params
 from tierzero.placement import PlacementManager, StepStats
 from tierzero.runtime.activations import Activations
-from tierzero.runtime.blocks import Block, SavedParamViews, opaque, output_tensors
+from tierzero.runtime.activation_pack import opaque
+from tierzero.runtime.blocks import Block
 from tierzero.runtime.fetch_group import discard_gathers
 from tierzero.runtime.flat_param import FlatParam
 from tierzero.runtime.grads import GradCapture
+from tierzero.runtime.schedule import output_tensors
 from tierzero.runtime.step_context import Phase, StepContext
 
 _STATES: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[TieredState]]" = weakref.WeakKeyDictionary()
@@ -51,9 +53,7 @@ class TieredState:
         self.param_order = [self._flat_of[id(p)] for p in model.parameters()]
         """(FlatParam, index) of each parameter in model.parameters() order."""
         self._handles: list[Any] = []
-        self._saved_views = SavedParamViews(ctx, activations)
-        self.grouped = False
-        """tz.accumulate's step runs the micro-batches' forwards: it, not the root hooks, begins and ends it."""
+        self._saved_views = activations.saved
         self._renew = renew
         """wrapping.refresh of this model: the state that takes in parameters unfrozen since wrap."""
         self._grad_capture = GradCapture([(p, flat.grad, i) for b in blocks for flat in b.flats
@@ -92,8 +92,8 @@ class TieredState:
         if self in _GATHERED:
             raise RuntimeError(f"{type(module).__name__}: a forward inside tz.gathered_params(); run it after the "
                                "with block (the gathered parameters are fetched outside any step)")
-        self.ctx.check_thread(type(module).__name__)
-        if self.grouped:
+        self.ctx.step.check_thread(type(module).__name__)
+        if self.ctx.schedule.owns_forward:
             return  # a micro-batch of tz.accumulate's step, which began it once
         fresh = self.renewed()
         if fresh is not self:  # its hooks replaced these: the rest of this forward is its
@@ -103,15 +103,15 @@ class TieredState:
     def renewed(self) -> TieredState:
         """This state, or the one that replaces it once parameters frozen at wrap were unfrozen
         (wrapping.refresh, between steps)."""
-        if not self.ctx.unfrozen or self._renew is None or self.ctx.phase is not Phase.IDLE or self.ctx.held:
+        if not self.ctx.unfrozen or self._renew is None or self.ctx.step.phase is not Phase.IDLE or self.ctx.room.held:
             return self
         return self._renew()
 
     def begin_forward(self, module: nn.Module) -> None:
         """An iteration's forward starts (the root's pre-forward, or tz.accumulate's step)."""
-        if self.ctx.backward_died():
+        if self.ctx.step.backward_died():
             self.ctx.end_iteration(died=True)  # its final callback never ran; blocks reset below
-        if self.ctx.phase is Phase.BACKWARD:
+        if self.ctx.step.phase is Phase.BACKWARD:
             return
         for block in self.blocks:
             block.begin_iteration()
@@ -128,7 +128,8 @@ class TieredState:
         """Runs even when the forward raised (always_call: then with no output, while torch
         handles the exception); a forward that raised is no trace to learn from, and one that
         `check_thread` refused changed nothing to undo."""
-        if self.ctx.phase is Phase.BACKWARD or self.ctx.owner is not threading.current_thread() or self.grouped:
+        if (self.ctx.step.phase is Phase.BACKWARD or self.ctx.step.owner is not threading.current_thread()
+                or self.ctx.schedule.owns_forward):
             return
         self.end_forward(output)
 
@@ -143,6 +144,16 @@ class TieredState:
             self.ctx.end_iteration(died=output is None and sys.exc_info()[0] is not None)
         else:
             self._grad_capture.install(outputs)
+
+    def abort_forward(self) -> None:
+        """A step that raised: its forward ended as one that raised, unless it was over."""
+        if self.ctx.step.phase is Phase.FORWARD:
+            self.end_forward(None)
+
+    @property
+    def in_block_call(self) -> bool:
+        """A block call's forward is running (its saved tensors go to its scope)."""
+        return self.activations.saved.in_scope
 
     def end_backward(self) -> None:
         """Final callback of a backward pass (queued by the first pre-backward hook)."""
@@ -203,7 +214,7 @@ class TieredState:
 
     def __repr__(self) -> str:
         return (f"TieredState({type(self.model).__name__}, {len(self.blocks)} blocks, "
-                f"phase={self.ctx.phase.value}, {self.pm!r})")
+                f"phase={self.ctx.step.phase.value}, {self.pm!r})")
 
 
 def adopt(model: nn.Module, state: TieredState) -> None:
@@ -299,13 +310,13 @@ def gathered_params(model: nn.Module, modules: nn.Module | list[nn.Module] | Non
     Between steps only; with several ranks every rank enters it with the same modules."""
     state = state_of(model)
     ctx = state.ctx
-    if ctx.phase is not Phase.IDLE or ctx.held or state in _GATHERED:
+    if ctx.step.phase is not Phase.IDLE or ctx.room.held or state in _GATHERED:
         raise RuntimeError("tz.gathered_params: the model is in a step or already gathered; use it between "
                            "training steps (after opt.step()), not inside a forward, a backward or another "
                            "gathered_params")
     ctx.drain_updates()
     blocks = _blocks_of(state, modules)
-    need, room = sum(b.nbytes for b in blocks), ctx.device_room()
+    need, room = sum(b.nbytes for b in blocks), ctx.room.room()
     if need > room:
         raise ValueError(f"tz.gathered_params: the {len(blocks)} block(s) asked for need {format_size(need)} "
                          f"({need} bytes) on the device tier at once, and its budget leaves {format_size(room)} "

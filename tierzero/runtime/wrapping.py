@@ -64,7 +64,7 @@ from tierzero.runtime.step_context import Phase, StepContext
 #    fp32 master weights block by block, and store the new parameters on their home tier.
 #
 # During the root's forward, tensors autograd saves that view a block's device copy are saved as
-# references into the block (blocks.SavedParamViews), so the copy is really freed after the
+# references into the block (activation_pack.SavedTensors), so the copy is really freed after the
 # forward and rebuilt for backward; the other tensors a block call saves are placed per
 # Config.activations, or recomputed (Config.activation_checkpointing): see activations.py and
 # recompute.py.
@@ -187,10 +187,10 @@ def _start(model: nn.Module, config: Config, ctx: StepContext, blocks: list[Bloc
 
     fetch_ahead = fetch_units if activations.placed else gather_units if ctx.zero.gathers else None
     prefetcher = Prefetcher(pm, [b.unit for b in blocks if b.flats], policy_from_config(config),
-                            device_room=activations.device_room if activations.placed else ctx.device_room,
+                            device_room=ctx.room.prefetch_room,
                             fetch_ahead=fetch_ahead,
                             device_wraps=not ctx.zero.gathers, busy=lambda unit: ctx.updating(unit.tensors),
-                            device_beside=ctx.device_beside)
+                            device_beside=ctx.room.beside)
     ctx.attach(prefetcher, state.end_backward, max((b.nbytes for b in blocks if b.flats), default=0))
     pm.set_eviction_policy(prefetcher)
     state.register_hooks()
@@ -219,7 +219,7 @@ def refresh(model: nn.Module) -> TieredState:
     if not new and not changed:
         return state
     ctx, config = state.ctx, state.config
-    if ctx.phase is not Phase.IDLE or ctx.held:
+    if ctx.step.phase is not Phase.IDLE or ctx.room.held:
         raise RuntimeError(f"{type(state.model).__name__}: parameters were added, frozen or unfrozen since tz.wrap, "
                            "which tierzero takes in between steps, not inside a forward or a backward")
     ctx.drain_updates()
