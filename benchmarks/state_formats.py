@@ -1,16 +1,18 @@
 """The CPU's update of one block per optimizer state format: seconds per parameter of
 tz.AdamW's step on a block homed on the host tier (gradient, master weights and moments in
-memory), "float32" (torch's fused AdamW) against "bfloat16" and "int8" (widened a window at a
-time, [Note: state windows] in tierzero/runtime/update.py), beside torch.optim.AdamW(fused=True)
-and, when torchao is installed, torchao's AdamW8bit on a plain tensor of the same size.
-The formats alternate within each round (A B A B), so the machine's drift hits them alike.
+memory), "float32" (torch's fused AdamW) against "bfloat16" and "int8" (a window at a time in
+one pass of the fused window kernel, [Note: fused state windows] in
+tierzero/optim/window_kernel.py; with --eager also its eager torch path, the same bits),
+beside torch.optim.AdamW(fused=True) and, when torchao is installed, torchao's AdamW8bit on a
+plain tensor of the same size. The entries alternate within each round (A B A B), so the
+machine's drift hits them alike.
 
 `--converge N` instead trains the built-in "tiny" GPT N steps on the default corpus (the
 Python standard library's source bytes) from the same weights and batches with tz.AdamW in each
 format (every state on the host tier) and with torchao's AdamW8bit on the plain model in
 memory, and prints the loss curve and the final loss (the mean of the last 10% of steps).
 
-    python benchmarks/state_formats.py [--sizes 1M,4M,16M] [--rounds 5] [--steps 3] [--json]
+    python benchmarks/state_formats.py [--sizes 1M,4M,16M] [--rounds 5] [--steps 3] [--eager] [--json]
     python benchmarks/state_formats.py --converge 500 [--batch 8] [--seq 128] [--json]
 """
 
@@ -27,6 +29,7 @@ from torch import nn
 
 import tierzero as tz
 from tierzero import runtime
+from tierzero.optim import window_kernel
 
 FORMATS = ("float32", "bfloat16", "int8")
 
@@ -45,6 +48,14 @@ def tiered(numel: int, fmt: str) -> tuple[Callable[[], None], Callable[[], None]
     opt = tz.AdamW(model, lr=1e-4)
     model(torch.randn(2, 1024)).square().mean().backward()
     return opt.step, lambda: runtime.close(model)
+
+
+def eager(step: Callable[[], None]) -> Callable[[], None]:
+    """`step` on the fused window kernel's eager path (as where no C++ compiler is found)."""
+    def run() -> None:
+        with window_kernel.built_with(None):
+            step()
+    return run
 
 
 def plain(numel: int, kind: str) -> Callable[[], None] | None:
@@ -117,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="1M,4M,16M", help="block sizes in parameters")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=3, help="steps timed per round and entry")
+    p.add_argument("--eager", action="store_true", help="also the low-bit formats on the eager path")
     p.add_argument("--json", action="store_true")
     p.add_argument("--converge", type=int, default=0, metavar="N", help="the loss curves of N steps instead")
     p.add_argument("--batch", type=int, default=8)
@@ -126,7 +138,12 @@ def main(argv: list[str] | None = None) -> int:
         out = converge(args.converge, args.batch, args.seq)
         print(json.dumps(out, indent=None if not args.json else 1))
         return 0
-    out = {"threads": torch.get_num_threads(), "torch": torch.__version__, "sizes": {}}
+    t0 = time.perf_counter()
+    built = window_kernel.library() is not None
+    out = {"threads": torch.get_num_threads(), "torch": torch.__version__, "kernel_built": built,
+           "kernel_build_s": round(time.perf_counter() - t0, 2), "sizes": {}}
+    if not args.json:
+        print(f"fused window kernel: {'built' if built else 'NOT built'} in {out['kernel_build_s']} s")
     for size in args.sizes.split(","):
         numel = _elements(size)
         entries: dict[str, Callable[[], None]] = {}
@@ -136,26 +153,34 @@ def main(argv: list[str] | None = None) -> int:
             step()  # warm: states allocated, pages touched
             entries[f"tz {fmt}"] = step
             closers.append(close)
+        if args.eager:
+            for fmt in FORMATS[1:]:
+                entries[f"tz {fmt} eager"] = eager(entries[f"tz {fmt}"])
         for kind in ("torch-fused", "torchao-AdamW8bit"):
             step = plain(numel, kind)
             if step is not None:
                 entries[kind] = step
         times: dict[str, list[float]] = {name: [] for name in entries}
+        cpu: dict[str, list[float]] = {name: [] for name in entries}
         for _ in range(args.rounds):
             for name, step in entries.items():  # A B A B
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 for _ in range(args.steps):
                     step()
                 times[name].append((time.perf_counter() - t0) / args.steps / numel * 1e9)
+                cpu[name].append((time.process_time() - c0) / args.steps / numel * 1e9)
         for close in closers:
             close()
         med = {name: statistics.median(ts) for name, ts in times.items()}
-        out["sizes"][size] = {"numel": numel, "ns_per_param": med,
+        med_cpu = {name: statistics.median(ts) for name, ts in cpu.items()}
+        out["sizes"][size] = {"numel": numel, "ns_per_param": med, "cpu_ns_per_param": med_cpu,
                               "speedup_vs_tz_float32": {n: med["tz float32"] / v for n, v in med.items()}}
         if not args.json:
-            print(f"{size} ({numel} parameters), ns per parameter, median of {args.rounds} rounds:")
+            print(f"{size} ({numel} parameters), ns per parameter (wall; CPU time of all threads), "
+                  f"median of {args.rounds} rounds:")
             for name, v in med.items():
-                print(f"  {name:<20} {v:7.3f}   x{med['tz float32'] / v:5.2f} of tz float32's speed")
+                print(f"  {name:<20} {v:7.3f}   x{med['tz float32'] / v:5.2f} of tz float32's speed   "
+                      f"cpu {med_cpu[name]:7.3f}")
     if args.json:
         print(json.dumps(out, indent=1))
     return 0

@@ -4,6 +4,7 @@ the same bits on every placement, real bytes on every tier, checkpoints in their
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -12,8 +13,10 @@ import pytest
 import torch
 
 import tierzero as tz
-from builders import gpt, tier_config
+from builders import assert_state_equal, gpt, tier_config
 from tierzero import runtime
+from tierzero.optim import base as optim_base
+from tierzero.optim import window_kernel
 from tierzero.checkpoint import CheckpointError
 from tierzero.config import QUANT_BLOCK, state_nbytes
 from tierzero.layout import StateCodec, round_stochastic_
@@ -48,18 +51,26 @@ def train(config: tz.Config, steps: int = STEPS, *, accumulate: bool = False, sg
 
 
 def reference_bf16_states(steps: int = STEPS) -> dict[str, torch.Tensor]:
-    """Plain PyTorch: each parameter's AdamW moments kept in bf16, widened to fp32 for torch's
-    fused kernel and rounded back to nearest after each step."""
+    """Plain PyTorch: each parameter's AdamW moments kept in bf16, widened to fp32, updated by
+    AdamW in the order torch's fused CPU kernel computes it, without its fused multiply-adds
+    ([Note: fused state windows]), and rounded back to nearest after each step."""
+    def single(x: float) -> float:
+        return torch.tensor(x, dtype=torch.float32).item()
+
     model = gpt(layers=3)
     moments = {n: (torch.zeros_like(p, dtype=torch.bfloat16), torch.zeros_like(p, dtype=torch.bfloat16))
                for n, p in model.named_parameters()}
+    lr, wd, beta1, beta2, eps = 3e-3, 0.1, 0.9, 0.999, 1e-8
     for step, x in enumerate(batches(steps), 1):
         model(x, x).loss.backward()
         with torch.no_grad():
             for n, p in model.named_parameters():
-                m, v = moments[n][0].float(), moments[n][1].float()
-                torch._fused_adamw_([p], [p.grad], [m], [v], [], [torch.tensor(float(step))], lr=3e-3, beta1=0.9,
-                                    beta2=0.999, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
+                m, v, g = moments[n][0].float(), moments[n][1].float(), p.grad
+                p.mul_(single(1 - lr * wd))
+                m += (g - m) * single(1 - beta1)
+                v.mul_(single(beta2)).add_(g * single(1 - beta2) * g)
+                root = v.double().sqrt().float()  # correctly rounded (torch's fp32 sqrt is not always)
+                p -= m * single(lr / (1 - beta1 ** step)) / (root / single(math.sqrt(1 - beta2 ** step)) + single(eps))
                 moments[n][0].copy_(m)
                 moments[n][1].copy_(v)
                 p.grad = None
@@ -203,6 +214,69 @@ def test_accumulate_and_sgd_momentum_formats(wrapped) -> None:
         kinds = {k.split("/")[-1]: v.dtype for k, v in opt_state(m, opt).items()}
         assert kinds == {"master": torch.float32, "momentum": torch.bfloat16 if fmt == "bfloat16" else torch.uint8}
         runtime.close(m)
+
+
+def train_groups(config: tz.Config, *, sgd: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Three steps with two param groups of different hyper-parameters and two parameters in
+    none (left out: gaps in their windows); (the state as stored, the model's weights before)."""
+    model = gpt(layers=3)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tz.wrap(model, config)
+    named = list(model.named_parameters())
+    vectors = [p for _, p in named if p.dim() == 1]
+    groups = [{"params": [p for _, p in named if p.dim() > 1], "weight_decay": 0.1},
+              {"params": vectors[:-2], "weight_decay": 0.0, "lr": 1e-3}]
+    opt = tz.SGD(groups, lr=0.05, momentum=0.9) if sgd else tz.AdamW(groups, lr=3e-3)
+    for x in batches(3):
+        model(x, x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    state = opt_state(model, opt)
+    runtime.close(model)
+    return state, before
+
+
+@pytest.mark.parametrize("fmt,master,sgd", [("int8", "float32", False), ("bfloat16", "bfloat16", False),
+                                            ("int8", "bfloat16", True), ("float32", "bfloat16", True)])
+def test_fused_kernel_gives_the_eager_bits(monkeypatch, fmt: str, master: str, sgd: bool) -> None:
+    """[Note: fused state windows]: the kernel and the eager path give the same bits, whatever
+    the windows (a block in one, or in many cut mid-parameter and run on several threads), with
+    rows of hyper-parameters and gaps. (The eager path once sliced fp32 master weights at the
+    window's offset: wrong weights updated from a block's second window on.)"""
+    if window_kernel.library("sgd" if sgd else "adamw", master, fmt) is None:
+        pytest.skip(f"no C++ compiler ({window_kernel.compiler()!r}) to build the fused window kernel")
+    kw: dict[str, Any] = dict(tier="host", optimizer_state_dtype=fmt)
+    if master == "bfloat16":
+        kw.update(master_dtype="bfloat16", compute_dtype="bfloat16")
+    whole, before = train_groups(tier_config(**kw), sgd=sgd)
+    monkeypatch.setattr(optim_base, "STATE_WINDOW", 16 * QUANT_BLOCK)
+    fused, _ = train_groups(tier_config(**kw), sgd=sgd)
+    assert_state_equal(fused, whole, "small windows against whole blocks")
+    with window_kernel.built_with(None):
+        eager, _ = train_groups(tier_config(**kw), sgd=sgd)
+    assert_state_equal(eager, whole, "eager path against the fused kernel")
+    left_out = [n for n, p in gpt(layers=3).named_parameters() if p.dim() == 1][-2:]
+    model = gpt(layers=3)
+    tz.wrap(model, tier_config(**kw))
+    state = runtime.state_of(model)
+    for name in left_out:  # a parameter in no group keeps its weights
+        flat, i = state.locate(dict(model.named_parameters())[name])
+        slot = flat.layout.slots[i]
+        got = whole[f"{flat.name}/master"][slot.offset:slot.offset + slot.numel].float()
+        assert torch.equal(got, before[name].view(-1).to(got.dtype).float()), name
+    runtime.close(model)
+
+
+def test_without_a_compiler_one_warning_and_the_same_bits() -> None:
+    if window_kernel.library("adamw", "float32", "int8") is None:
+        pytest.skip(f"no C++ compiler ({window_kernel.compiler()!r}) to build the fused window kernel")
+    fused, _ = train_groups(tier_config(tier="host", optimizer_state_dtype="int8"), sgd=False)
+    with window_kernel.built_with("/nonexistent/c++"), pytest.warns(RuntimeWarning) as caught:
+        eager, _ = train_groups(tier_config(tier="host", optimizer_state_dtype="int8"), sgd=False)
+        assert window_kernel.library("adamw", "float32", "int8") is None
+    assert [str(w.message) for w in caught if "could not be built" in str(w.message)][1:] == []
+    assert any("'/nonexistent/c++'" in str(w.message) and "same bits" in str(w.message) for w in caught)
+    assert_state_equal(fused, eager, "no compiler")
 
 
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8"])

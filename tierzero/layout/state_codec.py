@@ -22,7 +22,16 @@ from tierzero.config import QUANT_BLOCK, quant_blocks, state_nbytes
 #     down to s * 2.4e-10 kept non-zero.
 # A window is decoded once and encoded once per update, so a value no update touched (padding,
 # a parameter without a gradient) keeps its code. Rounding is half-to-even, no randomness.
-_SIGNED, _UNSIGNED = 127.0, 255.0
+# The fused window kernel (tierzero/optim/window_kernel.py) does the same arithmetic in one
+# loop, so the order and constants here are its: single-precision products and quotients (no
+# reciprocals), correctly rounded roots (sqrt_), and the second moment's fourth root taken as
+# sqrt(sqrt(x) 255^2 / sqrt(s)), since the update has sqrt(x) at hand. Both give the same bits.
+_S2 = 16129.0
+"""127 ** 2, the signed map's constant."""
+_U4 = 4228250624.0
+"""255 ** 4 as a float32 holds it (4228250625 rounded), the unsigned map's constant."""
+_U2 = 65025.0
+"""255 ** 2: the unsigned map's encoding takes the root of x / the root of s."""
 _FLOOR = 1e-30
 """Scaled values are raised to this before their roots: a normal float whose codes are 0."""
 
@@ -47,7 +56,7 @@ class StateCodec:
             return torch.zeros(state_nbytes(numel, "int8"), dtype=torch.uint8)
         return torch.zeros(numel, dtype=torch.float32 if self.exact else torch.bfloat16)
 
-    def _parts(self, stored: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def parts(self, stored: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes as [blocks, QUANT_BLOCK], scales as [blocks, 1]) of an int8 stored tensor."""
         n = quant_blocks(numel)
         codes = stored[:n * QUANT_BLOCK].view(n, QUANT_BLOCK)
@@ -59,13 +68,14 @@ class StateCodec:
         (an int8 state: whole blocks, `out` rounded up to them); returns `out`'s values."""
         if self.dtype != "int8":
             return out[:hi - lo].copy_(stored[lo:hi])
-        codes, scales = self._parts(stored, numel)
+        codes, scales = self.parts(stored, numel)
         b0, b1 = lo // QUANT_BLOCK, quant_blocks(hi)
         q = out[:(b1 - b0) * QUANT_BLOCK].view(b1 - b0, QUANT_BLOCK).copy_(codes[b0:b1])
         if self.unsigned:
-            q.mul_(q).mul_(q).mul_(scales[b0:b1] / _UNSIGNED ** 4)
+            q.mul_(q)
+            q.mul_(q).mul_(scales[b0:b1] / _U4)
         else:
-            q.mul_(q.abs()).mul_(scales[b0:b1] / _SIGNED ** 2)
+            q.mul_(q.abs()).mul_(scales[b0:b1] / _S2)
         return out[:hi - lo]
 
     def encode(self, values: torch.Tensor, stored: torch.Tensor, numel: int, lo: int, hi: int) -> None:
@@ -74,25 +84,32 @@ class StateCodec:
         if self.dtype != "int8":
             stored[lo:hi].copy_(values[:hi - lo])
             return
-        codes, scales = self._parts(stored, numel)
+        codes, scales = self.parts(stored, numel)
         b0, b1 = lo // QUANT_BLOCK, quant_blocks(hi)
         x = values.view(-1)[:(b1 - b0) * QUANT_BLOCK].view(b1 - b0, QUANT_BLOCK)
-        # The maps' constants are folded into the scale's inverse (one pass fewer each). torch's
-        # CPU sqrt takes ~7x longer on zeros (~30x on subnormals) than on normal floats: values
-        # below _FLOOR, whose codes are 0 either way, are raised to it first (the same codes).
-        if self.unsigned:
-            s = torch.amax(x, dim=1, keepdim=True)
-            # the fourth root as rsqrt(rsqrt(.)): 0.54 ns an element against 0.90 for two sqrts
-            x.mul_(torch.where(s > 0, _UNSIGNED ** 4 / s, 0.0)).clamp_min_(_FLOOR).rsqrt_().rsqrt_().round_()
-            codes[b0:b1] = x.to(torch.int32)  # float -> uint8 is ~6x slower than through int32
+        # torch's CPU sqrt takes ~7x longer on zeros (~30x on subnormals) than on normal floats:
+        # values below _FLOOR, whose codes are 0 either way, are raised to it first.
+        s = torch.amax(x.abs(), dim=1, keepdim=True)
+        if self.unsigned:  # the fourth root as the root of (the root of x / the root of s)
+            inv = torch.where(s > 0, torch.full_like(s, _U2) / sqrt_(s.clone()), 0.0)
+            y = sqrt_(sqrt_(x).mul_(inv).clamp_min_(_FLOOR))
+            codes[b0:b1] = y.round_().to(torch.int32)  # float -> uint8 is ~6x slower than through int32
         else:
-            s = torch.maximum(torch.amax(x, dim=1, keepdim=True), -torch.amin(x, dim=1, keepdim=True))
-            y = torch.abs(x).mul_(torch.where(s > 0, _SIGNED ** 2 / s, 0.0)).clamp_min_(_FLOOR)
-            codes[b0:b1] = y.sqrt_().round_().copysign_(x)
+            inv = torch.where(s > 0, torch.full_like(s, _S2) / s, 0.0)
+            y = sqrt_(x.abs().mul_(inv).clamp_min_(_FLOOR))
+            codes[b0:b1] = y.round_().copysign_(x).to(torch.int32)
         scales[b0:b1] = s
 
     def __repr__(self) -> str:
         return f"StateCodec({self.dtype!r}{', unsigned' if self.unsigned else ''})"
+
+
+def sqrt_(x: torch.Tensor) -> torch.Tensor:
+    """`x` (fp32) replaced by its square roots rounded correctly, as the CPU's sqrt instruction
+    gives them: torch's CPU sqrt of fp32 is off by an ulp on ~1 in 5 values. Through double:
+    a double root within an ulp rounds to the correct float (a float's root never lies that
+    near a midpoint between two floats)."""
+    return x.copy_(x.double().sqrt_())
 
 
 def window_room(lo: int, hi: int) -> int:

@@ -3,6 +3,7 @@
     base.py   TieredOptimizer: the block-by-block step (streamed state, overlapped or in backward)
     adamw.py  AdamW and SGD: torch's fused CPU kernels on tiered fp32 state
     clip.py   clip_grad_norm_: the global norm from the norms backward computed
+    window_kernel.py  the update of a window of bf16 / int8 states in one pass (a C++ loop)
 """
 
 from tierzero.optim.adamw import SGD, AdamW

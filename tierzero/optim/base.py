@@ -24,6 +24,7 @@ from torch import nn
 
 from tierzero import runtime
 from tierzero.layout import FlatLayout
+from tierzero.optim import window_kernel
 from tierzero.runtime import MASTER, BlockState, FlatGrad, FlatParam, Piece, StepQueue
 
 READ_AHEAD = 2
@@ -403,20 +404,33 @@ class TieredOptimizer(torch.optim.Optimizer):
                 if g is not None and j not in room.skip:
                     steps[j] += 1
             batches = self._batches_of(flat, room.skip, groups, windowed=room.windowed)
-            if not room.windowed:
-                self._update_pieces(groups, steps, room, batches)
-            else:  # [Note: state windows]
-                step = max(steps)
-                for w, lo, hi in _windows(batches):
-                    with room.window(lo, hi, step):
-                        self._update_pieces(groups, steps, room, w)
+            update = self._update_windows if room.windowed else self._update_pieces
+            update(groups, steps, room, batches)
         return room.collectives
 
     def _update_pieces(self, groups: list[dict[str, Any]], steps: list[int], room: runtime.UpdateRoom,
-                       batches: list[tuple[int, list[Piece]]]) -> None:
+                       batches: list[tuple[int, list[Piece]]], *, windowed: bool = False) -> None:
         for c, pieces in batches:
             grads, tensors = room.pieces(pieces)
-            self._update(groups[c], [steps[j] for _, _, j in pieces], grads, *tensors)
+            if windowed:  # the fused window kernel's arithmetic, in torch ops
+                window_kernel.eager_update_(self.kernel, grads, *tensors, rows=[self._row(groups[c], steps[j]) for _, _, j in pieces])
+            else:
+                self._update(groups[c], [steps[j] for _, _, j in pieces], grads, *tensors)
+
+    def _update_windows(self, groups: list[dict[str, Any]], steps: list[int], room: runtime.UpdateRoom,
+                        batches: list[tuple[int, list[Piece]]]) -> None:
+        """States kept in fewer bits ([Note: state windows]): one pass of the fused kernel a window,
+        else decoded, updated in torch ops, encoded: the same bits ([Note: fused state windows])."""
+        step = max(steps)
+        held = room.held()
+        lib = window_kernel.for_held(self.kernel, held)
+        if lib is None:
+            for w, lo, hi in _windows(batches):
+                with room.window(lo, hi, step):
+                    self._update_pieces(groups, steps, room, w, windowed=True)
+            return
+        window_kernel.update_windows(lib, held, list(_windows(batches)), steps, lambda c, s: self._row(groups[c], s),
+                                     *room.rounding(step))
 
     def _batches_of(self, flat: FlatParam, skip: frozenset[int], groups: list[dict[str, Any]], *,
                     windowed: bool = False) -> list[tuple[int, list[Piece]]]:
@@ -435,6 +449,13 @@ class TieredOptimizer(torch.optim.Optimizer):
             cached = self._batches[flat] = (key, _update_batches(flat.layout, self._model_state.ctx.rank,
                                                                   frozenset(unused), classes, windowed=windowed))
         return cached[1]
+
+    kernel: str = ""
+    """The fused window kernel's optimizer (window_kernel.OPTIMIZERS) for states in fewer bits."""
+
+    def _row(self, group: dict[str, Any], step: int) -> tuple[float, ...]:
+        """The fused window kernel's hyper-parameters for `group` at a parameter's `step`."""
+        raise NotImplementedError
 
     def _update(self, group: dict[str, Any], steps: list[int], grads: list[torch.Tensor],
                 params: list[torch.Tensor], *states: list[torch.Tensor]) -> None:

@@ -15,7 +15,7 @@ import contextlib
 import math
 import time
 import zlib
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import Callable, Iterator, NamedTuple, Sequence, TypeVar
 
 import torch
 
@@ -39,6 +39,16 @@ Piece = tuple[int, int, int]
 """(lo, hi, parameter index): a part of one parameter in shard coordinates."""
 
 
+class Held(NamedTuple):
+    """What an update holds, as stored: the gradient (its factor apart), the master weights and
+    states in their formats (`codecs`), and the shard's elements."""
+    grad: torch.Tensor
+    scale: float | None
+    tensors: list[torch.Tensor]
+    codecs: list[StateCodec]
+    numel: int
+
+
 class UpdateRoom:
     """What one update of a block holds pinned: its gradient (as stored, without the pending
     factor) and its master weights and states, each this rank's whole shard, in their formats.
@@ -50,8 +60,9 @@ class UpdateRoom:
         self._gradient = block.gradient
         self._views: list[torch.Tensor] = list(tensors)
         """Per held tensor, the fp32 values `pieces` slices: the tensor itself, or a window's."""
-        self._base = 0
-        """Shard offset of the window's first element (0 outside a window)."""
+        self._bases = [0] * len(tensors)
+        """Per held tensor, the shard offset of its view's first element (a window's start for
+        the decoded ones, 0 for the others)."""
         self._scratch: torch.Tensor | None = None
         """fp32 room for the windows, kept through the update (fresh pages cost a fault each)."""
         self.skip: frozenset[int] = frozenset()
@@ -77,26 +88,35 @@ class UpdateRoom:
         scratch = self._scratch[:, :room]
         for row, i in zip(scratch, coded):
             self._views[i] = self._block.codecs[i].decode(self._tensors[i], numel, lo, hi, row)
-        self._base = lo
+            self._bases[i] = lo
         try:
             yield
             for row, i in zip(scratch, coded):
                 if i == 0:  # bf16 master weights
-                    flat = self._block.flat
-                    first = flat.layout.shard_range(flat.ctx.rank)[0] + lo
-                    seed = zlib.crc32(flat.name.encode()) ^ (step * 0x9E3779B1)
-                    round_stochastic_(row[:hi - lo], self._tensors[0][lo:hi], first, seed)
+                    first, seed = self.rounding(step)
+                    round_stochastic_(row[:hi - lo], self._tensors[0][lo:hi], first + lo, seed)
                 else:
                     self._block.codecs[i].encode(row, self._tensors[i], numel, lo, hi)
         finally:
-            self._views, self._base = list(self._tensors), 0
+            self._views, self._bases = list(self._tensors), [0] * len(self._tensors)
+
+    def rounding(self, step: int) -> tuple[int, int]:
+        """bf16 master weights' stochastic rounding at `step`: (the shard's first element in the
+        flat tensor, the seed), so each element's random bits are its own on every placement."""
+        flat = self._block.flat
+        return flat.layout.shard_range(flat.ctx.rank)[0], zlib.crc32(flat.name.encode()) ^ (step * 0x9E3779B1)
+
+    def held(self) -> Held:
+        """The held tensors as stored, for a kernel that updates windows in place (Held)."""
+        scale = self._gradient.scale
+        return Held(self._grad, None if scale is None else float(scale), self._tensors, self._block.codecs,
+                    self._block.flat.layout.shard_numel)
 
     def pieces(self, pieces: Sequence[Piece]) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
         """The fp32 gradient of each piece (the pending factor applied) and, per held tensor
         (master weights first, then the states in order), its fp32 slice for each piece."""
         grads = [self._gradient.scaled(self._grad[lo:hi]) for lo, hi, _ in pieces]
-        b = self._base
-        return grads, [[t[lo - b:hi - b] for lo, hi, _ in pieces] for t in self._views]
+        return grads, [[t[lo - b:hi - b] for lo, hi, _ in pieces] for t, b in zip(self._views, self._bases)]
 
 
 # [Note: state windows]
