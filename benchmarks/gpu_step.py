@@ -17,7 +17,11 @@ Configurations (each in a child process of its own, the same batches):
     e  plain PyTorch on the GPU: fp32 parameters and AdamW(fused=True), bf16 autocast
 
 A configuration may carry modifiers: `-compiled` (tierzero's: each block compiled with
-tz.compile; e: torch.compile of the model) and, with `--micro-batches K` above 1, `-plain`.
+tz.compile; e: torch.compile of the model), with `--micro-batches K` above 1, `-plain`, and on
+tierzero's `-bf16` or `-int8`: the optimizer's moments in that format
+(Config.optimizer_state_dtype; fp32 master weights), so `--configs g,g-bf16,g-int8` is "auto"
+with each state format, and the result records where each kind lives (`tier_bytes`, as
+tz.tier_bytes counts it) and the GPU's share of the state.
 Each step is K micro-batches of --batch rows: tierzero's configurations run them through
 tz.accumulate (layer by layer, each block fetched once for the K forwards and once for the K
 backwards), a `-plain` one and the baselines through the plain accumulation loop. So
@@ -69,7 +73,9 @@ SIZES = {
 NAMES = {"a": "tierzero host", "b": "tierzero NVMe", "f": "tierzero host + NVMe states", "g": "tierzero auto",
          "c": "FSDP2 CPUOffloadPolicy", "d": "torchao CPUOffloadOptimizer", "e": "plain PyTorch"}
 TIERZERO = ("a", "b", "f", "g")
-MODIFIERS = ("compiled", "plain")
+MODIFIERS = ("compiled", "plain", "bf16", "int8")
+STATE_DTYPE = {"bf16": "bfloat16", "int8": "int8"}
+"""The state-format modifiers: Config.optimizer_state_dtype (without one: float32)."""
 
 
 def parse_name(name: str) -> tuple[str, set[str]]:
@@ -81,6 +87,13 @@ PLACEMENT = {"a": ("host", "host", "host"), "b": ("nvme", "nvme", "nvme"), "f": 
 """tierzero's configurations: the tiers of the parameters, gradients and optimizer states."""
 STATE_BYTES = (2, 4, 12)
 """Bytes per parameter of each: bf16 parameters, fp32 gradients, fp32 master weights and moments."""
+
+
+def state_bytes(spec: dict) -> tuple[float, float, float]:
+    """STATE_BYTES with the moments in the configuration's format (scales included)."""
+    from tierzero.config import state_bytes_per_param
+
+    return STATE_BYTES[0], STATE_BYTES[1], 4 + 2 * state_bytes_per_param(spec["state_dtype"])
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -161,10 +174,12 @@ def _auto(model: Any, spec: dict, n: int) -> Any:
     import tierzero as tz
     from tierzero.cli.estimate import reserve_working_set
 
-    host = spec["host_budget"] or int(min(psutil.virtual_memory().total * 0.6, n * sum(STATE_BYTES) * 1.25 + (2 << 30)))
+    per = sum(state_bytes(spec))
+    host = spec["host_budget"] or int(min(psutil.virtual_memory().total * 0.6, n * per * 1.25 + (2 << 30)))
     cfg = tz.Config(device_budget=spec["device_budget"] or 1 << 50, host_budget=host, params="auto",
                     optimizer_states="auto", compute_dtype="bfloat16", device=spec["device"], streams=spec["streams"],
-                    nvme_dir=spec["nvme_dir"], nvme_budget=n * sum(STATE_BYTES) + (1 << 30))
+                    nvme_dir=spec["nvme_dir"], nvme_budget=int(n * per) + (1 << 30),
+                    optimizer_state_dtype=spec["state_dtype"])
     cfg, _ = reserve_working_set(cfg, model, batch=spec["batch"], seq=spec["seq"], micro_batches=spec["micro_batches"])
     if spec["device_budget"]:
         return cfg
@@ -182,12 +197,12 @@ def _tierzero(model: Any, spec: dict, which: str) -> tuple[Any, Any, Any]:
         print(f"auto placed: {json.dumps(tz.tier_bytes(model))}", file=sys.stderr, flush=True)
         return model, tz.AdamW(model, lr=1e-4), runtime.placement_manager(model)
     tiers = PLACEMENT[which]  # of the bf16 params, fp32 grads, fp32 master weights and moments
-    on = {t: n * sum(b for b, at in zip(STATE_BYTES, tiers) if at == t) for t in ("host", "nvme")}
+    on = {t: n * sum(b for b, at in zip(state_bytes(spec), tiers) if at == t) for t in ("host", "nvme")}
     host = spec["host_budget"] or {"a": int(on["host"] * 1.25) + (256 << 20), "b": 4 << 30,
                                    "f": int(on["host"] * 1.25) + (2 << 30)}[which]
     cfg = tz.Config(device_budget=spec["device_budget"] or _device_budget(model, n), host_budget=host,
                     params=tiers[0], grads=tiers[1], optimizer_states=tiers[2], compute_dtype="bfloat16",
-                    device=spec["device"], streams=spec["streams"],
+                    device=spec["device"], streams=spec["streams"], optimizer_state_dtype=spec["state_dtype"],
                     nvme_dir=spec["nvme_dir"] if on["nvme"] else None, nvme_budget=int(on["nvme"] * 1.05) + (1 << 30))
     tz.wrap(model, cfg)
     return model, tz.AdamW(model, lr=1e-4), runtime.placement_manager(model)
@@ -241,6 +256,7 @@ def child(spec: dict) -> None:
             tz.compile(model)
     else:
         model, opt = _baseline(model, spec, which)
+    placed = tz.tier_bytes(model) if pm is not None else None  # where each kind lives (the optimizer built)
     layer_major = which in TIERZERO and k > 1 and not spec["plain"]
     print(f"set up in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     autocast = torch.autocast(spec["device"], dtype=torch.bfloat16, enabled=which in ("d", "e"))
@@ -291,6 +307,7 @@ def child(spec: dict) -> None:
         pinned = pm.pool.size + (pinned or 0)
     print(json.dumps({
         "config": spec["name"], "params": n_params, "micro_batches": k, "losses": losses,
+        "optimizer_state_dtype": spec["state_dtype"] if pm is not None else None, "tier_bytes": placed,
         "step_s": statistics.median(steps), "steps_s": steps,
         "fwd_bwd_gpu_s": statistics.median(compute) if compute else None,
         "stall_s": statistics.median(stalls) if stalls else None,
@@ -310,6 +327,7 @@ def run(args: argparse.Namespace, name: str) -> dict:
     which, mods = parse_name(name)
     nvme = Path(args.nvme_dir).resolve() / name
     spec = {"config": which, "name": name, "compiled": "compiled" in mods, "plain": "plain" in mods,
+            "state_dtype": next((STATE_DTYPE[m] for m in mods if m in STATE_DTYPE), "float32"),
             "micro_batches": args.micro_batches, "size": args.size, "seq": args.seq, "batch": args.batch,
             "steps": args.steps,
             "warmup": args.warmup, "device": args.device, "streams": args.streams,
@@ -362,9 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     names = args.configs.split(",")
     for name in names:
         which, mods = parse_name(name)
-        if which not in NAMES or not mods <= set(MODIFIERS) or ("plain" in mods and which not in TIERZERO):
-            print(f"--configs: {name!r}: give a configuration of {', '.join(NAMES)}, with -compiled, and -plain for "
-                  f"tierzero's ({', '.join(TIERZERO)})", file=sys.stderr)
+        if which not in NAMES or not mods <= set(MODIFIERS) or (mods - {"compiled"} and which not in TIERZERO) \
+                or len(mods & set(STATE_DTYPE)) > 1:
+            print(f"--configs: {name!r}: give a configuration of {', '.join(NAMES)}, with -compiled, and -plain and "
+                  f"one of -bf16 or -int8 for tierzero's ({', '.join(TIERZERO)})", file=sys.stderr)
             return 2
     if args.micro_batches < 1:
         print(f"--micro-batches: {args.micro_batches}: give 1 or more", file=sys.stderr)
@@ -400,6 +419,12 @@ def main(argv: list[str] | None = None) -> int:
         stall = "-" if r["stall_s"] is None else f"{r['stall_s']:.3f}"
         print(f"{r['config']:>12} {name:>28} {r['tokens_per_s']:>9.0f} {r['step_s']:>7.3f} {busy:>8} {stall:>7} "
               f"{gib(r['peak_gpu_bytes']):>9} {gib(r['peak_pinned_bytes']):>9}")
+    for r in results:
+        if r.get("tier_bytes"):
+            on = {kind: ", ".join(f"{t} {b / 2**30:.2f}Gi" for t, b in tiers.items() if b)
+                  for kind, tiers in r["tier_bytes"].items() if any(tiers.values())}
+            print(f"{r['config']:>12} {r['optimizer_state_dtype']} states; lives on: "
+                  + "; ".join(f"{kind} {where}" for kind, where in on.items()))
     for r in results:
         if r.get("bytes_per_step"):
             b = r["bytes_per_step"]

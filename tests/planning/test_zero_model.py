@@ -46,9 +46,17 @@ def test_estimate_reproduces_the_paper(capsys: pytest.CaptureFixture[str], monke
         assert per_rank["grads"] == (2 * psi if stage == 1 else Fraction(2 * psi, n))
         assert per_rank["optimizer_states"] == Fraction(K * psi, n)
         assert per_rank["total"] == sum(per_rank[k] for k in ("params", "grads", "optimizer_states"))
-        # what wrap registers: the flat tensors padded to multiples of N x 32 elements (bf16)
+        # what wrap registers: the flat tensors aligned to 32 elements (bf16) and padded to
+        # multiples of N x 256 (whole int8 blocks a rank: [Note: shards on int8 blocks]), so within
+        # 1 % of the paper beside at most 256 elements a rank of each flat tensor (N x 256 where
+        # the kind is kept whole): on this tiny model at N = 64 more than the parameters themselves
         layout = out["per_rank_layout_bytes"]
-        assert all(per_rank[k] <= layout[k] <= 1.01 * per_rank[k] for k in per_rank), (stage, n, layout)
+        flats = len(blocks_of(build("tiny", device="meta"), tz.Config()))
+        whole = {"params": stage < 3, "grads": stage == 1, "optimizer_states": False}
+        pad = {k: flats * 256 * (n if whole[k] else 1) * b for k, b in (("params", 2), ("grads", 2),
+                                                                       ("optimizer_states", K))}
+        pad["total"] = sum(pad.values())
+        assert all(per_rank[k] <= layout[k] <= 1.01 * per_rank[k] + pad[k] for k in per_rank), (stage, n, layout)
         assert out["per_rank_tier_bytes"] == {"device": 0, "host": per_rank["total"], "nvme": 0}
         comm = out["comm_bytes_per_step"]
         if n == 1:

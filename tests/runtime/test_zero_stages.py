@@ -29,7 +29,9 @@ cases of one world size run one after another in the same processes (one spawn p
   gradients (measured 0.6x of it), and the losses agree within 1e-4 (measured 1.4e-5).
 - Memory: the bytes each rank registers of each kind of state are exactly the estimate's
   layout figure (tierzero.zero_model), and the collectives of a step cover the traffic model's
-  bytes within 2 % (padding and the 4-byte norm all-reduce are the difference).
+  bytes within 3 % (padding and the 4-byte norm all-reduce are the difference: each flat tensor
+  is padded to whole int8 blocks a rank, [Note: shards on int8 blocks], 2.5 % of this small
+  model's gathers at 3 ranks).
 - Checkpoints: a checkpoint saved at stage 2 on 2 ranks loads at stage 3 on 3 ranks, and one
   saved at stage 3 on 3 ranks loads at stage 2 on 2 ranks: the full parameters and AdamW
   moments right after the load equal those at the save bit for bit, and training continues
@@ -307,7 +309,7 @@ def test_state_and_traffic_follow_the_model(tmp_path: Path, runs: dict[str, Any]
         last = dict(res["comm"][-1])  # steps after the first follow the recorded trace
         last["all_reduce"] -= 4  # the gradient norm's (fp32), not in the model
         for kind, expected in comm.as_dict().items():
-            assert (last[kind] == 0) == (expected == 0) and abs(last[kind] - expected) <= 0.02 * expected, \
+            assert (last[kind] == 0) == (expected == 0) and abs(last[kind] - expected) <= 0.03 * expected, \
                 f"{world} rank {r} stage {stage} {grad_dtype}: {kind} {last[kind]} bytes, model {expected}"
     # what each stage keeps whole rather than sharded, against one process
     one = ZeroModel.of(cfg, 1, cuda=False).layout_per_rank(model, cfg)

@@ -7,12 +7,17 @@ inside [r's start, r's end) under the new layout is found at the parameter's off
 saved layout, and that saved range is cut at the saved shards' boundaries into `ReadOp`s.
 Everything here is pure (layouts and ints in, ops out): the IO that follows the ops is the
 checkpoint reader's (tierzero.ckpt_io).
+
+An int8 optimizer state is resharded block by block instead (`block_reshard_plan`): each rank's
+shard starts on a block ([Note: shards on int8 blocks] in tierzero/layout/flat_layout.py), so a
+block's codes and scale move whole, from the saved rank that holds it to the new one.
 """
 
 from __future__ import annotations
 
 from typing import Iterator, NamedTuple
 
+from tierzero.config import QUANT_BLOCK, SCALE_BYTES, quant_blocks
 from tierzero.layout import FlatLayout
 
 
@@ -63,3 +68,33 @@ def reshard_plan(saved: FlatLayout, new: FlatLayout, rank: int) -> list[ReadOp]:
             else:
                 ops.append(op)
     return ops
+
+
+def on_blocks(layout: FlatLayout) -> bool:
+    """Whether every shard of `layout` starts on a multiple of QUANT_BLOCK of the flat index (so
+    its int8 states' blocks are the flat tensor's, whatever the world size)."""
+    return layout.world_size == 1 or layout.shard_numel % QUANT_BLOCK == 0
+
+
+def block_reshard_plan(saved: FlatLayout, new: FlatLayout, rank: int) -> list[ReadOp] | None:
+    """Which bytes of which saved shards make `rank`'s shard of an int8 state under `new` (a pure
+    function), or None where blocks do not carry over: the layouts place the parameters at other
+    offsets, or a shard of either starts inside a block (checkpoints of 2+ ranks saved before
+    shards started on blocks). A stored int8 shard is its blocks' codes (QUANT_BLOCK bytes each)
+    then their fp32 scales; blocks past the saved buffer's end are in no op (zeros: decoded, 0)."""
+    if (tuple(s.offset for s in saved.slots) != tuple(s.offset for s in new.slots)
+            or not on_blocks(saved) or not on_blocks(new)):
+        return None
+    per_saved, per_new = quant_blocks(saved.shard_numel), quant_blocks(new.shard_numel)
+    first = new.shard_range(rank)[0] // QUANT_BLOCK
+    stop = min(first + per_new, saved.world_size * per_saved)
+    codes, scales = [], []
+    k = first
+    while k < stop:
+        r, at = divmod(k, per_saved)
+        take = min(stop - k, per_saved - at)
+        codes.append(ReadOp(r, at * QUANT_BLOCK, (k - first) * QUANT_BLOCK, take * QUANT_BLOCK))
+        scales.append(ReadOp(r, per_saved * QUANT_BLOCK + at * SCALE_BYTES,
+                             per_new * QUANT_BLOCK + (k - first) * SCALE_BYTES, take * SCALE_BYTES))
+        k += take
+    return codes + scales

@@ -31,10 +31,10 @@ from tierzero.checkpoint.format import (CHUNK_BYTES, EXTRA_FILES, MANIFEST, PREF
                                         VALUES, CheckpointError, FlatEntry, Manifest, RankFiles, checkpoints,
                                         latest_checkpoint, next_number, not_own_checkpoint, open_checkpoint, round_up,
                                         torch_dtype, write_manifest)
-from tierzero.checkpoint.reshard import ReadOp, reshard_plan
+from tierzero.checkpoint.reshard import ReadOp, block_reshard_plan, on_blocks, reshard_plan
 from tierzero.config import state_nbytes
 from tierzero.formats import fsync_dir, persistent_buffers, write_config_files
-from tierzero.layout import FlatLayout, StateCodec, window_room
+from tierzero.layout import StateCodec, window_room
 from tierzero.optim import TieredOptimizer
 from tierzero.runtime import (FlatParam, RankShard, all_gather_objects, broadcast_object, model_dtype, values_shard,
                               world)
@@ -328,8 +328,11 @@ def load_checkpoint(dir: str | os.PathLike[str], model: nn.Module,
 # block), never widened. A load into an optimizer whose states take another format is refused,
 # naming both, unless `convert_states=True`, which widens the saved values to fp32 and stores
 # them in the new format. bf16 and fp32 states reshard to any world size element by element;
-# int8 blocks are cut from each rank's shard, so int8 states load at the world size and layout
-# they were saved with only.
+# int8 states block by block (`block_reshard_plan`): every rank's shard starts on a block
+# ([Note: shards on int8 blocks]), so a block's codes and scale move whole and the loaded
+# states are the saved ones bit for bit. Blocks do not carry over where the parameters sit at
+# other offsets (another compute dtype's alignment) or a saved shard starts inside a block (a
+# checkpoint of 2+ ranks from before shards started on blocks): such a load is refused.
 def _check_formats(path: Path, manifest: Manifest, jobs: list[_Job], rank: int, convert: bool) -> None:
     for job in jobs:
         if job.shard.codec is None:
@@ -341,27 +344,25 @@ def _check_formats(path: Path, manifest: Manifest, jobs: list[_Job], rank: int, 
                 f"{str(path)!r} holds the optimizer state {job.kind!r} of {job.flat.param.name!r} in {saved}, this "
                 f"optimizer keeps it in {mine} (Config.optimizer_state_dtype); load with convert_states=True to "
                 f"convert it, or set optimizer_state_dtype={saved!r}")
-        if saved == "int8" and not _same_layout(entry.layout, job.flat.layout):
+        if saved == "int8" and block_reshard_plan(entry.layout, job.flat.layout, rank) is None:
             raise CheckpointError(
                 f"{str(path)!r} holds the optimizer state {job.kind!r} of {job.flat.param.name!r} in int8 blocks "
-                f"cut from {entry.layout.world_size} rank(s)' shards; this rank {rank} of "
-                f"{job.flat.layout.world_size} has another layout, and int8 states load at the world size they "
-                "were saved with only; load it at that world size, or save it with optimizer_state_dtype 'bfloat16'")
-
-
-def _same_layout(a: FlatLayout, b: FlatLayout) -> bool:
-    return (a.world_size, a.padded_numel, tuple(s.offset for s in a.slots)) == \
-        (b.world_size, b.padded_numel, tuple(s.offset for s in b.slots))
+                f"that do not carry over to this rank {rank} of {job.flat.layout.world_size}: saved by "
+                f"{entry.layout.world_size} rank(s) with {'' if on_blocks(entry.layout) else 'shards starting inside blocks, '}"
+                f"parameters at offsets {[s.offset for s in entry.layout.slots][:4]}..., here at "
+                f"{[s.offset for s in job.flat.layout.slots][:4]}...; load it at the world size and compute_dtype it "
+                "was saved with")
 
 
 def _read_plan(manifest: Manifest, job: _Job, rank: int) -> tuple[torch.dtype, list[ReadOp], int]:
-    """(saved dtype, read ops, elements read) of `job`'s shard for `rank`: an int8 state is this
-    rank's bytes whole (the same layout: _check_formats), the rest resharded element by element."""
+    """(saved dtype, read ops, elements read) of `job`'s shard for `rank`: an int8 state's bytes
+    resharded block by block (checked by _check_formats), the rest element by element."""
     entry = manifest.flat(job.flat.param.name)
     saved = entry.kinds[job.kind]
     if saved == "int8":
-        nbytes = state_nbytes(job.flat.layout.shard_numel, "int8")
-        return torch.uint8, [ReadOp(rank, 0, 0, nbytes)], nbytes
+        ops = block_reshard_plan(entry.layout, job.flat.layout, rank)
+        assert ops is not None  # _check_formats refused the load
+        return torch.uint8, ops, state_nbytes(job.flat.layout.shard_numel, "int8")
     return torch_dtype(saved), reshard_plan(entry.layout, job.flat.layout, rank), job.flat.layout.shard_numel
 
 

@@ -20,11 +20,12 @@ from tierzero.cli.flags import (add_activation_flags, add_placement_flags, add_r
 from tierzero.cli.harness import batch_loss, with_lora
 from tierzero.cli.micro_batches import add_micro_batch_flag
 from tierzero.config import KINDS, TIER_NAMES, Config, format_size, machine_budgets, parse_size
+from tierzero.layout import PlacementPlan
 from tierzero.formats import meta_model
 from tierzero.models import CONFIGS, build
 from tierzero.planning import (PLACEMENTS, ActivationBytes, ActivationModel, DriveRates, Estimate, Traffic,
                                activation_model, estimate, expected_traffic, flat_tensors, largest_trainable,
-                               param_counts, resolve_placement, step_traffic,
+                               param_counts, placement_plan, resolve_placement, step_traffic,
                                Recording, TierModel, WorkingSet, simulate, update_reads, with_split, working_set)
 from tierzero.prefetch import policy_from_config
 
@@ -97,6 +98,7 @@ def main(argv: list[str]) -> int:
     est = estimate(model, cfg, args.world_size)
     assert est.per_rank is not None and est.layout_per_rank is not None and est.comm is not None
     least = est.least  # with "auto": the least budgets at which "auto" finds a placement
+    auto = auto_plan(model, cfg, args.world_size)
     cfg = resolve_placement(model, cfg, args.world_size)  # "auto" as wrap would choose it
     traffic = step_traffic(est.params, cfg, world_size=args.world_size, trainable=param_counts(model, cfg).trainable,
                            micro_batches=args.micro_batches)
@@ -118,7 +120,7 @@ def main(argv: list[str]) -> int:
         "per_rank_bytes": est.per_rank.as_dict(), "per_rank_tier_bytes": est.home,
         "per_rank_layout_bytes": est.layout_per_rank.as_dict(),
         "comm_bytes_per_step": {**est.comm.as_dict(), "total": est.comm.total},
-        "bytes": est.per_tier, "least_budgets": least, "budgets": budgets,
+        "bytes": est.per_tier, "least_budgets": least, "budgets": budgets, "auto": _auto_json(auto),
         "over_budget": {t: least[t] for t in TIER_NAMES if least[t] > budgets[t]},
         "fits": all(least[t] <= budgets[t] for t in TIER_NAMES),
         "machine": machine, "largest_trainable": largest, "largest_placement": placement,
@@ -138,6 +140,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps(result))
         return 0
     _print_state(args, model, est, cfg, least, budgets)
+    _print_auto(auto)
     _print_traffic(est, traffic, (fewest, most), rates, floor)
     _print_step(args, cfg, traffic, predicted, recorded, ws)
     if acts is not None:
@@ -247,6 +250,49 @@ def _print_traffic(est: Estimate, traffic: Traffic, expected: tuple[Traffic, Tra
     print(f"  NVMe floor: {floor:.2f} s per step at {rates.read_gbps:.2f} GB/s read, {rates.write_gbps:.2f} GB/s "
           f"write ({rates.source})" if floor is not None and rates is not None else
           "  NVMe floor: give --bench-io FILE (from `tierzero bench-io --json`) or --read-gbps/--write-gbps")
+
+
+def auto_plan(model: torch.nn.Module, cfg: Config, world_size: int = 1) -> PlacementPlan:
+    """The placement plan of `cfg` with its parameters and optimizer states "auto" (its gradients
+    as given: grads=None puts them where their updates run), as `tz.wrap` would choose it at
+    `cfg`'s budgets ([Note: one placement plan])."""
+    return placement_plan(model, cfg.replace(params="auto", optimizer_states="auto"), world_size)
+
+
+_KIND_OF = {"params": "params", "grads": "grads", "master": "optimizer_states", "moments": "optimizer_states",
+            "frozen": "frozen"}
+"""A flat tensor's kind by the kinds `tz.tier_bytes` counts (master weights with the moments)."""
+
+
+def _homes_by_kind(plan: PlacementPlan) -> dict[str, dict[str, int]]:
+    """{kind: {tier: bytes}} homed under `plan`, as `tz.tier_bytes` counts a wrapped model's
+    ("params", "grads", "optimizer_states": master weights and moments, "frozen" if any)."""
+    out = {kind: dict.fromkeys(TIER_NAMES, 0) for kind in KINDS}
+    for t in plan.tensors:
+        out.setdefault(_KIND_OF[t.kind], dict.fromkeys(TIER_NAMES, 0))[t.home] += t.nbytes
+    return out
+
+
+def _auto_json(plan: PlacementPlan) -> dict:
+    r = plan.resolved
+    short = plan.short()
+    return {"placement": {"params": r.params, "grads": r.grads, "optimizer_states": r.optimizer_states},
+            "tier_bytes": _homes_by_kind(plan), "least_budgets": plan.least, "fits": not short, "over_budget": short,
+            "nvme_step_bytes": plan.nvme_step_bytes}
+
+
+def _print_auto(plan: PlacementPlan) -> None:
+    """Where "auto" puts each kind at these budgets, the bytes it homes on each tier, and the
+    least budgets at which it trains."""
+    r, short = plan.resolved, plan.short()
+    print('  "auto" (params and optimizer states auto) at these budgets: '
+          + ", ".join(f"{k.replace('_', ' ')} {_placed(getattr(r, k))}" for k in KINDS)
+          + ("" if not short else f" (does not fit: {', '.join(short)} over budget)"))
+    for kind, homes in _homes_by_kind(plan).items():
+        if any(homes.values()):
+            print(f"    {kind.replace('_', ' '):16s} " + ", ".join(f"{t} {format_size(n)}" for t, n in homes.items() if n))
+    print('    "auto" trains from budgets ' + ", ".join(f"{t} {format_size(plan.least[t])}" for t in TIER_NAMES)
+          + (f"; a step moves {format_size(plan.nvme_step_bytes)} of NVMe bytes" if plan.nvme_step_bytes else ""))
 
 
 def _placed(value: object) -> str:

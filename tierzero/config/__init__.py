@@ -21,7 +21,7 @@ from tierzero.config.machine import machine_budgets
 from tierzero.config.policy_names import BUILTIN_POLICIES, check_policy, load_policy_class
 from tierzero.config.split import (KINDS, Placement, Split, check_placement, parse_placement, shares, tiers_used,
                                    update_tier)
-from tierzero.config.state_format import (MASTER_DTYPES, QUANT_BLOCK, STATE_DTYPES, quant_blocks,
+from tierzero.config.state_format import (MASTER_DTYPES, QUANT_BLOCK, SCALE_BYTES, STATE_DTYPES, quant_blocks,
                                           state_bytes_per_param, state_nbytes)
 from tierzero.config.tiernames import TIER_NAMES, Tier, TierName
 
@@ -30,4 +30,4 @@ __all__ = ["Config", "IOConfig", "PrefetchConfig", "Tier", "TierName", "TIER_NAM
            "DTYPE_BYTES", "StandInConfig", "StreamSettings",
            "KINDS", "Placement", "Split", "check_placement", "parse_placement", "shares", "tiers_used",
            "update_tier", "ElementBytes", "PAGE", "round_up", "windowed_room",
-           "STATE_DTYPES", "MASTER_DTYPES", "QUANT_BLOCK", "quant_blocks", "state_nbytes", "state_bytes_per_param"]
+           "STATE_DTYPES", "MASTER_DTYPES", "QUANT_BLOCK", "SCALE_BYTES", "quant_blocks", "state_nbytes", "state_bytes_per_param"]

@@ -1,8 +1,9 @@
 """Flat parameters and their shards: the layout ZeRO splits across data-parallel ranks.
 
 A block's parameters are concatenated, in a fixed order, into one flat 1-D buffer padded to a
-multiple of the world size; rank r owns the contiguous shard [r * n / world, (r + 1) * n / world)
-of it, and the gradient, master weights and optimizer moments share that layout (which of them
+multiple of the world size (of world size x QUANT_BLOCK elements with more than one rank: every
+shard starts on an int8 state's block, [Note: shards on int8 blocks]); rank r owns the
+contiguous shard [r * n / world, (r + 1) * n / world) of it, and the gradient, master weights and optimizer moments share that layout (which of them
 a rank keeps whole instead is the ZeRO stage's choice: tierzero/layout/zero.py). With world
 size 1 the shard is the whole buffer.
 """
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 import torch
+
+from tierzero.config import QUANT_BLOCK
 
 
 class ParamSlot(NamedTuple):
@@ -30,16 +33,27 @@ allocations do: CPU kernels take the same vectorised paths on a view as on a lon
 wrapped model computes the very same bits as the unwrapped one."""
 
 
+# [Note: shards on int8 blocks]
+# An int8 optimizer state keeps one scale per QUANT_BLOCK elements (tierzero/layout/state_codec.py),
+# counted from its shard's start. With more than one rank the flat buffer is padded to a multiple
+# of world_size x QUANT_BLOCK, so every rank's shard starts on a multiple of QUANT_BLOCK of the
+# flat (global) index: the blocks are the same whatever the world size, and so are the bits of
+# an update that sees the same gradient (the fused kernel's cuts at a shard's edge fall on
+# whole vectors too, [Note: fused chunks] in tierzero/optim/base.py), and an int8 checkpoint
+# reshards block by block (tierzero/checkpoint/reshard.py). The padding costs at most
+# QUANT_BLOCK elements a rank per flat tensor, whatever the states' format.
 @dataclass(frozen=True)
 class FlatLayout:
     """Parameters packed in order, each starting on an ALIGN_BYTES boundary, then zero padding
-    up to a multiple of `world_size`."""
+    up to a multiple of `world_size` (x QUANT_BLOCK with more than one rank: [Note: shards on
+    int8 blocks])."""
 
     slots: tuple[ParamSlot, ...]
     numel: int
     """Elements up to the end of the last parameter."""
     padded_numel: int
-    """Elements of the flat buffer (a multiple of world_size)."""
+    """Elements of the flat buffer (a multiple of world_size; of world_size x QUANT_BLOCK with more
+    than one rank)."""
     world_size: int
 
     @classmethod
@@ -55,7 +69,8 @@ class FlatLayout:
             n = torch.Size(shape).numel()
             slots.append(ParamSlot(fqn, torch.Size(shape), offset, n))
             offset += n
-        padded = -(-max(offset, 1) // (world_size * align)) * world_size * align
+        unit = world_size * (align if world_size == 1 else max(align, QUANT_BLOCK))
+        padded = -(-max(offset, 1) // unit) * unit
         return cls(tuple(slots), offset, padded, world_size)
 
     @property

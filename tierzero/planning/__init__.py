@@ -19,7 +19,7 @@ from tierzero.planning.activations import (PLACEMENTS, ActivationBytes, Activati
                                            measure_activations)
 from tierzero.planning.estimates import Estimate, estimate, largest_trainable, placements
 from tierzero.planning.minimums import FlatTensor, expected_traffic, flat_tensors, least_budgets
-from tierzero.planning.placement import planned_tiers, resolve_placement
+from tierzero.planning.placement import placement_plan, planned_tiers, resolve_placement
 from tierzero.planning.recording import Recording
 from tierzero.planning.tier_model import CHANNELS, Rate, TierModel, simulate
 from tierzero.planning.tuning import SIMPLICITY, Measured, Option, choose, equivalent, explain, simplicity
@@ -28,7 +28,7 @@ from tierzero.planning.split_tuning import split_candidates, update_reads, with_
 from tierzero.planning.working_set import WorkingSet, working_set
 from tierzero.planning.zero_model import StateSizes, ZeroModel, param_counts
 
-__all__ = ["resolve_placement", "planned_tiers", "WorkingSet", "working_set", "split_candidates", "update_reads",
+__all__ = ["resolve_placement", "placement_plan", "planned_tiers", "WorkingSet", "working_set", "split_candidates", "update_reads",
            "with_split", "Estimate", "estimate", "largest_trainable", "placements", "FlatTensor",
            "expected_traffic", "flat_tensors", "least_budgets", "Recording", "TierModel", "simulate",
            "CHANNELS", "Rate",
