@@ -198,9 +198,9 @@ def test_the_runtime_reaches_placement_through_its_interface() -> None:
                                   "y = pm.telemetry.spans", "z = runtime.placement_manager(m).swap"])
 def test_a_planted_reach_past_placements_interface_is_found(tmp_path: Path, line: str) -> None:
     root = tree_copy(tmp_path)
-    plant(root, "tierzero/runtime/gathers.py", line, inside_function=True)
+    plant(root, "tierzero/runtime/flat/gathers.py", line, inside_function=True)
     found = placement_interface_violations(root)
-    assert len(found) == 1 and found[0].startswith("tierzero/runtime/gathers.py"), found
+    assert len(found) == 1 and found[0].startswith("tierzero/runtime/flat/gathers.py"), found
 
 
 def test_the_config_imports_no_torch() -> None:
@@ -220,7 +220,7 @@ def test_the_config_imports_no_torch() -> None:
     # a cycle inside one package: blocks imports wrapping, which imports blocks
     ("tierzero/runtime/blocks.py", "from tierzero.runtime import wrapping", True, "no import cycle"),
     ("tierzero/optim/clip.py", "from tierzero.placement import Kind", True, "reach placement only through the runtime"),
-    ("tierzero/runtime/gathers.py", "from tierzero.placement import residency", True, "placement through its face"),
+    ("tierzero/runtime/flat/gathers.py", "from tierzero.placement import residency", True, "placement through its face"),
 ], ids=["upward-in-function", "upward-type-checking", "io_engine", "library-cli", "cycle", "one-way-in",
         "runtime-past-placements-face"])
 def test_a_planted_import_breaks_its_contract(tmp_path: Path, file: str, line: str, inside: bool, broken: str) -> None:
@@ -232,7 +232,7 @@ def test_a_planted_import_breaks_its_contract(tmp_path: Path, file: str, line: s
 
 
 @pytest.mark.parametrize("file,line,inside,what", [
-    ("tierzero/runtime/grads.py", "from tierzero.placement.manager import PlacementManager", False, "past the face"),
+    ("tierzero/runtime/flat/grads.py", "from tierzero.placement.manager import PlacementManager", False, "past the face"),
     ("tierzero/cli/train.py", "from tierzero.cli.harness import _unknown", False, "private name"),
     ("tierzero/optim/clip.py", "import json", True, "inside a function"),
 ], ids=["past-the-face", "private-name", "function-level"])

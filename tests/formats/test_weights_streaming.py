@@ -20,7 +20,7 @@ from tierzero import runtime
 from tierzero.formats.weights import LoadedShard, WeightSource
 from tierzero.placement.cow_home import CheckpointHome
 from tierzero.placement.handles import Kind
-from tierzero.runtime.flat_param import FlatParam
+from tierzero.runtime.flat.flat_param import FlatParam
 
 STEPS = 10
 

@@ -29,7 +29,7 @@ from tierzero.checkpoint import format as ckpt_format
 from tierzero.formats import CHECKSUM_RECORD, hf_folder
 from tierzero import runtime
 from tierzero.cli import main as cli
-from tierzero.runtime.flat_param import FlatParam
+from tierzero.runtime.flat.flat_param import FlatParam
 from tierzero.formats.weights import load_safetensors
 from gloo import run_ranks
 import builders

@@ -16,7 +16,7 @@ from tierzero.config.tiernames import Tier
 from tierzero.placement import Kind, PlacementManager, Residency
 from tierzero.placement.streams import resolve_device
 from tierzero.layout import CommBytes, FlatLayout
-from tierzero.runtime import collectives
+from tierzero.runtime.flat import collectives
 
 SLOW = StandInConfig(poison=True, delay_seed=3, max_delay_s=0.05)
 

@@ -36,7 +36,7 @@ from builders import tier_config
 from exactness import ALLOWANCE
 from gloo import run_ranks
 from tierzero import runtime
-from tierzero.runtime.fetch_group import FetchGroup
+from tierzero.runtime.flat.fetch_group import FetchGroup
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 

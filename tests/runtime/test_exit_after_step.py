@@ -12,7 +12,7 @@ from builders import REPO
 SCRIPT = """
 import time
 from tierzero.placement.swap_dirs import exiting
-from tierzero.runtime.step_queue import StepQueue
+from tierzero.runtime.step.step_queue import StepQueue
 
 queue = StepQueue()
 

@@ -1,5 +1,5 @@
 """The all-gathers started ahead at stage 3 are agreed across ranks ([Note: gathers ahead agreed
-across ranks] in tierzero/runtime/collectives.py): a prefetch policy that chooses differently on
+across ranks] in tierzero/runtime/flat/collectives.py): a prefetch policy that chooses differently on
 each rank (as "adaptive" may, from each rank's own times) still trains bit for bit as on-demand
 fetching, with no split (the hang was latent on main) and with params split across device and
 host. Before the agreement each rank issued its own all-gathers: blocks' data mixed up, or

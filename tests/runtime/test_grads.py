@@ -16,7 +16,7 @@ from tierzero import runtime
 import builders
 from builders import tier_config
 from tierzero.runtime.blocks import Block
-from tierzero.runtime.grads import FlatGrad
+from tierzero.runtime.flat.grads import FlatGrad
 from tierzero.layout.grouping import ROOT
 from tierzero.models import GPT, GPTConfig
 from tierzero.config.tiernames import Tier

@@ -346,7 +346,7 @@ def test_a_failed_fetch_leaves_nothing_held_or_reserved(wrapped, monkeypatch) ->
     pm = runtime.placement_manager(model)
     x, y = batch()
     model(x, y).loss.backward()  # the first step records the trace
-    from tierzero.runtime import fetch_group
+    from tierzero.runtime.flat import fetch_group
 
     real = fetch_group.start_gather
     calls = []

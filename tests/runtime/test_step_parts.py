@@ -12,8 +12,8 @@ import builders
 import tierzero as tz
 from tierzero import runtime
 from tierzero.config import Tier
-from tierzero.runtime.schedule import PLAIN, LayerMajor
-from tierzero.runtime.step_context import Phase
+from tierzero.runtime.step.schedule import PLAIN, LayerMajor
+from tierzero.runtime.step.step_context import Phase
 
 
 def test_the_device_account_is_the_room_of_fetches_and_the_prefetcher(wrapped) -> None:

@@ -16,7 +16,7 @@ import tierzero as tz
 from tierzero import optim
 from tierzero import runtime
 from tierzero.models import GPT
-from tierzero.runtime.step_queue import StepFailed
+from tierzero.runtime.step.step_queue import StepFailed
 from tierzero.config import Tier
 from tierzero.placement import Residency
 from builders import tier_config

@@ -1,4 +1,4 @@
-"""runtime/update.py and runtime/shards.py, the way optim and checkpoint reach placement: a
+"""runtime/update.py and runtime/flat/shards.py, the way optim and checkpoint reach placement: a
 block's state read and stored by name, this rank's shards read into a buffer and written back,
 and an update that fails midway leaves nothing pinned and its state as it was."""
 

@@ -139,7 +139,7 @@ class ElementBytes(NamedTuple):
     def params_are_master(self, *, same_tier: bool, params_whole: bool) -> bool:
         """Whether parameters in the master dtype double as the master weights: on the optimizer
         states' tier and kept as this rank's shard (not whole, as ZeRO stages 1 and 2 keep them
-        across ranks), so one copy serves both (tierzero/runtime/flat_param.py, [Note: master
+        across ranks), so one copy serves both (tierzero/runtime/flat/flat_param.py, [Note: master
         weights])."""
         return self.master_is_compute and same_tier and not params_whole
 
@@ -237,7 +237,7 @@ class Config:
     overlap_step: bool = True
     """Run opt.step()'s block updates on a thread of their own under the next forward, which
     computes each block once its update is done (see [Note: overlapped step] in
-    tierzero/runtime/step_queue.py; the same values as a step run to the end first). At any
+    tierzero/runtime/step/step_queue.py; the same values as a step run to the end first). At any
     world size and on any device; False: the step runs inline."""
     checksums: bool = True
     """Record a checksum of every NVMe write and verify it on read."""

@@ -1,5 +1,5 @@
 """What a ZeRO stage keeps whole on every rank (`ZeroStage`), and the byte counter of the
-collectives that move the rest (`CommBytes`, filled by tierzero.runtime.collectives and
+collectives that move the rest (`CommBytes`, filled by tierzero.runtime.flat.collectives and
 predicted by tierzero.planning.zero_model)."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ read ahead while block k is updated on the CPU by torch's fused kernels (the bit
 torch.optim.AdamW/SGD(fused=True)) and block k-1's new state is written home. With
 Config.step_in_backward each block is updated once backward has made its gradient final;
 otherwise (Config.overlap_step) step() queues the updates to run under the next forward
-([Note: overlapped step] in tierzero/runtime/step_queue.py). `.grad` is not used; zero_grad()
+([Note: overlapped step] in tierzero/runtime/step/step_queue.py). `.grad` is not used; zero_grad()
 clears the flat gradients. Parameter groups follow torch's contract ([Note: parameter groups]).
 """
 

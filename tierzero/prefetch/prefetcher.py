@@ -156,7 +156,7 @@ class Prefetcher:
         what they bring cannot outlive the optimizer step: blocks all-gathered across ranks)."""
         self.busy = busy or (lambda unit: False)
         """Whether a unit's values are still being written (the overlapped step's update,
-        tierzero/runtime/step_queue.py): it is not prefetched until they are done."""
+        tierzero/runtime/step/step_queue.py): it is not prefetched until they are done."""
         self.device_beside = device_beside or (lambda: 0)
         """Device bytes taken beside the homes, held units and backward's acquired activations
         (early capture's buffers, activations homed on the device): recorded at each fetch for

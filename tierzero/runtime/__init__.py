@@ -6,18 +6,18 @@ wrapping.py.
 """
 
 from tierzero.runtime.accumulate import accumulate
-from tierzero.runtime.collectives import (RankRuntimeError, all_gather_objects, all_reduce_, broadcast_object, rank_errors,
+from tierzero.runtime.flat.collectives import (RankRuntimeError, all_gather_objects, all_reduce_, broadcast_object, rank_errors,
                                           world)
 from tierzero.runtime.compile import compile
-from tierzero.runtime.flat_param import FlatParam
-from tierzero.runtime.grads import FlatGrad
+from tierzero.runtime.flat.flat_param import FlatParam
+from tierzero.runtime.flat.grads import FlatGrad
 from tierzero.runtime.optimizer_guard import TIERED_OPTIMIZER
 from tierzero.runtime.state import (TieredState, close, full_state_dict, gathered_params, model_dtype, placement_manager,
                                     settle, state_of, state_of_param, step_comm_bytes, step_stats)
-from tierzero.runtime.schedule import LayerMajorRefusal
-from tierzero.runtime.shards import RankShard, values_shard
-from tierzero.runtime.step_context import StepContext
-from tierzero.runtime.step_queue import StepFailed, StepQueue
+from tierzero.runtime.step.schedule import LayerMajorRefusal
+from tierzero.runtime.flat.shards import RankShard, values_shard
+from tierzero.runtime.step.step_context import StepContext
+from tierzero.runtime.step.step_queue import StepFailed, StepQueue
 from tierzero.runtime.split import tier_bytes
 from tierzero.runtime.update import (MASTER, BlockState, Held, Piece, UpdateRoom, beside_compute, check_update_rooms,
                                      global_norm, update_queue)

@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from tierzero.runtime.schedule import PLAIN, LayerMajor
+from tierzero.runtime.step.schedule import PLAIN, LayerMajor
 from tierzero.runtime.state import state_of
 
 

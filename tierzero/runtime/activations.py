@@ -18,7 +18,7 @@ from tierzero.layout import ROOT
 from tierzero.placement import ACTIVATIONS_TRACK, Kind, Residency
 from tierzero.prefetch import Unit
 from tierzero.runtime.activation_pack import ActivationPack, PackState, SavedTensors
-from tierzero.runtime.step_context import StepContext
+from tierzero.runtime.step.step_context import StepContext
 
 MAX_UNWRITTEN = 2
 """Sealed packs the writer may be behind by before a forward waits for it (their device

@@ -29,12 +29,12 @@ from tierzero.layout import ROOT, outside_read_hints
 from tierzero.prefetch import FetchPhase, TraceEvent, Unit
 from tierzero.runtime.activation_pack import ActivationPack, opaque
 from tierzero.runtime.activations import Activations
-from tierzero.runtime.fetch_group import FetchGroup
-from tierzero.runtime.flat_param import FlatParam
-from tierzero.runtime.placeholders import hint
+from tierzero.runtime.flat.fetch_group import FetchGroup
+from tierzero.runtime.flat.flat_param import FlatParam
+from tierzero.runtime.flat.placeholders import hint
 from tierzero.runtime.recompute import Frame
-from tierzero.runtime.schedule import output_tensors
-from tierzero.runtime.step_context import Phase, StepContext
+from tierzero.runtime.step.schedule import output_tensors
+from tierzero.runtime.step.step_context import Phase, StepContext
 
 
 class RegisterPostBackward(torch.autograd.Function):

@@ -20,11 +20,11 @@ from tierzero.placement import PlacementManager, StepStats
 from tierzero.runtime.activations import Activations
 from tierzero.runtime.activation_pack import opaque
 from tierzero.runtime.blocks import Block
-from tierzero.runtime.fetch_group import discard_gathers
-from tierzero.runtime.flat_param import FlatParam
-from tierzero.runtime.grads import GradCapture
-from tierzero.runtime.schedule import output_tensors
-from tierzero.runtime.step_context import Phase, StepContext
+from tierzero.runtime.flat.fetch_group import discard_gathers
+from tierzero.runtime.flat.flat_param import FlatParam
+from tierzero.runtime.flat.grads import GradCapture
+from tierzero.runtime.step.schedule import output_tensors
+from tierzero.runtime.step.step_context import Phase, StepContext
 
 _STATES: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[TieredState]]" = weakref.WeakKeyDictionary()
 """Side table: wrapped root module -> its state, both held weakly (the model holds its state

@@ -22,13 +22,13 @@ import torch
 from tierzero.config import Tier
 from tierzero.layout import ROOT, StateCodec, round_stochastic_, window_room
 from tierzero.placement import UPDATES_TRACK, Kind, TensorHandle
-from tierzero.runtime.collectives import all_reduce_, rank_errors
-from tierzero.runtime.flat_param import FlatParam
-from tierzero.runtime.grads import FlatGrad
-from tierzero.runtime.shards import RankShard
+from tierzero.runtime.flat.collectives import all_reduce_, rank_errors
+from tierzero.runtime.flat.flat_param import FlatParam
+from tierzero.runtime.flat.grads import FlatGrad
+from tierzero.runtime.flat.shards import RankShard
 from tierzero.runtime.state import TieredState
-from tierzero.runtime.step_context import StepContext
-from tierzero.runtime.step_queue import StepQueue
+from tierzero.runtime.step.step_context import StepContext
+from tierzero.runtime.step.step_queue import StepQueue
 
 Result = TypeVar("Result")
 

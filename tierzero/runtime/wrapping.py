@@ -31,13 +31,13 @@ from tierzero.placement import PlacementManager
 from tierzero.prefetch import Prefetcher, Unit, policy_from_config, prefetch_units
 from tierzero.runtime.activations import Activations
 from tierzero.runtime.blocks import Block
-from tierzero.runtime.collectives import agreement_group, broadcast_from_first_, rank_errors, world
-from tierzero.runtime.fetch_group import gather_ahead
-from tierzero.runtime.flat_param import FlatParam, borrows_checkpoint, shard_request
+from tierzero.runtime.flat.collectives import agreement_group, broadcast_from_first_, rank_errors, world
+from tierzero.runtime.flat.fetch_group import gather_ahead
+from tierzero.runtime.flat.flat_param import FlatParam, borrows_checkpoint, shard_request
 from tierzero.runtime.optimizer_guard import refuse_other_optimizers
 from tierzero.runtime.split import checked_plan
 from tierzero.runtime.state import TieredState, adopt, is_wrapped, state_of
-from tierzero.runtime.step_context import Phase, StepContext
+from tierzero.runtime.step.step_context import Phase, StepContext
 
 # ------------------------------------------------------------------------------- public API
 

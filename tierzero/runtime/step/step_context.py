@@ -25,14 +25,14 @@ from tierzero.layout import BlockTiers, CommBytes, FlatLayout, ZeroStage
 from tierzero.placement import CheckpointHome, Kind, PlacementManager, TensorHandle
 from tierzero.prefetch import Prefetcher
 from tierzero.runtime.activation_pack import HeldCopies
-from tierzero.runtime.device_account import DeviceAccount, HeldBlock
-from tierzero.runtime.schedule import PLAIN, Schedule
-from tierzero.runtime.step_queue import StepQueue
+from tierzero.runtime.step.device_account import DeviceAccount, HeldBlock
+from tierzero.runtime.step.schedule import PLAIN, Schedule
+from tierzero.runtime.step.step_queue import StepQueue
 
 
 class FlatRef(Protocol):
     """What the shared step state, and the gathers below the flat tensors, use of a flat tensor
-    (tierzero.runtime.flat_param.FlatParam, a level above)."""
+    (tierzero.runtime.flat.flat_param.FlatParam, a level above)."""
 
     name: str
     layout: FlatLayout

@@ -10,8 +10,8 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_leaves
 
-from tierzero.runtime.grads import FlatGrad
-from tierzero.runtime.placeholders import METADATA
+from tierzero.runtime.flat.grads import FlatGrad
+from tierzero.runtime.flat.placeholders import METADATA
 
 _SOURCES: dict[int, tuple[FlatGrad, int, str, bool]] = {}
 """id(view) -> (its flat gradient, the parameter's index there, the parameter's name, refused),

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from tierzero.config import Tier
-from tierzero.runtime.collectives import rank_errors, start_all_gather
-from tierzero.runtime.step_context import FlatRef, PendingGather, StepContext
+from tierzero.runtime.flat.collectives import rank_errors, start_all_gather
+from tierzero.runtime.step.step_context import FlatRef, PendingGather, StepContext
 
 
 def start_gather(ctx: StepContext, flat: FlatRef) -> PendingGather:

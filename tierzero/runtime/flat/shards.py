@@ -9,7 +9,7 @@ import torch
 
 from tierzero.layout import StateCodec
 from tierzero.placement import TensorHandle
-from tierzero.runtime.flat_param import FlatParam
+from tierzero.runtime.flat.flat_param import FlatParam
 
 
 class RankShard:

@@ -16,10 +16,10 @@ from typing import Sequence
 
 import torch
 
-from tierzero.runtime.collectives import agree_all, rank_errors
-from tierzero.runtime.flat_param import FlatParam
-from tierzero.runtime.gathers import discard_gather, drop_gather, finish_gather, start_gather
-from tierzero.runtime.step_context import PendingGather, StepContext
+from tierzero.runtime.flat.collectives import agree_all, rank_errors
+from tierzero.runtime.flat.flat_param import FlatParam
+from tierzero.runtime.flat.gathers import discard_gather, drop_gather, finish_gather, start_gather
+from tierzero.runtime.step.step_context import PendingGather, StepContext
 
 
 # A block has one or two flat tensors (its trainable parameters, its frozen ones). The group

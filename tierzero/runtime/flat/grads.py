@@ -16,8 +16,8 @@ from torch import nn
 from tierzero.config import Tier
 from tierzero.layout import FlatLayout
 from tierzero.placement import CopyEvent, Kind, TensorHandle
-from tierzero.runtime.collectives import all_reduce_flat, rank_errors, reduce_scatter_flat
-from tierzero.runtime.step_context import StepContext
+from tierzero.runtime.flat.collectives import all_reduce_flat, rank_errors, reduce_scatter_flat
+from tierzero.runtime.step.step_context import StepContext
 
 
 # [Note: a flat gradient's life]

@@ -24,12 +24,12 @@ from tierzero.config import Tier
 from tierzero.formats import LoadedShard, ShardRequest
 from tierzero.layout import FlatLayout, ZeroStage, fetched_bytes
 from tierzero.placement import CheckpointHome, Kind, TensorHandle
-from tierzero.runtime.collectives import all_gather_flat, broadcast_from_first_, rank_errors
-from tierzero.runtime.gathers import discard_gather
-from tierzero.runtime.grad_views import view_of
-from tierzero.runtime.grads import FlatGrad
-from tierzero.runtime.placeholders import guard, unguard
-from tierzero.runtime.step_context import StepContext
+from tierzero.runtime.flat.collectives import all_gather_flat, broadcast_from_first_, rank_errors
+from tierzero.runtime.flat.gathers import discard_gather
+from tierzero.runtime.flat.grad_views import view_of
+from tierzero.runtime.flat.grads import FlatGrad
+from tierzero.runtime.flat.placeholders import guard, unguard
+from tierzero.runtime.step.step_context import StepContext
 
 
 # Parameters are never replaced: each stays the same nn.Parameter object, and its `.data` is set
