@@ -248,6 +248,17 @@ def test_fused_kernel_gives_the_eager_bits(monkeypatch, fmt: str, master: str, s
     kw: dict[str, Any] = dict(tier="host", optimizer_state_dtype=fmt)
     if master == "bfloat16":
         kw.update(master_dtype="bfloat16", compute_dtype="bfloat16")
+    # two threads for every run (the model's kernels too: their sums depend on it), so the small
+    # windows spread over two whatever OMP_NUM_THREADS says
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        windows_and_paths(monkeypatch, kw, sgd)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def windows_and_paths(monkeypatch: Any, kw: dict[str, Any], sgd: bool) -> None:
     whole, before = train_groups(tier_config(**kw), sgd=sgd)
     monkeypatch.setattr(optim_base, "STATE_WINDOW", 16 * QUANT_BLOCK)
     fused, _ = train_groups(tier_config(**kw), sgd=sgd)
