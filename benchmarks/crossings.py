@@ -140,12 +140,7 @@ def measure(nvme_dir: str, layers: int, level: str) -> dict[str, Any]:
     runtime.settle(model)
     state = runtime.state_of(model)
     layer = model.blocks[len(model.blocks) // 2]
-    pm = state.pm
-    pm.flush()
-    for h in pm.handles:  # nothing cached: the fetch reads the layer's parameters from NVMe
-        for tier in ("host", "device"):
-            if h.home.value != tier:
-                pm.drop(h, tier)
+    _uncache(state.pm)  # the fetch reads the layer's parameters from NVMe
     gathered = tz.gathered_params(model, modules=layer)
     fetch_sites: set[tuple[str, str]] = set()
     fetch = count(gathered.__enter__, level=level, sites=fetch_sites)
@@ -278,18 +273,22 @@ def _warm(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int = 2) ->
         opt.step()
 
 
+def _uncache(pm: Any) -> None:
+    """Every copy written home and dropped from the host and device: nothing cached."""
+    pm.flush()
+    for h in pm.handles:
+        for tier in ("host", "device"):
+            if h.home.value != tier:
+                pm.drop(h, tier)
+
+
 def path_fetch(nvme_dir: str) -> list[list[Event]]:
     model, opt = _paths_model(nvme_dir, prefetch={"policy": "none"})
     _warm(model, opt)
     state = runtime.state_of(model)
     name = next(b.name for b in state.blocks if any(m is model.blocks[1] for m in b.modules))
     runtime.settle(model)
-    pm = state.pm
-    pm.flush()
-    for h in pm.handles:  # nothing cached: the fetch reads the block's parameters from NVMe
-        for tier in ("host", "device"):
-            if h.home.value != tier:
-                pm.drop(h, tier)
+    _uncache(state.pm)  # the fetch reads the block's parameters from NVMe
     opt.zero_grad()
 
     def pick(frame: Any) -> bool:
