@@ -87,13 +87,13 @@ class StateCodec:
         codes, scales = self.parts(stored, numel)
         b0, b1 = lo // QUANT_BLOCK, quant_blocks(hi)
         x = values.view(-1)[:(b1 - b0) * QUANT_BLOCK].view(b1 - b0, QUANT_BLOCK)
-        # torch's CPU sqrt takes ~7x longer on zeros (~30x on subnormals) than on normal floats:
+        # torch's CPU sqrt is many times slower on zeros and subnormals than on normal floats:
         # values below _FLOOR, whose codes are 0 either way, are raised to it first.
         s = torch.amax(x.abs(), dim=1, keepdim=True)
         if self.unsigned:  # the fourth root as the root of (the root of x / the root of s)
             inv = torch.where(s > 0, torch.full_like(s, _U2) / sqrt_(s.clone()), 0.0)
             y = sqrt_(sqrt_(x).mul_(inv).clamp_min_(_FLOOR))
-            codes[b0:b1] = y.round_().to(torch.int32)  # float -> uint8 is ~6x slower than through int32
+            codes[b0:b1] = y.round_().to(torch.int32)  # float -> uint8 directly is several times slower
         else:
             inv = torch.where(s > 0, torch.full_like(s, _S2) / s, 0.0)
             y = sqrt_(x.abs().mul_(inv).clamp_min_(_FLOOR))

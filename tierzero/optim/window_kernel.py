@@ -25,17 +25,18 @@ from tierzero.layout import sqrt_
 from tierzero.runtime import Held, Piece
 
 # [Note: fused state windows]
-# A low-bit window decoded to fp32, updated by torch's fused kernel and encoded back took ~20
-# passes of eager torch ops over memory: bf16 states updated 1.5-5x and int8 5-20x slower per
-# parameter than fp32's one fused pass (RESULTS.md, issue 53). Here one loop does the window:
+# A low-bit window decoded to fp32, updated by torch's fused kernel and encoded back took some
+# twenty passes of eager torch ops over memory, several times slower per parameter than fp32's
+# one fused pass (RESULTS.md, "the CPU's update per state format"). Here one loop does the window:
 # per QUANT_BLOCK block it widens the states into a 1 KiB buffer, updates the elements of the
 # window's pieces (each with its row of hyper-parameters: its group's and its step count's), and
 # stores them back, the master weights in place (bf16 ones rounded stochastically).
 # Why a C++ loop built with the system compiler and loaded by ctypes, not torch.compile: both
-# need a compiler, but inductor's first compile of this function took 40 s (11 s from its disk
-# cache) on this 2-core machine, and the `tierzero` command removes that cache after each run
-# ([Note: private caches]); this file, with no torch header, compiles in about a second, into a
-# private temporary folder that is removed once loaded (no cache another user could plant code in).
+# need a compiler, but inductor's first compile of this function takes tens of seconds (and
+# seconds more from its disk cache, which the `tierzero` command removes after each run:
+# [Note: private caches]), and its code ran slower; this file, with no torch header, compiles in
+# under a second, into a private temporary folder that is removed once loaded (no cache another
+# user could plant code in).
 # The arithmetic is IEEE single precision with no fused multiply-add, in one fixed order; the
 # eager path does the same operations in the same order, so both give the same bits (tested),
 # and the bits depend on neither the tier nor the placement ([Note: state windows]).
@@ -222,7 +223,7 @@ def compiler() -> str:
 def _build(variant: Variant) -> ctypes.CDLL:
     """Compile SOURCE's `variant` into a private temporary folder, load it and remove the folder
     (the loaded library stays mapped). OSError or SubprocessError when it cannot be built.
-    One variant compiles in ~0.3 s, all eleven at once in ~2 s: each is built when first used."""
+    Each variant is built when first used, not all eleven at start."""
     cxx = shutil.which(compiler())
     if cxx is None:
         raise FileNotFoundError(f"no C++ compiler {compiler()!r} on PATH")

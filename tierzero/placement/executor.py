@@ -41,8 +41,8 @@ class MoveExecutor:
         # With asynchronous copies, a move whose last copy is queued commits once the copy's
         # event completes, and a write-back starts once the copy into its source landed: these
         # threads wait for the events, so that no worker above sleeps on a copy stream. A worker
-        # that did held an NVMe read slot idle: on the CPU's stream stand-in (1.3 B model, 4
-        # workers) the NVMe workers slept 7.2 s in 57 waits over 3 steps.
+        # that did held an NVMe read slot idle (on the CPU's stream stand-in the NVMe workers
+        # slept seconds a step that way).
         self._waiter = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"tierzero-land-r{rank}")
 
     def submit(self, plan: PlanT, src: Tier, dst: Tier, body: Body[PlanT], commit: Commit[PlanT], *,
