@@ -3,13 +3,14 @@
 A block's parameters are concatenated, in a fixed order, into one flat 1-D buffer padded to a
 multiple of the world size (of world size x QUANT_BLOCK elements with more than one rank: every
 shard starts on an int8 state's block, [Note: shards on int8 blocks]); rank r owns the
-contiguous shard [r * n / world, (r + 1) * n / world) of it, and the gradient, master weights and optimizer moments share that layout (which of them
-a rank keeps whole instead is the ZeRO stage's choice: tierzero/layout/zero.py). With world
-size 1 the shard is the whole buffer.
+contiguous shard [r * n / world, (r + 1) * n / world) of it, and the gradient, master weights
+and optimizer moments share that layout (which of them a rank keeps whole instead is the ZeRO
+stage's choice: tierzero/layout/zero.py). With world size 1 the shard is the whole buffer.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -69,7 +70,7 @@ class FlatLayout:
             n = torch.Size(shape).numel()
             slots.append(ParamSlot(fqn, torch.Size(shape), offset, n))
             offset += n
-        unit = world_size * (align if world_size == 1 else max(align, QUANT_BLOCK))
+        unit = world_size * (align if world_size == 1 else math.lcm(align, QUANT_BLOCK))
         padded = -(-max(offset, 1) // unit) * unit
         return cls(tuple(slots), offset, padded, world_size)
 
