@@ -156,7 +156,7 @@ def test_a_host_buffer_still_held_at_exit_does_not_keep_the_swap_files(tmp_path:
     exit does the same): the close at exit names it, and still removes every swap file."""
     nvme = tmp_path / "nvme"
     ending = ("from tierzero import runtime\n"
-              "held = runtime.placement_manager(model).reserve_scratch(151552, 'host', what='held at exit')\n"
+              "held = runtime.placement_manager(model).scratch.reserve(151552, 'host', what='held at exit')\n"
               "print('held')")
     proc = run_script(nvme, ending)
     assert proc.returncode == 0 and "held" in proc.stdout, proc.stderr

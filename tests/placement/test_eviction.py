@@ -56,7 +56,7 @@ def test_a_prefetched_copy_not_used_yet_is_evicted_last_whatever_the_policy_rank
             def order(self, candidates):
                 return sorted(candidates, key=lambda h: h.name)
 
-        pm.set_eviction_policy(NamesFirst())
+        pm.room.policy = NamesFirst()
         assert pm.prefetch(t["a"], "host")  # read ahead, not used yet
         pm.acquire(t["b"], "host")  # used
         pm.release(t["b"], "host")
@@ -131,10 +131,10 @@ def test_eviction_is_lru_by_default_and_policy_pluggable(tmp_path):
                 seen.append(list(candidates))
                 return sorted(candidates, key=lambda h: h.name, reverse=True)
 
-        pm.set_eviction_policy(Biggest())
+        pm.room.policy = Biggest()
         pm.acquire(t[2])
         pm.release(t[2])
         assert seen and all(isinstance(h, TensorHandle) for h in seen[0])
         assert pm.record(t[4]).residency[Tier.DEVICE] is Residency.ABSENT
         with pytest.raises(ValueError, match="order"):
-            pm.set_eviction_policy(object())
+            pm.room.policy = object()

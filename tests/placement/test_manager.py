@@ -105,8 +105,8 @@ def test_trim_gives_back_the_cached_buffers_of_the_sizes_asked_for(tmp_path):
         pm.settle()
         small, big = (pm.device_pool.bucket(n) if pm.device_pool else 0 for n in (4000, 12000))
         assert pm.bytes_used("device") == small + big
-        assert pm.trim("device", [12000, 50_000]) == big and pm.bytes_used("device") == small
-        assert pm.trim("device", [12000]) == 0
+        assert pm.room.trim("device", [12000, 50_000]) == big and pm.bytes_used("device") == small
+        assert pm.room.trim("device", [12000]) == 0
 
 
 def test_close_frees_everything_joins_threads_and_removes_files(tmp_path):

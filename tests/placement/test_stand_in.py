@@ -45,15 +45,15 @@ def test_selected_by_the_environment_or_the_config(monkeypatch) -> None:
 def test_a_copy_lands_later_poisoned_until_then_and_compute_wait_blocks(tmp_path) -> None:
     with manager(tmp_path) as pm:
         streams = pm.streams
-        dev, host = pm.reserve_scratch(4096, "device", what="d"), pm.reserve_scratch(4096, "host", what="h")
+        dev, host = pm.scratch.reserve(4096, "device", what="d"), pm.scratch.reserve(4096, "host", what="h")
         src = host.view(torch.float32).copy_(torch.arange(1024.0))
         dst = dev.view(torch.float32)
         events = [streams.copy(dst, src) for _ in range(3)]  # serial: the last lands last
         assert not events[-1].query() and torch.isnan(dst).all()  # queued: poisoned, not landed
         streams.compute_wait(events[-1], dst)
         assert all(e.query() for e in events) and torch.equal(dst, torch.arange(1024.0))
-        pm.free_scratch(host, "host")
-        pm.free_scratch(dev, "device")
+        pm.scratch.free(host, "host")
+        pm.scratch.free(dev, "device")
         assert torch.isnan(dst).all()  # a freed device buffer is poisoned
 
 
@@ -89,43 +89,43 @@ def test_planted_scratch_freed_without_compute_recording_it_is_an_error(tmp_path
     """reserve_scratch records the caller's compute as the buffer's user (the fix of a scratch
     reused while the GPU still read it); without that record its free is refused."""
     with manager(tmp_path) as pm:
-        buf = pm.reserve_scratch(8192, "device", what="layers.0 (gathered)")
-        pm.free_scratch(buf, "device")  # recorded at hand-out: fine
+        buf = pm.scratch.reserve(8192, "device", what="layers.0 (gathered)")
+        pm.scratch.free(buf, "device")  # recorded at hand-out: fine
         monkeypatch.setattr(pm.streams, "compute_wait", lambda event, tensor: None)  # the record removed
-        buf = pm.reserve_scratch(8192, "device", what="layers.0 (gathered)")
+        buf = pm.scratch.reserve(8192, "device", what="layers.0 (gathered)")
         with pytest.raises(RuntimeError, match="'layers.0 \\(gathered\\)' was handed to compute and freed without"):
-            pm.free_scratch(buf, "device")
+            pm.scratch.free(buf, "device")
         assert pm.bytes_used("device") == pm.device_pool.cached_bytes  # given back all the same
 
 
 def test_planted_copy_from_unpinned_host_memory_is_an_error(tmp_path) -> None:
     with manager(tmp_path) as pm:
-        dev = pm.reserve_scratch(4096, "device", what="d")
+        dev = pm.scratch.reserve(4096, "device", what="d")
         with pytest.raises(RuntimeError, match="host side outside the pinned pool"):
             pm.streams.copy(dev, torch.zeros(4096, dtype=torch.uint8))
-        pm.free_scratch(dev, "device")
+        pm.scratch.free(dev, "device")
 
 
 def test_planted_host_buffer_given_back_under_a_queued_copy_is_an_error(tmp_path) -> None:
     with manager(tmp_path) as pm:
-        dev, host = pm.reserve_scratch(4096, "device", what="d"), pm.reserve_scratch(4096, "host", what="h")
+        dev, host = pm.scratch.reserve(4096, "device", what="d"), pm.scratch.reserve(4096, "host", what="h")
         event = pm.streams.copy(dev, host)
         with pytest.raises(RuntimeError, match="host buffer of 4096 bytes was given back while a copy on it"):
-            pm.free_scratch(host, "host")
+            pm.scratch.free(host, "host")
         event.synchronize()
-        pm.free_scratch(host, "host")
-        pm.free_scratch(dev, "device")
+        pm.scratch.free(host, "host")
+        pm.scratch.free(dev, "device")
 
 
 def test_poison_is_nan_in_every_float_dtype_and_a_pattern_in_integers(tmp_path) -> None:
     with manager(tmp_path, StandInConfig(delay_seed=1, max_delay_s=0.05)) as pm:
         for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int32):
-            dev, host = pm.reserve_scratch(4096, "device", what="d"), pm.reserve_scratch(4096, "host", what="h")
+            dev, host = pm.scratch.reserve(4096, "device", what="d"), pm.scratch.reserve(4096, "host", what="h")
             event = pm.streams.copy(dev.view(dtype), host.view(dtype).zero_())
             assert dev.view(dtype).isnan().all() if dtype.is_floating_point else (dev.view(dtype) == -1).all()
             pm.streams.compute_wait(event, dev)
-            pm.free_scratch(host, "host")
-            pm.free_scratch(dev, "device")
+            pm.scratch.free(host, "host")
+            pm.scratch.free(dev, "device")
 
 
 def test_device_choice_refuses_a_gpu_that_may_be_another_ranks(monkeypatch) -> None:
@@ -199,11 +199,11 @@ def test_a_device_buffer_freed_under_a_queued_copy_is_given_back_once_the_copy_r
     and the copy reads its values, not the free's poison."""
     gate = threading.Event()
     with manager(tmp_path) as pm:
-        dev, host = pm.reserve_scratch(4096, "device", what="d"), pm.reserve_scratch(4096, "host", what="h")
+        dev, host = pm.scratch.reserve(4096, "device", what="d"), pm.scratch.reserve(4096, "host", what="h")
         dev.fill_(7)
         pm.streams.d2h.submit(gate.wait)  # the copy stream is busy until the gate opens
         event = pm.streams.copy(host, dev, after=pm.streams.compute_ready())
-        free = threading.Thread(target=pm.free_scratch, args=(dev, "device"))
+        free = threading.Thread(target=pm.scratch.free, args=(dev, "device"))
         free.start()
         free.join(timeout=2)
         try:
@@ -217,4 +217,4 @@ def test_a_device_buffer_freed_under_a_queued_copy_is_given_back_once_the_copy_r
         pm.settle()
         assert pm.device_pool.cached_bytes == 4096  # given back once the copy ran
         assert torch.all(dev == 0xFF)  # and poisoned then
-        pm.free_scratch(host, "host")
+        pm.scratch.free(host, "host")

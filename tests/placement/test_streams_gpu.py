@@ -186,16 +186,16 @@ def test_host_tier_is_one_region_pinned_once_within_its_budget(tmp_path):
 def test_a_device_budget_returns_once_the_streams_that_used_the_buffer_pass_it(tmp_path):
     cfg = Config(device_budget="64MiB", host_budget="64MiB")
     with PlacementManager(cfg) as pm:
-        buf = pm.reserve_scratch(8 * MiB, "device", what="scratch")  # its user: this stream
+        buf = pm.scratch.reserve(8 * MiB, "device", what="scratch")  # its user: this stream
         _spin(0.3)
         total = buf.view(torch.float32).fill_(1.0).sum()  # queued behind the spin
         used = pm.bytes_used("device")
-        pm.free_scratch(buf, "device")
+        pm.scratch.free(buf, "device")
         assert pm.bytes_used("device") == used  # compute has not passed it: the bytes stay reserved
         torch.cuda.synchronize()
-        again = pm.reserve_scratch(MiB, "device", what="next")
+        again = pm.scratch.reserve(MiB, "device", what="next")
         assert pm.bytes_used("device") == MiB and total.item() == 2 * MiB
-        pm.free_scratch(again, "device")
+        pm.scratch.free(again, "device")
 
 
 def test_scratch_freed_under_queued_compute_is_not_overwritten_by_the_next_fetch(tmp_path):
@@ -205,11 +205,11 @@ def test_scratch_freed_under_queued_compute_is_not_overwritten_by_the_next_fetch
     n = 4 * MiB
     with PlacementManager(cfg) as pm:
         h = pm.register("layers.0", torch.full((n,), 2.0), "host")
-        scratch = pm.reserve_scratch(4 * n, "device", what="layers.1 (gathered)")
+        scratch = pm.scratch.reserve(4 * n, "device", what="layers.1 (gathered)")
         full = scratch.view(torch.float32).fill_(1.0)
         _spin(0.3)
         total = full.sum()  # reads the scratch after the spin
-        pm.free_scratch(scratch, "device")
+        pm.scratch.free(scratch, "device")
         fetched = pm.acquire(h, "device")  # same size, on the h2d stream: must not land in the scratch
         assert total.item() == n and torch.equal(fetched, torch.full((n,), 2.0, device=fetched.device))
         pm.release(h, "device")

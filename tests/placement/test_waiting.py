@@ -93,16 +93,16 @@ def test_no_room_names_the_pinned_copies_and_the_fix(tmp_path):
         a = pm.register("layers.2", torch.randn(2500), "host", kind=Kind.PARAM)  # 10000 bytes
         pm.acquire(a)
         t0 = time.monotonic()
-        with pytest.raises(RuntimeError, match=r"reserve_scratch\('gather layers.3', 'device'\): tensor 'gather "
+        with pytest.raises(RuntimeError, match=r"scratch\.reserve\('gather layers.3', 'device'\): tensor 'gather "
                                                r"layers.3': no room for .* on the device tier and none can come: "
                                                r".* pinned copies \(name, pins\): \[\('layers.2.param', 1\)\]; "
                                                r"raise device_budget to at least \d+ bytes"):
-            pm.reserve_scratch(8000, what="gather layers.3")
+            pm.scratch.reserve(8000, what="gather layers.3")
         assert 2 <= time.monotonic() - t0 < 5
         pm.release(a)
-        buf = pm.reserve_scratch(8000, what="gather layers.3")  # evicts a's unpinned copy
+        buf = pm.scratch.reserve(8000, what="gather layers.3")  # evicts a's unpinned copy
         assert buf.numel() >= 8000 and pm.record(a).residency[Tier.DEVICE] is Residency.ABSENT
-        pm.free_scratch(buf)
+        pm.scratch.free(buf)
 
 
 def test_a_wait_on_another_threads_pin_waits_up_to_the_timeout(tmp_path):
@@ -113,7 +113,7 @@ def test_a_wait_on_another_threads_pin_waits_up_to_the_timeout(tmp_path):
         holder.join()
         t0 = time.monotonic()
         with pytest.raises(RuntimeError, match=r"no room for .* on the device tier after waiting 0.3 s"):
-            pm.reserve_scratch(8000, what="gather layers.3")
+            pm.scratch.reserve(8000, what="gather layers.3")
         assert time.monotonic() - t0 >= 0.25
         pm.release(a)
 

@@ -88,7 +88,7 @@ def test_step_traffic_by_kind(tmp_path: Any, step_in_backward: bool, host: str, 
             runtime.settle(model)  # this step's updates (overlapped by default) and writes are in its traffic
             stats = runtime.step_stats(model)
         pm = runtime.placement_manager(model)
-        io = {kind: sum(pm.io_bytes(h) for h in pm.handles if h.kind is kind) for kind in Kind}
+        io = {kind: sum(h.io_bytes for h in pm.handles if h.kind is kind) for kind in Kind}
         assert io[Kind.PARAM] >= 4 * n_params  # fp32, padded to whole pages
         by_kind = stats.nvme_by_kind
         assert stats.nvme_read_bytes == sum(v["read"] for v in by_kind.values())
@@ -97,7 +97,7 @@ def test_step_traffic_by_kind(tmp_path: Any, step_in_backward: bool, host: str, 
         # The step reads the block after next ahead speculatively; on a loaded machine the
         # update before it can push that copy out first, and it is read again: one block's
         # moments at most (measured: 1 run in 10 under two CPU hogs, on main before this bound too).
-        block_moments = 2 * max(pm.io_bytes(h) for h in pm.handles if h.kind is Kind.EXP_AVG)
+        block_moments = 2 * max(h.io_bytes for h in pm.handles if h.kind is Kind.EXP_AVG)
         assert by_kind["moments"]["write"] == moments and by_kind["moments"]["read"] <= moments + block_moments
         assert by_kind["params"]["write"] == io[Kind.PARAM]  # the updated parameters (= master weights), once
         assert by_kind["params"]["read"] <= 3 * io[Kind.PARAM]  # forward, backward, the step at most

@@ -229,7 +229,7 @@ def test_backward_leaves_no_device_buffers_of_the_packs_sizes_cached(tmp_path: P
             sizes = {s.args["bytes"] for s in list(pm.telemetry.spans)[start:] if s.track == "activations"
                      and s.name.startswith("fetch")}
             assert len(sizes) == 1, sizes  # the blocks are alike: their packs too
-            assert pm.trim(Tier.DEVICE, sizes) == 0
+            assert pm.room.trim(Tier.DEVICE, sizes) == 0
     finally:
         runtime.close(model)
 

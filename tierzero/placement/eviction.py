@@ -1,23 +1,27 @@
 """Room on the tiers: reservations taken all or nothing, evicting cached copies by policy, and
 writing dirty ones home when a tier falls short.
 
-`Room` is what PlacementManager asks for the buffers of a move. For each (tier, nbytes) it
+`Room` is what the ResidencyTable asks for the buffers of a move. For each (tier, nbytes) it
 needs, the tier's store allocates within the budget; when it has no room, unpinned clean
 cached copies there are offered to the `EvictionPolicy` and evicted until the buffer fits. If
 one need cannot be met, the buffers taken for the others go back and the answer is a
 `Shortfall`, so no reservation is ever held while waiting for another; dirty copies on the
 tier that fell short start being written home (`clean`), to be evictable once written. Room
-keeps no residency: it asks the `CachedCopies` (the ResidencyTable) and is told which copies
-exist. Not thread-safe on its own; used under the manager's lock.
+keeps no residency: it reads the records' states (never writes them) and is told which copies
+exist. Used under the table's lock; what a user reaches as `PlacementManager.room` (the policy,
+trim, check_working_set) takes it.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
-from typing import Literal, Mapping, NamedTuple, Protocol, Sequence
+from typing import Collection, Literal, Mapping, NamedTuple, Protocol, Sequence
 
 from tierzero.config import Tier, format_size
 from tierzero.placement.handles import TensorHandle
+from tierzero.placement.moves import MoveTable
+from tierzero.placement.records import Content, Residency, TensorRecord
 from tierzero.placement.tier_store import Buffer, TierStore
 
 
@@ -28,29 +32,14 @@ class EvictionPolicy(Protocol):
 
 
 class CachedCopies(Protocol):
-    """What Room asks of the cached copies (ResidencyTable answers, under the lock)."""
+    """What Room asks of the cached copies (the ResidencyTable, under the lock)."""
 
-    def evictable(self, h: TensorHandle, tier: Tier) -> bool:
-        """Resident, unpinned and clean: dropping it loses nothing."""
-        ...
+    index: Mapping[TensorHandle, TensorRecord]
+    """Every record: Room reads their states (never writes them)."""
+    moves: MoveTable
 
-    def drop(self, h: TensorHandle, tier: Tier) -> None:
-        """Evict it (its drop transition)."""
-        ...
-
-    def buffer(self, h: TensorHandle, tier: Tier) -> Buffer:
-        ...
-
-    def unused(self, h: TensorHandle, tier: Tier) -> bool:
-        """A prefetched copy not used yet (no acquire, no move has read it): evicted last."""
-        ...
-
-    def cleaning(self, h: TensorHandle, tier: Tier) -> Literal["clean", "writing", "dirty"] | None:
-        """An unpinned copy that is clean, being written home, or dirty; None otherwise."""
-        ...
-
-    def writing_back(self, tier: Tier) -> int:
-        """Bytes reserved on `tier` by copies being written home."""
+    def free(self, h: TensorHandle, tier: Tier) -> None:
+        """Evict it (its free transition)."""
         ...
 
     def write_back(self, h: TensorHandle, tier: Tier) -> bool:
@@ -78,12 +67,47 @@ class Shortfall(NamedTuple):
 class Room:
     """Reservations across the tiers of one PlacementManager (see the module docstring)."""
 
-    def __init__(self, stores: Mapping[Tier, TierStore], copies: CachedCopies) -> None:
+    def __init__(self, stores: Mapping[Tier, TierStore], copies: CachedCopies, cond: threading.Condition) -> None:
         self.stores = stores
-        self.policy: EvictionPolicy = LeastRecentlyUsed()
+        self._policy: EvictionPolicy = LeastRecentlyUsed()
+        self._cond = cond
         self._copies = copies
         self._lru: OrderedDict[tuple[TensorHandle, Tier], None] = OrderedDict()
         self._homes = dict.fromkeys(Tier, 0)
+
+    # ------------------------------------------------------------- what a user may set or ask
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        """Chooses victims: `policy.order(candidates)` (handles, least recently used first)."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: EvictionPolicy) -> None:
+        if not callable(getattr(policy, "order", None)):
+            raise ValueError(f"eviction policy: expected an object with order(candidates), got {policy!r}")
+        with self._cond:
+            self._policy = policy
+
+    def trim(self, tier: Tier, sizes: Collection[int]) -> int:
+        """Give back the free buffers `tier`'s pool caches for requests of `sizes` bytes (a
+        HostPool's: the device tier on the CPU, the host tier without CUDA; memory the system
+        gets back) and return their bytes: for sizes the caller knows nobody asks for soon."""
+        with self._cond:
+            freed = self.stores[Tier.parse(tier)].trim(sizes)
+            self._cond.notify_all()
+        return freed
+
+    def check_staging(self) -> None:
+        """ValueError when an NVMe-homed tensor's host staging buffer can never fit beside the
+        tensors now homed on the host tier: its first fetch would wait for room nothing can make.
+        (register() checks each tensor against the homes registered before it; call this once
+        the homes are all there: at the end of wrap, and of an optimizer's construction.)"""
+        with self._cond:
+            for rec in self._copies.index.values():
+                if rec.home is Tier.NVME:
+                    self.check_fits(rec.name, rec.nbytes, Tier.HOST,
+                                    why="NVMe-homed tensors are staged through host memory")
 
     # ------------------------------------------------------------------ cached copies and homes
 
@@ -135,7 +159,13 @@ class Room:
     def check_working_set(self, what: str, handles: Sequence[TensorHandle],
                           extra: Sequence[tuple[Tier, int]] = ()) -> None:
         """ValueError when `handles` acquired on their staging tiers at once (plus `extra`
-        buffers) can never fit beside the tensors homed there (PlacementManager.check_working_set)."""
+        buffers) can never fit beside the tensors homed there: checked at construction by a
+        caller that holds them together (an optimizer's update of one block), not at its first step."""
+        with self._cond:
+            self._check_working_set(what, handles, extra)
+
+    def _check_working_set(self, what: str, handles: Sequence[TensorHandle],
+                           extra: Sequence[tuple[Tier, int]]) -> None:
         sizes: dict[Tier, list[int]] = {}
         for h in handles:
             if h.staging is not h.home:
@@ -183,9 +213,10 @@ class Room:
         buf = store.alloc(nbytes, home=home)
         if buf is not None:
             return buf
-        candidates = [h for (h, t) in self._lru if t is tier and h is not exclude and self._copies.evictable(h, tier)]
+        index = self._copies.index
+        candidates = [h for (h, t) in self._lru if t is tier and h is not exclude and _evictable(index[h], tier)]
         if speculative:
-            candidates = [h for h in candidates if not self._copies.unused(h, tier)]
+            candidates = [h for h in candidates if index[h]._copies[tier].used]
         allowed = set(candidates)
         victims = [h for h in self.policy.order(candidates) if h in allowed]
         # prefetched copies nobody has used yet go last, whatever the policy's order: evicting
@@ -194,14 +225,14 @@ class Room:
         # out by the blocks' read-ahead and read again (built-in 350m, activations on NVMe:
         # packs read back 1.5-1.8x, copied to the device 1.6x; prefetching stalled more than
         # fetching on demand)
-        victims.sort(key=lambda h: self._copies.unused(h, tier))
-        picks = store.victims(nbytes, [self._copies.buffer(h, tier) for h in victims])
+        victims.sort(key=lambda h: not index[h]._copies[tier].used)
+        picks = store.victims(nbytes, [index[h]._copies[tier].buffer for h in victims])
         if picks is not None:  # memory in one region: only a window of it serves
             victims = [victims[i] for i in picks]
         for victim in victims:
-            if not self._copies.evictable(victim, tier):
+            if not _evictable(index[victim], tier):
                 continue
-            self._copies.drop(victim, tier)
+            self._copies.free(victim, tier)
             buf = store.alloc(nbytes, home=home)
             if buf is not None:
                 return buf
@@ -216,7 +247,8 @@ class Room:
         region only a window of `nbytes` serves: see [Note: cleaning a window]."""
         if self._clean_window(tier, nbytes):
             return
-        coming = self._copies.writing_back(tier)
+        coming = sum(self.stores[tier].reserved(m.nbytes) for m in self._copies.moves.all()
+                     if m.src is tier and m.dst is m.tensor.home)
         for h in self.cached_on(tier):
             if coming >= nbytes:
                 return
@@ -237,12 +269,13 @@ class Room:
     def _clean_window(self, tier: Tier, nbytes: int) -> bool:
         """`clean` on a tier of one region; False where the tier has no windows or none serves."""
         groups: dict[str, list[TensorHandle]] = {"clean": [], "writing": [], "dirty": []}
+        index = self._copies.index
         for h in self.cached_on(tier):
-            state = self._copies.cleaning(h, tier)
+            state = _cleaning(index[h], tier)
             if state is not None:
                 groups[state].append(h)
         order = groups["clean"] + groups["writing"] + groups["dirty"]
-        picks = self.stores[tier].victims(nbytes, [self._copies.buffer(h, tier) for h in order])
+        picks = self.stores[tier].victims(nbytes, [index[h]._copies[tier].buffer for h in order])
         if not picks:  # None: any bytes serve; []: pinned copies block every window
             return False
         if max(picks) < len(groups["clean"]):
@@ -253,3 +286,20 @@ class Room:
 
     def __repr__(self) -> str:
         return f"Room(policy={self.policy!r}, cached={len(self._lru)}, homes={self._homes})"
+
+
+def _evictable(rec: TensorRecord, tier: Tier) -> bool:
+    """Resident, unpinned and not dirty: dropping it loses nothing."""
+    copy = rec._copies[tier]
+    return rec._residency[tier] is Residency.RESIDENT and copy.pins == 0 and copy.content is not Content.DIRTY
+
+
+def _cleaning(rec: TensorRecord, tier: Tier) -> Literal["clean", "writing", "dirty"] | None:
+    """What writing back the unpinned copy on `tier` would do: nothing ("clean"), it is being
+    written ("writing"), start a write ("dirty"); None where it is pinned or fetching."""
+    copy, state = rec._copies[tier], rec._residency[tier]
+    if state is Residency.WRITING_BACK:
+        return "writing"
+    if state is Residency.RESIDENT and copy.pins == 0:
+        return "dirty" if copy.content is Content.DIRTY else "clean"
+    return None

@@ -16,7 +16,7 @@ from enum import Enum
 
 import torch
 
-from tierzero.config import Tier
+from tierzero.config import PAGE, Tier
 
 
 class Kind(Enum):
@@ -67,12 +67,16 @@ class TensorHandle:
     nbytes: int = field(init=False)
     name: str = field(init=False)
     """For messages, traces and checkpoints: "layers.3.param"; the owner alone for TENSOR."""
+    io_bytes: int = field(init=False)
+    """Bytes a buffer given to PlacementManager.read(h, out=...) must hold (NVMe regions are
+    whole pages)."""
 
     def __post_init__(self) -> None:
         # computed once: the placement manager reads both on every acquire and release
         object.__setattr__(self, "nbytes", self.shape.numel() * self.dtype.itemsize)
         name = self.owner if self.kind is Kind.TENSOR else f"{self.owner}.{self.kind.value}"
         object.__setattr__(self, "name", name)
+        object.__setattr__(self, "io_bytes", -(-self.nbytes // PAGE) * PAGE if self.home is Tier.NVME else self.nbytes)
 
     @property
     def staging(self) -> Tier:

@@ -1,6 +1,6 @@
 """A placed tensor's record: `Residency` per tier, the `Copy` on each tier it is on, and the
-`TensorRecord` that holds them. ResidencyTable (residency.py) is the state machine: its
-transitions are the only writers of these; everyone else reads the views that
+`TensorRecord` that holds them. ResidencyTable (residency.py) and Homes (homes.py) are the
+state machine: their transitions are the only writers of these; everyone else reads the views that
 `PlacementManager.record(handle)` returns.
 """
 
@@ -40,26 +40,38 @@ class Residency(Enum):
     WRITING_BACK = "writing_back"
 
 
+class Content(Enum):
+    """What a copy holds against the home: one state, not flags.
+
+    CURRENT  the home's values (the home copy itself is always CURRENT).
+    DIRTY    newer than the home (released dirty with lazy=True): written back before it is
+             evicted, or dropped unwritten by discard().
+    STALE    older than another copy that was written (or never written: a blank copy for an
+             overwrite), while it was pinned or moving: dropped once it is free, never read.
+    """
+
+    CURRENT = "current"
+    DIRTY = "dirty"
+    STALE = "stale"
+
+
 @dataclass(eq=False)
 class Copy:
-    """One tensor's bytes on one tier (a TensorRecord keeps one per tier it is on)."""
+    """One tensor's bytes on one tier (a TensorRecord keeps one per tier it is on); only the
+    ResidencyTable's transitions write it."""
 
     buffer: Buffer
     """What holds the reservation: a host pool buffer, a device buffer, or an NVMe region."""
     tensor: torch.Tensor | None
     """The bytes viewed with the registered shape and dtype (None for an NVMe region)."""
+    content: Content = Content.CURRENT
     pins: int = 0
     """Acquires not yet released, plus moves in flight reading from this copy."""
     holders: list[int] = field(default_factory=list)
     """The threads (idents) of the acquires not yet released: a wait for room that only this
-    thread's own copies block can never end (PlacementManager tells it at once)."""
-    stale: bool = False
-    """Another copy was written back while this one was pinned or in flight: drop it when free."""
+    thread's own copies block can never end (the wait tells it at once)."""
     used: bool = False
     """Acquired since it was fetched: a prefetched copy not yet used is evicted last."""
-    dirty: bool = False
-    """Newer than the home (released dirty with lazy=True): written back before it is evicted,
-    or dropped unwritten by discard()."""
     event: CopyEvent = DONE
     """The copy that filled it; compute waits on it before using the tensor."""
 
@@ -68,7 +80,7 @@ class TensorRecord:
     """A registered tensor: its handle (name, shape, dtype, bytes, home tier) and where it is now.
 
     `residency` (per tier), `pins(tier)` and `in_flight` are read-only views; only
-    ResidencyTable's transition methods change them.
+    the transition methods of ResidencyTable and Homes change them.
     """
 
     def __init__(self, handle: TensorHandle, moves: MoveTable) -> None:
@@ -94,20 +106,7 @@ class TensorRecord:
         copy = self._copies.get(Tier.parse(tier))
         return copy.pins if copy is not None else 0
 
-    def check_acquired(self, tier: Tier) -> None:
-        """RuntimeError unless an acquire() not yet released pins the copy on `tier`."""
-        copy = self._copies.get(tier)
-        if copy is None or copy.pins == 0 or not copy.holders:
-            raise RuntimeError(f"release({self.name!r}, {tier.value!r}) without a matching acquire()")
-
     def __repr__(self) -> str:
         where = ", ".join(f"{t.value}: {r.value}" for t, r in self._residency.items() if r is not Residency.ABSENT)
         return (f"TensorRecord({self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
                 f"nbytes={self.nbytes}, home={self.home.value}, {{{where}}})")
-
-
-def assert_in_states(rec: TensorRecord, tier: Tier, *states: Residency) -> None:
-    assert rec._residency[tier] in states, (
-        f"{rec.name} on {tier}: expected {[s.value for s in states]}, is {rec._residency[tier].value}")
-
-

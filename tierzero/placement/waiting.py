@@ -1,17 +1,19 @@
-"""Waiting for room and for moves: the loop PlacementManager's calls sleep in under the lock,
+"""Waiting for room and for moves: the loop the table's calls sleep in under the lock,
 and when a wait gives up (past its deadline, or when nothing can end it)."""
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Mapping, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 from tierzero.config import Tier, format_size
 from tierzero.placement.eviction import Shortfall
 from tierzero.placement.records import TensorRecord
-from tierzero.placement.residency import ResidencyTable
 from tierzero.placement.swap_dirs import exiting
+
+if TYPE_CHECKING:
+    from tierzero.placement.residency import ResidencyTable
 
 T = TypeVar("T")
 EXIT_POLL_S = 0.5
@@ -26,12 +28,10 @@ class Waits:
     (their own pins, nothing moving) fails after `stuck_after_s` without a change.
     """
 
-    def __init__(self, table: ResidencyTable, scratch: Mapping[int, tuple[Tier, int]], *, timeout_s: float,
-                 stuck_after_s: float) -> None:
+    def __init__(self, table: ResidencyTable, *, timeout_s: float, stuck_after_s: float) -> None:
         self.table = table
         self.timeout_s = timeout_s
         self.stuck_after_s = stuck_after_s
-        self._scratch = scratch
         self._short: dict[int, Tier] = {}
         """Threads waiting for room on a tier (under the lock)."""
         self._abandoned: set[int] = set()
@@ -59,8 +59,7 @@ class Waits:
         name = subject if isinstance(subject, str) else subject.name
         stuck_since: float | None = None
         while True:
-            self.table.check(subject, what)
-            result = attempt()
+            result = attempt()  # (which checks first that the manager is open, the tensor registered)
             if result is not None and not isinstance(result, Shortfall):
                 return result
             now = time.monotonic()
@@ -101,11 +100,11 @@ class Waits:
         # the same tier (two threads each holding what the other waits for never move again).
         blocked = {threading.get_ident(), *(t for t, short in self._short.items() if short is tier)}
         return (not self.table.pinned_by_others(tier, blocked)
-                and all(owner in blocked for t, owner in self._scratch.values() if t is tier))
+                and all(owner in blocked for t, owner in self.table.scratch.values() if t is tier))
 
     def _no_room(self, name: str, short: Shortfall, *, waited: bool) -> str:
         tier = short.tier
-        pinned = [(r.name, r.pins(tier)) for r in self.table.records() if r.pins(tier)]
+        pinned = [(r.name, r.pins(tier)) for r in self.table.index.values() if r.pins(tier)]
         store = self.table.stores[tier]
         b, need = store.budget, store.reserved(short.nbytes)
         why = (f"after waiting {self.timeout_s} s" if waited else

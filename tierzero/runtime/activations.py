@@ -200,7 +200,7 @@ class Activations:
         try:
             handle = self.pm.register(f"{pack.block}@{self._count}", meta, home, kind=Kind.ACTIVATION)
             if home is Tier.NVME:
-                self.pm.check_working_set(f"writing the activations of {pack.block!r}", [handle])
+                self.pm.room.check_working_set(f"writing the activations of {pack.block!r}", [handle])
         except ValueError as e:
             if handle is not None:
                 self.pm.unregister(handle)
@@ -343,7 +343,7 @@ class Activations:
         buffers of their sizes (see [Note: placed activations])."""
         self.collect()
         if self._sizes:
-            self.pm.trim(Tier.DEVICE, set(self._sizes))
+            self.pm.room.trim(Tier.DEVICE, set(self._sizes))
 
     def collect(self, *, wait: bool = False) -> None:
         """Undo the placement of freed packs: release device copies, unregister the tensors

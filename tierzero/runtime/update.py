@@ -238,7 +238,7 @@ def check_update_rooms(state: TieredState, blocks: Sequence[BlockState], who: st
     """After registering states: their NVMe writes landed (a disk error fails here), the
     host-homed ones leave room to stage the NVMe ones, and each block's update fits its tier."""
     state.pm.settle()
-    state.pm.check_staging()
+    state.pm.room.check_staging()
     for block in blocks:
         _check_update_room(state, block, who)
 
@@ -258,7 +258,7 @@ def _check_update_room(state: TieredState, block: BlockState, who: str) -> None:
         extra.append((where, grad.nbytes))
     held = _held_through_backward(state, flat, where) if state.config.step_in_backward else []
     beside = f", and the {ROOT!r} gradient backward holds meanwhile (step_in_backward)" if held else ""
-    state.pm.check_working_set(
+    state.pm.room.check_working_set(
         f"{who}'s update of block {flat.name!r} (its gradient, master weights and moments{beside})",
         [*([grad] if grad.staging is where else []), *handles], extra + held)
 

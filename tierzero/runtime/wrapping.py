@@ -145,7 +145,7 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
             # the registers' NVMe writes landed: a disk error fails wrap, here (a load's blocks
             # kept dirty in host room are written when their room is needed, errors at a flush)
             pm.settle()
-            pm.check_staging()  # every home is registered: a host tier too full fails here, not later
+            pm.room.check_staging()  # every home is registered: a host tier too full fails here, not later
         except BaseException:
             pm.close()
             raise
@@ -192,7 +192,7 @@ def _start(model: nn.Module, config: Config, ctx: StepContext, blocks: list[Bloc
                             device_wraps=not ctx.zero.gathers, busy=lambda unit: ctx.updating(unit.tensors),
                             device_beside=ctx.room.beside)
     ctx.attach(prefetcher, state.end_backward, max((b.nbytes for b in blocks if b.flats), default=0))
-    pm.set_eviction_policy(prefetcher)
+    pm.room.policy = prefetcher
     state.register_hooks()
     ctx.comm.take()  # wrap's gathers (stages 1-2, weights=) are no step's traffic
     return state

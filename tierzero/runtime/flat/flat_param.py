@@ -378,13 +378,13 @@ class FlatParam:
                 ctx.pm.release(self.param, Tier.DEVICE, dirty=True)
         elif ctx.zero.params_whole:  # gathered on the device, stored to the home and cached copies
             nbytes = self.layout.padded_numel * ctx.compute_dtype.itemsize
-            scratch = ctx.pm.reserve_scratch(nbytes, Tier.DEVICE, what=f"{self.param.name} (updated, gathered)")
+            scratch = ctx.pm.scratch.reserve(nbytes, Tier.DEVICE, what=f"{self.param.name} (updated, gathered)")
             assert scratch is not None
             try:
                 whole = scratch[:nbytes].view(ctx.compute_dtype)
                 ctx.pm.store(self.param, self._gather(streams.to_device(shard), "of the updated values", out=whole))
             finally:
-                ctx.pm.free_scratch(scratch, Tier.DEVICE)
+                ctx.pm.scratch.free(scratch, Tier.DEVICE)
         else:
             ctx.pm.store(self.param, shard)
         if discard:

@@ -22,7 +22,7 @@ def start_gather(ctx: StepContext, flat: FlatRef) -> PendingGather:
         return PendingGather(shard, None, None)
     nbytes = flat.layout.padded_numel * ctx.compute_dtype.itemsize
     try:
-        scratch = ctx.pm.reserve_scratch(nbytes, Tier.DEVICE, what=f"{flat.param.name} (gathered)")
+        scratch = ctx.pm.scratch.reserve(nbytes, Tier.DEVICE, what=f"{flat.param.name} (gathered)")
     except BaseException:
         ctx.pm.release(flat.param, Tier.DEVICE)
         raise
@@ -32,7 +32,7 @@ def start_gather(ctx: StepContext, flat: FlatRef) -> PendingGather:
                 rank_errors(ctx.rank, ctx.world_size, f"all-gather of {flat.param.name}"):
             work = start_all_gather(shard, full, ctx.group, ctx.comm, ctx.pm.copies)
     except BaseException:
-        ctx.pm.free_scratch(scratch, Tier.DEVICE)
+        ctx.pm.scratch.free(scratch, Tier.DEVICE)
         ctx.pm.release(flat.param, Tier.DEVICE)
         raise
     return PendingGather(full, work, scratch)
@@ -56,7 +56,7 @@ def drop_gather(ctx: StepContext, flat: FlatRef, pending: PendingGather) -> None
     if pending.scratch is None:
         ctx.pm.release(flat.param, Tier.DEVICE)
     else:
-        ctx.pm.free_scratch(pending.scratch, Tier.DEVICE)
+        ctx.pm.scratch.free(pending.scratch, Tier.DEVICE)
 
 
 def discard_gather(ctx: StepContext, flat: FlatRef) -> None:

@@ -276,7 +276,7 @@ class FlatGrad:
             nbytes = self.layout.padded_numel * dtype.itemsize
             scratch = None
             if ctx.room.take_capture(nbytes):
-                scratch = ctx.pm.reserve_scratch(nbytes, Tier.DEVICE, what=f"{h.name} (captured)", wait=False)
+                scratch = ctx.pm.scratch.reserve(nbytes, Tier.DEVICE, what=f"{h.name} (captured)", wait=False)
                 if scratch is None:
                     ctx.room.capture_done(nbytes)
             if scratch is None:
@@ -314,7 +314,7 @@ class FlatGrad:
         raised): the stored gradient is left as it was."""
         if self._scratch is not None:
             assert self._held is not None  # set together: the view of the room capture took
-            self.ctx.pm.free_scratch(self._scratch, Tier.DEVICE)
+            self.ctx.pm.scratch.free(self._scratch, Tier.DEVICE)
             self.ctx.room.capture_done(self._held.nbytes)
         elif self._held is not None:
             self.ctx.pm.release(self.handle, self.handle.staging)
