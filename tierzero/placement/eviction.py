@@ -115,9 +115,11 @@ class Room:
         """A cached copy appeared: the most recently used."""
         self._lru[(handle, tier)] = None
 
-    def touch(self, handle: TensorHandle, tier: Tier) -> None:
-        if (handle, tier) in self._lru:
-            self._lru.move_to_end((handle, tier))
+    def touch(self, handles: Sequence[TensorHandle], tier: Tier) -> None:
+        """The cached copies of `handles` on `tier` are now the most recently used."""
+        for handle in handles:
+            if (handle, tier) in self._lru:
+                self._lru.move_to_end((handle, tier))
 
     def forget(self, handle: TensorHandle, tier: Tier) -> None:
         self._lru.pop((handle, tier), None)

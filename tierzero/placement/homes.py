@@ -13,6 +13,7 @@ import torch
 from io_engine import aligned_empty
 from tierzero.config import Tier
 from tierzero.placement.cow_home import CheckpointHome
+from tierzero.placement.eviction import Shortfall
 from tierzero.placement.handles import Kind, TensorHandle
 from tierzero.placement.moves import staging_needs
 from tierzero.placement.nvme import SwapRegion
@@ -54,8 +55,10 @@ class Homes:
         """PlacementManager.unregister: its moves waited for, then forgotten."""
         h, table = rec.handle, self.table
         with table.cond:
-            table.until(lambda: None if table.moves.for_tensor(h) else True, rec,
-                              f"unregister({h.name!r}) waiting for its moves")
+            table.check(rec)
+            if table.moves.for_tensor(h):
+                table.until(lambda: None if table.moves.for_tensor(h) else True, rec,
+                            f"unregister({h.name!r}) waiting for its moves")
             pinned = {t.value: rec.pins(t) for t in Tier if rec.pins(t)}
             if pinned:
                 raise RuntimeError(f"unregister({h.name!r}): copies are still pinned (tier: pins) {pinned}; "
@@ -91,9 +94,11 @@ class Homes:
         h, table = rec.handle, self.table
         with table.cond:
             table.check(rec)
-            bufs = table.until(lambda: None if rec.in_flight else table.room.take(
-                [(Tier.HOST, h.nbytes)] if self._store_staged(rec, data) else [], h),
-                rec, f"store({h.name!r}) waiting for its moves")
+            take = lambda: None if rec.in_flight else table.room.take(  # noqa: E731
+                [(Tier.HOST, h.nbytes)] if self._store_staged(rec, data) else [], h)
+            bufs = take()
+            if bufs is None or isinstance(bufs, Shortfall):
+                bufs = table.until(take, rec, f"store({h.name!r}) waiting for its moves")
             staging = as_memory(bufs[0]) if bufs else None
             home = rec._copies[rec.home]
             try:
@@ -146,9 +151,11 @@ class Homes:
         """The home's contents on the CPU (after its write-backs): fresh, or in `out` (flat
         uint8, page-aligned)."""
         h, table = rec.handle, self.table
+        home_written = lambda: None if any(m.dst is h.home for m in table.moves.for_tensor(h)) else True  # noqa: E731
         with table.cond:
-            table.until(lambda: None if any(m.dst is h.home for m in table.moves.for_tensor(h)) else True,
-                              rec, f"read({h.name!r}) waiting for its write-backs")
+            table.check(rec)
+            if home_written() is None:
+                table.until(home_written, rec, f"read({h.name!r}) waiting for its write-backs")
             dirty = next((c for c in rec._copies.values() if c.content is Content.DIRTY), None)
             if dirty is not None:  # newer than the home
                 dirty.event.synchronize()

@@ -91,6 +91,21 @@ class ResidencyTable:
                            "registered with another PlacementManager)")
         return rec
 
+    def records_of(self, h: TensorHandle | Sequence[TensorHandle]) -> TensorRecord | tuple[TensorRecord, ...]:
+        """PlacementManager.record: the record of `h`, or of each of a sequence of handles."""
+        if isinstance(h, TensorHandle):
+            return self.record_of(h, "record")
+        return tuple(self.record_of(x, "record") for x in h)
+
+    def look(self, h: TensorHandle, tier: Tier, what: str) -> TensorRecord:
+        """`record_of(h)`, for a call on its copy on `tier` (ValueError: no copy lives on NVMe
+        but an NVMe home)."""
+        rec = self.record_of(h, what)
+        if tier is Tier.NVME and tier is not h.home:
+            raise ValueError(f"{what}({h.name!r}, 'nvme'): only tensors homed on NVMe live there; "
+                             "use 'host' or 'device'")
+        return rec
+
     def check(self, subject: TensorRecord | str, what: str = "") -> None:
         """Under the lock: the manager is open, and the tensor still registered."""
         if self.closed:
@@ -113,27 +128,31 @@ class ResidencyTable:
 
     # -------------------------------------------------------------------------------- calls
 
-    def prefetch(self, recs: Sequence[TensorRecord], tier: Tier, *, speculative: bool = False) -> bool:
+    def prefetch(self, handles: Sequence[TensorHandle], tier: Tier, *, speculative: bool = False) -> bool:
         """PlacementManager.prefetch: each copy there or on its way is touched; else one is
         started if there is room now; whether all of them are there, on their way or started."""
-        every = True
+        every, there = True, []
         with self.cond:
-            for rec in recs:
-                self.check(rec)
+            for h in handles:
+                rec = self.look(h, tier, "prefetch")
                 if tier is rec.home or rec._residency[tier] is not Residency.ABSENT:
-                    self.room.touch(rec.handle, tier)
+                    there.append(h)
                     continue
-                self.room.check_fits(rec.name, rec.nbytes, tier)
-                every = self._try_fetch(rec, tier, speculative) is True and every
+                started = self._try_fetch(rec, tier, speculative)
+                if isinstance(started, Shortfall):
+                    self.room.check_fits(rec.name, rec.nbytes, tier)  # (ValueError: it never can)
+                    every = False
+            self.room.touch(there, tier)
         return every
 
-    def acquire(self, pairs: Sequence[tuple[TensorRecord, Tier]], *, overwrite: bool = False) -> list[torch.Tensor]:
-        """PlacementManager.acquire of each (record, tier) in turn, pinned; on a failure the
+    def acquire(self, pairs: Sequence[tuple[TensorHandle, Tier]], *, overwrite: bool = False) -> list[torch.Tensor]:
+        """PlacementManager.acquire of each (handle, tier) in turn, pinned; on a failure the
         ones taken are released and the error raised."""
         taken: list[torch.Tensor] = []
         try:
-            for rec, tier in pairs:
-                taken.append(self._acquire_home(rec) if tier is rec.home else self._acquire(rec, tier, overwrite))
+            for h, tier in pairs:
+                rec = self.look(h, tier, "acquire")
+                taken.append(self._acquire_home(rec) if tier is h.home else self._acquire(rec, tier, overwrite))
         except BaseException:
             self.release(pairs[:len(taken)], dirty=False)
             raise
@@ -148,8 +167,8 @@ class ResidencyTable:
             with self.cond:
                 self.check(rec)
                 hit = rec._residency[tier] is not Residency.ABSENT
-                if not hit:
-                    self.room.check_fits(h.name, h.nbytes, tier)
+                if not hit and isinstance(self._begin_copy(rec, tier, overwrite), Shortfall):  # no room now
+                    self.room.check_fits(h.name, h.nbytes, tier)  # (ValueError: it never can)
                     what = f"acquire({h.name!r}, {tier.value!r}{', overwrite=True' if overwrite else ''})"
                     self.until(lambda: self._begin_copy(rec, tier, overwrite), rec, what)
                 copy, move = self._pin(rec, tier), self.moves.get(h, tier)
@@ -193,20 +212,21 @@ class ResidencyTable:
                              "acquire it on 'host' or 'device'")
         with torch.profiler.record_function(f"tierzero::acquire {h.name}"):
             with self.cond:
-                self.until(lambda: _home_written(rec), rec, f"acquire({h.name!r}) waiting for write-backs to its home")
+                if _home_written(rec) is None:
+                    self.until(lambda: _home_written(rec), rec, f"acquire({h.name!r}) waiting for write-backs to its home")
                 check_home(rec)
                 copy = self._pin(rec, h.home)
             self.streams.compute_wait(copy.event, copy.tensor)
             return copy.tensor
 
-    def release(self, pairs: Sequence[tuple[TensorRecord, Tier]], *, dirty: bool, lazy: bool = False,
+    def release(self, pairs: Sequence[tuple[TensorHandle, Tier]], *, dirty: bool, lazy: bool = False,
                 written: CopyEvent | None = None) -> None:
-        """PlacementManager.release of each (record, tier); every one is released even when an
+        """PlacementManager.release of each (handle, tier); every one is released even when an
         earlier one fails (the first error is raised)."""
         error: BaseException | None = None
-        for rec, tier in pairs:
+        for h, tier in pairs:
             try:
-                self._release(rec, tier, dirty, lazy, written)
+                self._release(self.look(h, tier, "release"), tier, dirty, lazy, written)
             except BaseException as e:
                 error = error or e
         if error is not None:
@@ -226,19 +246,21 @@ class ResidencyTable:
             if copy is None or copy.pins == 0 or not copy.holders:
                 raise RuntimeError(f"release({h.name!r}, {tier.value!r}) without a matching acquire()")
             staging = None
-            if lazy:  # (a fetch commits after its copy is queued: waited for too)
+            if lazy and _still(rec, tier) is None:  # (a fetch commits after its copy is queued: waited for too)
                 self.until(lambda: _still(rec, tier), rec,
                                  f"release({h.name!r}, {tier.value!r}, lazy=True) waiting for its move")
             elif dirty and tier is not h.home:
                 # Still pinned while waiting (for an earlier move of this copy to finish, and
                 # for a staging buffer), so the dirty copy cannot be evicted meanwhile.
                 needs = staging_needs(tier, h.home, h.nbytes)
-                bufs = self.until(lambda: None if _still(rec, tier) is None else self.room.take(needs, h),
-                                        rec, f"release({h.name!r}, {tier.value!r}, dirty=True)")
+                take = lambda: None if _still(rec, tier) is None else self.room.take(needs, h)  # noqa: E731
+                bufs = take()
+                if bufs is None or isinstance(bufs, Shortfall):
+                    bufs = self.until(take, rec, f"release({h.name!r}, {tier.value!r}, dirty=True)")
                 staging = as_memory(bufs[0]) if bufs else None
             me = threading.get_ident()
             copy.holders.remove(me if me in copy.holders else copy.holders[0])  # released by another thread
-            self.room.touch(h, tier)
+            self.room.touch((h,), tier)
             if written is not None:
                 copy.event = written
             if dirty and tier is not h.home:
@@ -423,7 +445,7 @@ class ResidencyTable:
         copy.pins += 1
         copy.holders.append(threading.get_ident())
         copy.used = True
-        self.room.touch(rec.handle, tier)
+        self.room.touch((rec.handle,), tier)
         return copy
 
     def _invalidate(self, rec: TensorRecord, *, keep: Tier) -> None:
