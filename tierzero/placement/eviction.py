@@ -15,7 +15,6 @@ trim, check_working_set) takes it.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from typing import Collection, Literal, Mapping, NamedTuple, Protocol, Sequence
 
 from tierzero.config import Tier, format_size
@@ -36,6 +35,8 @@ class CachedCopies(Protocol):
 
     index: Mapping[TensorHandle, TensorRecord]
     """Every record: Room reads their states (never writes them)."""
+    recency: Mapping[tuple[TensorHandle, Tier], None]
+    """The cached copies, least recently used first."""
     moves: MoveTable
 
     def free(self, h: TensorHandle, tier: Tier) -> None:
@@ -72,7 +73,6 @@ class Room:
         self._policy: EvictionPolicy = LeastRecentlyUsed()
         self._cond = cond
         self._copies = copies
-        self._lru: OrderedDict[tuple[TensorHandle, Tier], None] = OrderedDict()
         self._homes = dict.fromkeys(Tier, 0)
 
     # ------------------------------------------------------------- what a user may set or ask
@@ -111,22 +111,9 @@ class Room:
 
     # ------------------------------------------------------------------ cached copies and homes
 
-    def cached(self, handle: TensorHandle, tier: Tier) -> None:
-        """A cached copy appeared: the most recently used."""
-        self._lru[(handle, tier)] = None
-
-    def touch(self, handles: Sequence[TensorHandle], tier: Tier) -> None:
-        """The cached copies of `handles` on `tier` are now the most recently used."""
-        for handle in handles:
-            if (handle, tier) in self._lru:
-                self._lru.move_to_end((handle, tier))
-
-    def forget(self, handle: TensorHandle, tier: Tier) -> None:
-        self._lru.pop((handle, tier), None)
-
     def cached_on(self, tier: Tier) -> list[TensorHandle]:
         """Tensors with a cached copy on `tier`, least recently used first."""
-        return [h for (h, t) in self._lru if t is tier]
+        return [h for (h, t) in self._copies.recency if t is tier]
 
     def add_home(self, handle: TensorHandle) -> None:
         self._homes[handle.home] += self.stores[handle.home].reserved(handle.nbytes)
@@ -216,7 +203,8 @@ class Room:
         if buf is not None:
             return buf
         index = self._copies.index
-        candidates = [h for (h, t) in self._lru if t is tier and h is not exclude and _evictable(index[h], tier)]
+        candidates = [h for (h, t) in self._copies.recency if t is tier and h is not exclude
+                      and _evictable(index[h], tier)]
         if speculative:
             candidates = [h for h in candidates if index[h]._copies[tier].used]
         allowed = set(candidates)
@@ -287,7 +275,7 @@ class Room:
         return True
 
     def __repr__(self) -> str:
-        return f"Room(policy={self.policy!r}, cached={len(self._lru)}, homes={self._homes})"
+        return f"Room(policy={self.policy!r}, cached={len(self._copies.recency)}, homes={self._homes})"
 
 
 def _evictable(rec: TensorRecord, tier: Tier) -> bool:

@@ -46,8 +46,9 @@ class MoveExecutor:
         self._waiter = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"tierzero-land-r{rank}")
 
     def submit(self, plan: PlanT, src: Tier, dst: Tier, body: Body[PlanT], commit: Commit[PlanT], *,
-               key: Tier) -> None:
-        """Run `body(plan)` on a worker, then `commit(plan, outcome)` under the lock."""
+               key: Tier) -> Move:
+        """Run `body(plan)` on a worker, then `commit(plan, outcome)` under the lock; the move,
+        which the caller keeps on the copy it fills or reads (its `move`)."""
         legs: list[Leg] = []
         submitted = time.perf_counter()
         pool = self._nvme if Tier.NVME in (src, dst) else self._copier
@@ -59,7 +60,9 @@ class MoveExecutor:
             self._run_on(self._waiter, self._start_once_landed, source, pool, plan, body, commit, legs, submitted,
                          future)
         issued = plan.issued if isinstance(plan, FetchPlan) else None
-        self.table.add(key, Move(plan.handle, src, dst, plan.handle.nbytes, future, submitted, legs, issued))
+        move = Move(plan.handle, src, dst, plan.handle.nbytes, future, submitted, legs, issued)
+        self.table.add(key, move)
+        return move
 
     def close(self) -> None:
         """Join the workers (moves handed on after this run on the thread handing them)."""

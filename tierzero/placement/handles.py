@@ -67,6 +67,8 @@ class TensorHandle:
     nbytes: int = field(init=False)
     name: str = field(init=False)
     """For messages, traces and checkpoints: "layers.3.param"; the owner alone for TENSOR."""
+    traffic: str = field(init=False)
+    """Its kind's traffic group (Kind.traffic), read on every NVMe read and write."""
     io_bytes: int = field(init=False)
     """Bytes a buffer given to PlacementManager.read(h, out=...) must hold (NVMe regions are
     whole pages)."""
@@ -76,6 +78,7 @@ class TensorHandle:
         object.__setattr__(self, "nbytes", self.shape.numel() * self.dtype.itemsize)
         name = self.owner if self.kind is Kind.TENSOR else f"{self.owner}.{self.kind.value}"
         object.__setattr__(self, "name", name)
+        object.__setattr__(self, "traffic", self.kind.traffic)
         object.__setattr__(self, "io_bytes", -(-self.nbytes // PAGE) * PAGE if self.home is Tier.NVME else self.nbytes)
 
     @property

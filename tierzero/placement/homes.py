@@ -19,7 +19,7 @@ from tierzero.placement.moves import staging_needs
 from tierzero.placement.nvme import SwapRegion
 from tierzero.placement.plans import StorePlan, run_store
 from tierzero.placement.records import Content, Copy, Residency, TensorRecord
-from tierzero.placement.residency import ResidencyTable, check_home
+from tierzero.placement.residency import ResidencyTable, check_home, home_written
 from tierzero.placement.tier_store import Buffer, as_memory, region, typed
 
 
@@ -56,8 +56,8 @@ class Homes:
         h, table = rec.handle, self.table
         with table.cond:
             table.check(rec)
-            if table.moves.for_tensor(h):
-                table.until(lambda: None if table.moves.for_tensor(h) else True, rec,
+            if rec.in_flight:
+                table.until(lambda: None if rec.in_flight else True, rec,
                             f"unregister({h.name!r}) waiting for its moves")
             pinned = {t.value: rec.pins(t) for t in Tier if rec.pins(t)}
             if pinned:
@@ -110,8 +110,8 @@ class Homes:
                     table.pool.free(staging)
                 raise
             if home.tensor is None:
-                table.executor.submit(StorePlan(h, home, staging), Tier.HOST, Tier.NVME, run_store,
-                                      self._finish_store, key=Tier.NVME)
+                home.move = table.executor.submit(StorePlan(h, home, staging), Tier.HOST, Tier.NVME, run_store,
+                                                  self._finish_store, key=Tier.NVME)
             else:
                 rec._home_error = None
                 if staging is not None:
@@ -151,23 +151,23 @@ class Homes:
         """The home's contents on the CPU (after its write-backs): fresh, or in `out` (flat
         uint8, page-aligned)."""
         h, table = rec.handle, self.table
-        home_written = lambda: None if any(m.dst is h.home for m in table.moves.for_tensor(h)) else True  # noqa: E731
         with table.cond:
             table.check(rec)
-            if home_written() is None:
-                table.until(home_written, rec, f"read({h.name!r}) waiting for its write-backs")
+            if home_written(rec) is None:
+                table.until(lambda: home_written(rec), rec, f"read({h.name!r}) waiting for its write-backs")
             dirty = next((c for c in rec._copies.values() if c.content is Content.DIRTY), None)
             if dirty is not None:  # newer than the home
                 dirty.event.synchronize()
                 return dirty.tensor.detach().to("cpu", copy=True) if out is None else typed(out, h).copy_(dirty.tensor)
-            check_home(rec)
+            if rec._home_error is not None:
+                check_home(rec)
             home = rec._copies[rec.home]
             home.event.synchronize()
             if home.tensor is not None:
                 return home.tensor.detach().to("cpu", copy=True) if out is None else typed(out, h).copy_(home.tensor)
             where = region(home.buffer)
             buf = torch.from_numpy(aligned_empty(where.length)) if out is None else out
-            table.io.nvme().read(where, buf.numpy(), h.name, h.kind.traffic)
+            table.io.nvme().read(where, buf.numpy(), h.name, h.traffic)
             return typed(buf, h)
 
     def location(self, rec: TensorRecord) -> SwapRegion:
@@ -194,7 +194,7 @@ class Homes:
         with `borrowed`, checkpoint bytes equal to `data`, the NVMe home is adopted unwritten,
         nothing copied); nothing for a meta `data`."""
         table = self.table
-        rec = TensorRecord(h, table.moves)
+        rec = TensorRecord(h)
         staging = None if staging is None else as_memory(staging)
         home = Copy(buf, table.stores[h.home].view(buf, h))
         try:
@@ -218,11 +218,11 @@ class Homes:
             table.io.nvme().adopt(region(buf), borrowed, h.name)
         if staging is not None and lazy:
             rec._copies[Tier.HOST] = Copy(staging, table.stores[Tier.HOST].view(staging, h), Content.DIRTY, used=True)
-            table.room.cached(h, Tier.HOST)
+            table.recency[(h, Tier.HOST)] = None
             rec._residency[Tier.HOST] = Residency.RESIDENT
         elif staging is not None:  # the NVMe write runs on a worker, as a store's does
-            table.executor.submit(StorePlan(h, home, staging), Tier.HOST, Tier.NVME, run_store, self._finish_store,
-                                  key=Tier.NVME)
+            home.move = table.executor.submit(StorePlan(h, home, staging), Tier.HOST, Tier.NVME, run_store,
+                                              self._finish_store, key=Tier.NVME)
         rec._residency[h.home] = Residency.HOME
         return rec
 
@@ -242,6 +242,7 @@ class Homes:
     def _finish_store(self, plan: StorePlan, outcome: object) -> None:
         table = self.table
         table.moves.pop(plan.handle, Tier.NVME)
+        plan.home.move = None
         table.pool.free(plan.staging)
         table.commit_home(plan.handle, outcome)  # type: ignore[arg-type]
 

@@ -60,7 +60,8 @@ class Move(NamedTuple):
 class MoveTable:
     """Every move in flight, in one place, keyed by (tensor, tier of its cached copy): the tier
     a fetch fills or a write-back copies from (a store, which targets the NVMe home, is keyed by
-    NVMe: no other move is). A cached copy has at most one move at a time."""
+    NVMe: no other move is). A copy has at most one move at a time, which it also keeps (its
+    `move`: a tensor's moves are read off its copies; this table answers for all of them)."""
 
     def __init__(self) -> None:
         self._moves: dict[tuple[TensorHandle, Tier], Move] = {}
@@ -71,12 +72,6 @@ class MoveTable:
 
     def pop(self, handle: TensorHandle, tier: Tier) -> Move:
         return self._moves.pop((handle, tier))
-
-    def get(self, handle: TensorHandle, tier: Tier) -> Move | None:
-        return self._moves.get((handle, tier))
-
-    def for_tensor(self, handle: TensorHandle) -> tuple[Move, ...]:
-        return tuple(m for (h, _), m in tuple(self._moves.items()) if h is handle)
 
     def all(self) -> tuple[Move, ...]:
         return tuple(self._moves.values())

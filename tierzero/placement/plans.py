@@ -113,7 +113,7 @@ def run_fetch(plan: FetchPlan, io: MoveIO) -> Done:
         t0 = time.perf_counter()
         if plan.src is Tier.NVME:
             landing = plan.staging if plan.staging is not None else as_memory(plan.copy.buffer)
-            io.nvme().read(region(plan.source.buffer), landing.numpy(), h.name, h.kind.traffic)
+            io.nvme().read(region(plan.source.buffer), landing.numpy(), h.name, h.traffic)
             spans.append(Span(Tier.NVME, Tier.HOST, t0, time.perf_counter()))
             if plan.dst is Tier.HOST:
                 return Done(DONE, spans, (waited, waited_until), (waited_until, read_until))
@@ -147,7 +147,7 @@ def run_writeback(plan: WritebackPlan, io: MoveIO) -> Done:
             wait_for_staging(event)
             spans.append(Span(plan.src, Tier.HOST, t0, time.perf_counter()))
             landing, t0 = plan.staging, time.perf_counter()
-        io.nvme().write(region(plan.home.buffer), landing.numpy(), h.name, h.kind.traffic)
+        io.nvme().write(region(plan.home.buffer), landing.numpy(), h.name, h.traffic)
         spans.append(Span(Tier.HOST, Tier.NVME, t0, time.perf_counter()))
     return Done(DONE, spans)
 
@@ -156,5 +156,5 @@ def run_store(plan: StorePlan, io: MoveIO) -> Done:
     t0 = time.perf_counter()
     with torch.profiler.record_function(f"tierzero::store {plan.handle.name}"):
         io.nvme().write(region(plan.home.buffer), plan.staging.numpy(), plan.handle.name,
-                        plan.handle.kind.traffic)
+                        plan.handle.traffic)
     return Done(DONE, [Span(Tier.HOST, Tier.NVME, t0, time.perf_counter())])

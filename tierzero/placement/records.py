@@ -15,7 +15,7 @@ import torch
 
 from tierzero.config import Tier
 from tierzero.placement.handles import TensorHandle
-from tierzero.placement.moves import Move, MoveTable
+from tierzero.placement.moves import Move
 from tierzero.placement.streams import DONE, CopyEvent
 from tierzero.placement.tier_store import Buffer
 
@@ -74,6 +74,9 @@ class Copy:
     """Acquired since it was fetched: a prefetched copy not yet used is evicted last."""
     event: CopyEvent = DONE
     """The copy that filled it; compute waits on it before using the tensor."""
+    move: Move | None = None
+    """The move in flight on it: the fetch filling it, the write-back reading it, or (on an
+    NVMe home) the store writing it."""
 
 
 class TensorRecord:
@@ -83,7 +86,7 @@ class TensorRecord:
     the transition methods of ResidencyTable and Homes change them.
     """
 
-    def __init__(self, handle: TensorHandle, moves: MoveTable) -> None:
+    def __init__(self, handle: TensorHandle) -> None:
         self.handle = handle
         self.name = handle.name
         self.nbytes = handle.nbytes
@@ -94,13 +97,12 @@ class TensorRecord:
         self.residency: Mapping[Tier, Residency] = MappingProxyType(self._residency)
         """Per tier; read-only (a view, not a property: readers on the hot path call nothing)."""
         self._copies: dict[Tier, Copy] = {}
-        self._moves = moves
         self._home_error: BaseException | None = None
         """The last write to the home failed: its contents there are lost until the next write."""
 
     @property
     def in_flight(self) -> tuple[Move, ...]:
-        return self._moves.for_tensor(self.handle)
+        return tuple(c.move for c in self._copies.values() if c.move is not None)
 
     def pins(self, tier: Tier | str) -> int:
         copy = self._copies.get(Tier.parse(tier))

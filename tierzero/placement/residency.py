@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 import time
+from collections import OrderedDict
 from typing import Callable, Collection, Literal, Mapping, Sequence, TypeVar
 
 import torch
@@ -64,6 +65,8 @@ class ResidencyTable:
         self.index: dict[TensorHandle, TensorRecord] = {}
         """Every record, in registration order (Homes adds and removes them)."""
         self.names: dict[str, TensorHandle] = {}
+        self.recency: OrderedDict[tuple[TensorHandle, Tier], None] = OrderedDict()
+        """The cached copies, least recently used first (Room evicts in this order, by policy)."""
         self.streams = streams
         self.pool = pool
         self.telemetry = telemetry
@@ -142,7 +145,8 @@ class ResidencyTable:
                 if isinstance(started, Shortfall):
                     self.room.check_fits(rec.name, rec.nbytes, tier)  # (ValueError: it never can)
                     every = False
-            self.room.touch(there, tier)
+            for h in there:
+                self._touch(h, tier)
         return every
 
     def acquire(self, pairs: Sequence[tuple[TensorHandle, Tier]], *, overwrite: bool = False) -> list[torch.Tensor]:
@@ -171,7 +175,8 @@ class ResidencyTable:
                     self.room.check_fits(h.name, h.nbytes, tier)  # (ValueError: it never can)
                     what = f"acquire({h.name!r}, {tier.value!r}{', overwrite=True' if overwrite else ''})"
                     self.until(lambda: self._begin_copy(rec, tier, overwrite), rec, what)
-                copy, move = self._pin(rec, tier), self.moves.get(h, tier)
+                copy = self._pin(rec, tier)
+                move = copy.move
             t0 = time.perf_counter()
             self.telemetry.record_prefetch(hit)
             if t0 - asked > 1e-3:  # time spent waiting for room (or for another copy's move)
@@ -212,9 +217,10 @@ class ResidencyTable:
                              "acquire it on 'host' or 'device'")
         with torch.profiler.record_function(f"tierzero::acquire {h.name}"):
             with self.cond:
-                if _home_written(rec) is None:
-                    self.until(lambda: _home_written(rec), rec, f"acquire({h.name!r}) waiting for write-backs to its home")
-                check_home(rec)
+                if home_written(rec) is None:
+                    self.until(lambda: home_written(rec), rec, f"acquire({h.name!r}) waiting for write-backs to its home")
+                if rec._home_error is not None:
+                    check_home(rec)
                 copy = self._pin(rec, h.home)
             self.streams.compute_wait(copy.event, copy.tensor)
             return copy.tensor
@@ -260,7 +266,7 @@ class ResidencyTable:
                 staging = as_memory(bufs[0]) if bufs else None
             me = threading.get_ident()
             copy.holders.remove(me if me in copy.holders else copy.holders[0])  # released by another thread
-            self.room.touch((h,), tier)
+            self._touch(h, tier)
             if written is not None:
                 copy.event = written
             if dirty and tier is not h.home:
@@ -345,16 +351,16 @@ class ResidencyTable:
         host = rec._copies.get(Tier.HOST)
         if tier is Tier.DEVICE and h.home is Tier.NVME and host is not None and host.content is not Content.STALE:
             src = Tier.HOST  # a cached host copy saves the NVMe read and the staging buffer
-        if src is rec.home:
+        if src is rec.home and rec._home_error is not None:
             check_home(rec)
         bufs = self.room.take([(tier, h.nbytes)] + staging_needs(src, tier, h.nbytes), h, speculative=speculative)
         if isinstance(bufs, Shortfall):
             return bufs
-        source_fetch = self.moves.get(h, src)
+        source = rec._copies[src]
+        source_fetch = source.move
         if source_fetch is not None and source_fetch.dst is not src:
             source_fetch = None  # the source's own write-back: it reads what this fetch reads
-        source = rec._copies[src]
-        in_flight = self.moves.for_tensor(h)
+        in_flight = rec.in_flight
         plan = FetchPlan(h, src, tier, source, Copy(bufs[0], self.stores[tier].view(bufs[0], h)),
                          as_memory(bufs[1]) if len(bufs) > 1 else None,
                          self.streams.compute_ready() if src is Tier.DEVICE else source.event,
@@ -363,8 +369,8 @@ class ResidencyTable:
         source.pins += 1  # keeps the source from being evicted while the move reads it
         source.used = True  # a prefetched copy that a move reads has served its read
         rec._copies[tier] = plan.copy
-        self.room.cached(h, tier)
-        self.executor.submit(plan, src, tier, run_fetch, self._finish_fetch, key=tier)
+        self.recency[(h, tier)] = None
+        plan.copy.move = self.executor.submit(plan, src, tier, run_fetch, self._finish_fetch, key=tier)
         rec._residency[tier] = Residency.FETCHING
         return True
 
@@ -375,13 +381,14 @@ class ResidencyTable:
         _expect(rec, tier, Residency.ABSENT)
         assert tier is not rec.home, rec
         rec._copies[tier] = Copy(buf, self.stores[tier].view(buf, rec.handle), Content.STALE)
-        self.room.cached(rec.handle, tier)
+        self.recency[(rec.handle, tier)] = None
         rec._residency[tier] = Residency.RESIDENT
 
     def _finish_fetch(self, plan: FetchPlan, outcome: Outcome) -> None:
         """FETCHING -> RESIDENT, or -> ABSENT when the copy failed or went stale."""
         rec = self.index[plan.handle]
         self.moves.pop(plan.handle, plan.dst)
+        plan.copy.move = None
         if plan.staging is not None:
             self.pool.free(plan.staging)
         self._unpin(rec, plan.src, plan.source)
@@ -400,15 +407,16 @@ class ResidencyTable:
         rec._copies[tier].content = Content.CURRENT  # this write takes its contents home
         plan = WritebackPlan(h, tier, rec._copies[tier], rec._copies[h.home], staging,
                              self.streams.compute_ready() if tier is Tier.DEVICE else None,
-                             tuple(m.future for m in self.moves.for_tensor(h)))
+                             tuple(m.future for m in rec.in_flight))
         self._invalidate(rec, keep=tier)
-        self.executor.submit(plan, tier, h.home, run_writeback, self._finish_writeback, key=tier)
+        plan.copy.move = self.executor.submit(plan, tier, h.home, run_writeback, self._finish_writeback, key=tier)
         rec._residency[tier] = Residency.WRITING_BACK
 
     def _finish_writeback(self, plan: WritebackPlan, outcome: Outcome) -> None:
         """WRITING_BACK -> RESIDENT (or ABSENT when it went stale meanwhile and is unpinned)."""
         rec = self.index[plan.handle]
         self.moves.pop(plan.handle, plan.src)
+        plan.copy.move = None
         if plan.staging is not None:
             self.pool.free(plan.staging)
         self.commit_home(plan.handle, outcome)
@@ -420,8 +428,8 @@ class ResidencyTable:
     def free(self, h: TensorHandle, tier: Tier) -> None:
         """RESIDENT / failed FETCHING -> ABSENT: free the cached copy's bytes."""
         rec = self.index[h]
-        assert tier is not h.home and self.moves.get(h, tier) is None, (rec, tier)
-        self.room.forget(h, tier)
+        assert tier is not h.home and rec._copies[tier].move is None, (rec, tier)
+        del self.recency[(h, tier)]
         copy = rec._copies.pop(tier)
         copy.event.synchronize()  # the last write into it has landed before its memory goes
         self.stores[tier].free(copy.buffer)
@@ -445,8 +453,13 @@ class ResidencyTable:
         copy.pins += 1
         copy.holders.append(threading.get_ident())
         copy.used = True
-        self.room.touch((rec.handle,), tier)
+        self._touch(rec.handle, tier)
         return copy
+
+    def _touch(self, h: TensorHandle, tier: Tier) -> None:
+        """The copy on `tier` is now the most recently used (a home is in no order)."""
+        if tier is not h.home:
+            self.recency.move_to_end((h, tier))
 
     def _invalidate(self, rec: TensorRecord, *, keep: Tier) -> None:
         """The copy on `keep` was written: other cached copies hold old data."""
@@ -477,9 +490,9 @@ def check_home(rec: TensorRecord) -> None:
             "checkpoint) before reading it") from rec._home_error
 
 
-def _home_written(rec: TensorRecord) -> Literal[True] | None:
+def home_written(rec: TensorRecord) -> Literal[True] | None:
     """No write toward the tensor's home in flight."""
-    return True if not any(m.dst is rec.home for m in rec._moves.for_tensor(rec.handle)) else None
+    return None if any(c.move is not None and c.move.dst is rec.home for c in rec._copies.values()) else True
 
 
 def _still(rec: TensorRecord, tier: Tier) -> Literal[True] | None:
