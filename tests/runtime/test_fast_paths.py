@@ -16,6 +16,7 @@ import torch
 import tierzero as tz
 from tierzero import optim, runtime
 from tierzero.placement import PlacementManager, plans
+from tierzero.placement.residency import ResidencyTable
 from builders import assert_state_equal, tier_config
 from dp_model import GLOBAL_BATCH, device_budget, global_batches, make_model
 from gloo import run_ranks
@@ -122,7 +123,7 @@ def test_mutation_check_a_wait_removed_fails_under_the_stand_in_and_passes_under
     host) removed by patching it out. Parity holds under the stand-in with the wait and under
     sync without it; under the stand-in without it, it fails: a green run means the waits are there."""
     assert parity(tmp_path / "whole", "async")
-    monkeypatch.setattr(PlacementManager, "_compute_after", lambda self, event, tensor: None)
+    monkeypatch.setattr(ResidencyTable, "_compute_after", lambda self, event, tensor: None)
     assert parity(tmp_path / "sync", "sync")
     assert not parity(tmp_path / "stand-in", "async")
 

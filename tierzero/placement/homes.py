@@ -35,10 +35,10 @@ class Homes:
         table = self.table
         with table.cond:
             table.check(h.name)
-            if h.name in table.names:
+            if h.name in table.states.names:
                 raise ValueError(f"register: a tensor named {h.name!r} is already registered; "
                                  "unregister it first, or give another owner or kind")
-            if h.home is Tier.NVME and table.io.swap is None:
+            if h.home is Tier.NVME and table.states.io.swap is None:
                 raise ValueError(f"register({h.name!r}, home='nvme'): config.nvme_dir is not set; "
                                  "give nvme_dir or choose another home tier")
             table.room.check_fits(h.name, h.nbytes, h.home)
@@ -75,15 +75,15 @@ class Homes:
         with table.cond:
             table.check(rec)
             new = TensorHandle(h.owner, kind, h.shape, h.dtype, h.home)
-            if new.name in table.names:
+            if new.name in table.states.names:
                 raise ValueError(f"relabel({h.name!r}): a tensor named {new.name!r} is already registered")
             if rec.in_flight or any(rec.pins(t) for t in Tier):
                 raise RuntimeError(f"relabel({h.name!r}): the tensor is pinned or moving; relabel it between steps")
             assert set(rec._copies) == {h.home}, h.name
-            del table.index[h], table.names[h.name]
-            rec.handle = table.names[new.name] = new
+            del table.states.index[h], table.states.names[h.name]
+            rec.handle = table.states.names[new.name] = new
             rec.name = new.name
-            table.index[new] = rec
+            table.states.index[new] = rec
             return new
 
     def store(self, rec: TensorRecord, data: torch.Tensor) -> None:
@@ -107,15 +107,15 @@ class Homes:
                 self._overwrite_copies(rec, data, staging)
             except BaseException:
                 if staging is not None:
-                    table.pool.free(staging)
+                    table.states.pool.free(staging)
                 raise
             if home.tensor is None:
-                home.move = table.executor.submit(StorePlan(h, home, staging), Tier.HOST, Tier.NVME, run_store,
+                home.move = table.states.executor.submit(StorePlan(h, home, staging), Tier.HOST, Tier.NVME, run_store,
                                                   self._finish_store, key=Tier.NVME)
             else:
                 rec._home_error = None
                 if staging is not None:
-                    table.pool.free(staging)
+                    table.states.pool.free(staging)
             table.cond.notify_all()
 
     def _overwrite_copies(self, rec: TensorRecord, data: torch.Tensor, staging: torch.Tensor | None) -> None:
@@ -124,15 +124,15 @@ class Homes:
             if tier is Tier.NVME:
                 continue
             if tier is not rec.home and tier is Tier.DEVICE and copy.pins == 0:
-                table.free(rec.handle, tier)
+                table.states.free(rec.handle, tier)
                 continue
             copy.event.synchronize()  # a copy still landing in it would overwrite the new values
-            if tier is Tier.DEVICE and not table.streams.is_device(data) and staging is not None:
-                copy.event = table.streams.copy(copy.tensor, typed(staging, rec.handle))
+            if tier is Tier.DEVICE and not table.states.streams.is_device(data) and staging is not None:
+                copy.event = table.states.streams.copy(copy.tensor, typed(staging, rec.handle))
                 pending.append(copy.event)
             else:
                 copy.tensor.copy_(data)
-                table.streams.compute_wait(None, copy.tensor)  # written on the compute stream
+                table.states.streams.compute_wait(None, copy.tensor)  # written on the compute stream
             copy.content = Content.CURRENT
         for event in pending:  # the staging buffer is freed or written to NVMe next
             event.synchronize()
@@ -143,7 +143,7 @@ class Homes:
         non-blocking copies need pinned memory)."""
         if rec.home is Tier.NVME:
             return True
-        streams = self.table.streams
+        streams = self.table.states.streams
         on_device = rec.home is Tier.DEVICE or rec.pins(Tier.DEVICE) > 0
         return streams.asynchronous and not streams.is_device(data) and on_device
 
@@ -167,7 +167,7 @@ class Homes:
                 return home.tensor.detach().to("cpu", copy=True) if out is None else typed(out, h).copy_(home.tensor)
             where = region(home.buffer)
             buf = torch.from_numpy(aligned_empty(where.length)) if out is None else out
-            table.io.nvme().read(where, buf.numpy(), h.name, h.traffic)
+            table.states.io.nvme().read(where, buf.numpy(), h.name, h.traffic)
             return typed(buf, h)
 
     def location(self, rec: TensorRecord) -> SwapRegion:
@@ -181,7 +181,7 @@ class Homes:
         """Join the workers, then take every tensor to ABSENT (pinned copies too)."""
         self.table.close()
         with self.table.cond:
-            for rec in tuple(self.table.index.values()):
+            for rec in tuple(self.table.states.index.values()):
                 self._forget(rec)
 
     # ---------------------------------------------------------------------- transition methods
@@ -196,32 +196,32 @@ class Homes:
         table = self.table
         rec = TensorRecord(h)
         staging = None if staging is None else as_memory(staging)
-        home = Copy(buf, table.stores[h.home].view(buf, h))
+        home = Copy(buf, table.states.stores[h.home].view(buf, h))
         try:
             if data.is_meta or borrowed is not None:
                 pass  # room reserved, nothing to write (a borrowed home holds the bytes)
             elif home.tensor is not None:
                 home.tensor.copy_(data)
-                table.streams.compute_wait(None, home.tensor)  # written on the compute stream
+                table.states.streams.compute_wait(None, home.tensor)  # written on the compute stream
             else:
                 typed(staging, h).copy_(data)
         except BaseException:
-            table.stores[h.home].free(buf)
+            table.states.stores[h.home].free(buf)
             if staging is not None:
-                table.pool.free(staging)
+                table.states.pool.free(staging)
             raise
         rec._copies[h.home] = home
         table.room.add_home(h)
-        table.index[h] = rec
-        table.names[h.name] = h
+        table.states.index[h] = rec
+        table.states.names[h.name] = h
         if borrowed is not None:
-            table.io.nvme().adopt(region(buf), borrowed, h.name)
+            table.states.io.nvme().adopt(region(buf), borrowed, h.name)
         if staging is not None and lazy:
-            rec._copies[Tier.HOST] = Copy(staging, table.stores[Tier.HOST].view(staging, h), Content.DIRTY, used=True)
-            table.recency[(h, Tier.HOST)] = None
+            rec._copies[Tier.HOST] = Copy(staging, table.states.stores[Tier.HOST].view(staging, h), Content.DIRTY, used=True)
+            table.states.recency[(h, Tier.HOST)] = None
             rec._residency[Tier.HOST] = Residency.RESIDENT
         elif staging is not None:  # the NVMe write runs on a worker, as a store's does
-            home.move = table.executor.submit(StorePlan(h, home, staging), Tier.HOST, Tier.NVME, run_store,
+            home.move = table.states.executor.submit(StorePlan(h, home, staging), Tier.HOST, Tier.NVME, run_store,
                                               self._finish_store, key=Tier.NVME)
         rec._residency[h.home] = Residency.HOME
         return rec
@@ -230,19 +230,19 @@ class Homes:
         """Every tier -> ABSENT: drop the cached copies, free the home, forget the handle."""
         h, table = rec.handle, self.table
         for tier in [t for t in rec._copies if t is not h.home]:
-            table.free(h, tier)
+            table.states.free(h, tier)
         assert rec._residency[h.home] is Residency.HOME, rec
         home = rec._copies.pop(h.home)
         home.event.synchronize()
-        table.stores[h.home].free(home.buffer)
+        table.states.stores[h.home].free(home.buffer)
         table.room.remove_home(h)
-        del table.index[h], table.names[h.name]
+        del table.states.index[h], table.states.names[h.name]
         rec._residency[h.home] = Residency.ABSENT
 
     def _finish_store(self, plan: StorePlan, outcome: object) -> None:
         table = self.table
-        table.moves.pop(plan.handle, Tier.NVME)
+        table.states.moves.pop(plan.handle, Tier.NVME)
         plan.home.move = None
-        table.pool.free(plan.staging)
-        table.commit_home(plan.handle, outcome)  # type: ignore[arg-type]
+        table.states.pool.free(plan.staging)
+        table.states.commit_home(plan.handle, outcome)  # type: ignore[arg-type]
 

@@ -25,7 +25,7 @@ from tierzero.placement.homes import Homes
 from tierzero.placement.moves import Move
 from tierzero.placement.nvme import SwapSpace
 from tierzero.placement.records import Residency, TensorRecord
-from tierzero.placement.residency import ResidencyTable
+from tierzero.placement.residency import CopyStates, ResidencyTable
 from tierzero.placement.scratch import Scratch
 from tierzero.placement.streams import CopyEvent, CopyStreams, DeviceCopies, resolve_device
 from tierzero.placement.swap_dirs import close_at_exit, closed, exit_on_sigterm
@@ -99,9 +99,9 @@ class PlacementManager:
                                   checksums=config.checksums, telemetry=self.telemetry)
         try:
             self._tiers = tier_stores(self.budgets, self.streams, self.pool, self.device_pool, self.swap)
-            self._table = ResidencyTable(self._tiers, self.streams, self.pool, self.swap, self.telemetry,
-                                         workers=max(2, config.prefetch.nvme_depth), rank=rank,
-                                         timeout_s=wait_timeout_s, stuck_after_s=stuck_after_s)
+            states = CopyStates(self._tiers, self.streams, self.pool, self.swap, self.telemetry,
+                                workers=max(2, config.prefetch.nvme_depth), rank=rank)
+            self._table = ResidencyTable(states, timeout_s=wait_timeout_s, stuck_after_s=stuck_after_s)
         except BaseException:
             if self.swap is not None:
                 self.swap.close()
@@ -221,7 +221,7 @@ class PlacementManager:
         """Free an unpinned cached copy now (after its write-back, if one is in flight or it is
         dirty)."""
         tier = self._tier(tier, "drop", h)
-        rec = self._table.look(h, tier, "drop")
+        rec = self._table.record_of(h, "drop", tier)
         if tier is h.home:
             raise ValueError(f"drop({h.name!r}, {tier.value!r}): {tier.value} is the tensor's home; "
                              "only cached copies on other tiers can be dropped")
@@ -268,7 +268,7 @@ class PlacementManager:
         """Write every dirty cached copy home, wait for every move in flight; raise the first
         write-back error since the last flush."""
         with self._table.cond:
-            self._table.write_back(None)
+            self._table.states.write_back(None)
         self.settle()
 
     def settle(self) -> None:
@@ -278,14 +278,14 @@ class PlacementManager:
         table = self._table
         while True:
             with table.cond:
-                futures = [m.future for m in table.moves.all()]
+                futures = [m.future for m in table.states.moves.all()]
             if not futures:
                 break
             cf.wait(futures)
         with table.cond:
             for store in self._tiers.values():
                 store.settle()
-            errors, table.errors = table.errors, []
+            errors, table.states.errors = table.states.errors, []
         if errors:
             raise errors[0]
 
@@ -343,7 +343,7 @@ class PlacementManager:
     def __repr__(self) -> str:
         used = ", ".join(f"{t.value}={format_size(b.used)}/{format_size(b.limit)}" for t, b in self.budgets.items())
         return (f"PlacementManager(rank={self.rank}, device={self.device}, tensors={len(self._table.index)}, "
-                f"in_flight={len(self._table.moves)}, {used})")
+                f"in_flight={len(self._table.states.moves)}, {used})")
 
     @staticmethod
     def _tier(tier: Tier | str, what: str, h: TensorHandle | Sequence[TensorHandle]) -> Tier:

@@ -14,7 +14,7 @@ import concurrent.futures as cf
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable, Collection, Literal, Mapping, Sequence, TypeVar
+from typing import Callable, Literal, Mapping, Sequence, TypeVar
 
 import torch
 
@@ -22,7 +22,7 @@ from tierzero.config import Tier
 from tierzero.placement.eviction import Room, Shortfall
 from tierzero.placement.executor import MoveExecutor
 from tierzero.placement.handles import TensorHandle
-from tierzero.placement.moves import Done, Move, MoveTable, Outcome, stall_sources, staging_needs
+from tierzero.placement.moves import Done, MoveTable, Outcome, stall_sources, staging_needs
 from tierzero.placement.plans import FetchPlan, MoveIO, WritebackPlan, run_fetch, run_writeback
 from tierzero.placement.records import Content, Copy, Residency, TensorRecord
 from tierzero.placement.nvme import SwapSpace
@@ -36,28 +36,28 @@ MOVING = (Residency.FETCHING, Residency.WRITING_BACK)
 T = TypeVar("T")
 
 
-class ResidencyTable:
-    """Every placed tensor's record, and the calls on its cached copies with their transitions.
+class CopyStates:
+    """The records of the placed tensors and the state machine of their copies.
 
-    A call checks (open, registered, its arguments against the state), waits under `cond` for
-    room or moves, then changes the copies in its transitions, each of which writes the
-    residency it moves to as its last line. Moves run on the executor's workers (plans.py) and
-    commit here under `cond`, which guards everything in this table and in `room`; every commit
-    notifies waiters.
+    Its transition methods are the only writers of residency and copies (with Homes' two, for
+    the homes); each writes the residency it moves to as its last line. Moves run on the
+    executor's workers (plans.py) and commit here under `cond`, which guards everything here
+    and in `room`; every commit notifies waiters.
 
         start_fetch        ABSENT -> FETCHING           a copy toward a tier, submitted
         install_blank      ABSENT -> RESIDENT           an uninitialised copy (overwrite)
         _finish_fetch      FETCHING -> RESIDENT         committed (-> ABSENT: failed or stale)
-        _start_writeback   RESIDENT -> WRITING_BACK     a dirty release, submitted
+        start_writeback    RESIDENT -> WRITING_BACK     a dirty release, submitted
         _finish_writeback  WRITING_BACK -> RESIDENT     committed (-> ABSENT: stale, unpinned)
         free               RESIDENT -> ABSENT           evicted, dropped, or stale and unpinned
-    and in Homes: to_home (unregistered -> HOME), forget (every tier -> ABSENT).
+    and in Homes: to_home (unregistered -> HOME), forget (every tier -> ABSENT). A copy's
+    content (records.Content), pins and move change only here too.
     """
 
     def __init__(self, stores: Mapping[Tier, TierStore], streams: CopyStreams, pool: HostPool,
-                 swap: SwapSpace | None, telemetry: Telemetry, *, workers: int, rank: int, timeout_s: float,
-                 stuck_after_s: float) -> None:
+                 swap: SwapSpace | None, telemetry: Telemetry, *, workers: int, rank: int) -> None:
         self.cond = threading.Condition(threading.RLock())
+        """Guards every record, copy and move, and the room; every commit notifies its waiters."""
         self.stores = stores
         self.room = Room(stores, self, self.cond)
         self.errors: list[BaseException] = []
@@ -73,277 +73,8 @@ class ResidencyTable:
         self.io = MoveIO(streams, swap)
         self.executor = MoveExecutor(self.cond, self.io, workers=workers, rank=rank)
         self.moves: MoveTable = self.executor.table
-        self.scratch: dict[int, tuple[Tier, int]] = {}
-        """Scratch buffers handed out: data_ptr -> (tier, the thread holding it)."""
-        self.waits = Waits(self, timeout_s=timeout_s, stuck_after_s=stuck_after_s)
-        self.closed = False
-        """Set by PlacementManager.close(): every call and every wait fails."""
 
-    # ------------------------------------------------------------------------------ lookups
-
-    def record_of(self, h: TensorHandle, what: str) -> TensorRecord:
-        """The record of a registered handle; RuntimeError once closed, TypeError for what is no
-        handle, KeyError for one not registered here."""
-        if self.closed:
-            raise RuntimeError("PlacementManager is closed")
-        rec = self.index.get(h)
-        if rec is None:
-            if not isinstance(h, TensorHandle):
-                raise TypeError(f"{what}: expected the TensorHandle that register() returned, got {h!r}")
-            raise KeyError(f"{what}: no tensor named {h.name!r} is registered (unregistered, or "
-                           "registered with another PlacementManager)")
-        return rec
-
-    def records_of(self, h: TensorHandle | Sequence[TensorHandle]) -> TensorRecord | tuple[TensorRecord, ...]:
-        """PlacementManager.record: the record of `h`, or of each of a sequence of handles."""
-        if isinstance(h, TensorHandle):
-            return self.record_of(h, "record")
-        return tuple(self.record_of(x, "record") for x in h)
-
-    def look(self, h: TensorHandle, tier: Tier, what: str) -> TensorRecord:
-        """`record_of(h)`, for a call on its copy on `tier` (ValueError: no copy lives on NVMe
-        but an NVMe home)."""
-        rec = self.record_of(h, what)
-        if tier is Tier.NVME and tier is not h.home:
-            raise ValueError(f"{what}({h.name!r}, 'nvme'): only tensors homed on NVMe live there; "
-                             "use 'host' or 'device'")
-        return rec
-
-    def check(self, subject: TensorRecord | str, what: str = "") -> None:
-        """Under the lock: the manager is open, and the tensor still registered."""
-        if self.closed:
-            raise RuntimeError("PlacementManager is closed")
-        if not isinstance(subject, str) and self.index.get(subject.handle) is not subject:
-            raise KeyError(f"{what or subject.name}: {subject.name!r} was unregistered by another thread meanwhile")
-
-    def until(self, attempt: Callable[[], T | Shortfall | None], subject: TensorRecord | str, what: str) -> T:
-        """Waits.until, each attempt after `check(subject)`."""
-        return self.waits.until(lambda: self.check(subject, what) or attempt(), subject, what)
-
-    def pinned_by_others(self, tier: Tier, threads: Collection[int]) -> bool:
-        """Whether a cached copy on `tier` is pinned by a thread not in `threads`, or by a move
-        (which will unpin it when it ends)."""
-        for rec in self.index.values():
-            copy = rec._copies.get(tier) if tier is not rec.home else None
-            if copy is not None and copy.pins and (copy.pins != len(copy.holders) or not set(copy.holders) <= threads):
-                return True
-        return False
-
-    # -------------------------------------------------------------------------------- calls
-
-    def prefetch(self, handles: Sequence[TensorHandle], tier: Tier, *, speculative: bool = False) -> bool:
-        """PlacementManager.prefetch: each copy there or on its way is touched; else one is
-        started if there is room now; whether all of them are there, on their way or started."""
-        every, there = True, []
-        with self.cond:
-            for h in handles:
-                rec = self.look(h, tier, "prefetch")
-                if tier is rec.home or rec._residency[tier] is not Residency.ABSENT:
-                    there.append(h)
-                    continue
-                started = self._try_fetch(rec, tier, speculative)
-                if isinstance(started, Shortfall):
-                    self.room.check_fits(rec.name, rec.nbytes, tier)  # (ValueError: it never can)
-                    every = False
-            for h in there:
-                self._touch(h, tier)
-        return every
-
-    def acquire(self, pairs: Sequence[tuple[TensorHandle, Tier]], *, overwrite: bool = False) -> list[torch.Tensor]:
-        """PlacementManager.acquire of each (handle, tier) in turn, pinned; on a failure the
-        ones taken are released and the error raised."""
-        taken: list[torch.Tensor] = []
-        try:
-            for h, tier in pairs:
-                rec = self.look(h, tier, "acquire")
-                taken.append(self._acquire_home(rec) if tier is h.home else self._acquire(rec, tier, overwrite))
-        except BaseException:
-            self.release(pairs[:len(taken)], dirty=False)
-            raise
-        return taken
-
-    def _acquire(self, rec: TensorRecord, tier: Tier, overwrite: bool) -> torch.Tensor:
-        """A cached copy: there, on its way or started now (with `overwrite` an uninitialised
-        one: nothing read), pinned; compute ordered after the copy that fills it."""
-        h = rec.handle
-        with torch.profiler.record_function(f"tierzero::acquire {h.name}"):
-            asked = time.perf_counter()
-            with self.cond:
-                self.check(rec)
-                hit = rec._residency[tier] is not Residency.ABSENT
-                if not hit and isinstance(self._begin_copy(rec, tier, overwrite), Shortfall):  # no room now
-                    self.room.check_fits(h.name, h.nbytes, tier)  # (ValueError: it never can)
-                    what = f"acquire({h.name!r}, {tier.value!r}{', overwrite=True' if overwrite else ''})"
-                    self.until(lambda: self._begin_copy(rec, tier, overwrite), rec, what)
-                copy = self._pin(rec, tier)
-                move = copy.move
-            t0 = time.perf_counter()
-            self.telemetry.record_prefetch(hit)
-            if t0 - asked > 1e-3:  # time spent waiting for room (or for another copy's move)
-                self.telemetry.record_stall(tier, t0 - asked, {"room": t0 - asked})
-            event = copy.event
-            if move is not None:
-                # A fetch toward the device is waited for on the host only until its copy is
-                # queued; compute then waits for the copy's event on its own stream.
-                waited = move.issued if move.dst is tier and move.issued is not None else move.future
-                cf.wait([waited])
-                t1 = time.perf_counter()
-                self.telemetry.record_stall(tier, t1 - t0, stall_sources(move.legs, t0, t1))
-                error = waited.exception() if move.dst is tier else None
-                if error is not None:
-                    raise error  # the fetch failed; its copy is gone
-                if waited is move.issued:
-                    event = move.issued.result()
-            self.streams.compute_wait(event, copy.tensor)
-            return copy.tensor
-
-    def _begin_copy(self, rec: TensorRecord, tier: Tier, overwrite: bool) -> Literal[True] | Shortfall:
-        """A copy on `tier` started (a blank one with `overwrite`), or there already (another
-        thread started it while this one waited); a Shortfall while there is no room."""
-        if rec._residency[tier] is not Residency.ABSENT:
-            return True
-        if not overwrite:
-            return self._try_fetch(rec, tier, False)
-        bufs = self.room.take([(tier, rec.nbytes)], rec.handle)
-        if isinstance(bufs, Shortfall):
-            return bufs
-        self.install_blank(rec, tier, bufs[0])
-        return True
-
-    def _acquire_home(self, rec: TensorRecord) -> torch.Tensor:
-        h = rec.handle
-        if h.home is Tier.NVME:
-            raise ValueError(f"acquire({h.name!r}, 'nvme'): NVMe holds bytes, not tensors; "
-                             "acquire it on 'host' or 'device'")
-        with torch.profiler.record_function(f"tierzero::acquire {h.name}"):
-            with self.cond:
-                if home_written(rec) is None:
-                    self.until(lambda: home_written(rec), rec, f"acquire({h.name!r}) waiting for write-backs to its home")
-                if rec._home_error is not None:
-                    check_home(rec)
-                copy = self._pin(rec, h.home)
-            self.streams.compute_wait(copy.event, copy.tensor)
-            return copy.tensor
-
-    def release(self, pairs: Sequence[tuple[TensorHandle, Tier]], *, dirty: bool, lazy: bool = False,
-                written: CopyEvent | None = None) -> None:
-        """PlacementManager.release of each (handle, tier); every one is released even when an
-        earlier one fails (the first error is raised)."""
-        error: BaseException | None = None
-        for h, tier in pairs:
-            try:
-                self._release(self.look(h, tier, "release"), tier, dirty, lazy, written)
-            except BaseException as e:
-                error = error or e
-        if error is not None:
-            raise error
-
-    def _release(self, rec: TensorRecord, tier: Tier, dirty: bool, lazy: bool, written: CopyEvent | None) -> None:
-        """Unpin an acquire's pin, the copy now the most recently used; a dirty cached copy is
-        written back (through a staging buffer for device -> NVMe), or with `lazy` only marked
-        dirty (written back when its room is needed, or never if discarded first); a dirty home
-        invalidates the cached copies. `written`: the copy's last write, still in flight, which
-        its readers and its free wait for."""
-        h = rec.handle
-        lazy = lazy and dirty and tier is not h.home and not staging_needs(tier, h.home, h.nbytes)
-        with self.cond:
-            self.check(rec)
-            copy = rec._copies.get(tier)
-            if copy is None or copy.pins == 0 or not copy.holders:
-                raise RuntimeError(f"release({h.name!r}, {tier.value!r}) without a matching acquire()")
-            staging = None
-            if lazy and _still(rec, tier) is None:  # (a fetch commits after its copy is queued: waited for too)
-                self.until(lambda: _still(rec, tier), rec,
-                                 f"release({h.name!r}, {tier.value!r}, lazy=True) waiting for its move")
-            elif dirty and tier is not h.home:
-                # Still pinned while waiting (for an earlier move of this copy to finish, and
-                # for a staging buffer), so the dirty copy cannot be evicted meanwhile.
-                needs = staging_needs(tier, h.home, h.nbytes)
-                take = lambda: None if _still(rec, tier) is None else self.room.take(needs, h)  # noqa: E731
-                bufs = take()
-                if bufs is None or isinstance(bufs, Shortfall):
-                    bufs = self.until(take, rec, f"release({h.name!r}, {tier.value!r}, dirty=True)")
-                staging = as_memory(bufs[0]) if bufs else None
-            me = threading.get_ident()
-            copy.holders.remove(me if me in copy.holders else copy.holders[0])  # released by another thread
-            self._touch(h, tier)
-            if written is not None:
-                copy.event = written
-            if dirty and tier is not h.home:
-                copy.pins -= 1
-                if lazy:
-                    copy.content = Content.DIRTY
-                    self._invalidate(rec, keep=tier)
-                else:
-                    self._start_writeback(rec, tier, staging)
-            else:
-                self._unpin(rec, tier, copy)
-                if dirty:
-                    self._invalidate(rec, keep=tier)
-            self.cond.notify_all()
-
-    def discard(self, rec: TensorRecord) -> None:
-        """The contents are no longer needed (a gradient set to None): every cached copy ->
-        ABSENT unwritten, dirty ones too; a pinned or moving copy is dropped when free. The
-        home keeps whatever it held last."""
-        with self.cond:
-            self.check(rec)
-            for tier in [t for t in rec._copies if t is not rec.home]:
-                if rec._residency[tier] is Residency.RESIDENT and rec._copies[tier].pins == 0:
-                    self.free(rec.handle, tier)
-                else:
-                    rec._copies[tier].content = Content.STALE
-            self.cond.notify_all()
-
-    def drop(self, rec: TensorRecord, tier: Tier) -> None:
-        """PlacementManager.drop: free an unpinned cached copy now, after its write-back."""
-        h = rec.handle
-        with self.cond:
-            self.until(lambda: self._settled_clean(rec, tier), rec, f"drop({h.name!r}) waiting for its move")
-            if rec._residency[tier] is Residency.ABSENT:
-                return
-            if rec._copies[tier].pins:
-                raise RuntimeError(f"drop({h.name!r}, {tier.value!r}): the copy is pinned by "
-                                   f"{rec._copies[tier].pins} acquire(s); release it first")
-            self.free(h, tier)
-            self.cond.notify_all()
-
-    def _settled_clean(self, rec: TensorRecord, tier: Tier) -> Literal[True] | None:
-        """True when no move is on the copy and nothing unwritten is in it (None while not);
-        starts the write-back of an unpinned dirty copy (the caller waits for it)."""
-        self.write_back(rec.handle, tier)
-        copy = rec._copies.get(tier)
-        return None if rec._residency[tier] in MOVING or (copy is not None and copy.content is Content.DIRTY) else True
-
-    def write_back(self, h: TensorHandle, tier: Tier | None = None) -> bool:
-        """Start writing the copy on `tier` home if it is dirty, unpinned and resident; whether
-        it started (lazy releases leave dirty copies: room, drop() and flush() take them home).
-        tier None: every cached copy of every tensor (flush()), h ignored."""
-        if tier is None:
-            for rec in self.index.values():
-                for t in [t for t in rec._copies if t is not rec.home]:
-                    self.write_back(rec.handle, t)
-            return True
-        rec = self.index[h]
-        copy = rec._copies.get(tier)
-        if (copy is None or copy.content is not Content.DIRTY or copy.pins
-                or rec._residency[tier] is not Residency.RESIDENT):
-            return False
-        self._start_writeback(rec, tier, None)
-        return True
-
-    def close(self) -> None:
-        """Join the workers, then take every tensor to ABSENT (pinned copies too)."""
-        self.executor.close()
-        with self.cond:
-            for rec in tuple(self.index.values()):
-                for tier in [t for t in rec._copies if t is not rec.home]:
-                    self.free(rec.handle, tier)
-
-    # ---------------------------------------------------------------------- transition methods
-    # Each ends by writing the residency it moves to; only these (and Homes') write rec._residency.
-
-    def _try_fetch(self, rec: TensorRecord, tier: Tier, speculative: bool) -> Literal[True] | Shortfall:
+    def start_fetch(self, rec: TensorRecord, tier: Tier, speculative: bool) -> Literal[True] | Shortfall:
         """ABSENT -> FETCHING if there is room now: the source chosen, the buffers reserved, the
         copy submitted."""
         _expect(rec, tier, Residency.ABSENT)
@@ -391,7 +122,7 @@ class ResidencyTable:
         plan.copy.move = None
         if plan.staging is not None:
             self.pool.free(plan.staging)
-        self._unpin(rec, plan.src, plan.source)
+        self.unpin(rec, plan.src, plan.source)
         if not isinstance(outcome, Done) or (plan.copy.content is Content.STALE and plan.copy.pins == 0):
             self.free(plan.handle, plan.dst)
             return
@@ -399,7 +130,7 @@ class ResidencyTable:
         plan.copy.event = outcome.event
         rec._residency[plan.dst] = Residency.RESIDENT
 
-    def _start_writeback(self, rec: TensorRecord, tier: Tier, staging: torch.Tensor | None) -> None:
+    def start_writeback(self, rec: TensorRecord, tier: Tier, staging: torch.Tensor | None) -> None:
         """RESIDENT -> WRITING_BACK: submit the copy of this cached copy to the home tier (through
         the reserved host `staging` buffer for device -> NVMe)."""
         _expect(rec, tier, Residency.RESIDENT)
@@ -408,7 +139,7 @@ class ResidencyTable:
         plan = WritebackPlan(h, tier, rec._copies[tier], rec._copies[h.home], staging,
                              self.streams.compute_ready() if tier is Tier.DEVICE else None,
                              tuple(m.future for m in rec.in_flight))
-        self._invalidate(rec, keep=tier)
+        self.invalidate(rec, keep=tier)
         plan.copy.move = self.executor.submit(plan, tier, h.home, run_writeback, self._finish_writeback, key=tier)
         rec._residency[tier] = Residency.WRITING_BACK
 
@@ -435,6 +166,23 @@ class ResidencyTable:
         self.stores[tier].free(copy.buffer)
         rec._residency[tier] = Residency.ABSENT
 
+    def write_back(self, h: TensorHandle, tier: Tier | None = None) -> bool:
+        """Start writing the copy on `tier` home if it is dirty, unpinned and resident; whether
+        it started (lazy releases leave dirty copies: room, drop() and flush() take them home).
+        tier None: every cached copy of every tensor (flush()), h ignored."""
+        if tier is None:
+            for rec in self.index.values():
+                for t in [t for t in rec._copies if t is not rec.home]:
+                    self.write_back(rec.handle, t)
+            return True
+        rec = self.index[h]
+        copy = rec._copies.get(tier)
+        if (copy is None or copy.content is not Content.DIRTY or copy.pins
+                or rec._residency[tier] is not Residency.RESIDENT):
+            return False
+        self.start_writeback(rec, tier, None)
+        return True
+
     def commit_home(self, h: TensorHandle, outcome: Outcome) -> None:
         """A write to the home finished: its legs go to telemetry, its error to the next flush()
         and to the record (reads of the home refuse until the next write succeeds)."""
@@ -446,22 +194,20 @@ class ResidencyTable:
             self.errors.append(outcome.error)
             rec._home_error = outcome.error
 
-    # ----------------------------------------------------------------------------- helpers
-
-    def _pin(self, rec: TensorRecord, tier: Tier) -> Copy:
+    def pin(self, rec: TensorRecord, tier: Tier) -> Copy:
         copy = rec._copies[tier]
         copy.pins += 1
         copy.holders.append(threading.get_ident())
         copy.used = True
-        self._touch(rec.handle, tier)
+        self.touch(rec.handle, tier)
         return copy
 
-    def _touch(self, h: TensorHandle, tier: Tier) -> None:
+    def touch(self, h: TensorHandle, tier: Tier) -> None:
         """The copy on `tier` is now the most recently used (a home is in no order)."""
         if tier is not h.home:
             self.recency.move_to_end((h, tier))
 
-    def _invalidate(self, rec: TensorRecord, *, keep: Tier) -> None:
+    def invalidate(self, rec: TensorRecord, *, keep: Tier) -> None:
         """The copy on `keep` was written: other cached copies hold old data."""
         for tier in [t for t in rec._copies if t is not keep and t is not rec.home]:
             if rec._residency[tier] is Residency.RESIDENT and rec._copies[tier].pins == 0:
@@ -469,14 +215,270 @@ class ResidencyTable:
             else:
                 rec._copies[tier].content = Content.STALE
 
-    def _unpin(self, rec: TensorRecord, tier: Tier, copy: Copy) -> None:
+    def unpin(self, rec: TensorRecord, tier: Tier, copy: Copy) -> None:
         copy.pins -= 1
         if (rec._copies.get(tier) is copy and copy.content is Content.STALE and copy.pins == 0
                 and rec._residency[tier] is Residency.RESIDENT):
             self.free(rec.handle, tier)
 
     def __repr__(self) -> str:
-        return f"ResidencyTable(tensors={len(self.index)}, in_flight={len(self.moves)}, {self.room!r})"
+        return f"CopyStates(tensors={len(self.index)}, in_flight={len(self.moves)}, {self.room!r})"
+
+
+class ResidencyTable:
+    """The calls on placed tensors' cached copies: prefetch, acquire, release, discard, drop.
+
+    Each call looks its records up, checks (open, registered, its arguments against the
+    state), waits under the lock for room or moves (waiting.py) and changes the copies only
+    through the transitions of `states` (CopyStates). Homes (homes.py) makes the calls on the
+    home copies the same way.
+    """
+
+    def __init__(self, states: CopyStates, *, timeout_s: float, stuck_after_s: float) -> None:
+        self.states = states
+        self.cond = states.cond
+        self.room = states.room
+        self.index = states.index
+        self.streams = states.streams
+        self.telemetry = states.telemetry
+        self.scratch: dict[int, tuple[Tier, int]] = {}
+        """Scratch buffers handed out: data_ptr -> (tier, the thread holding it)."""
+        self.waits = Waits(self, timeout_s=timeout_s, stuck_after_s=stuck_after_s)
+        self.closed = False
+        """Set by PlacementManager.close(): every call and every wait fails."""
+
+    def record_of(self, h: TensorHandle, what: str, tier: Tier | None = None) -> TensorRecord:
+        """The record of a registered handle; RuntimeError once closed, TypeError for what is no
+        handle, KeyError for one not registered here; with `tier`, a call on its copy there
+        (ValueError: no copy lives on NVMe but an NVMe home)."""
+        if self.closed:
+            raise RuntimeError("PlacementManager is closed")
+        rec = self.index.get(h)
+        if rec is None:
+            if not isinstance(h, TensorHandle):
+                raise TypeError(f"{what}: expected the TensorHandle that register() returned, got {h!r}")
+            raise KeyError(f"{what}: no tensor named {h.name!r} is registered (unregistered, or "
+                           "registered with another PlacementManager)")
+        if tier is Tier.NVME and tier is not h.home:
+            raise ValueError(f"{what}({h.name!r}, 'nvme'): only tensors homed on NVMe live there; "
+                             "use 'host' or 'device'")
+        return rec
+
+    def records_of(self, h: TensorHandle | Sequence[TensorHandle]) -> TensorRecord | tuple[TensorRecord, ...]:
+        """PlacementManager.record: the record of `h`, or of each of a sequence of handles."""
+        if isinstance(h, TensorHandle):
+            return self.record_of(h, "record")
+        return tuple(self.record_of(x, "record") for x in h)
+
+    def check(self, subject: TensorRecord | str, what: str = "") -> None:
+        """Under the lock: the manager is open, and the tensor still registered."""
+        if self.closed:
+            raise RuntimeError("PlacementManager is closed")
+        if not isinstance(subject, str) and self.index.get(subject.handle) is not subject:
+            raise KeyError(f"{what or subject.name}: {subject.name!r} was unregistered by another thread meanwhile")
+
+    def until(self, attempt: Callable[[], T | Shortfall | None], subject: TensorRecord | str, what: str) -> T:
+        """Waits.until, each attempt after `check(subject)`."""
+        return self.waits.until(lambda: self.check(subject, what) or attempt(), subject, what)
+
+    def prefetch(self, handles: Sequence[TensorHandle], tier: Tier, *, speculative: bool = False) -> bool:
+        """PlacementManager.prefetch: each copy there or on its way is touched; else one is
+        started if there is room now; whether all of them are there, on their way or started."""
+        every, there = True, []
+        with self.cond:
+            for h in handles:
+                rec = self.record_of(h, "prefetch", tier)
+                if tier is rec.home or rec._residency[tier] is not Residency.ABSENT:
+                    there.append(h)
+                    continue
+                started = self.states.start_fetch(rec, tier, speculative)
+                if isinstance(started, Shortfall):
+                    self.room.check_fits(rec.name, rec.nbytes, tier)  # (ValueError: it never can)
+                    every = False
+            for h in there:
+                self.states.touch(h, tier)
+        return every
+
+    def acquire(self, pairs: Sequence[tuple[TensorHandle, Tier]], *, overwrite: bool = False) -> list[torch.Tensor]:
+        """PlacementManager.acquire of each (handle, tier) in turn, pinned; on a failure the
+        ones taken are released and the error raised."""
+        taken: list[torch.Tensor] = []
+        try:
+            for h, tier in pairs:
+                rec = self.record_of(h, "acquire", tier)
+                taken.append(self._acquire_home(rec) if tier is h.home else self._acquire(rec, tier, overwrite))
+        except BaseException:
+            self.release(pairs[:len(taken)], dirty=False)
+            raise
+        return taken
+
+    def _acquire(self, rec: TensorRecord, tier: Tier, overwrite: bool) -> torch.Tensor:
+        """A cached copy: there, on its way or started now (with `overwrite` an uninitialised
+        one: nothing read), pinned; compute ordered after the copy that fills it."""
+        h = rec.handle
+        with torch.profiler.record_function(f"tierzero::acquire {h.name}"):
+            asked = time.perf_counter()
+            with self.cond:
+                self.check(rec)
+                hit = rec._residency[tier] is not Residency.ABSENT
+                if not hit and isinstance(self._begin_copy(rec, tier, overwrite), Shortfall):  # no room now
+                    self.room.check_fits(h.name, h.nbytes, tier)  # (ValueError: it never can)
+                    what = f"acquire({h.name!r}, {tier.value!r}{', overwrite=True' if overwrite else ''})"
+                    self.until(lambda: self._begin_copy(rec, tier, overwrite), rec, what)
+                copy = self.states.pin(rec, tier)
+                move = copy.move
+            t0 = time.perf_counter()
+            self.telemetry.record_prefetch(hit)
+            if t0 - asked > 1e-3:  # time spent waiting for room (or for another copy's move)
+                self.telemetry.record_stall(tier, t0 - asked, {"room": t0 - asked})
+            event = copy.event
+            if move is not None:
+                # A fetch toward the device is waited for on the host only until its copy is
+                # queued; compute then waits for the copy's event on its own stream.
+                waited = move.issued if move.dst is tier and move.issued is not None else move.future
+                cf.wait([waited])
+                t1 = time.perf_counter()
+                self.telemetry.record_stall(tier, t1 - t0, stall_sources(move.legs, t0, t1))
+                error = waited.exception() if move.dst is tier else None
+                if error is not None:
+                    raise error  # the fetch failed; its copy is gone
+                if waited is move.issued:
+                    event = move.issued.result()
+            self._compute_after(event, copy.tensor)
+            return copy.tensor
+
+    def _compute_after(self, event: CopyEvent, tensor: torch.Tensor) -> None:
+        """Order compute after the copy that filled an acquired tensor (on the host, no wait)."""
+        self.streams.compute_wait(event, tensor)
+
+    def _begin_copy(self, rec: TensorRecord, tier: Tier, overwrite: bool) -> Literal[True] | Shortfall:
+        """A copy on `tier` started (a blank one with `overwrite`), or there already (another
+        thread started it while this one waited); a Shortfall while there is no room."""
+        if rec._residency[tier] is not Residency.ABSENT:
+            return True
+        if not overwrite:
+            return self.states.start_fetch(rec, tier, False)
+        bufs = self.room.take([(tier, rec.nbytes)], rec.handle)
+        if isinstance(bufs, Shortfall):
+            return bufs
+        self.states.install_blank(rec, tier, bufs[0])
+        return True
+
+    def _acquire_home(self, rec: TensorRecord) -> torch.Tensor:
+        h = rec.handle
+        if h.home is Tier.NVME:
+            raise ValueError(f"acquire({h.name!r}, 'nvme'): NVMe holds bytes, not tensors; "
+                             "acquire it on 'host' or 'device'")
+        with torch.profiler.record_function(f"tierzero::acquire {h.name}"):
+            with self.cond:
+                if home_written(rec) is None:
+                    self.until(lambda: home_written(rec), rec, f"acquire({h.name!r}) waiting for write-backs to its home")
+                if rec._home_error is not None:
+                    check_home(rec)
+                copy = self.states.pin(rec, h.home)
+            self.streams.compute_wait(copy.event, copy.tensor)
+            return copy.tensor
+
+    def release(self, pairs: Sequence[tuple[TensorHandle, Tier]], *, dirty: bool, lazy: bool = False,
+                written: CopyEvent | None = None) -> None:
+        """PlacementManager.release of each (handle, tier); every one is released even when an
+        earlier one fails (the first error is raised)."""
+        error: BaseException | None = None
+        for h, tier in pairs:
+            try:
+                self._release(self.record_of(h, "release", tier), tier, dirty, lazy, written)
+            except BaseException as e:
+                error = error or e
+        if error is not None:
+            raise error
+
+    def _release(self, rec: TensorRecord, tier: Tier, dirty: bool, lazy: bool, written: CopyEvent | None) -> None:
+        """Unpin an acquire's pin, the copy now the most recently used; a dirty cached copy is
+        written back (through a staging buffer for device -> NVMe), or with `lazy` only marked
+        dirty (written back when its room is needed, or never if discarded first); a dirty home
+        invalidates the cached copies. `written`: the copy's last write, still in flight, which
+        its readers and its free wait for."""
+        h = rec.handle
+        lazy = lazy and dirty and tier is not h.home and not staging_needs(tier, h.home, h.nbytes)
+        with self.cond:
+            self.check(rec)
+            copy = rec._copies.get(tier)
+            if copy is None or copy.pins == 0 or not copy.holders:
+                raise RuntimeError(f"release({h.name!r}, {tier.value!r}) without a matching acquire()")
+            staging = None
+            if lazy and _still(rec, tier) is None:  # (a fetch commits after its copy is queued: waited for too)
+                self.until(lambda: _still(rec, tier), rec,
+                                 f"release({h.name!r}, {tier.value!r}, lazy=True) waiting for its move")
+            elif dirty and tier is not h.home:
+                # Still pinned while waiting (for an earlier move of this copy to finish, and
+                # for a staging buffer), so the dirty copy cannot be evicted meanwhile.
+                needs = staging_needs(tier, h.home, h.nbytes)
+                take = lambda: None if _still(rec, tier) is None else self.room.take(needs, h)  # noqa: E731
+                bufs = take()
+                if bufs is None or isinstance(bufs, Shortfall):
+                    bufs = self.until(take, rec, f"release({h.name!r}, {tier.value!r}, dirty=True)")
+                staging = as_memory(bufs[0]) if bufs else None
+            me = threading.get_ident()
+            copy.holders.remove(me if me in copy.holders else copy.holders[0])  # released by another thread
+            self.states.touch(h, tier)
+            if written is not None:
+                copy.event = written
+            if dirty and tier is not h.home:
+                copy.pins -= 1
+                if lazy:
+                    copy.content = Content.DIRTY
+                    self.states.invalidate(rec, keep=tier)
+                else:
+                    self.states.start_writeback(rec, tier, staging)
+            else:
+                self.states.unpin(rec, tier, copy)
+                if dirty:
+                    self.states.invalidate(rec, keep=tier)
+            self.cond.notify_all()
+
+    def discard(self, rec: TensorRecord) -> None:
+        """The contents are no longer needed (a gradient set to None): every cached copy ->
+        ABSENT unwritten, dirty ones too; a pinned or moving copy is dropped when free. The
+        home keeps whatever it held last."""
+        with self.cond:
+            self.check(rec)
+            for tier in [t for t in rec._copies if t is not rec.home]:
+                if rec._residency[tier] is Residency.RESIDENT and rec._copies[tier].pins == 0:
+                    self.states.free(rec.handle, tier)
+                else:
+                    rec._copies[tier].content = Content.STALE
+            self.cond.notify_all()
+
+    def drop(self, rec: TensorRecord, tier: Tier) -> None:
+        """PlacementManager.drop: free an unpinned cached copy now, after its write-back."""
+        h = rec.handle
+        with self.cond:
+            self.until(lambda: self._settled_clean(rec, tier), rec, f"drop({h.name!r}) waiting for its move")
+            if rec._residency[tier] is Residency.ABSENT:
+                return
+            if rec._copies[tier].pins:
+                raise RuntimeError(f"drop({h.name!r}, {tier.value!r}): the copy is pinned by "
+                                   f"{rec._copies[tier].pins} acquire(s); release it first")
+            self.states.free(h, tier)
+            self.cond.notify_all()
+
+    def _settled_clean(self, rec: TensorRecord, tier: Tier) -> Literal[True] | None:
+        """True when no move is on the copy and nothing unwritten is in it (None while not);
+        starts the write-back of an unpinned dirty copy (the caller waits for it)."""
+        self.states.write_back(rec.handle, tier)
+        copy = rec._copies.get(tier)
+        return None if rec._residency[tier] in MOVING or (copy is not None and copy.content is Content.DIRTY) else True
+
+    def close(self) -> None:
+        """Join the workers, then take every tensor to ABSENT (pinned copies too)."""
+        self.states.executor.close()
+        with self.cond:
+            for rec in tuple(self.index.values()):
+                for tier in [t for t in rec._copies if t is not rec.home]:
+                    self.states.free(rec.handle, tier)
+
+    def __repr__(self) -> str:
+        return f"ResidencyTable(tensors={len(self.index)}, {self.states!r})"
 
 
 # What a call checks and the conditions its waits end on (None while the wait goes on).

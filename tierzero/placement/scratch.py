@@ -53,5 +53,5 @@ class Scratch:
         table = self._table
         with table.cond:
             table.scratch.pop(buf.data_ptr(), None)
-            table.stores[Tier.parse(tier)].free(buf)
+            table.states.stores[Tier.parse(tier)].free(buf)
             table.cond.notify_all()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, Collection, TypeVar
 
 from tierzero.config import Tier, format_size
 from tierzero.placement.eviction import Shortfall
@@ -94,23 +94,32 @@ class Waits:
         moving (no write-back will make a copy evictable, no fetch will end), and whatever is
         pinned there (copies, scratch buffers) this very thread holds, or threads that wait for
         room on that tier themselves."""
-        if len(self.table.moves):
+        if len(self.table.states.moves):
             return False
         # The threads that will release nothing there: this one, and those waiting for room on
         # the same tier (two threads each holding what the other waits for never move again).
         blocked = {threading.get_ident(), *(t for t, short in self._short.items() if short is tier)}
-        return (not self.table.pinned_by_others(tier, blocked)
+        return (not self._pinned_by_others(tier, blocked)
                 and all(owner in blocked for t, owner in self.table.scratch.values() if t is tier))
+
+    def _pinned_by_others(self, tier: Tier, threads: Collection[int]) -> bool:
+        """Whether a cached copy on `tier` is pinned by a thread not in `threads`, or by a move
+        (which will unpin it when it ends)."""
+        for rec in self.table.index.values():
+            copy = rec._copies.get(tier) if tier is not rec.home else None
+            if copy is not None and copy.pins and (copy.pins != len(copy.holders) or not set(copy.holders) <= threads):
+                return True
+        return False
 
     def _no_room(self, name: str, short: Shortfall, *, waited: bool) -> str:
         tier = short.tier
         pinned = [(r.name, r.pins(tier)) for r in self.table.index.values() if r.pins(tier)]
-        store = self.table.stores[tier]
+        store = self.table.states.stores[tier]
         b, need = store.budget, store.reserved(short.nbytes)
         why = (f"after waiting {self.timeout_s} s" if waited else
                "and none can come: nothing is moving and what is pinned there is held by this thread, or by "
                "threads waiting for room there too")
         return (f"tensor {name!r}: no room for {format_size(need)} on the {tier.value} tier {why}: "
-                f"{format_size(b.used)} of {format_size(b.limit)} reserved, {len(self.table.moves)} moves in flight, "
+                f"{format_size(b.used)} of {format_size(b.limit)} reserved, {len(self.table.states.moves)} moves in flight, "
                 f"pinned copies (name, pins): {pinned[:8]}{' ...' if len(pinned) > 8 else ''}; raise "
                 f"{tier.value}_budget to at least {b.used + need} bytes, or release tensors before acquiring more")
