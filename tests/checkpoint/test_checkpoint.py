@@ -311,6 +311,15 @@ def test_double_buffered_overlaps_neighbours_and_drains_every_started_item_on_fa
     assert log[-3:] == [("wait", 1), ("drain", 1), ("drain", 2)]  # nothing left running on a buffer
 
 
+def test_region_offsets_put_each_region_on_a_page_and_pad_it_to_a_whole_page():
+    sizes = [1, 0, 4096, 4097, 12]
+    offsets = fmt.region_offsets(sizes)
+    assert offsets == [0, 4096, 4096, 8192, 16384, 20480]  # the last: the data file's size
+    assert all(o % 4096 == 0 for o in offsets)
+    assert [b - a for a, b in zip(offsets, offsets[1:])] == [fmt.round_up(n) for n in sizes]
+    assert fmt.region_offsets([]) == [0]
+
+
 # ------------------------------------------------------------------------- bad checkpoints
 
 

@@ -1,6 +1,7 @@
-"""This rank's shard of a tensor a checkpoint stores: a block's values or one of its optimizer
-states, read into a caller's buffer and written back to its home tier. tierzero.checkpoint reads
-and writes a model's state through these, never through the placement manager."""
+"""This rank's shards of what a checkpoint stores of a model (`rank_shards`, in one call): each
+block's values and its optimizer states, each a RankShard, read into a caller's buffer and written
+back to its home tier. tierzero.checkpoint reads and writes a model's state through these, never
+through the placement manager."""
 
 from __future__ import annotations
 
