@@ -124,7 +124,7 @@ class IOFuture:
 
             def wake(_: IOFuture) -> None:
                 try:
-                    loop.call_soon_threadsafe(_resolve, waiter)
+                    loop.call_soon_threadsafe(_set_waiter, waiter)
                 except RuntimeError:  # the loop was closed meanwhile: nobody is waiting
                     pass
 
@@ -148,7 +148,8 @@ class IOFuture:
         return f"<IOFuture {self.op} {self.path!r} offset={self.offset} nbytes={self.nbytes} {state}>"
 
 
-def _resolve(waiter: asyncio.Future) -> None:
+def _set_waiter(waiter: asyncio.Future) -> None:
+    """On the loop: the awaiting task may go on (unless it was cancelled meanwhile)."""
     if not waiter.done():
         waiter.set_result(None)
 
