@@ -8,11 +8,9 @@ module imported by name is the benchmark behind `tierzero bench-io`: `from io_en
 """
 
 from .buffers import PAGE, aligned_empty
-from .checksum import checksum
-from .engine import IOEngine
+from .engine import IOEngine, IOFuture, checksum
 from .errors import IOEngineError
 from .files import PreallocatedFile, ReadOnlyFile, free_disk_bytes
-from .future import IOFuture
 from .owners import not_own, owner_gone, pid_alive, read_pid, temp_name
 from .progress import Progress
 from .safe_files import (MARKER, file_mode, folder_mode, make_folder, make_private, mark_own, marked_own, open_own,

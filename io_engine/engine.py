@@ -1,4 +1,5 @@
-"""IOEngine: pread/pwrite of any buffer, split into blocks served by a persistent thread pool.
+"""IOEngine: pread/pwrite of any buffer, split into blocks served by a persistent thread pool;
+IOFuture, the caller's handle of one request; the xxh3_64 digest the requests compute.
 
 How one request flows, and why buffered and O_DIRECT IO never disagree: the comment
 blocks above `_Request` ([Note: page-cache coherence]).
@@ -6,22 +7,58 @@ blocks above `_Request` ([Note: page-cache coherence]).
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import logging
 import os
 import queue
 import threading
 import weakref
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
+import xxhash
 
-from .buffers import PAGE, byte_view
-from .checksum import checksum as _checksum
-from .checksum import new_hasher
+from .buffers import PAGE
 from .errors import IOEngineError, io_error
 from .files import FileHandle, PreallocatedFile, ReadOnlyFile, close_fd, open_handle, raw_handle
-from .future import IOFuture
 from .sizes import exact_size, parse_size
+
+log = logging.getLogger(__name__)
+
+
+def byte_view(buf, *, writable: bool) -> np.ndarray:
+    """A flat uint8 numpy view sharing `buf`'s memory (no copy).
+
+    Raises TypeError for objects without the buffer protocol, ValueError for non-contiguous
+    buffers and for read-only buffers when `writable`.
+    """
+    if isinstance(buf, np.ndarray) and buf.dtype == np.uint8 and buf.ndim == 1 and buf.flags.c_contiguous:
+        arr = buf
+    else:
+        try:
+            arr = np.frombuffer(buf, dtype=np.uint8)
+        except TypeError:
+            raise TypeError(
+                f"io_engine: expected a buffer-protocol object (numpy array, memoryview, bytearray, "
+                f"mmap), got {type(buf).__name__}; for a CPU torch tensor pass `t.numpy()` or "
+                f"`t.view(torch.uint8).numpy()`") from None
+        except ValueError as e:
+            raise ValueError(f"io_engine: the buffer must be C-contiguous ({e}); pass a contiguous "
+                             f"copy or a contiguous slice") from None
+    if writable and not arr.flags.writeable:
+        raise ValueError(f"io_engine: pread needs a writable buffer, got a read-only "
+                         f"{type(buf).__name__} of {arr.nbytes} bytes")
+    return arr
+
+
+def checksum(buf) -> int:
+    """xxh3_64 of the buffer's bytes (any C-contiguous buffer-protocol object), as an int.
+
+    Equal to `IOFuture.checksum` of a `pread`/`pwrite` of the same bytes with checksum=True
+    (which feeds the pieces in order to one streaming xxh3_64 state).
+    """
+    return xxhash.xxh3_64_intdigest(byte_view(buf, writable=False))
 
 
 def preadv_into(fd: int, view: memoryview, offset: int) -> int:
@@ -32,6 +69,96 @@ def preadv_into(fd: int, view: memoryview, offset: int) -> int:
 def pwritev_from(fd: int, view: memoryview, offset: int) -> int:
     """One write syscall from view; bytes written."""
     return os.pwritev(fd, (view,), offset)
+
+
+class IOFuture:
+    """Completion of one request: `result(timeout)` returns the bytes transferred or raises
+    IOEngineError; `done()`; `checksum` (xxh3_64 int, when requested, else None); `await fut`
+    from asyncio suspends only the awaiting task (completion is handed to the loop with
+    call_soon_threadsafe)."""
+
+    __slots__ = ("op", "path", "offset", "nbytes", "checksum", "_event", "_lock", "_error",
+                 "_callbacks", "__weakref__")
+
+    def __init__(self, op: str, path: str, offset: int, nbytes: int) -> None:
+        self.op = op
+        self.path = path
+        self.offset = offset
+        self.nbytes = nbytes
+        self.checksum: int | None = None
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[IOFuture], None]] | None = []
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def result(self, timeout: float | None = None) -> int:
+        """Bytes transferred (the buffer's size); raises IOEngineError on failure, TimeoutError
+        when not done within `timeout` seconds."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"{self!r} not done after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self.nbytes
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"{self!r} not done after {timeout} s")
+        return self._error
+
+    def add_done_callback(self, fn: Callable[[IOFuture], None]) -> None:
+        """Call fn(self) when done: at once if already done, else in the worker thread that
+        completes the request (keep it short)."""
+        with self._lock:
+            if self._callbacks is not None:
+                self._callbacks.append(fn)
+                return
+        _run_callback(fn, self)
+
+    def __await__(self):
+        if not self.done():
+            loop = asyncio.get_running_loop()
+            waiter = loop.create_future()
+
+            def wake(_: IOFuture) -> None:
+                try:
+                    loop.call_soon_threadsafe(_set_waiter, waiter)
+                except RuntimeError:  # the loop was closed meanwhile: nobody is waiting
+                    pass
+
+            self.add_done_callback(wake)
+            yield from waiter.__await__()
+        return self.result()
+
+    def _finish(self, error: BaseException | None, checksum: int | None) -> None:
+        """Called once, by the engine, when the request has completed."""
+        self._error = error
+        if error is None:
+            self.checksum = checksum
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks, None
+        self._event.set()
+        for fn in callbacks or ():
+            _run_callback(fn, self)
+
+    def __repr__(self) -> str:
+        state = "pending" if not self.done() else ("failed" if self._error is not None else "done")
+        return f"<IOFuture {self.op} {self.path!r} offset={self.offset} nbytes={self.nbytes} {state}>"
+
+
+def _set_waiter(waiter: asyncio.Future) -> None:
+    """On the loop: the awaiting task may go on (unless it was cancelled meanwhile)."""
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def _run_callback(fn: Callable[[IOFuture], None], fut: IOFuture) -> None:
+    try:
+        fn(fut)
+    except Exception:  # a caller's callback must not kill an IO worker
+        log.exception("io_engine: done-callback %r of %r raised", fn, fut)
 
 
 class _Piece(NamedTuple):
@@ -67,7 +194,7 @@ class _Piece(NamedTuple):
 # range before an O_DIRECT read or write and invalidates them after an O_DIRECT write
 # (filemap_write_and_wait_range / invalidate_inode_pages2_range), so an O_DIRECT read sees data
 # written buffered before it, and a buffered read sees data written with O_DIRECT
-# (tests/test_io_engine.py checks both).
+# (tests/io_engine/test_io_engine.py checks both).
 class _Request:
     """One pread/pwrite in flight: pieces outstanding, first error, checksum progress."""
 
@@ -75,7 +202,7 @@ class _Request:
                  "error", "hasher", "views", "finished", "next_hash", "hashing", "completed")
 
     def __init__(self, future: IOFuture, write: bool, handle: FileHandle, offset: int, nbytes: int,
-                 strict: bool, state: "_State", views: list[memoryview], hasher) -> None:
+                 strict: bool, state: "_State", views: list[memoryview], hashed: bool) -> None:
         self.future = future
         self.write = write
         self.handle = handle
@@ -86,9 +213,10 @@ class _Request:
         self.lock = threading.Lock()
         self.remaining = len(views)
         self.error: IOEngineError | None = None
-        self.hasher = hasher
-        self.views: list[memoryview] | None = views if hasher is not None else None
-        self.finished = bytearray(len(views)) if hasher is not None else None
+        self.hasher = xxhash.xxh3_64() if hashed else None
+        """One streaming xxh3_64 state fed the pieces in buffer order: `checksum` of the whole."""
+        self.views: list[memoryview] | None = views if hashed else None
+        self.finished = bytearray(len(views)) if hashed else None
         self.next_hash = 0
         self.hashing = False
         self.completed = False
@@ -333,13 +461,12 @@ class IOEngine:
         nbytes = arr.nbytes
         fut = IOFuture(op, handle.path, offset, nbytes)
         if nbytes == 0:
-            fut._finish(None, _checksum(arr) if want_checksum else None)
+            fut._finish(None, checksum(arr) if want_checksum else None)
             return fut
         view = memoryview(arr)
         spans = self._plan(handle, arr.ctypes.data, offset, nbytes)
         views = [view[start:stop] for _, start, stop in spans]
-        req = _Request(fut, write, handle, offset, nbytes, self.direct is True, self._state, views,
-                       new_hasher() if want_checksum else None)
+        req = _Request(fut, write, handle, offset, nbytes, self.direct is True, self._state, views, want_checksum)
         state = self._state
         with state.lock:
             if state.closed:

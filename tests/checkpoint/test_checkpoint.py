@@ -136,7 +136,7 @@ def test_save_load_is_exact_and_training_continues_identically(make, tmp_path, t
     assert extra["step"] == 3 and torch.equal(extra["rng"], rng)
     assert_same_state(a, b)
     assert opt_b.param_groups[0]["lr"] == opt_a.param_groups[0]["lr"]
-    assert [opt_b.block_steps(f) for f in opt_b.flat_params] == [3] * len(opt_b.flat_params)
+    assert [opt_b.saved_state().steps(f) for f in opt_b.flat_params] == [3] * len(opt_b.flat_params)
     assert train(a, opt_a, range(3, 6)) == train(b, opt_b, range(3, 6))
     assert_same_state(a, b)
 
@@ -309,6 +309,15 @@ def test_double_buffered_overlaps_neighbours_and_drains_every_started_item_on_fa
     with pytest.raises(OSError, match="item 1"):
         ckpt_io.double_buffered(4, 4096, start, finish)
     assert log[-3:] == [("wait", 1), ("drain", 1), ("drain", 2)]  # nothing left running on a buffer
+
+
+def test_region_offsets_put_each_region_on_a_page_and_pad_it_to_a_whole_page():
+    sizes = [1, 0, 4096, 4097, 12]
+    offsets = fmt.region_offsets(sizes)
+    assert offsets == [0, 4096, 4096, 8192, 16384, 20480]  # the last: the data file's size
+    assert all(o % 4096 == 0 for o in offsets)
+    assert [b - a for a, b in zip(offsets, offsets[1:])] == [fmt.round_up(n) for n in sizes]
+    assert fmt.region_offsets([]) == [0]
 
 
 # ------------------------------------------------------------------------- bad checkpoints
@@ -515,7 +524,7 @@ def _synthetic_checkpoint(folder: Path, model: nn.Module, opt: Any, world: int, 
     for flat in state.flat_params():
         layout = FlatLayout.build([s.fqn for s in flat.layout.slots], [s.shape for s in flat.layout.slots], world,
                                   itemsize=2)
-        states = opt.block_state(flat) if flat.trainable else None
+        states = opt.saved_state().blocks[flat] if flat.trainable else None
         names = ["values", *(states.states if states is not None else [])]
         for kind in names:
             values = (pm.read(flat.values) if states is None or kind == "values" else states.read(kind)).numpy()
@@ -529,7 +538,7 @@ def _synthetic_checkpoint(folder: Path, model: nn.Module, opt: Any, world: int, 
         flats.append(fmt.FlatEntry(name=flat.param.name, trainable=flat.trainable, layout=layout,
                                    dtypes=tuple(str(d).removeprefix("torch.") for d in flat.orig_dtypes),
                                    kinds={k: "float32" for k in names},
-                                   steps=opt.block_steps(flat) if flat.trainable else None))
+                                   steps=opt.saved_state().steps(flat) if flat.trainable else None))
     blob = ck._training_blob(state, opt, {"world": world}, persistent_buffers(model))
     ranks = [ckpt_io.write_rank_files(folder, r, per_rank[r], blob, IOConfig(), chunk_bytes=chunk)
              for r in range(world)]

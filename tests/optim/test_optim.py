@@ -184,8 +184,10 @@ def test_a_new_optimizer_takes_over_with_fresh_state(tmp_path: Any) -> None:
         opt = tz.AdamW(model, lr=1e-2)  # takes over: the old moments are given back, not shared
         assert pm.bytes_used("nvme") == nvme_before
         assert len([h for h in pm.handles if h.kind is Kind.EXP_AVG]) == len(opt.flat_params)
-        with pytest.raises(RuntimeError, match="newer tiered optimizer"):
-            old.step()
+        for stale in (old.step, old.state_dict, lambda: tz.save_checkpoint(tmp_path / "ckpt", model, old)):
+            with pytest.raises(RuntimeError, match="newer tiered optimizer"):
+                stale()
+        assert not (tmp_path / "ckpt").exists()  # refused before anything was written
         # the new optimizer starts from zero moments: the same updates as a fresh torch AdamW
         ref.load_state_dict({k: v for k, v in model.state_dict().items()})
         ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)

@@ -21,12 +21,13 @@ def test_block_state_and_shards_read_and_write_what_placement_holds(wrapped: Any
     opt = tz.AdamW(model, lr=1e-3)
     pm = runtime.placement_manager(model)
     for flat in opt.flat_params:
-        states = opt.block_state(flat)
+        states = opt.saved_state().blocks[flat]
         assert states.kinds == [runtime.MASTER, "exp_avg", "exp_avg_sq"] and states.states == states.kinds[1:]
         new = torch.arange(flat.layout.shard_numel, dtype=torch.float32) / 7  # uneven values, not zeros
         states.store("exp_avg", new)
         assert torch.equal(states.read("exp_avg"), new)
-        shards = {"values": runtime.values_shard(flat), **states.shards()}
+        stored = runtime.rank_shards([flat], {flat: states})[0]
+        shards = {"values": stored.values, **stored.states}
         for kind, shard in shards.items():
             buf = aligned_empty(-(-shard.nbytes // PAGE) * PAGE)  # whole pages, as a checkpoint's buffers
             shard.read_into(buf)
@@ -44,7 +45,7 @@ def test_an_update_that_fails_releases_its_pins_and_stores_nothing(wrapped: Any)
     model(x, x).loss.backward()
     pm = runtime.placement_manager(model)
     flat = opt.flat_params[0]
-    states = opt.block_state(flat)
+    states = opt.saved_state().blocks[flat]
     before = {k: states.read(k) for k in states.kinds}
     with pytest.raises(OSError, match="planted"):
         with states.update() as room:
@@ -55,7 +56,7 @@ def test_an_update_that_fails_releases_its_pins_and_stores_nothing(wrapped: Any)
     assert all(pm.record(h).pins(h.staging) == 0 for h in pm.handles)
     assert all(torch.equal(states.read(k), v) for k, v in before.items())
     opt.step()  # the model still steps
-    assert not torch.equal(opt.block_state(flat).read("exp_avg"), before["exp_avg"])
+    assert not torch.equal(opt.saved_state().blocks[flat].read("exp_avg"), before["exp_avg"])
 
 
 def test_an_update_whose_third_acquire_fails_releases_the_two_it_took(wrapped: Any, monkeypatch: Any) -> None:
@@ -64,7 +65,7 @@ def test_an_update_whose_third_acquire_fails_releases_the_two_it_took(wrapped: A
     x = torch.randint(0, 257, (2, 24))
     model(x, x).loss.backward()
     pm = runtime.placement_manager(model)
-    states = opt.block_state(opt.flat_params[0])
+    states = opt.saved_state().blocks[opt.flat_params[0]]
     real, calls = pm.acquire, []
 
     def acquire(handle: Any, tier: Any, **kw: Any) -> torch.Tensor:  # the gradient's, then the states'

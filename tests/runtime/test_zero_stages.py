@@ -98,7 +98,7 @@ def snapshot(model: torch.nn.Module, opt: tz.AdamW, rank: int, world_size: int) 
     rank's shards (other ranks: {}). Every rank calls it."""
     out = tz.full_state_dict(model)
     for flat in opt.flat_params:
-        for kind in (states := opt.block_state(flat)).states:
+        for kind in (states := opt.saved_state().blocks[flat]).states:
             shards: list[Any] = [states.read(kind)]
             if world_size > 1:
                 shards = [None] * world_size

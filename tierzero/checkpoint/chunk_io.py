@@ -27,7 +27,7 @@ import torch
 
 from io_engine import PAGE, IOEngine, IOFuture, PreallocatedFile, aligned_empty
 from tierzero.checkpoint.format import (CHUNK_BYTES, DATA_FILE, STATE_FILE, CheckpointError, Manifest,
-                                        RankFiles, Region, round_up)
+                                        RankFiles, Region, region_offsets)
 from tierzero.checkpoint.reshard import ReadOp
 from tierzero.config import IOConfig
 
@@ -102,7 +102,8 @@ def write_rank_files(folder: Path, rank: int, sources: Sequence[Source], state_b
     """Write rank `rank`'s data file (every source's bytes, in order, each in a page-aligned
     region) and state file into `folder`, fsynced; two buffers alternate so that reading one
     source overlaps writing the previous one. Returns what the manifest records for the rank."""
-    offsets = np.cumsum([0] + [round_up(s.nbytes) for s in sources]).tolist()
+    offsets = region_offsets([s.nbytes for s in sources])
+    padded = [end - start for start, end in zip(offsets, offsets[1:])]
     data_name, state_name = DATA_FILE.format(rank), STATE_FILE.format(rank)
     regions: dict[str, Region] = {}
     with open_engine(io_config) as engine:
@@ -110,7 +111,7 @@ def write_rank_files(folder: Path, rank: int, sources: Sequence[Source], state_b
 
             def start(i: int, buf: np.ndarray) -> list[IOFuture]:
                 src = sources[i]
-                buf = buf[:round_up(src.nbytes)]
+                buf = buf[:padded[i]]
                 src.read_into(buf)
                 buf[src.nbytes:] = 0
                 return _write_chunks(engine, data, buf, offsets[i], chunk_bytes)
@@ -118,7 +119,7 @@ def write_rank_files(folder: Path, rank: int, sources: Sequence[Source], state_b
             def finish(i: int, futures: list[IOFuture]) -> None:
                 regions[sources[i].key] = Region(offsets[i], sources[i].nbytes, _checksums(futures))
 
-            double_buffered(len(sources), max((round_up(s.nbytes) for s in sources), default=PAGE), start, finish)
+            double_buffered(len(sources), max(padded, default=PAGE), start, finish)
             os.fsync(data.handle.fd)
         raw = np.frombuffer(state_blob, dtype=np.uint8)
         with PreallocatedFile(folder / state_name, raw.nbytes) as sf:

@@ -13,7 +13,7 @@ import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import torch
 import xxhash
@@ -64,6 +64,15 @@ class CheckpointError(ValueError):
 def round_up(n: int) -> int:
     """`n` bytes padded to a whole page, as every region of a data file is."""
     return -(-n // PAGE) * PAGE
+
+
+def region_offsets(sizes: Sequence[int]) -> list[int]:
+    """Where each region of a data file starts, for regions of `sizes` bytes in that order, then
+    the file's size: each region starts on a page and is padded to a whole page."""
+    offsets = [0]
+    for n in sizes:
+        offsets.append(offsets[-1] - (-n // PAGE) * PAGE)
+    return offsets
 
 
 def torch_dtype(name: str) -> torch.dtype:

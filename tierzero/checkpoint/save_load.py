@@ -35,8 +35,8 @@ from tierzero.checkpoint.reshard import ReadOp, block_reshard_plan, on_blocks, r
 from tierzero.config import state_nbytes
 from tierzero.formats import fsync_dir, persistent_buffers, write_config_files
 from tierzero.layout import StateCodec, window_room
-from tierzero.optim import TieredOptimizer
-from tierzero.runtime import (FlatParam, RankShard, all_gather_objects, broadcast_object, model_dtype, values_shard,
+from tierzero.optim import SavedState, TieredOptimizer
+from tierzero.runtime import (FlatParam, RankShard, all_gather_objects, broadcast_object, model_dtype, rank_shards,
                               world)
 
 _UNMARKED_TMP = re.compile(re.escape(TMP_PREFIX) + r"\d{8}-\d+")
@@ -51,12 +51,14 @@ __all__ = ["save_checkpoint", "load_checkpoint", "persistent_buffers", "Checkpoi
 
 
 class _Job(NamedTuple):
-    """One stored tensor of this rank: its region key, its kind in the checkpoint ("values" or
-    a moment's kind), and this rank's shard of it (whatever the ZeRO stage: a rank that keeps the
-    whole parameters, stages 1 and 2, saves its shard)."""
+    """One stored tensor of this rank: its region key, its flat tensor and the name the manifest
+    gives it, its kind in the checkpoint ("values" or a moment's kind), and this rank's shard of
+    it (whatever the ZeRO stage: a rank that keeps the whole parameters, stages 1 and 2, saves
+    its shard)."""
 
     key: str
     flat: FlatParam
+    name: str
     kind: str
     shard: RankShard
 
@@ -69,30 +71,25 @@ class _Job(NamedTuple):
         return self.shard.nbytes
 
 
-def _stored(flat: FlatParam, optimizer: TieredOptimizer | None) -> dict[str, RankShard]:
-    """What a checkpoint stores of `flat`, by kind: its values (the fp32 master weights when
-    there are any, else the parameters), and the optimizer's moments."""
-    moments = optimizer.block_state(flat).shards() if _steps(flat, optimizer) else {}
-    return {VALUES: values_shard(flat), **moments}
+def _jobs(state: runtime.TieredState, saved: SavedState | None) -> list[_Job]:
+    """This rank's stored tensors, in the model's order: each flat tensor's values (the fp32
+    master weights when there are any, else the parameters), then the optimizer's moments of
+    the blocks it updates."""
+    stored = rank_shards(state.flat_params(), saved.blocks if saved is not None else {})
+    return [_Job(f"{s.name}/{kind}", s.flat, s.name, kind, shard)
+            for s in stored for kind, shard in {VALUES: s.values, **s.states}.items()]
 
 
-def _steps(flat: FlatParam, optimizer: TieredOptimizer | None) -> bool:
-    """Whether `optimizer` updates `flat` (a group covers some of its parameters)."""
-    return optimizer is not None and flat in optimizer.flat_params
-
-
-def _jobs(state: runtime.TieredState, optimizer: TieredOptimizer | None) -> list[_Job]:
-    return [_Job(f"{flat.param.name}/{kind}", flat, kind, shard)
-            for flat in state.flat_params() for kind, shard in _stored(flat, optimizer).items()]
-
-
-def _check_optimizer(state: runtime.TieredState, optimizer: object) -> None:
+def _saved_state(state: runtime.TieredState, optimizer: object) -> SavedState | None:
+    """What the checkpoint saves of `optimizer` (None: none); ValueError unless it is a tiered
+    optimizer built on this model."""
     if optimizer is None:
-        return
-    mine = set(state.flat_params())
-    if not isinstance(optimizer, TieredOptimizer) or not set(optimizer.flat_params) <= mine:
+        return None
+    saved = optimizer.saved_state() if isinstance(optimizer, TieredOptimizer) else None
+    if saved is None or not set(saved.flats) <= set(state.flat_params()):
         raise ValueError(f"checkpoint: expected a tz.AdamW / tz.SGD built on this model, got "
                          f"{type(optimizer).__name__}; pass the optimizer created with this model, or None")
+    return saved
 
 
 # ----------------------------------------------------------------------------- save
@@ -117,11 +114,11 @@ def save_checkpoint(dir: str | os.PathLike[str], model: nn.Module, optimizer: Ti
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"save_checkpoint: keep_last: expected None or an int >= 1, got {keep_last}")
     state = runtime.state_of(model)
-    _check_optimizer(state, optimizer)
     state.ctx.drain_updates()
+    saved = _saved_state(state, optimizer)
     rank, world_size = world(state.ctx.group)
     group = state.ctx.group
-    jobs = _jobs(state, optimizer)  # this rank's stored tensors, once: the files and the manifest
+    jobs = _jobs(state, saved)  # this rank's stored tensors, once: the files and the manifest
     root = Path(dir)
     names = None
     private = state.config.private_files
@@ -157,7 +154,7 @@ def save_checkpoint(dir: str | os.PathLike[str], model: nn.Module, optimizer: Ti
     if rank == 0 and not errors:
         try:
             files = _write_hf_config(state, tmp)
-            _publish(root, tmp, final, _manifest(state, optimizer, jobs, world_size, every, files), private)
+            _publish(root, tmp, final, _manifest(state, saved, jobs, world_size, every, files), private)
         except Exception as e:
             errors, failure = [f"rank 0: {e}"], e
     errors = broadcast_object(errors, group, world_size)
@@ -213,22 +210,23 @@ def _write_hf_config(state: runtime.TieredState, tmp: Path) -> dict[str, int]:
             if (tmp / name).is_file()}
 
 
-def _manifest(state: runtime.TieredState, optimizer: TieredOptimizer | None, jobs: list[_Job], world_size: int,
+def _manifest(state: runtime.TieredState, saved: SavedState | None, jobs: list[_Job], world_size: int,
               ranks: list[RankFiles], files: dict[str, int]) -> Manifest:
     formats: dict[FlatParam, dict[str, str]] = {}
-    for j in jobs:
+    for j in jobs:  # in the model's order, a flat tensor's values first
         formats.setdefault(j.flat, {})[j.kind] = j.shard.format
+    names = {j.flat: j.name for j in jobs}
     flats = []
-    for flat in state.flat_params():
-        kinds = formats[flat]
-        steps = optimizer.block_steps(flat) if _steps(flat, optimizer) else None
-        flats.append(FlatEntry(name=flat.param.name, trainable=flat.trainable, layout=flat.layout,
+    for flat, kinds in formats.items():
+        steps = saved.steps(flat) if saved is not None and flat in saved.blocks else None
+        flats.append(FlatEntry(name=names[flat], trainable=flat.trainable, layout=flat.layout,
                                dtypes=tuple(str(d).removeprefix("torch.") for d in flat.orig_dtypes),
                                kinds=kinds, steps=steps))
     canonical = {id(p): n for n, p in state.model.named_parameters()}
     aliases = {n: canonical[id(p)] for n, p in state.model.named_parameters(remove_duplicate=False)
                if canonical[id(p)] != n}
-    return Manifest(world_size=world_size, optimizer=type(optimizer).__name__ if optimizer is not None else None,
+    optimizer = type(saved.optimizer).__name__ if saved is not None else None
+    return Manifest(world_size=world_size, optimizer=optimizer,
                     chunk_bytes=CHUNK_BYTES, flats=tuple(flats), ranks=tuple(ranks), aliases=aliases, files=files)
 
 
@@ -276,25 +274,25 @@ def load_checkpoint(dir: str | os.PathLike[str], model: nn.Module,
     Optimizer states saved in another format (Config.optimizer_state_dtype) are refused unless
     `convert_states` ([Note: state formats in checkpoints])."""
     state = runtime.state_of(model)
-    _check_optimizer(state, optimizer)
     state.ctx.drain_updates(forget_failure=True)  # what a failed step left is replaced now
+    saved = _saved_state(state, optimizer)
     rank, _ = world(state.ctx.group)
     folder, manifest = open_checkpoint(dir)
-    jobs = _jobs(state, optimizer)
-    _check_model(folder / MANIFEST, manifest, state, optimizer, jobs)
+    jobs = _jobs(state, saved)
+    _check_model(folder / MANIFEST, manifest, optimizer, jobs)
     _check_formats(folder / MANIFEST, manifest, jobs, rank, convert_states)
     with open_engine(state.config.io) as engine:
         reader = Reader(folder, manifest, engine)
         reader.check_files()
         state_rank = rank if rank < manifest.world_size else 0
-        saved = reader.read_state(state_rank)
+        blob = reader.read_state(state_rank)
         buffers = persistent_buffers(model)
-        if set(buffers) != set(saved["buffers"]):
+        if set(buffers) != set(blob["buffers"]):
             raise CheckpointError(
-                f"{str(folder / manifest.ranks[state_rank].state)!r} holds buffers {sorted(saved['buffers'])[:6]}, "
+                f"{str(folder / manifest.ranks[state_rank].state)!r} holds buffers {sorted(blob['buffers'])[:6]}, "
                 f"this model has {sorted(buffers)[:6]}; load it into the model it was saved from")
         if optimizer is not None:
-            _check_groups(folder / manifest.ranks[state_rank].state, saved["param_groups"], state, optimizer)
+            _check_groups(folder / manifest.ranks[state_rank].state, blob["param_groups"], state, optimizer)
         plans = [_read_plan(manifest, job, rank) for job in jobs]
         size = max((round_up(numel * dtype.itemsize) for dtype, _, numel in plans), default=PAGE)
 
@@ -306,7 +304,7 @@ def load_checkpoint(dir: str | os.PathLike[str], model: nn.Module,
             return torch.from_numpy(dst[:numel * dtype.itemsize]).view(dtype)
 
         def store(i: int, futures: list[cf.Future[torch.Tensor]]) -> None:
-            job, saved_format = jobs[i], manifest.flat(jobs[i].flat.param.name).kinds[jobs[i].kind]
+            job, saved_format = jobs[i], manifest.flat(jobs[i].name).kinds[jobs[i].kind]
             jobs[i].shard.write(_converted(futures[0].result(), saved_format, job))
 
         # one thread reads the next shard while this one stores the current one to its tier
@@ -314,12 +312,13 @@ def load_checkpoint(dir: str | os.PathLike[str], model: nn.Module,
             double_buffered(len(jobs), size, lambda i, buf: [ahead.submit(read, i, buf)], store)
     with torch.no_grad():
         for name, buf in buffers.items():
-            buf.copy_(saved["buffers"][name])
-    if optimizer is not None:
-        optimizer.load_groups([{k: v for k, v in g.items() if k != GROUP_PARAMS} for g in saved["param_groups"]], None)
-        for flat in optimizer.flat_params:
-            optimizer.set_block_steps(flat, manifest.flat(flat.param.name).steps)
-    return saved["extra"]
+            buf.copy_(blob["buffers"][name])
+    if saved is not None:
+        saved.load_groups([{k: v for k, v in g.items() if k != GROUP_PARAMS} for g in blob["param_groups"]], None)
+        for job in jobs:
+            if job.kind == VALUES and job.flat in saved.blocks:
+                saved.set_steps(job.flat, manifest.flat(job.name).steps)
+    return blob["extra"]
 
 
 # [Note: state formats in checkpoints]
@@ -337,16 +336,16 @@ def _check_formats(path: Path, manifest: Manifest, jobs: list[_Job], rank: int, 
     for job in jobs:
         if job.shard.codec is None:
             continue
-        entry = manifest.flat(job.flat.param.name)
+        entry = manifest.flat(job.name)
         saved, mine = entry.kinds[job.kind], job.shard.format
         if saved != mine and not convert:
             raise CheckpointError(
-                f"{str(path)!r} holds the optimizer state {job.kind!r} of {job.flat.param.name!r} in {saved}, this "
+                f"{str(path)!r} holds the optimizer state {job.kind!r} of {job.name!r} in {saved}, this "
                 f"optimizer keeps it in {mine} (Config.optimizer_state_dtype); load with convert_states=True to "
                 f"convert it, or set optimizer_state_dtype={saved!r}")
         if saved == "int8" and block_reshard_plan(entry.layout, job.flat.layout, rank) is None:
             raise CheckpointError(
-                f"{str(path)!r} holds the optimizer state {job.kind!r} of {job.flat.param.name!r} in int8 blocks "
+                f"{str(path)!r} holds the optimizer state {job.kind!r} of {job.name!r} in int8 blocks "
                 f"that do not carry over to this rank {rank} of {job.flat.layout.world_size}: saved by "
                 f"{entry.layout.world_size} rank(s) with {'' if on_blocks(entry.layout) else 'shards starting inside blocks, '}"
                 f"parameters at offsets {[s.offset for s in entry.layout.slots][:4]}..., here at "
@@ -357,7 +356,7 @@ def _check_formats(path: Path, manifest: Manifest, jobs: list[_Job], rank: int, 
 def _read_plan(manifest: Manifest, job: _Job, rank: int) -> tuple[torch.dtype, list[ReadOp], int]:
     """(saved dtype, read ops, elements read) of `job`'s shard for `rank`: an int8 state's bytes
     resharded block by block (checked by _check_formats), the rest element by element."""
-    entry = manifest.flat(job.flat.param.name)
+    entry = manifest.flat(job.name)
     saved = entry.kinds[job.kind]
     if saved == "int8":
         ops = block_reshard_plan(entry.layout, job.flat.layout, rank)
@@ -400,10 +399,9 @@ def _check_groups(path: Path, saved: list[dict[str, Any]], state: runtime.Tiered
                                   "groups it was saved with")
 
 
-def _check_model(path: Path, manifest: Manifest, state: runtime.TieredState, optimizer: TieredOptimizer | None,
-                 jobs: list[_Job]) -> None:
+def _check_model(path: Path, manifest: Manifest, optimizer: TieredOptimizer | None, jobs: list[_Job]) -> None:
     """The manifest describes this model (and this optimizer's state): else CheckpointError."""
-    mine = {f.param.name: f for f in state.flat_params()}
+    mine = {j.name: j.flat for j in jobs if j.kind == VALUES}
     saved = {f.name: f for f in manifest.flats}
     if set(mine) != set(saved):
         raise CheckpointError(
@@ -420,9 +418,9 @@ def _check_model(path: Path, manifest: Manifest, state: runtime.TieredState, opt
                 f"{diff[1]} in the checkpoint but {diff[0]} in this model; load it into the model it was "
                 "saved from")
     for job in jobs:
-        if job.kind not in saved[job.flat.param.name].kinds:
+        if job.kind not in saved[job.name].kinds:
             raise CheckpointError(
-                f"{str(path)!r} holds no optimizer state {job.kind!r} for {job.flat.param.name!r} (saved with "
+                f"{str(path)!r} holds no optimizer state {job.kind!r} for {job.name!r} (saved with "
                 f"optimizer {manifest.optimizer}, loading into {type(optimizer).__name__}); load with "
                 "optimizer=None, or use the optimizer the checkpoint was saved with")
     if optimizer is not None and manifest.optimizer is None:

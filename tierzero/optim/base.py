@@ -25,7 +25,8 @@ from torch import nn
 from tierzero import runtime
 from tierzero.layout import FlatLayout
 from tierzero.optim import window_kernel
-from tierzero.runtime import MASTER, BlockState, FlatGrad, FlatParam, Piece, StepQueue
+from tierzero.optim.saved import SavedState, then_collectives
+from tierzero.runtime import BlockState, FlatGrad, FlatParam, Piece, StepQueue
 
 READ_AHEAD = 2
 """Blocks whose gradient and state a step reads ahead of the one it updates: the drive always
@@ -281,27 +282,14 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._follow_refresh()
         return list(self._flats)
 
-    def block_state(self, flat: FlatParam) -> BlockState:
-        """`flat`'s master weights and moments (tierzero.checkpoint streams the moments), once
-        the updates queued have landed."""
+    def saved_state(self) -> SavedState:
+        """What a save takes of this optimizer and a load gives back (state dicts and
+        tierzero.checkpoint), once the updates queued have landed."""
+        self._follow_refresh()
         self._model_state.ctx.drain_updates()
-        return self._live_states(flat)
-
-    def block_steps(self, flat: FlatParam) -> int | list[int]:
-        """Updates applied to `flat`'s parameters so far (AdamW's bias correction counts them):
-        one count when they are all equal (every parameter got a gradient every step), else one
-        per parameter."""
-        self._model_state.ctx.drain_updates()
-        counts = self._steps[flat]
-        return counts[0] if len(set(counts)) == 1 else list(counts)
-
-    def set_block_steps(self, flat: FlatParam, steps: int | list[int]) -> None:
-        self._model_state.ctx.drain_updates()
-        n = len(flat.layout.slots)
-        counts = [int(steps)] * n if isinstance(steps, int) else [int(s) for s in steps]
-        if len(counts) != n:
-            raise ValueError(f"{flat.name}: {len(counts)} step counts for {n} parameters")
-        self._steps[flat] = counts
+        if self._flats:
+            self._check_live()
+        return SavedState(self, list(self._flats), {f: self._states[f] for f in self._flats}, self._steps)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -321,7 +309,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         for i, flat in enumerate(todo):
             update = functools.partial(self._step_flat, flat, groups, ahead=todo[i + 1:i + 1 + READ_AHEAD])
             if self._queue is None:
-                _then_collectives(update())
+                then_collectives(update())
             else:
                 self._queue.submit(flat.param, flat.name,
                                    runtime.beside_compute(self._model_state, update, flat.name, overlapped=True))
@@ -353,7 +341,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                 return collectives
 
         if self._updater is None:
-            _then_collectives(update())
+            then_collectives(update())
         else:  # in order, one at a time, while backward goes on
             beside = runtime.beside_compute(self._model_state, update, flat.name, overlapped=False)
             self._pending.append(self._updater.submit(beside))
@@ -367,7 +355,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             if fut.exception() is not None:
                 raise fut.exception()
         for fut in pending:
-            _then_collectives(fut.result())
+            then_collectives(fut.result())
 
     def driven_by(self, loop: str) -> None:
         """Declare that `loop` (e.g. "tierzero.hf.Trainer") drives this optimizer and handles the
@@ -492,46 +480,13 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------- state dicts
 
-    def load_groups(self, saved: list[dict[str, Any]], sizes: list[int] | None) -> None:
-        """Take the hyper-parameters of `saved` param groups (state dicts, checkpoints), group
-        by group; ValueError unless they are as many, of the same sizes (`sizes`, when known)."""
-        mine = [len(g["params"]) for g in self.param_groups]
-        if len(saved) != len(mine) or (sizes is not None and sizes != mine):
-            raise ValueError(f"{type(self).__name__}: the saved optimizer state has {len(saved)} param group(s) "
-                             f"of {sizes if sizes is not None else '?'} parameters, this optimizer {len(mine)} of "
-                             f"{mine}; build the optimizer with the groups it was saved with")
-        for group, values in zip(self.param_groups, saved):
-            group.update({k: v for k, v in values.items() if k not in ("params", "param_names")})
-
     def state_dict(self) -> dict[str, Any]:
         """param_groups as torch packs them; "state" maps each block to its step count and its
-        master weights and moments, this rank's shards as CPU tensors in their formats
-        (Config.optimizer_state_dtype: an int8 state is its bytes, codes then scales)."""
-        self._follow_refresh()
-        self._model_state.ctx.drain_updates()
-        sd = super().state_dict()
-        sd["state"] = {}
-        for flat in self._flats:
-            states = self._live_states(flat)
-            sd["state"][flat.name] = {"step": self.block_steps(flat), **{k: states.read(k) for k in states.kinds}}
-        return sd
+        master weights and moments (SavedState.state_dict)."""
+        return self.saved_state().state_dict(super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._model_state.ctx.drain_updates()
-        self.load_groups(state_dict["param_groups"], [len(g["params"]) for g in state_dict["param_groups"]])
-        by_name = {flat.name: flat for flat in self._flats}
-        unknown = sorted(set(state_dict["state"]) - set(by_name))
-        if unknown:
-            raise ValueError(f"optimizer state for unknown blocks {unknown}; this model's blocks are "
-                             f"{sorted(by_name)}")
-        for name, entry in state_dict["state"].items():
-            flat = by_name[name]
-            self.set_block_steps(flat, entry["step"])
-            states = self._live_states(flat)
-            for k in states.kinds:
-                _check_format(name, k, entry[k], *states.stored_as(k))
-                states.store(k, entry[k])
-            _then_collectives(flat.master_updated(entry[MASTER]))
+        self.saved_state().load_state_dict(state_dict)
 
 
 _OPTIMIZER_OF: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[TieredOptimizer]]" = weakref.WeakKeyDictionary()
@@ -578,21 +533,6 @@ def _hyper_key(group: dict[str, Any]) -> tuple[Any, ...]:
             return ("tensor", id(v))
         return tuple(hashable(x) for x in v) if isinstance(v, (list, tuple)) else v
     return tuple((k, hashable(v)) for k, v in sorted(group.items()) if k not in ("params", "param_names"))
-
-
-def _check_format(block: str, kind: str, given: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> None:
-    """ValueError unless a state dict's `given` state is stored as this optimizer's (`dtype`, `shape`)."""
-    if given.dtype != dtype or given.shape != shape:
-        raise ValueError(f"optimizer state {kind!r} of block {block!r}: expected {dtype} of shape {tuple(shape)} "
-                         f"(this optimizer's format, Config.optimizer_state_dtype), got {given.dtype} of shape "
-                         f"{tuple(given.shape)}; load a state dict saved with the same optimizer_state_dtype, or "
-                         "convert through tz.load_checkpoint(..., convert_states=True)")
-
-
-def _then_collectives(collectives: Callable[[], None] | None) -> None:
-    """Run an update's collectives (none: nothing to run) on this thread, which drives the model's."""
-    if collectives is not None:
-        collectives()
 
 
 def flat_grad(flat: FlatParam) -> FlatGrad:

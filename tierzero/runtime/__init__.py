@@ -15,7 +15,7 @@ from tierzero.runtime.optimizer_guard import TIERED_OPTIMIZER
 from tierzero.runtime.state import (TieredState, close, full_state_dict, gathered_params, model_dtype, placement_manager,
                                     settle, state_of, state_of_param, step_comm_bytes, step_stats)
 from tierzero.runtime.step.schedule import LayerMajorRefusal
-from tierzero.runtime.flat.shards import RankShard, values_shard
+from tierzero.runtime.flat.shards import RankShard, rank_shards
 from tierzero.runtime.step.step_context import StepContext
 from tierzero.runtime.step.step_queue import StepFailed, StepQueue
 from tierzero.runtime.split import tier_bytes
@@ -28,4 +28,4 @@ __all__ = ["wrap", "accumulate", "LayerMajorRefusal", "compile", "tier_bytes", "
            "close", "model_dtype", "TieredState", "FlatParam", "FlatGrad", "StepContext", "StepQueue", "StepFailed",
            "RankRuntimeError", "rank_errors", "world", "all_reduce_", "broadcast_object", "all_gather_objects",
            "TIERED_OPTIMIZER", "MASTER", "BlockState", "Held", "UpdateRoom", "Piece",
-           "check_update_rooms", "update_queue", "global_norm", "beside_compute", "RankShard", "values_shard"]
+           "check_update_rooms", "update_queue", "global_norm", "beside_compute", "RankShard", "rank_shards"]

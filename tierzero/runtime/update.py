@@ -25,7 +25,6 @@ from tierzero.placement import UPDATES_TRACK, Kind, TensorHandle
 from tierzero.runtime.flat.collectives import all_reduce_, rank_errors
 from tierzero.runtime.flat.flat_param import FlatParam
 from tierzero.runtime.flat.grads import FlatGrad
-from tierzero.runtime.flat.shards import RankShard
 from tierzero.runtime.state import TieredState
 from tierzero.runtime.step.step_context import StepContext
 from tierzero.runtime.step.step_queue import StepQueue
@@ -195,9 +194,10 @@ class BlockState:
         """Overwrite this rank's shard of `kind` on its home tier (`values` in its format)."""
         self.flat.ctx.pm.store(self._handles[kind], values)
 
-    def shards(self) -> dict[str, RankShard]:
-        """The states besides the master weights, as a checkpoint stores them."""
-        return {k: RankShard(self.flat, h, values=False, codec=self._codecs[k]) for k, h in list(self._handles.items())[1:]}
+    def stored(self) -> dict[str, tuple[TensorHandle, StateCodec]]:
+        """The states besides the master weights, as a checkpoint stores them (runtime.rank_shards):
+        each one's handle and format."""
+        return {k: (h, self._codecs[k]) for k, h in list(self._handles.items())[1:]}
 
     def prefetch(self, *, speculative: bool, grad: bool = True) -> None:
         """Start reading the state (and the gradient, `grad`) toward the tiers the update uses."""

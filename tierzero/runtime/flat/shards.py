@@ -1,8 +1,11 @@
-"""This rank's shard of a tensor a checkpoint stores: a block's values or one of its optimizer
-states, read into a caller's buffer and written back to its home tier. tierzero.checkpoint reads
-and writes a model's state through these, never through the placement manager."""
+"""This rank's shards of what a checkpoint stores of a model (`rank_shards`, in one call): each
+block's values and its optimizer states, each a RankShard, read into a caller's buffer and written
+back to its home tier. tierzero.checkpoint reads and writes a model's state through these, never
+through the placement manager."""
 
 from __future__ import annotations
+
+from typing import Mapping, NamedTuple, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -24,12 +27,9 @@ class RankShard:
         self.numel = flat.layout.shard_numel if values else handle.shape.numel()
         """Elements of the stored shard (an int8 state: its bytes, codes then scales)."""
         self.nbytes = self.numel * self.dtype.itemsize
-
-    @property
-    def format(self) -> str:
+        self.format = codec.dtype if codec is not None else str(self.dtype).removeprefix("torch.")
         """What a checkpoint's manifest names it by: the dtype, or an optimizer state's format
         ("float32", "bfloat16", "int8")."""
-        return self.codec.dtype if self.codec is not None else str(self.dtype).removeprefix("torch.")
 
     def read_into(self, buf: np.ndarray) -> None:
         """This rank's shard of the tensor, as bytes, into `buf` (at least `nbytes` long)."""
@@ -48,6 +48,33 @@ class RankShard:
             self.flat.ctx.pm.store(self.handle, shard.to(self.dtype))
 
 
-def values_shard(flat: FlatParam) -> RankShard:
-    """This rank's shard of `flat`'s values, as a checkpoint stores them."""
-    return RankShard(flat, flat.values, values=True)
+class StoredStates(Protocol):
+    """An optimizer's states of one block (the runtime's BlockState), as a checkpoint stores them."""
+
+    def stored(self) -> dict[str, tuple[TensorHandle, StateCodec]]:
+        """Each state besides the master weights, by kind: its handle and its format."""
+        ...
+
+
+class Stored(NamedTuple):
+    """What a checkpoint stores of one flat tensor: this rank's shard of its values and of the
+    optimizer's states by kind (none when no optimizer updates it), under the flat tensor's
+    name (its parameters' handle's)."""
+
+    name: str
+    flat: FlatParam
+    values: RankShard
+    states: dict[str, RankShard]
+
+
+def rank_shards(flats: Sequence[FlatParam], states: Mapping[FlatParam, StoredStates]) -> list[Stored]:
+    """What a checkpoint stores of `flats`, in their order, this rank's shards: each one's
+    values (the fp32 master weights when there are any, else the parameters) and the optimizer
+    states of those in `states`."""
+    out = []
+    for flat in flats:
+        block = states.get(flat)
+        kinds = block.stored() if block is not None else {}
+        out.append(Stored(flat.param.name, flat, RankShard(flat, flat.values, values=True),
+                          {k: RankShard(flat, h, values=False, codec=c) for k, (h, c) in kinds.items()}))
+    return out
