@@ -14,14 +14,17 @@ modules"). The runtime imports only this face (tests/test_architecture.py, PLACE
 # nvme.py       this run's swap files: extents, checksummed IO through io_engine
 # tier_store.py one store per tier: buffers within the tier's budget
 # telemetry.py  moves, stalls, bytes per tier, the Chrome trace; StepRecorder
-# moves.py      a move in flight, its legs, staging needs and outcome
-# records.py    Residency, Copy, TensorRecord: one tensor's state per tier
+# moves.py      a move in flight, its legs and outcome
+# records.py    Residency, Content, Copy, TensorRecord: one tensor's state per tier
 # plans.py      the typed plans of moves and the worker bodies that run them
-# executor.py   MoveExecutor: runs the bodies on workers, commits them under the lock
+# executor.py   MoveExecutor and MoveTable: runs the bodies on workers, commits them under the lock
 # eviction.py   Room: reservations all or nothing, evicting by policy
-# residency.py  ResidencyTable: the state machine, a call's checks and its waits' conditions
 # waiting.py    the wait for room or a move, and when it gives up
-# manager.py    PlacementManager: the public API
+# residency.py  CopyStates (the records and their transitions: the state machine) and
+#               ResidencyTable (the calls on cached copies, each in one method)
+# homes.py      Homes: the calls on home copies (register, unregister, relabel, store, read)
+# scratch.py    Scratch: buffers a caller fills and computes on itself
+# manager.py    PlacementManager: the public API, a thin face over the table and the homes
 
 from tierzero.config import Tier
 from tierzero.placement.cow_home import CheckpointHome, Segment

@@ -19,7 +19,7 @@ from typing import Collection, Literal, Mapping, NamedTuple, Protocol, Sequence
 
 from tierzero.config import Tier, format_size
 from tierzero.placement.handles import TensorHandle
-from tierzero.placement.moves import MoveTable
+from tierzero.placement.executor import MoveTable
 from tierzero.placement.records import Content, Residency, TensorRecord
 from tierzero.placement.tier_store import Buffer, TierStore
 

@@ -1,5 +1,6 @@
 """The executor of moves: runs the plans' bodies on worker threads (NVMe IO, copies between
-memories, and waiters for copies still landing) and commits each outcome under the table's lock.
+memories, and waiters for copies still landing) and commits each outcome under the table's lock;
+`MoveTable`, every move in flight.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import time
 from typing import Callable, TypeVar
 
 from tierzero.config import Tier
-from tierzero.placement.moves import Done, Failed, Leg, Move, MoveTable, Outcome, Span
+from tierzero.placement.handles import TensorHandle
+from tierzero.placement.moves import Done, Failed, Leg, Move, Outcome, Span
 from tierzero.placement.plans import FetchPlan, MoveIO, StorePlan, WritebackPlan
 from tierzero.placement.streams import DONE, CopyEvent
 
@@ -19,6 +21,29 @@ from tierzero.placement.streams import DONE, CopyEvent
 PlanT = TypeVar("PlanT", FetchPlan, WritebackPlan, StorePlan)
 Body = Callable[[PlanT, MoveIO], Done]
 Commit = Callable[[PlanT, Outcome], None]
+
+
+class MoveTable:
+    """Every move in flight, in one place, keyed by (tensor, tier of its cached copy): the tier
+    a fetch fills or a write-back copies from (a store, which targets the NVMe home, is keyed by
+    NVMe: no other move is). A copy has at most one move at a time, which it also keeps (its
+    `move`: a tensor's moves are read off its copies; this table answers for all of them)."""
+
+    def __init__(self) -> None:
+        self._moves: dict[tuple[TensorHandle, Tier], Move] = {}
+
+    def add(self, tier: Tier, move: Move) -> None:
+        assert (move.tensor, tier) not in self._moves, f"{move.tensor.name} already moving on {tier}"
+        self._moves[(move.tensor, tier)] = move
+
+    def pop(self, handle: TensorHandle, tier: Tier) -> Move:
+        return self._moves.pop((handle, tier))
+
+    def all(self) -> tuple[Move, ...]:
+        return tuple(self._moves.values())
+
+    def __len__(self) -> int:
+        return len(self._moves)
 
 
 class MoveExecutor:
@@ -54,7 +79,7 @@ class MoveExecutor:
         pool = self._nvme if Tier.NVME in (src, dst) else self._copier
         future: cf.Future[None] = cf.Future()  # done at the commit, which a waiter may make
         source = plan.copy.event if isinstance(plan, WritebackPlan) else DONE
-        if source.query():
+        if source is DONE or source.query():
             pool.submit(self._run_body, plan, body, commit, legs, submitted, future)
         else:  # the copy into the source is still queued: a waiter starts the body once it landed
             self._run_on(self._waiter, self._start_once_landed, source, pool, plan, body, commit, legs, submitted,

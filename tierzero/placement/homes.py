@@ -15,11 +15,10 @@ from tierzero.config import Tier
 from tierzero.placement.cow_home import CheckpointHome
 from tierzero.placement.eviction import Shortfall
 from tierzero.placement.handles import Kind, TensorHandle
-from tierzero.placement.moves import staging_needs
 from tierzero.placement.nvme import SwapRegion
 from tierzero.placement.plans import StorePlan, run_store
 from tierzero.placement.records import Content, Copy, Residency, TensorRecord
-from tierzero.placement.residency import ResidencyTable, check_home, home_written
+from tierzero.placement.residency import ResidencyTable, check_home, home_written, staging_needs
 from tierzero.placement.tier_store import Buffer, as_memory, region, typed
 
 

@@ -177,7 +177,7 @@ class PlacementManager:
         without writing back a dirty one or evicting a prefetched copy not used yet: a read
         further ahead never pushes out data that is still to be used)."""
         handles = (h,) if isinstance(h, TensorHandle) else h
-        return self._table.prefetch(handles, self._tier(tier, "prefetch", h), speculative=speculative)
+        return self._table.prefetch(handles, _tier(tier, "prefetch", h), speculative=speculative)
 
     def acquire(self, h: TensorHandle, tier: Tier | str = Tier.DEVICE, *, overwrite: bool = False) -> torch.Tensor:
         """The tensor on `tier` (registered shape and dtype), pinned until release().
@@ -185,7 +185,7 @@ class PlacementManager:
         overwrite=True: the caller will write every element and release(dirty=True), so when
         there is no copy on `tier` yet its bytes are not read: a fresh uninitialised copy is
         made there (no NVMe read; a gradient's first write in a step, say)."""
-        return self._table.acquire([(h, self._tier(tier, "acquire", h))], overwrite=overwrite)[0]
+        return self._table.acquire([(h, _tier(tier, "acquire", h))], overwrite=overwrite)[0]
 
     def release(self, h: TensorHandle, tier: Tier | str = Tier.DEVICE, *, dirty: bool = False,
                 lazy: bool = False, written: CopyEvent | None = None) -> None:
@@ -197,14 +197,14 @@ class PlacementManager:
         write-back would need a staging buffer (a device copy of an NVMe home) it is eager.
         written: the caller's last write into the copy is a copy still in flight (a gradient's
         device-to-host copy); every reader, write-back and free of the copy waits for it."""
-        self._table.release([(h, self._tier(tier, "release", h))], dirty=dirty, lazy=lazy, written=written)
+        self._table.release([(h, _tier(tier, "release", h))], dirty=dirty, lazy=lazy, written=written)
 
     @contextlib.contextmanager
     def hold(self, pairs: Sequence[tuple[TensorHandle, Tier | str]], *, dirty: bool = False) -> Iterator[list[torch.Tensor]]:
         """acquire() each (handle, tier) in turn, then release() every one on leaving (`dirty`
         as release takes it, on an error too); if an acquire fails, those taken are released
         clean and the error raised."""
-        parsed = [(h, self._tier(tier, "hold", h)) for h, tier in pairs]
+        parsed = [(h, _tier(tier, "hold", h)) for h, tier in pairs]
         tensors = self._table.acquire(parsed)
         try:
             yield tensors
@@ -220,7 +220,7 @@ class PlacementManager:
     def drop(self, h: TensorHandle, tier: Tier | str) -> None:
         """Free an unpinned cached copy now (after its write-back, if one is in flight or it is
         dirty)."""
-        tier = self._tier(tier, "drop", h)
+        tier = _tier(tier, "drop", h)
         rec = self._table.record_of(h, "drop", tier)
         if tier is h.home:
             raise ValueError(f"drop({h.name!r}, {tier.value!r}): {tier.value} is the tensor's home; "
@@ -345,10 +345,10 @@ class PlacementManager:
         return (f"PlacementManager(rank={self.rank}, device={self.device}, tensors={len(self._table.index)}, "
                 f"in_flight={len(self._table.states.moves)}, {used})")
 
-    @staticmethod
-    def _tier(tier: Tier | str, what: str, h: TensorHandle | Sequence[TensorHandle]) -> Tier:
-        """A tier as given (the hot paths pass a Tier), or parsed."""
-        if isinstance(tier, Tier):
-            return tier
-        name = h.name if isinstance(h, TensorHandle) else "..."
-        return Tier.parse(tier, what=f"{what}({name!r}) tier")
+
+def _tier(tier: Tier | str, what: str, h: TensorHandle | Sequence[TensorHandle]) -> Tier:
+    """A tier as given (the hot paths pass a Tier), or parsed."""
+    if isinstance(tier, Tier):
+        return tier
+    name = h.name if isinstance(h, TensorHandle) else "..."
+    return Tier.parse(tier, what=f"{what}({name!r}) tier")

@@ -1,7 +1,7 @@
-"""Moves between tiers: a move in flight and the table of them, the staging a move needs, and
-what its body did (legs for the stall attribution, the outcome its commit gets).
+"""Moves between tiers: a move in flight and what its body did (legs for the stall
+attribution, the outcome its commit gets).
 
-ResidencyTable plans a move under the lock, every buffer it needs reserved (a plan, plans.py),
+CopyStates (residency.py) plans a move under the lock, every buffer it needs reserved (a plan, plans.py),
 and hands it to `MoveExecutor.submit` (executor.py) with the transition that commits it. A
 worker runs the plan's body, which returns a `Done` or raises (`Failed`); the executor commits
 the `Outcome` under the lock. See [Note: move legs] in plans.py.
@@ -55,36 +55,6 @@ class Move(NamedTuple):
     issued: cf.Future[CopyEvent] | None = None
     """A fetch's: done once its last copy is queued, with that copy's event (toward the device:
     compute may order itself after it while the move waits for the copy to land)."""
-
-
-class MoveTable:
-    """Every move in flight, in one place, keyed by (tensor, tier of its cached copy): the tier
-    a fetch fills or a write-back copies from (a store, which targets the NVMe home, is keyed by
-    NVMe: no other move is). A copy has at most one move at a time, which it also keeps (its
-    `move`: a tensor's moves are read off its copies; this table answers for all of them)."""
-
-    def __init__(self) -> None:
-        self._moves: dict[tuple[TensorHandle, Tier], Move] = {}
-
-    def add(self, tier: Tier, move: Move) -> None:
-        assert (move.tensor, tier) not in self._moves, f"{move.tensor.name} already moving on {tier}"
-        self._moves[(move.tensor, tier)] = move
-
-    def pop(self, handle: TensorHandle, tier: Tier) -> Move:
-        return self._moves.pop((handle, tier))
-
-    def all(self) -> tuple[Move, ...]:
-        return tuple(self._moves.values())
-
-    def __len__(self) -> int:
-        return len(self._moves)
-
-
-def staging_needs(src: Tier | None, dst: Tier, nbytes: int) -> list[tuple[Tier, int]]:
-    """The host staging buffer that `nbytes` moved from `src` (None: a caller's tensor) to `dst`
-    pass through, as a reservation need, or none: NVMe IO needs page-aligned host bytes, and
-    only a cached host copy already is."""
-    return [(Tier.HOST, nbytes)] if Tier.NVME in (src, dst) and Tier.HOST not in (src, dst) else []
 
 
 class Span(NamedTuple):

@@ -20,9 +20,9 @@ import torch
 
 from tierzero.config import Tier
 from tierzero.placement.eviction import Room, Shortfall
-from tierzero.placement.executor import MoveExecutor
 from tierzero.placement.handles import TensorHandle
-from tierzero.placement.moves import Done, MoveTable, Outcome, stall_sources, staging_needs
+from tierzero.placement.executor import MoveExecutor, MoveTable
+from tierzero.placement.moves import Done, Outcome, stall_sources
 from tierzero.placement.plans import FetchPlan, MoveIO, WritebackPlan, run_fetch, run_writeback
 from tierzero.placement.records import Content, Copy, Residency, TensorRecord
 from tierzero.placement.nvme import SwapSpace
@@ -91,7 +91,7 @@ class CopyStates:
         source_fetch = source.move
         if source_fetch is not None and source_fetch.dst is not src:
             source_fetch = None  # the source's own write-back: it reads what this fetch reads
-        in_flight = rec.in_flight
+        in_flight = [c.move for c in rec._copies.values() if c.move is not None]
         plan = FetchPlan(h, src, tier, source, Copy(bufs[0], self.stores[tier].view(bufs[0], h)),
                          as_memory(bufs[1]) if len(bufs) > 1 else None,
                          self.streams.compute_ready() if src is Tier.DEVICE else source.event,
@@ -327,23 +327,24 @@ class ResidencyTable:
                     self.until(lambda: self._begin_copy(rec, tier, overwrite), rec, what)
                 copy = self.states.pin(rec, tier)
                 move = copy.move
-            t0 = time.perf_counter()
-            self.telemetry.record_prefetch(hit)
-            if t0 - asked > 1e-3:  # time spent waiting for room (or for another copy's move)
-                self.telemetry.record_stall(tier, t0 - asked, {"room": t0 - asked})
-            event = copy.event
+            t0 = t1 = time.perf_counter()
+            room_s = t0 - asked if t0 - asked > 1e-3 else 0.0  # time spent waiting for room (or another's move)
+            sources = {"room": room_s} if room_s else {}
+            event, error = copy.event, None
             if move is not None:
                 # A fetch toward the device is waited for on the host only until its copy is
                 # queued; compute then waits for the copy's event on its own stream.
                 waited = move.issued if move.dst is tier and move.issued is not None else move.future
                 cf.wait([waited])
                 t1 = time.perf_counter()
-                self.telemetry.record_stall(tier, t1 - t0, stall_sources(move.legs, t0, t1))
+                for source, s in stall_sources(move.legs, t0, t1).items():
+                    sources[source] = sources.get(source, 0.0) + s
                 error = waited.exception() if move.dst is tier else None
-                if error is not None:
-                    raise error  # the fetch failed; its copy is gone
-                if waited is move.issued:
+                if error is None and waited is move.issued:
                     event = move.issued.result()
+            self.telemetry.record_acquire(hit, tier, room_s + (t1 - t0), sources)
+            if error is not None:
+                raise error  # the fetch failed; its copy is gone
             self._compute_after(event, copy.tensor)
             return copy.tensor
 
@@ -479,6 +480,13 @@ class ResidencyTable:
 
     def __repr__(self) -> str:
         return f"ResidencyTable(tensors={len(self.index)}, {self.states!r})"
+
+
+def staging_needs(src: Tier | None, dst: Tier, nbytes: int) -> list[tuple[Tier, int]]:
+    """The host staging buffer that `nbytes` moved from `src` (None: a caller's tensor) to `dst`
+    pass through, as a reservation need, or none: NVMe IO needs page-aligned host bytes, and
+    only a cached host copy already is."""
+    return [(Tier.HOST, nbytes)] if Tier.NVME in (src, dst) and Tier.HOST not in (src, dst) else []
 
 
 # What a call checks and the conditions its waits end on (None while the wait goes on).

@@ -203,6 +203,13 @@ class Telemetry:
                 self.stall_s_by_source[source] += s
                 self._step.stall_s_by_source[source] += s
 
+    def record_acquire(self, hit: bool, tier: str, seconds: float, sources: dict[str, float]) -> None:
+        """An acquire found its copy there or on its way (`hit`: a prefetch hit) or not, and
+        waited `seconds` for room and its move (split by `sources`; 0: no stall)."""
+        self.record_prefetch(hit)
+        if seconds:
+            self.record_stall(tier, seconds, sources)
+
     def record_prefetch(self, hit: bool) -> None:
         with self._lock:
             if hit:
