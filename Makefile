@@ -29,7 +29,7 @@ install: $(STAMP)
 
 # The parity-critical tests run a second time on the asynchronous stand-in for the GPU's copy
 # streams (copies land later, poisoned until then and when freed, checked: see
-# tierzero/placement/stand_in.py), under a seed of random copy delays: what a GPU would
+# tierzero/placement/storage/stand_in.py), under a seed of random copy delays: what a GPU would
 # reorder is exercised on every machine. One seed keeps `make test` within 15 minutes on 2 cores;
 # `make test-async DELAY_SEEDS="1 2 3"` runs more.
 ASYNC_TESTS := tests/runtime/test_parity.py tests/runtime/test_split.py tests/runtime/test_zero_stages.py \

@@ -36,7 +36,7 @@ kernels, timed with CUDA events around them) over the configuration's step time:
 its step the GPU could not have been shorter. A table, or --json.
 
 Without CUDA, `--device cpu --streams async` runs a, b and e with the CPU as device and the
-asynchronous stream stand-in (tierzero/placement/stand_in.py), so the script's logic is
+asynchronous stream stand-in (tierzero/placement/storage/stand_in.py), so the script's logic is
 exercised on every machine; `--size tiny` makes it quick. The GPU figures need a GPU.
 
     python benchmarks/gpu_step.py --nvme-dir /mnt/nvme/gpu-step [--configs a,b,c,d,e] [--steps 5] [--json]

@@ -307,7 +307,7 @@ def test_measure_top_measures_only_the_best_predicted_and_tears_each_down(tmp_pa
     import gc
     import weakref
 
-    from tierzero.placement import swap_dirs
+    from tierzero.placement.storage import swap_dirs
 
     models: list[weakref.ref] = []
     real_run = tune.Trainer.run

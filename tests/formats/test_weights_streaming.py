@@ -18,7 +18,7 @@ from hf_models import token_batches, weights_config, build, hf, llama, save
 from pairs import clipped_step
 from tierzero import runtime
 from tierzero.formats.weights import LoadedShard, WeightSource
-from tierzero.placement.cow_home import CheckpointHome
+from tierzero.placement.storage.cow_home import CheckpointHome
 from tierzero.placement.handles import Kind
 from tierzero.runtime.flat.flat_param import FlatParam
 

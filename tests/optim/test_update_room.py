@@ -85,7 +85,7 @@ def test_a_step_in_backward_host_budget_too_small_for_the_update_beside_backward
 @pytest.mark.parametrize("seed", [3])
 def test_in_one_pinned_region_the_check_counts_the_windows_and_the_number_it_names_trains(
         tmp_path: Path, seed: int) -> None:
-    """[Note: working set windows] in tierzero/placement/tiers.py: with the host tier one pinned
+    """[Note: working set windows] in tierzero/placement/storage/tiers.py: with the host tier one pinned
     region (the stream stand-in, as CUDA), the 3330048 bytes a HostPool needs were accepted and
     the first backward failed for 8 of 10 delay seeds (the update's last moment found free bytes
     but no window). The check now asks for the room in which the last slice always finds one,

@@ -110,7 +110,7 @@ def test_a_disk_error_while_wrap_writes_fails_wrap_and_leaves_nothing(tmp_path: 
     from torch import nn
 
     import tierzero as tz
-    from tierzero.placement import nvme
+    from tierzero.placement.storage import nvme
 
     def broken(*args, **kwargs):
         raise OSError(5, "Input/output error")

@@ -27,10 +27,10 @@ from pairs import clipped_step
 from tierzero import runtime
 from tierzero.runtime import wrapping
 from tierzero.config.config import IOConfig
-from tierzero.placement.cow_home import CheckpointChangedError, Segment
+from tierzero.placement.storage.cow_home import CheckpointChangedError, Segment
 from tierzero.placement.handles import Kind
-from tierzero.placement.nvme import SwapSpace
-from tierzero.placement.tiers import Budget, round_up
+from tierzero.placement.storage.nvme import SwapSpace
+from tierzero.placement.storage.tiers import Budget, round_up
 from tierzero.config.tiernames import Tier
 from builders import llama_config
 

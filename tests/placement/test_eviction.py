@@ -12,7 +12,7 @@ from tierzero.config import Config, StandInConfig
 from tierzero.config.tiernames import Tier
 from tierzero.placement.handles import TensorHandle
 from tierzero.placement import PlacementManager, Residency
-from tierzero.placement.tiers import ALIGNMENT, PinnedArena
+from tierzero.placement.storage.tiers import ALIGNMENT, PinnedArena
 
 
 def test_a_fragmented_arena_evicts_only_the_window_it_needs(tmp_path) -> None:

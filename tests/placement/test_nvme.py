@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierzero.config.config import IOConfig
-from tierzero.placement.nvme import ChecksumError, Extent, ExtentAllocator, SwapSpace
-from tierzero.placement.tiers import ALIGNMENT, Budget
+from tierzero.placement.storage.nvme import ChecksumError, Extent, ExtentAllocator, SwapSpace
+from tierzero.placement.storage.tiers import ALIGNMENT, Budget
 from tierzero.config.tiernames import Tier
 
 

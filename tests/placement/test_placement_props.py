@@ -11,7 +11,7 @@ from tierzero.config.config import Config
 from tierzero.placement.handles import Kind, TensorHandle
 from tierzero.placement.manager import PlacementManager
 from tierzero.placement.residency import Residency
-from tierzero.placement.tiers import ALIGNMENT, round_up
+from tierzero.placement.storage.tiers import ALIGNMENT, round_up
 from tierzero.config.tiernames import Tier
 
 DTYPES = (torch.float32, torch.bfloat16, torch.int64)

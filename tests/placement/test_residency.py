@@ -7,9 +7,9 @@ import threading
 import pytest
 import torch
 
-import tierzero.placement.nvme as nvme
+import tierzero.placement.storage.nvme as nvme
 from placement_builders import make, same
-from tierzero.placement.nvme import ChecksumError
+from tierzero.placement.storage.nvme import ChecksumError
 from tierzero.placement.handles import Kind, TensorHandle
 from tierzero.placement.residency import Residency
 from tierzero.config.tiernames import Tier

@@ -1,4 +1,4 @@
-"""The asynchronous stand-in for the device's streams (tierzero/placement/stand_in.py): selected by
+"""The asynchronous stand-in for the device's streams (tierzero/placement/storage/stand_in.py): selected by
 the environment or the Config, copies that land later than they are queued, poison, and the
 checks of what asynchrony alone does not show, each failing on an instance planted here."""
 
@@ -14,7 +14,7 @@ from tierzero.config import Config, PrefetchConfig, StandInConfig
 from tierzero.config.stand_in import stream_settings
 from tierzero.config.tiernames import Tier
 from tierzero.placement import Kind, PlacementManager, Residency
-from tierzero.placement.streams import resolve_device
+from tierzero.placement.storage.streams import resolve_device
 from tierzero.layout import CommBytes, FlatLayout
 from tierzero.runtime.flat import collectives
 

@@ -9,8 +9,8 @@ from tierzero.config.config import Config
 from tierzero.placement.handles import Kind
 from tierzero.placement.manager import PlacementManager
 from tierzero.placement.residency import Residency
-from tierzero.placement.streams import CopyStreams
-from tierzero.placement.tiers import PinnedArena
+from tierzero.placement.storage.streams import CopyStreams
+from tierzero.placement.storage.tiers import PinnedArena
 from tierzero.config.tiernames import Tier
 
 pytestmark = pytest.mark.gpu

@@ -14,7 +14,7 @@ from typing import Iterator
 
 import pytest
 
-from tierzero.placement.swap_dirs import LOCK, RunFolder, check_nvme_dir, reclaim_dead_runs
+from tierzero.placement.storage.swap_dirs import LOCK, RunFolder, check_nvme_dir, reclaim_dead_runs
 
 DEAD_PID = 2**22 + 12345  # above the kernel's pid_max default (4194304): never a live process
 
@@ -127,7 +127,7 @@ def test_a_symlinked_lock_or_swap_file_is_not_followed(tmp_path: Path) -> None:
 FOREIGN = """
 import os, sys
 from pathlib import Path
-from tierzero.placement.swap_dirs import RunFolder  # before dropping privileges: root's files
+from tierzero.placement.storage.swap_dirs import RunFolder  # before dropping privileges: root's files
 if os.getuid() == 0:
     os.setgid(65534); os.setuid(65534)  # nobody
 folder = RunFolder(Path(sys.argv[1]), 0)

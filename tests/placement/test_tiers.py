@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from tierzero.placement.tiers import ALIGNMENT, HUGE_PAGE, Budget, HostPool, PinnedArena, round_up
+from tierzero.placement.storage.tiers import ALIGNMENT, HUGE_PAGE, Budget, HostPool, PinnedArena, round_up
 from tierzero.config.tiernames import Tier
 
 

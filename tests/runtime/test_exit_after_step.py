@@ -11,7 +11,7 @@ from builders import REPO
 
 SCRIPT = """
 import time
-from tierzero.placement.swap_dirs import exiting
+from tierzero.placement.storage.swap_dirs import exiting
 from tierzero.runtime.step.step_queue import StepQueue
 
 queue = StepQueue()

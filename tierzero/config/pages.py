@@ -18,7 +18,7 @@ def windowed_room(sizes: Sequence[int]) -> int:
     """Bytes of one region in which buffers of `sizes`, taken one at a time and held together,
     always find a window, wherever the ones taken first were cut (PinnedArena.room_for, and the
     plan's host room where the host tier is one pinned region). See [Note: working set
-    windows] in tierzero/placement/tiers.py."""
+    windows] in tierzero/placement/storage/tiers.py."""
     pages = sorted(round_up(max(n, 1)) for n in sizes)
     if not pages:
         return 0

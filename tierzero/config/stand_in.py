@@ -1,5 +1,5 @@
 """How the device tier's copy streams run without CUDA: the settings of the asynchronous
-stand-in (tierzero/placement/stand_in.py), from a Config or from the environment.
+stand-in (tierzero/placement/storage/stand_in.py), from a Config or from the environment.
 
 On CUDA copies run on real streams, whatever these say. On the CPU "sync" (the default) copies
 at once; "async" runs every copy later on a worker per copy stream, so the ordering the GPU

@@ -84,7 +84,7 @@ class TensorInfo(NamedTuple):
 #    A shard whose bytes are exactly the checkpoint's (`ShardRequest.borrow`, every slot stored
 #    in the shard's dtype: no conversion) is read instead with io_engine from its segments of
 #    the files (`WeightPlan.segments`), which then serve as its NVMe home until its first write
-#    (see [Note: copy-on-write home] in tierzero/placement/cow_home.py): nothing is copied to the swap files.
+#    (see [Note: copy-on-write home] in tierzero/placement/storage/cow_home.py): nothing is copied to the swap files.
 class WeightSource:
     """The tensors of a safetensors checkpoint (see [Note: streamed weights], phase 1), read one
     tensor (or a range of its rows) at a time; a file is mapped from its first read to the next

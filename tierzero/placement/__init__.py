@@ -6,13 +6,7 @@ modules"). The runtime imports only this face (tests/test_architecture.py, PLACE
 
 # The modules, from the bytes up:
 # handles.py    TensorHandle and Kind: what a placed tensor is
-# tiers.py      Budget, HostPool, PinnedArena: a tier's byte account and host buffers
-# stand_in.py   the CPU's asynchronous stand-in for the copy streams
-# streams.py    the device's copy streams and events; DeviceCopies, what the runtime uses
-# cow_home.py   a checkpoint's files serving as NVMe homes until first written
-# swap_dirs.py  this run's locked folder; reclaiming what killed runs left
-# nvme.py       this run's swap files: extents, checksummed IO through io_engine
-# tier_store.py one store per tier: buffers within the tier's budget
+# storage/      the bytes: tiers' budgets and buffers, copy streams, swap files (its __init__)
 # telemetry.py  moves, stalls, bytes per tier, the Chrome trace; StepRecorder
 # moves.py      a move in flight, its legs and outcome
 # records.py    Residency, Content, Copy, TensorRecord: one tensor's state per tier
@@ -27,16 +21,16 @@ modules"). The runtime imports only this face (tests/test_architecture.py, PLACE
 # manager.py    PlacementManager: the public API, a thin face over the table and the homes
 
 from tierzero.config import Tier
-from tierzero.placement.cow_home import CheckpointHome, Segment
+from tierzero.placement.storage.cow_home import CheckpointHome, Segment
 from tierzero.placement.eviction import EvictionPolicy, LeastRecentlyUsed
 from tierzero.placement.handles import TRAFFIC_GROUPS, Kind, TensorHandle
 from tierzero.placement.manager import PlacementManager
-from tierzero.placement.nvme import ChecksumError, SwapSpace
+from tierzero.placement.storage.nvme import ChecksumError, SwapSpace
 from tierzero.placement.records import Residency, TensorRecord
-from tierzero.placement.streams import CopyEvent, CopyStreams, DeviceCopies
+from tierzero.placement.storage.streams import CopyEvent, CopyStreams, DeviceCopies
 from tierzero.placement.telemetry import (ACTIVATIONS_TRACK, MAX_EVENTS, STALL_SOURCES, UPDATES_TRACK, StepRecorder,
                                          StepStats, Telemetry)
-from tierzero.placement.tiers import windowed_room
+from tierzero.placement.storage.tiers import windowed_room
 
 __all__ = ["PlacementManager", "Tier", "Kind", "TensorHandle", "TRAFFIC_GROUPS", "Residency", "TensorRecord",
            "CopyStreams", "CopyEvent", "DeviceCopies", "StepRecorder",

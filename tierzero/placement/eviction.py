@@ -21,7 +21,7 @@ from tierzero.config import Tier, format_size
 from tierzero.placement.handles import TensorHandle
 from tierzero.placement.executor import MoveTable
 from tierzero.placement.records import Content, Residency, TensorRecord
-from tierzero.placement.tier_store import Buffer, TierStore
+from tierzero.placement.storage.tier_store import Buffer, TierStore
 
 
 class EvictionPolicy(Protocol):

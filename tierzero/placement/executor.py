@@ -15,7 +15,7 @@ from tierzero.config import Tier
 from tierzero.placement.handles import TensorHandle
 from tierzero.placement.moves import Done, Failed, Leg, Move, Outcome, Span
 from tierzero.placement.plans import FetchPlan, MoveIO, StorePlan, WritebackPlan
-from tierzero.placement.streams import DONE, CopyEvent
+from tierzero.placement.storage.streams import DONE, CopyEvent
 
 
 PlanT = TypeVar("PlanT", FetchPlan, WritebackPlan, StorePlan)

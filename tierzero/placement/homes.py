@@ -12,14 +12,14 @@ import torch
 
 from io_engine import aligned_empty
 from tierzero.config import Tier
-from tierzero.placement.cow_home import CheckpointHome
+from tierzero.placement.storage.cow_home import CheckpointHome
 from tierzero.placement.eviction import Shortfall
 from tierzero.placement.handles import Kind, TensorHandle
-from tierzero.placement.nvme import SwapRegion
+from tierzero.placement.storage.nvme import SwapRegion
 from tierzero.placement.plans import StorePlan, run_store
 from tierzero.placement.records import Content, Copy, Residency, TensorRecord
 from tierzero.placement.residency import ResidencyTable, check_home, home_written, staging_needs
-from tierzero.placement.tier_store import Buffer, as_memory, region, typed
+from tierzero.placement.storage.tier_store import Buffer, as_memory, region, typed
 
 
 class Homes:

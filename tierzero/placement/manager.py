@@ -18,20 +18,20 @@ import numpy as np
 import torch
 
 from tierzero.config import Config, Tier, format_size
-from tierzero.placement.cow_home import CheckpointHome, Segment
+from tierzero.placement.storage.cow_home import CheckpointHome, Segment
 from tierzero.placement.eviction import EvictionPolicy, LeastRecentlyUsed, Room
 from tierzero.placement.handles import Kind, TensorHandle
 from tierzero.placement.homes import Homes
 from tierzero.placement.moves import Move
-from tierzero.placement.nvme import SwapSpace
+from tierzero.placement.storage.nvme import SwapSpace
 from tierzero.placement.records import Residency, TensorRecord
 from tierzero.placement.residency import CopyStates, ResidencyTable
 from tierzero.placement.scratch import Scratch
-from tierzero.placement.streams import CopyEvent, CopyStreams, DeviceCopies, resolve_device
-from tierzero.placement.swap_dirs import close_at_exit, closed, exit_on_sigterm
+from tierzero.placement.storage.streams import CopyEvent, CopyStreams, DeviceCopies, resolve_device
+from tierzero.placement.storage.swap_dirs import close_at_exit, closed, exit_on_sigterm
 from tierzero.placement.telemetry import StepRecorder, Telemetry
-from tierzero.placement.tier_store import tier_stores
-from tierzero.placement.tiers import Budget, HostPool, PinnedArena
+from tierzero.placement.storage.tier_store import tier_stores
+from tierzero.placement.storage.tiers import Budget, HostPool, PinnedArena
 
 __all__ = ["PlacementManager", "Residency", "TensorRecord", "EvictionPolicy", "LeastRecentlyUsed", "Move"]
 
@@ -138,7 +138,7 @@ class PlacementManager:
         first backward).
 
         borrowed: checkpoint bytes equal to `data`'s, read by `SwapSpace.borrow`, that serve as
-        the NVMe home until its first write (see [Note: copy-on-write home] in tierzero/placement/cow_home.py): the home's swap extent is
+        the NVMe home until its first write (see [Note: copy-on-write home] in tierzero/placement/storage/cow_home.py): the home's swap extent is
         reserved all the same, so that write can never lack room, but nothing is written now,
         nor copied anywhere: `data` may be meta (its shape and dtype). Closed if the register
         fails."""

@@ -14,7 +14,7 @@ from typing import NamedTuple, Union
 
 from tierzero.config import Tier
 from tierzero.placement.handles import TensorHandle
-from tierzero.placement.streams import CopyEvent
+from tierzero.placement.storage.streams import CopyEvent
 
 
 class Leg(NamedTuple):

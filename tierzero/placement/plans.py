@@ -15,10 +15,10 @@ import torch
 from tierzero.config import Tier
 from tierzero.placement.handles import TensorHandle
 from tierzero.placement.moves import Done, Landing, Span
-from tierzero.placement.nvme import SwapSpace
+from tierzero.placement.storage.nvme import SwapSpace
 from tierzero.placement.records import Copy
-from tierzero.placement.streams import DONE, CopyEvent, CopyStreams
-from tierzero.placement.tier_store import as_memory, region, typed
+from tierzero.placement.storage.streams import DONE, CopyEvent, CopyStreams
+from tierzero.placement.storage.tier_store import as_memory, region, typed
 
 
 class MoveIO(NamedTuple):

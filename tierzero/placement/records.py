@@ -16,8 +16,8 @@ import torch
 from tierzero.config import Tier
 from tierzero.placement.handles import TensorHandle
 from tierzero.placement.moves import Move
-from tierzero.placement.streams import DONE, CopyEvent
-from tierzero.placement.tier_store import Buffer
+from tierzero.placement.storage.streams import DONE, CopyEvent
+from tierzero.placement.storage.tier_store import Buffer
 
 
 class Residency(Enum):

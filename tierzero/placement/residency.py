@@ -25,11 +25,11 @@ from tierzero.placement.executor import MoveExecutor, MoveTable
 from tierzero.placement.moves import Done, Outcome, stall_sources
 from tierzero.placement.plans import FetchPlan, MoveIO, WritebackPlan, run_fetch, run_writeback
 from tierzero.placement.records import Content, Copy, Residency, TensorRecord
-from tierzero.placement.nvme import SwapSpace
-from tierzero.placement.streams import CopyEvent, CopyStreams
+from tierzero.placement.storage.nvme import SwapSpace
+from tierzero.placement.storage.streams import CopyEvent, CopyStreams
 from tierzero.placement.telemetry import Telemetry
-from tierzero.placement.tier_store import Buffer, TierStore, as_memory
-from tierzero.placement.tiers import HostPool
+from tierzero.placement.storage.tier_store import Buffer, TierStore, as_memory
+from tierzero.placement.storage.tiers import HostPool
 from tierzero.placement.waiting import Waits
 
 MOVING = (Residency.FETCHING, Residency.WRITING_BACK)
@@ -239,6 +239,7 @@ class ResidencyTable:
         self.cond = states.cond
         self.room = states.room
         self.index = states.index
+        self.stores = states.stores
         self.streams = states.streams
         self.telemetry = states.telemetry
         self.scratch: dict[int, tuple[Tier, int]] = {}
@@ -477,6 +478,10 @@ class ResidencyTable:
             for rec in tuple(self.index.values()):
                 for tier in [t for t in rec._copies if t is not rec.home]:
                     self.states.free(rec.handle, tier)
+
+    def in_flight(self) -> int:
+        """Moves in flight, of every tensor."""
+        return len(self.states.moves)
 
     def __repr__(self) -> str:
         return f"ResidencyTable(tensors={len(self.index)}, {self.states!r})"

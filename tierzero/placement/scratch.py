@@ -10,7 +10,7 @@ import torch
 from tierzero.config import Tier
 from tierzero.placement.eviction import Shortfall
 from tierzero.placement.residency import ResidencyTable
-from tierzero.placement.tier_store import as_memory
+from tierzero.placement.storage.tier_store import as_memory
 
 
 class Scratch:

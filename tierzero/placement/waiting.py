@@ -5,20 +5,32 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Collection, TypeVar
+from typing import Callable, Collection, Mapping, Protocol, TypeVar
 
 from tierzero.config import Tier, format_size
 from tierzero.placement.eviction import Shortfall
+from tierzero.placement.handles import TensorHandle
 from tierzero.placement.records import TensorRecord
-from tierzero.placement.swap_dirs import exiting
-
-if TYPE_CHECKING:
-    from tierzero.placement.residency import ResidencyTable
+from tierzero.placement.storage.swap_dirs import exiting
+from tierzero.placement.storage.tier_store import TierStore
 
 T = TypeVar("T")
 EXIT_POLL_S = 0.5
 """How often a waiting thread looks whether the program is exiting (then it fails: a thread left
 waiting would keep the interpreter from exiting)."""
+
+
+class Waited(Protocol):
+    """What a wait reads of the table it waits on (ResidencyTable), under its lock."""
+
+    cond: threading.Condition
+    index: Mapping[TensorHandle, TensorRecord]
+    scratch: Mapping[int, tuple[Tier, int]]
+    stores: Mapping[Tier, TierStore]
+
+    def in_flight(self) -> int:
+        """Moves in flight, of every tensor."""
+        ...
 
 
 class Waits:
@@ -28,7 +40,7 @@ class Waits:
     (their own pins, nothing moving) fails after `stuck_after_s` without a change.
     """
 
-    def __init__(self, table: ResidencyTable, *, timeout_s: float, stuck_after_s: float) -> None:
+    def __init__(self, table: Waited, *, timeout_s: float, stuck_after_s: float) -> None:
         self.table = table
         self.timeout_s = timeout_s
         self.stuck_after_s = stuck_after_s
@@ -94,7 +106,7 @@ class Waits:
         moving (no write-back will make a copy evictable, no fetch will end), and whatever is
         pinned there (copies, scratch buffers) this very thread holds, or threads that wait for
         room on that tier themselves."""
-        if len(self.table.states.moves):
+        if self.table.in_flight():
             return False
         # The threads that will release nothing there: this one, and those waiting for room on
         # the same tier (two threads each holding what the other waits for never move again).
@@ -114,12 +126,12 @@ class Waits:
     def _no_room(self, name: str, short: Shortfall, *, waited: bool) -> str:
         tier = short.tier
         pinned = [(r.name, r.pins(tier)) for r in self.table.index.values() if r.pins(tier)]
-        store = self.table.states.stores[tier]
+        store = self.table.stores[tier]
         b, need = store.budget, store.reserved(short.nbytes)
         why = (f"after waiting {self.timeout_s} s" if waited else
                "and none can come: nothing is moving and what is pinned there is held by this thread, or by "
                "threads waiting for room there too")
         return (f"tensor {name!r}: no room for {format_size(need)} on the {tier.value} tier {why}: "
-                f"{format_size(b.used)} of {format_size(b.limit)} reserved, {len(self.table.states.moves)} moves in flight, "
+                f"{format_size(b.used)} of {format_size(b.limit)} reserved, {self.table.in_flight()} moves in flight, "
                 f"pinned copies (name, pins): {pinned[:8]}{' ...' if len(pinned) > 8 else ''}; raise "
                 f"{tier.value}_budget to at least {b.used + need} bytes, or release tensors before acquiring more")

@@ -68,7 +68,7 @@ class ParamState(Enum):
 # A shard loaded from a checkpoint whose bytes it is exactly (the same case: values in the
 # compute dtype) is registered with the checkpoint's files as its NVMe home until its first
 # write, so a load writes nothing to the swap files (see [Note: copy-on-write home] in
-# tierzero/placement/cow_home.py).
+# tierzero/placement/storage/cow_home.py).
 class FlatParam:
     """One flat tensor of a block and the nn.Parameters that view it (see the module docstring)."""
 
@@ -420,7 +420,7 @@ def shard_request(layout: FlatLayout, dtypes: list[torch.dtype], compute_dtype: 
 
 def borrows_checkpoint(home: Tier, zero: ZeroStage) -> bool:
     """Whether a load may keep the checkpoint's files as the parameters' NVMe home (the note
-    [Note: copy-on-write home] in tierzero/placement/cow_home.py): when they are homed on NVMe and registered
+    [Note: copy-on-write home] in tierzero/placement/storage/cow_home.py): when they are homed on NVMe and registered
     as this rank's shard (not whole, as at stages 1 and 2). It does for each shard whose bytes
     are the checkpoint's exactly (WeightPlan.segments): the same dtype, the compute dtype (no
     master weights then either)."""

@@ -17,7 +17,7 @@ from typing import Any, ContextManager, Literal, Protocol
 import torch
 
 from tierzero.config import StandInConfig, StreamSettings
-from tierzero.placement.stand_in import DeviceLedger, StandInStream, poison
+from tierzero.placement.storage.stand_in import DeviceLedger, StandInStream, poison
 
 Mode = Literal["cuda", "sync", "async"]
 

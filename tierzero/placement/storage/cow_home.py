@@ -204,7 +204,7 @@ class CheckpointHome:
 
 
 _ADVICE = ("Until its first update a loaded parameter is read from the checkpoint's files (its "
-           "copy-on-write NVMe home, tierzero/placement/cow_home.py), so they must not be modified in place while "
+           "copy-on-write NVMe home, tierzero/placement/storage/cow_home.py), so they must not be modified in place while "
            "the model lives: restore the file, or load the model again from the new files "
            "(tz.from_pretrained); save new weights to a new file or folder (tz.save_pretrained replaces "
            "files, which is safe)")

@@ -1,7 +1,7 @@
 """The NVMe tier: swap files of one rank, an extent allocator, checksummed IO through io_engine.
 
 Layout: this run's locked folder nvme_dir/rank{r}/run-<time>-<pid>-<random>/ holds its chunk
-files (tierzero/placement/swap_dirs.py: two runs or two ranks never share a file, and what a
+files (tierzero/placement/storage/swap_dirs.py: two runs or two ranks never share a file, and what a
 killed run left is reclaimed safely by the next). Space grows in preallocated
 chunk files (CHUNK_BYTES, or one tensor's size if larger, or half the disk's free space if
 less) up to the NVMe budget;
@@ -11,7 +11,7 @@ the tails of chunk files is never lost to fragmentation. All IO goes through
 io_engine (O_DIRECT when possible) from page-aligned host buffers; with checksums on, every
 write records the xxh3 of the bytes written and every read verifies it. A region may have a
 checkpoint's files as its bytes until its first write (`borrow`/`adopt`: see the note
-[Note: copy-on-write home] in tierzero/placement/cow_home.py).
+[Note: copy-on-write home] in tierzero/placement/storage/cow_home.py).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import numpy as np
 
 from io_engine import IOEngine, IOFuture, PreallocatedFile, free_disk_bytes
 from tierzero.config import IOConfig
-from tierzero.placement.cow_home import CheckpointFiles, CheckpointHome, Segment
-from tierzero.placement.swap_dirs import FILE_MODE, RunFolder
+from tierzero.placement.storage.cow_home import CheckpointFiles, CheckpointHome, Segment
+from tierzero.placement.storage.swap_dirs import FILE_MODE, RunFolder
 from tierzero.placement.telemetry import Telemetry
-from tierzero.placement.tiers import ALIGNMENT, Budget, round_up
+from tierzero.placement.storage.tiers import ALIGNMENT, Budget, round_up
 
 CHUNK_BYTES = 1 << 30
 """Swap space is added in files of this size (or one extent's size, when larger)."""
@@ -165,7 +165,7 @@ class SwapSpace:
         self.checksums = checksums
         self.chunk_bytes = round_up(chunk_bytes)
         self.folder = RunFolder(nvme_dir, rank)
-        """This run's locked folder (tierzero/placement/swap_dirs.py)."""
+        """This run's locked folder (tierzero/placement/storage/swap_dirs.py)."""
         self.run_dir = self.folder.path
         self.engine = IOEngine(threads=io.threads, block_size=io.block_size, direct=io.direct)
         self.allocator = ExtentAllocator()
@@ -213,7 +213,7 @@ class SwapSpace:
     def borrow(self, segments: list[Segment], nbytes: int) -> CheckpointHome:
         """Read a shard of `nbytes` from checkpoint `segments` (a load: every byte read and
         hashed, none kept) and return them as a home for `adopt` (checked on every later read;
-        see [Note: copy-on-write home] in tierzero/placement/cow_home.py)."""
+        see [Note: copy-on-write home] in tierzero/placement/storage/cow_home.py)."""
         home = CheckpointHome(segments, nbytes, self.checkpoint_files)
         self.telemetry.nvme_started()
         try:

@@ -21,9 +21,9 @@ import torch
 
 from tierzero.config import Tier
 from tierzero.placement.handles import TensorHandle
-from tierzero.placement.nvme import SwapRegion, SwapSpace
-from tierzero.placement.streams import CopyStreams
-from tierzero.placement.tiers import Budget, HostPool, PinnedArena, round_up
+from tierzero.placement.storage.nvme import SwapRegion, SwapSpace
+from tierzero.placement.storage.streams import CopyStreams
+from tierzero.placement.storage.tiers import Budget, HostPool, PinnedArena, round_up
 
 T = TypeVar("T")
 
