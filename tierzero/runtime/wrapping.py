@@ -123,7 +123,7 @@ def wrap(model: nn.Module, config: Config, *, process_group: Any = None,
             layouts = [(name, modules, flat_groups(params, world_size, compute_dtype))
                        for name, modules, params in specs]
             placement = checked_plan(config, layouts, world_size, cuda=pm.device.type == "cuda")
-            ctx = StepContext(pm=pm, compute_dtype=compute_dtype, tiers=placement.storage.tiers,
+            ctx = StepContext(pm=pm, compute_dtype=compute_dtype, tiers=placement.tiers,
                               rank=rank, world_size=world_size, group=process_group,
                               zero_stage=config.zero_stage, grad_dtype=grad_dtype)
             shards = None
