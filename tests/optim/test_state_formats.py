@@ -302,7 +302,7 @@ def test_tier_bytes_are_the_real_bytes(tmp_path: Path, fmt: str) -> None:
     moments = sum(2 * state_nbytes(n, fmt) for n in shards)
     masters = sum(4 * f.layout.shard_numel for f in opt.flat_params if f.ensure_master() is not f.param)
     assert sum(placed.values()) == moments + masters
-    from tierzero.planning.minimums import flat_tensors
+    from tierzero.planning.placement import flat_tensors
     planned = [t for t in flat_tensors(model_like(), config) if t.kind == "moments"]
     assert sum(t.nbytes for t in planned) == moments
     del state

@@ -212,16 +212,16 @@ def _worst_gap(region: int, held: list[int], need: int) -> bool:
 
 def test_pinned_arena_room_for_a_working_set_finds_its_last_window_wherever_the_first_were_cut():
     """[Note: working set windows]: slices taken one at a time and held together need more than
-    their sum in one region: room_for is the least region in which the last (the largest) finds
+    their sum in one region: bytes_for is the least region in which the last (the largest) finds
     a gap whatever the placement of the others; one page less and some placement leaves none,
     though the free bytes would hold it."""
     sizes = [2 * ALIGNMENT - 100, ALIGNMENT + 1, 3 * ALIGNMENT, 700]  # pages 2, 2, 3, 1
     pool = PinnedArena(Budget(Tier.HOST, ALIGNMENT), pin=False)
-    room = pool.room_for(sizes)
+    room = pool.bytes_for(sizes)
     assert room == (2 + 2 + 1) * ALIGNMENT + 4 * 2 * ALIGNMENT + ALIGNMENT  # 14 pages, not the sum's 8
     assert not _worst_gap(room // ALIGNMENT, [2, 2, 1], 3)
     assert _worst_gap(room // ALIGNMENT - 1, [2, 2, 1], 3)
-    assert HostPool(Budget(Tier.HOST, ALIGNMENT)).room_for(sizes) == 8 * ALIGNMENT  # separate buffers: the sum
+    assert HostPool(Budget(Tier.HOST, ALIGNMENT)).bytes_for(sizes) == 8 * ALIGNMENT  # separate buffers: the sum
     # the adversarial placement cut for real, one page short: 2-page gaps that evicting would leave
     arena = PinnedArena(Budget(Tier.HOST, room - ALIGNMENT), pin=False)
     cached = [arena.try_alloc(2 * ALIGNMENT)]

@@ -15,7 +15,7 @@ No torch at import time (`import tierzero.config` stays light for tools and the 
 
 from io_engine import format_size, parse_size
 from tierzero.config.config import DTYPE_BYTES, Config, ElementBytes, IOConfig, PrefetchConfig, StateBytes
-from tierzero.config.pages import PAGE, round_up, windowed_room
+from tierzero.config.pages import PAGE, round_up, windowed_bytes
 from tierzero.config.stand_in import StandInConfig, StreamSettings
 from tierzero.config.machine import machine_budgets
 from tierzero.config.policy_names import BUILTIN_POLICIES, check_policy, load_policy_class
@@ -29,5 +29,5 @@ __all__ = ["Config", "IOConfig", "PrefetchConfig", "Tier", "TierName", "TIER_NAM
            "machine_budgets", "BUILTIN_POLICIES", "check_policy", "load_policy_class", "StateBytes",
            "DTYPE_BYTES", "StandInConfig", "StreamSettings",
            "KINDS", "Placement", "Split", "check_placement", "parse_placement", "shares", "tiers_used",
-           "update_tier", "ElementBytes", "PAGE", "round_up", "windowed_room",
+           "update_tier", "ElementBytes", "PAGE", "round_up", "windowed_bytes",
            "STATE_DTYPES", "MASTER_DTYPES", "QUANT_BLOCK", "SCALE_BYTES", "quant_blocks", "state_nbytes", "state_bytes_per_param"]

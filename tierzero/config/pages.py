@@ -14,9 +14,9 @@ def round_up(nbytes: int, multiple: int = PAGE) -> int:
     return -(-nbytes // multiple) * multiple
 
 
-def windowed_room(sizes: Sequence[int]) -> int:
+def windowed_bytes(sizes: Sequence[int]) -> int:
     """Bytes of one region in which buffers of `sizes`, taken one at a time and held together,
-    always find a window, wherever the ones taken first were cut (PinnedArena.room_for, and the
+    always find a window, wherever the ones taken first were cut (PinnedArena.bytes_for, and the
     plan's host room where the host tier is one pinned region). See [Note: working set
     windows] in tierzero/placement/storage/tiers.py."""
     pages = sorted(round_up(max(n, 1)) for n in sizes)
@@ -26,4 +26,4 @@ def windowed_room(sizes: Sequence[int]) -> int:
     return sum(rest) + (len(rest) + 1) * (last - PAGE) + PAGE
 
 
-__all__ = ["PAGE", "round_up", "windowed_room"]
+__all__ = ["PAGE", "round_up", "windowed_bytes"]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from tierzero.config import (KINDS, TIER_NAMES, Config, ElementBytes, format_size, round_up, shares, update_tier,
-                             windowed_room)
+                             windowed_bytes)
 from tierzero.layout.grouping import ROOT
 from tierzero.layout.sizes import fetched_numel
 from tierzero.layout.split import BlockTiers, split_blocks
@@ -243,7 +243,7 @@ def _room(config: Config, inputs: PlanInputs, tiers: BlockTiers,
                 device_update = max(device_update, inputs.device_bytes(grad.nbytes))
             if masters and param.home == "nvme":
                 staged.append(param.nbytes)
-        updates[name] = windowed_room(staged) if inputs.pinned_host else sum(round_up(n) for n in staged)
+        updates[name] = windowed_bytes(staged) if inputs.pinned_host else sum(round_up(n) for n in staged)
     host_update = max(updates.values(), default=0)
     staging = max((round_up(t.nbytes) for t in tensors if t.home == "nvme"), default=0)
     window = 0 if whole else root + fetched.get(largest, 0) + reserve

@@ -30,10 +30,10 @@ from tierzero.placement.records import Residency, TensorRecord
 from tierzero.placement.storage.streams import CopyEvent, CopyStreams, DeviceCopies
 from tierzero.placement.telemetry import (ACTIVATIONS_TRACK, MAX_EVENTS, STALL_SOURCES, UPDATES_TRACK, StepRecorder,
                                          StepStats, Telemetry)
-from tierzero.placement.storage.tiers import windowed_room
+from tierzero.placement.storage.tiers import windowed_bytes
 
 __all__ = ["PlacementManager", "Tier", "Kind", "TensorHandle", "TRAFFIC_GROUPS", "Residency", "TensorRecord",
            "CopyStreams", "CopyEvent", "DeviceCopies", "StepRecorder",
            "EvictionPolicy", "LeastRecentlyUsed", "CheckpointHome", "Segment", "SwapSpace", "ChecksumError",
            "StepStats", "Telemetry", "MAX_EVENTS", "STALL_SOURCES", "UPDATES_TRACK", "ACTIVATIONS_TRACK",
-           "windowed_room"]
+           "windowed_bytes"]

@@ -163,7 +163,7 @@ class Room:
             sizes.setdefault(tier, []).append(nbytes)
         for tier, tier_sizes in sizes.items():
             limit, homed = self.stores[tier].budget.limit, self._homes[tier]
-            nbytes = self.stores[tier].room_for(tier_sizes)
+            nbytes = self.stores[tier].bytes_for(tier_sizes)
             if nbytes > limit - homed:
                 names = ", ".join(h.name for h in handles if h.staging is tier and h.home is not tier)
                 held = sum(self.stores[tier].reserved(n) for n in tier_sizes)

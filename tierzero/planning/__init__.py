@@ -2,10 +2,10 @@
 stall, computed beside the runtime and never importing it:
     zero_model.py  the ZeRO paper's per-rank bytes and communication, and tierzero's layout of them
     estimates.py   bytes per tier for a model and a Config; the largest built-in model that fits
-    minimums.py    the least budget of each tier, as the runtime checks them; a step's expected NVMe bytes
     activations.py the activation bytes of a step, measured on fake tensors, and what each placement fits
     working_set.py the device's working set of a step (temporaries, logits, activations): Config.device_reserve
-    placement.py   the split "auto" chooses for a model and a Config, as tz.wrap chooses it
+    placement.py   the placement plan of a model and a Config as tz.wrap computes it: each block's
+                   tiers (the split "auto" chooses), the least budgets, a step's expected NVMe bytes
     traffic.py     the least NVMe bytes a step moves for a placement, and the drive's floor
     recording.py   a run's Chrome trace read back as compute and copy times per block
     tier_rates.py  the rates of the tiers' channels, calibrated from a recording (TierModel)
@@ -18,8 +18,8 @@ stall, computed beside the runtime and never importing it:
 from tierzero.planning.activations import (PLACEMENTS, ActivationBytes, ActivationModel, activation_model,
                                            measure_activations)
 from tierzero.planning.estimates import Estimate, estimate, largest_trainable, placements
-from tierzero.planning.minimums import FlatTensor, expected_traffic, flat_tensors, least_budgets
-from tierzero.planning.placement import placement_plan, planned_tiers, resolve_placement
+from tierzero.planning.placement import (FlatTensor, expected_traffic, flat_tensors, least_budgets, placement_plan,
+                                        planned_tiers, resolve_placement)
 from tierzero.planning.recording import Recording
 from tierzero.planning.tier_model import CHANNELS, Rate, TierModel, simulate
 from tierzero.planning.tuning import SIMPLICITY, Measured, Option, choose, equivalent, explain, simplicity

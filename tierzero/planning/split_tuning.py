@@ -10,7 +10,7 @@ from typing import Mapping
 from torch import nn
 
 from tierzero.config import Config
-from tierzero.planning.minimums import flat_tensors
+from tierzero.planning.placement import flat_tensors
 from tierzero.planning.placement import placement_plan
 from tierzero.planning.recording import Leg, Recording
 

@@ -55,7 +55,7 @@ class TierStore(Protocol):
         None where any bytes freed serve (see [Note: arena windows] in tiers.py)."""
         ...
 
-    def room_for(self, sizes: Sequence[int]) -> int:
+    def bytes_for(self, sizes: Sequence[int]) -> int:
         """Bytes of budget in which buffers of `sizes`, taken one at a time and held together,
         always fit (more than their sum where the memory is one region)."""
         ...
@@ -178,8 +178,8 @@ class PoolTier:
     def victims(self, nbytes: int, candidates: Sequence[Buffer]) -> list[int] | None:
         return self.pool.victims(nbytes, [as_memory(c) for c in candidates])
 
-    def room_for(self, sizes: Sequence[int]) -> int:
-        return self.pool.room_for(sizes)
+    def bytes_for(self, sizes: Sequence[int]) -> int:
+        return self.pool.bytes_for(sizes)
 
     def view(self, buffer: Buffer, handle: TensorHandle) -> torch.Tensor:
         return typed(as_memory(buffer), handle)
@@ -242,7 +242,7 @@ class CudaTier:
     def victims(self, nbytes: int, candidates: Sequence[Buffer]) -> None:
         return None  # the caching allocator's memory: any bytes freed serve
 
-    def room_for(self, sizes: Sequence[int]) -> int:
+    def bytes_for(self, sizes: Sequence[int]) -> int:
         return sum(sizes)
 
     def view(self, buffer: Buffer, handle: TensorHandle) -> torch.Tensor:
@@ -281,7 +281,7 @@ class NvmeTier:
     def victims(self, nbytes: int, candidates: Sequence[Buffer]) -> None:
         return None  # a region may be pieces of several holes: any bytes freed serve
 
-    def room_for(self, sizes: Sequence[int]) -> int:
+    def bytes_for(self, sizes: Sequence[int]) -> int:
         return sum(round_up(n) for n in sizes)
 
     def view(self, buffer: Buffer, handle: TensorHandle) -> None:

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from io_engine import aligned_empty
-from tierzero.config import PAGE, Tier, windowed_room
+from tierzero.config import PAGE, Tier, windowed_bytes
 
 ALIGNMENT = PAGE
 """Alignment (bytes) of host buffers and NVMe extents: the page size O_DIRECT needs
@@ -185,7 +185,7 @@ class HostPool:
     def victims(self, nbytes: int, candidates: Sequence[torch.Tensor]) -> None:
         """None: any bytes given back serve a request (the memory is not one region)."""
 
-    def room_for(self, sizes: Sequence[int]) -> int:
+    def bytes_for(self, sizes: Sequence[int]) -> int:
         """Bytes the pool needs to hold buffers of `sizes` at once: their buckets."""
         return sum(self.bucket(n) for n in sizes)
 
@@ -384,11 +384,11 @@ class PinnedArena:
     # together at the region's end. The construction check asks for this (Room.check_working_set),
     # so an accepted budget trains whatever the placement; the price is about twice the working
     # set's bytes on the host tier of CUDA and of the stand-in (a HostPool needs only the sum).
-    def room_for(self, sizes: Sequence[int]) -> int:
+    def bytes_for(self, sizes: Sequence[int]) -> int:
         """Bytes of region in which slices of `sizes`, taken one at a time and held together,
         always find a window, wherever the ones taken first were cut. See [Note: working set
         windows]."""
-        return windowed_room(sizes)
+        return windowed_bytes(sizes)
 
     def trim(self, sizes: Collection[int] | None = None) -> int:
         """Nothing: the arena caches no buffers (its region stays, pinned, the budget's size)."""
