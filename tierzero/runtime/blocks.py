@@ -84,6 +84,8 @@ class Block:
         self.group = FetchGroup(name, flats, ctx)
         self.unit = Unit(name, tuple(f.param for f in flats), sum(f.nbytes for f in flats),
                          any(f.home is Tier.NVME for f in flats))
+        self.nbytes = self.unit.nbytes
+        """Device bytes while fetched (the unit's: a block's flat tensors never change)."""
         self._holds = 0
         self._calls: list[_Call] = []
         """Forward calls whose backward may still come (swept by the final callback)."""
@@ -99,10 +101,6 @@ class Block:
                 hint(p, text)
         self.successor = self
         """The block that took its place when the root state was built again (wrapping.refresh)."""
-
-    @property
-    def nbytes(self) -> int:
-        return self.unit.nbytes
 
     def register_hooks(self) -> None:
         for module in self.modules:  # outside compiled graphs: [Note: compiled blocks]

@@ -189,7 +189,7 @@ def _start(model: nn.Module, config: Config, ctx: StepContext, blocks: list[Bloc
     prefetcher = Prefetcher(pm, [b.unit for b in blocks if b.flats], policy_from_config(config),
                             device_room=ctx.room.prefetch_room,
                             fetch_ahead=fetch_ahead,
-                            device_wraps=not ctx.zero.gathers, busy=lambda unit: ctx.updating(unit.tensors),
+                            device_wraps=not ctx.zero.gathers, busy=ctx.updating,
                             device_beside=ctx.room.beside)
     ctx.attach(prefetcher, state.end_backward, max((b.nbytes for b in blocks if b.flats), default=0))
     pm.room.policy = prefetcher

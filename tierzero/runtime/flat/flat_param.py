@@ -245,8 +245,8 @@ class FlatParam:
     def install(self, flat: torch.Tensor) -> None:
         """FREE -> HELD: the parameters view the device copy `flat`."""
         assert self._state is ParamState.FREE, (self.name, self._state)
+        unguard(self.params)
         for p, view in zip(self.params, self.layout.views(flat)):
-            unguard(p)
             p.data = view
         self._device = flat
         self.ctx.copies.track(self, flat)
@@ -257,17 +257,17 @@ class FlatParam:
         if self._state is not ParamState.FREE:
             raise RuntimeError(f"{self.name}: load_state_dict while the block is in use "
                                f"({self._state.value}); load between training steps")
+        unguard(self.params)
         for p, v in zip(self.params, values):
-            unguard(p)
             p.data = v
         self._state = ParamState.SCRATCH
 
     def uninstall(self) -> None:
         """HELD / SCRATCH -> FREE: the parameters become placeholders again, refusing reads
         ([Note: unfetched parameters] in placeholders.py)."""
-        for i, (p, ph, slot) in enumerate(zip(self.params, self._placeholders, self.layout.slots)):
+        for p, ph in zip(self.params, self._placeholders):
             p.data = ph
-            guard(p, slot.fqn, self, i)
+        guard(self.params, [slot.fqn for slot in self.layout.slots], self)
         if self._device is not None:
             self.ctx.copies.untrack(self._device)
             self._device = None

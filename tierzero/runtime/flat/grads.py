@@ -101,10 +101,6 @@ class FlatGrad:
             # there, never written to an NVMe home (written only when its room is needed)
             pm.release(self.handle, tier, dirty=writable or overwrite, lazy=True)
 
-    def prefetch(self, *, speculative: bool = False, tier: Tier | None = None) -> None:
-        if not self.empty:
-            self.ctx.pm.prefetch(self.handle, tier or self.handle.staging, speculative=speculative)
-
     def scaled(self, g: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
         """`g` (the stored gradient or a slice of it) times the pending factor: the one place
         the factor is applied. In fp32 (a copy of a bfloat16 gradient), unless `inplace`."""
@@ -113,6 +109,14 @@ class FlatGrad:
         if self.scale is None:
             return g
         return g.mul_(self.scale) if inplace else g * self.scale
+
+    def prefetch(self, *, speculative: bool = False, tier: Tier | None = None) -> None:
+        if not self.empty:
+            self.ctx.pm.prefetch(self.handle, tier or self.handle.staging, speculative=speculative)
+
+    def scaled_pieces(self, g: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+        """`scaled` of each slice [lo, hi) of `g` in `bounds` (an update's pieces), in fp32."""
+        return [self.scaled(g[lo:hi]) for lo, hi in bounds]
 
     def scale_by(self, factor: torch.Tensor) -> None:
         self._settle_partial()

@@ -19,9 +19,7 @@ class HeldBlock(Protocol):
     """What the account uses of a block (tierzero.runtime.blocks.Block, above)."""
 
     name: str
-
-    @property
-    def nbytes(self) -> int: ...
+    nbytes: int
 
 
 # [Note: the device account]
@@ -46,6 +44,8 @@ class DeviceAccount:
 
     def __init__(self, pm: PlacementManager) -> None:
         self.pm = pm
+        self.budget = pm.budget(Tier.DEVICE)
+        """The device budget (a manager's budgets are fixed when it is made)."""
         self.captures = 0
         """Flat gradients whose shares early capture summed on the device (grads.py), since wrap."""
         self.largest_block = 0
@@ -56,6 +56,9 @@ class DeviceAccount:
         self._held: dict[str, HeldBlock] = {}
         self.held: Mapping[str, HeldBlock] = MappingProxyType(self._held)
         """Blocks fetched now, by name (read-only)."""
+        self._held_bytes: dict[str, int] = {}
+        """Each held block's device bytes, as it was held (what its release gives back)."""
+        self._held_sum = 0
         self._homes = 0
         self._activations = 0
         self._activation_homes = 0
@@ -67,8 +70,7 @@ class DeviceAccount:
     def room(self) -> int:
         """Bytes of the device budget not taken by device-homed tensors, held blocks, the placed
         activations kept on the device and early capture's buffers."""
-        held = sum(b.nbytes for b in self._held.values())
-        return self.pm.budget(Tier.DEVICE) - self._homes - held - self._activations - self._capture
+        return self.budget - self._homes - self._held_sum - self._activations - self._capture
 
     def prefetch_room(self) -> int:
         """`room()` less the placed activations brought ahead of backward and not used yet: the
@@ -94,9 +96,13 @@ class DeviceAccount:
 
     def hold(self, block: HeldBlock) -> None:
         self._held[block.name] = block
+        nbytes = block.nbytes
+        self._held_sum += nbytes - self._held_bytes.get(block.name, 0)
+        self._held_bytes[block.name] = nbytes
 
     def release(self, block: HeldBlock) -> None:
         del self._held[block.name]
+        self._held_sum -= self._held_bytes.pop(block.name)
 
     def add_activations(self, nbytes: int, *, home: bool = False) -> None:
         """Placed activations took (or, negative, gave back) device bytes; `home`: packs homed
