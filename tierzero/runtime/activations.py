@@ -311,8 +311,8 @@ class Activations:
             elif (self._backward and pack.handle.home is Tier.NVME and _written(pack) and len(ahead) < self.nvme_depth
                   and not self._coming(pack)):
                 ahead.append(pack.handle)  # (one on its way to the device was read once: not again)
-        for handle in ahead:
-            self.pm.prefetch(handle, Tier.HOST, speculative=True)
+        if ahead:
+            self.pm.prefetch(ahead, Tier.HOST, speculative=True)
 
     def bytes_ahead(self) -> int:
         """Bytes of the packs brought (or coming) to the device ahead of backward and not used
