@@ -79,7 +79,7 @@ class FakePM:
 
 def make(policy: Any = Lookahead(2, nvme_depth=0), room: int = 10_000, host_free: int = 10_000):
     pm = FakePM(host_free)
-    return prefetch.Prefetcher(pm, UNITS, policy, device_room=lambda: room), pm
+    return prefetch.Prefetcher(pm, UNITS, policy, device_free=lambda: room), pm
 
 
 def run(p: prefetch.Prefetcher, order: list[str], key: object = "train") -> None:

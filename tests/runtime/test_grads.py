@@ -292,7 +292,7 @@ def test_a_refused_capture_sends_each_gradient_to_the_host_with_no_device_tempor
     model = wrapped(tmp_path, ref, grads="host", grad_dtype=grad_dtype, streams="async",
                     stand_in=tz.StandInConfig(poison=True, delay_seed=3, max_delay_s=0.003))
     ctx = runtime.state_of(model).ctx
-    monkeypatch.setattr(ctx.room, "take_capture", lambda nbytes: False)
+    monkeypatch.setattr(ctx.account, "take_capture", lambda nbytes: False)
     streams = runtime.placement_manager(model).streams
     made: list[str] = []
 
@@ -309,7 +309,7 @@ def test_a_refused_capture_sends_each_gradient_to_the_host_with_no_device_tempor
             loss_of(model, tokens(seed)).backward()
             ref.zero_grad(set_to_none=True)
             loss_of(ref, tokens(seed)).backward()
-            assert made == [] and ctx.room.captures == 0
+            assert made == [] and ctx.account.captures == 0
             stored = {n: torch.zeros_like(p) if p.grad is None else p.grad.to(dtype)
                       for n, p in ref.named_parameters()}
             norms = [torch.linalg.vector_norm(p.grad.to(dtype).float()) for p in ref.parameters() if p.grad is not None]

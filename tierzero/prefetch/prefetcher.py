@@ -95,7 +95,7 @@ class _Mark(NamedTuple):
     sources0: dict[str, float]
     sources1: dict[str, float] | None = None
     host_room: int = 0
-    """Host bytes for unit copies when it was asked for (see Prefetcher._room)."""
+    """Host bytes for unit copies when it was asked for (see Prefetcher._free_bytes)."""
     device_beside: int = 0
     """Device bytes taken beside homes, held units and acquired packs then (Prefetcher.device_beside)."""
     begun: Any = None
@@ -153,13 +153,13 @@ class Prefetcher:
     """Records traces and times, asks the policy what to fetch, and orders eviction victims."""
 
     def __init__(self, pm: PlacementManager, units: Sequence[Unit], policy: PrefetchPolicy, *,
-                 device_room: Callable[[], int], fetch_ahead: Callable[[list[Unit]], object] | None = None,
+                 device_free: Callable[[], int], fetch_ahead: Callable[[list[Unit]], object] | None = None,
                  device_wraps: bool = True, busy: Callable[[tuple[TensorHandle, ...]], bool] | None = None,
                  device_beside: Callable[[], int] | None = None) -> None:
         self.pm = pm
         self.units = {u.name: u for u in units}
         self.policy = policy
-        self.device_room = device_room
+        self.device_free = device_free
         """Bytes of the device budget not taken by homes and held units."""
         self.fetch_ahead = fetch_ahead or (lambda units: prefetch_units(pm, units, Tier.DEVICE))
         """Starts bringing the units the policy chose to the device (the runtime's block
@@ -198,7 +198,7 @@ class Prefetcher:
         pm.telemetry.info.update(
             units={u.name: {"bytes": u.nbytes, "nvme": u.nvme, "tensors": [t.name for t in u.tensors]} for u in units},
             policy=describe(policy),
-            device_room=device_room(), device_wraps=device_wraps, workers=max(2, cfg.prefetch.nvme_depth),
+            device_room=device_free(), device_wraps=device_wraps, workers=max(2, cfg.prefetch.nvme_depth),
             io_threads=cfg.io.threads, io_block_size=cfg.io.block_size, nvme_depth=cfg.prefetch.nvme_depth)
 
     # --------------------------------------------------------------------- iteration lifecycle
@@ -218,7 +218,7 @@ class Prefetcher:
             self._learn_last(it.key, now, stall)
             it.gap_stall = stall - self._ended[1] if self._ended is not None else 0.0
         it.marks.append(_Mark(event, now, stall, None, tuple(sorted(held - {event.unit})),
-                              self.pm.telemetry.stall_by_source(), host_room=self._room(Tier.HOST),
+                              self.pm.telemetry.stall_by_source(), host_room=self._free_bytes(Tier.HOST),
                               device_beside=self.device_beside(), begun=self._stamp()))
         it.recording.append(event)
         if it.trace is None or it.deviated:
@@ -361,7 +361,7 @@ class Prefetcher:
         held = frozenset(it.marks[-1].held) | {it.marks[-1].event.unit} if it.marks else frozenset()
         times = self._times.get(it.key) or BlockTimes()
         return PrefetchView(it.trace, it.pos - 1, self.units, held, self.device_wraps, times,
-                            self._room, self._where, self._uses.get(it.key, {}))
+                            self._free_bytes, self._where, self._uses.get(it.key, {}))
 
     def _issue(self, it: _Iteration, held: set[str], fetch_ahead: Callable[[list[Unit]], object]) -> None:
         view = self._view(it)
@@ -372,12 +372,12 @@ class Prefetcher:
             chosen = device if tier is Tier.DEVICE else host
             if unit.name not in held and unit not in chosen and not self.busy(unit.tensors):
                 chosen.append(unit)
-        device = fitting(device, self.device_room())
+        device = fitting(device, self.device_free())
         fetch_ahead(device)
         # A read of a unit the device copy above reads itself would read it twice.
         host = [u for u in host if u.nvme and (u not in device or Tier.HOST in self._where(u.name))]
         if host:  # the first for sure only when the next fetch needs it: see the note
-            prefetch_units(self.pm, fitting(host, self._room(Tier.HOST)), Tier.HOST,
+            prefetch_units(self.pm, fitting(host, self._free_bytes(Tier.HOST)), Tier.HOST,
                            first_sure=view.next_use(host[0].name) == 1)
 
     def _check(self, f: Any) -> tuple[Unit, Tier]:
@@ -393,9 +393,9 @@ class Prefetcher:
                              "and tier Tier.DEVICE or Tier.HOST")
         return unit, tier
 
-    def _room(self, tier: Tier) -> int:
+    def _free_bytes(self, tier: Tier) -> int:
         if tier is Tier.DEVICE:
-            return self.device_room()
+            return self.device_free()
         if tier is Tier.HOST:
             records = self.pm.record(self._nvme_tensors)
             cached = sum(h.nbytes for h, rec in zip(self._nvme_tensors, records)

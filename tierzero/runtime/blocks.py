@@ -123,7 +123,7 @@ class Block:
         ctx.hold(self)
         with torch.profiler.record_function(f"tierzero::fetch {self.name}"):
             if ctx.prefetcher is not None:
-                ctx.prefetcher.on_fetch(TraceEvent(phase, self.name), ctx.room.held.keys())
+                ctx.prefetcher.on_fetch(TraceEvent(phase, self.name), ctx.account.held.keys())
             try:
                 ctx.wait_updates(self.flats)  # the overlapped step's update of this block
                 self.group.fetch()

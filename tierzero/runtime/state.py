@@ -103,7 +103,7 @@ class TieredState:
     def renewed(self) -> TieredState:
         """This state, or the one that replaces it once parameters frozen at wrap were unfrozen
         (wrapping.refresh, between steps)."""
-        if not self.ctx.unfrozen or self._renew is None or self.ctx.step.phase is not Phase.IDLE or self.ctx.room.held:
+        if not self.ctx.unfrozen or self._renew is None or self.ctx.step.phase is not Phase.IDLE or self.ctx.account.held:
             return self
         return self._renew()
 
@@ -310,13 +310,13 @@ def gathered_params(model: nn.Module, modules: nn.Module | list[nn.Module] | Non
     Between steps only; with several ranks every rank enters it with the same modules."""
     state = state_of(model)
     ctx = state.ctx
-    if ctx.step.phase is not Phase.IDLE or ctx.room.held or state in _GATHERED:
+    if ctx.step.phase is not Phase.IDLE or ctx.account.held or state in _GATHERED:
         raise RuntimeError("tz.gathered_params: the model is in a step or already gathered; use it between "
                            "training steps (after opt.step()), not inside a forward, a backward or another "
                            "gathered_params")
     ctx.drain_updates()
     blocks = _blocks_of(state, modules)
-    need, room = sum(b.nbytes for b in blocks), ctx.room.room()
+    need, room = sum(b.nbytes for b in blocks), ctx.account.free_bytes()
     if need > room:
         raise ValueError(f"tz.gathered_params: the {len(blocks)} block(s) asked for need {format_size(need)} "
                          f"({need} bytes) on the device tier at once, and its budget leaves {format_size(room)} "

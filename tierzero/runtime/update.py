@@ -1,9 +1,9 @@
-"""A block's optimizer state on its tiers and the room one update of it holds: the way into the
+"""A block's optimizer state on its tiers and what one update of it holds: the way into the
 runtime for tierzero.optim (which never calls the placement manager itself).
 
 BlockState holds one trainable flat tensor's fp32 master weights (the FlatParam's) and the
 optimizer's flat states (moments) by name; `update()` pins the gradient, master weights and
-moments on the tier the update runs on, hands them over as an UpdateRoom, and on the way out
+moments on the tier the update runs on, hands them over as a BlockUpdate, and on the way out
 stores the new parameters and releases the state dirty. `check_update_rooms` refuses at
 construction an update that could never fit; `update_queue` and `beside_compute` tie the
 overlapped step's queue and update threads to the trace; `global_norm` is clipping's collective.
@@ -49,7 +49,7 @@ class Held(NamedTuple):
     numel: int
 
 
-class UpdateRoom:
+class BlockUpdate:
     """What one update of a block holds pinned: its gradient (as stored, without the pending
     factor) and its master weights and states, each this rank's whole shard, in their formats.
     Tensors not kept as fp32 are worked on a window at a time, widened to fp32 ([Note: state
@@ -78,11 +78,11 @@ class UpdateRoom:
         """Within: `pieces` in [lo, hi) (lo a multiple of QUANT_BLOCK) slice fp32 values decoded
         from the tensors that are not fp32; on a clean exit they are encoded back, bf16 master
         weights rounded stochastically with random bits from (block, `step`, element)."""
-        numel, room = self._block.flat.layout.shard_numel, window_room(lo, hi)
+        numel, width = self._block.flat.layout.shard_numel, window_room(lo, hi)
         coded = self._block.coded
-        if self._scratch is None or self._scratch.shape[1] < room:
-            self._scratch = torch.empty(len(coded), room, dtype=torch.float32, device=self._tensors[0].device)
-        scratch = self._scratch[:, :room]
+        if self._scratch is None or self._scratch.shape[1] < width:
+            self._scratch = torch.empty(len(coded), width, dtype=torch.float32, device=self._tensors[0].device)
+        scratch = self._scratch[:, :width]
         for row, i in zip(scratch, coded):
             self._views[i] = self._block.codecs[i].decode(self._tensors[i], numel, lo, hi, row)
             self._bases[i] = lo
@@ -219,12 +219,12 @@ class BlockState:
                 start = end
 
     @contextlib.contextmanager
-    def update(self, *, ahead: Sequence[BlockState] = (), grads_ahead: bool = True) -> Iterator[UpdateRoom]:
+    def update(self, *, ahead: Sequence[BlockState] = (), grads_ahead: bool = True) -> Iterator[BlockUpdate]:
         """The gradient (copied to the master weights' tier if it lives apart), master weights
         and states pinned; then the blocks `ahead` start reading their state (and gradients,
         `grads_ahead`): the first for sure, the others speculatively, so the read-ahead can
         never evict what this update is about to use. On a clean exit the master weights' new
-        values reach the parameters (the room's `collectives` say what is left for the caller);
+        values reach the parameters (the BlockUpdate's `collectives` say what is left for the caller);
         the state is released dirty either way."""
         flat, pm = self.flat, self.flat.ctx.pm
         with torch.profiler.record_function(f"tierzero::optimizer_step {flat.name}"), pm.copies.context(), \
@@ -232,10 +232,10 @@ class BlockState:
                 pm.hold(list(zip(self._handles.values(), self._staging)), dirty=True) as tensors:
             for k, block in enumerate(ahead):
                 block.prefetch(speculative=k > 0, grad=grads_ahead)
-            room = UpdateRoom(self, grad, tensors)
-            room.skip = self.gradient.unreached()
-            yield room
-            room.collectives = flat.master_updated(tensors[0])
+            update = BlockUpdate(self, grad, tensors)
+            update.skip = self.gradient.unreached()
+            yield update
+            update.collectives = flat.master_updated(tensors[0])
 
 
 def check_update_rooms(state: TieredState, blocks: Sequence[BlockState], who: str) -> None:

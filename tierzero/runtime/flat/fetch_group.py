@@ -120,8 +120,8 @@ def gather_ahead(ctx: StepContext, groups: list[FetchGroup], every: Sequence[Fet
     every rank starts the same all-gathers in the same order ([Note: gathers ahead agreed across
     ranks] in collectives.py)."""
     chosen = {g.name for g in groups}
-    keep = chosen | set(ctx.room.held)
-    room = ctx.room.room() - sum(f.nbytes for g in groups for f in g.flats)
+    keep = chosen | set(ctx.account.held)
+    room = ctx.account.free_bytes() - sum(f.nbytes for g in groups for f in g.flats)
     kept = set()
     for flat in ctx.gathers.flats():
         if flat.name in keep:

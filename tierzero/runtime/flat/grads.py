@@ -279,10 +279,10 @@ class FlatGrad:
             dtype = self._sum_dtype()
             nbytes = self.layout.padded_numel * dtype.itemsize
             scratch = None
-            if ctx.room.take_capture(nbytes):
+            if ctx.account.take_capture(nbytes):
                 scratch = ctx.pm.scratch.reserve(nbytes, Tier.DEVICE, what=f"{h.name} (captured)", wait=False)
                 if scratch is None:
-                    ctx.room.capture_done(nbytes)
+                    ctx.account.capture_done(nbytes)
             if scratch is None:
                 return self._capture_refused(dtype)
             self._scratch, self._held = scratch, scratch[:nbytes].view(dtype)
@@ -319,7 +319,7 @@ class FlatGrad:
         if self._scratch is not None:
             assert self._held is not None  # set together: the view of the room capture took
             self.ctx.pm.scratch.free(self._scratch, Tier.DEVICE)
-            self.ctx.room.capture_done(self._held.nbytes)
+            self.ctx.account.capture_done(self._held.nbytes)
         elif self._held is not None:
             self.ctx.pm.release(self.handle, self.handle.staging)
         self._held = self._scratch = None
