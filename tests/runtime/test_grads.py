@@ -1,4 +1,4 @@
-"""FlatGrad's early capture (tierzero/grads.py): every share of a gradient, the tied embedding /
+"""FlatGrad's early capture (tierzero/runtime/flat/capture.py): every share of a gradient, the tied embedding /
 LM head's two among them, goes into the stored gradient as autograd sends it, with the bits of
 plain PyTorch's summed `.grad`; a backward that raises leaves nothing held."""
 
@@ -16,6 +16,7 @@ from tierzero import runtime
 import builders
 from builders import tier_config
 from tierzero.runtime.blocks import Block
+from tierzero.runtime.flat.capture import CaptureSum
 from tierzero.runtime.flat.grads import FlatGrad
 from tierzero.layout.grouping import ROOT
 from tierzero.models import GPT, GPTConfig
@@ -81,18 +82,18 @@ def test_gradients_are_taken_as_autograd_sends_them(tmp_path: Any, monkeypatch: 
     ref = gpt(tie)
     model = wrapped(tmp_path, ref)
     events: list[str] = []
-    capture, post_backward = FlatGrad.capture, Block.post_backward
+    add, post_backward = CaptureSum.add, Block.post_backward
 
-    def spy_capture(self: FlatGrad, index: int, g: torch.Tensor) -> bool:
-        taken = capture(self, index, g)
-        events.append(f"capture {self.layout.slots[index].fqn} {taken}")
+    def spy_capture(self: CaptureSum, index: int, g: torch.Tensor) -> bool:
+        taken = add(self, index, g)
+        events.append(f"capture {self._grad.layout.slots[index].fqn} {taken}")
         return taken
 
     def spy_post_backward(self: Block, call: Any = None) -> None:
         events.append(f"post_backward {self.name}")
         post_backward(self, call)
 
-    monkeypatch.setattr(FlatGrad, "capture", spy_capture)
+    monkeypatch.setattr(CaptureSum, "add", spy_capture)
     monkeypatch.setattr(Block, "post_backward", spy_post_backward)
     opt = tz.AdamW(model)
     try:
@@ -137,7 +138,7 @@ def test_accumulation_and_bf16_gradients_fall_back_with_the_same_values(tmp_path
             for m in (model, half):
                 loss_of(m, tokens(seed)).backward()
             loss_of(ref, tokens(seed)).backward()
-            assert root_grad(model)._held is None and root_grad(half)._held is None
+            assert root_grad(model).capture.held is None and root_grad(half).capture.held is None
         got, got_half = stored_grads(model), stored_grads(half)
         for name, p in ref.named_parameters():
             assert torch.equal(got[name], plain_grad(p)), name
@@ -165,7 +166,7 @@ def test_a_backward_that_raises_leaves_nothing_held(tmp_path: Any) -> None:
         handle.remove()
         with pytest.raises(RuntimeError, match="boom"):
             loss.backward()
-        assert root_grad(model)._held is not None  # the LM head's share was taken before the raise
+        assert root_grad(model).capture.held is not None  # the LM head's share was taken before the raise
         opt.zero_grad()
         pm = runtime.placement_manager(model)
         assert pm.record(root_grad(model).handle).pins(Tier.HOST) == 0
@@ -191,7 +192,7 @@ def test_autograd_grad_gets_the_tied_weights_gradient_untouched(tmp_path: Any) -
         (g,) = torch.autograd.grad(loss_of(model, x), [model.wte.weight])
         (rg,) = torch.autograd.grad(loss_of(ref, x), [ref.wte.weight])
         assert torch.equal(g, rg)
-        assert root_grad(model).empty and root_grad(model)._held is None
+        assert root_grad(model).empty and root_grad(model).capture.held is None
     finally:
         runtime.close(model)
 

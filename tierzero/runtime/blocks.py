@@ -153,7 +153,7 @@ class Block:
             self.unhold()
         for flat in self.flats:
             if flat.grad is not None:
-                flat.grad.drop_capture()  # of a backward that raised before its accumulate
+                flat.grad.capture.drop()  # of a backward that raised before its accumulate
         self._running.clear()
         # A call still holding for backward belongs to a backward that raised (its holds were
         # just released); a call whose backward never started is added back by its pre-backward.

@@ -22,7 +22,7 @@ from tierzero.runtime.activation_pack import opaque
 from tierzero.runtime.blocks import Block
 from tierzero.runtime.flat.fetch_group import discard_gathers
 from tierzero.runtime.flat.flat_param import FlatParam
-from tierzero.runtime.flat.grads import GradCapture
+from tierzero.runtime.flat.capture import GradCapture
 from tierzero.runtime.step.schedule import output_tensors
 from tierzero.runtime.step.step_context import Phase, StepContext
 
@@ -388,7 +388,7 @@ def close(model: nn.Module) -> None:
         state.ctx.updates.close()  # the step's last updates land before the files go
     for flat in state.flat_params(trainable=True):
         if flat.grad is not None:
-            flat.grad.drop_capture()  # of a backward that raised: its device buffer goes back
+            flat.grad.capture.drop()  # of a backward that raised: its device buffer goes back
     try:
         state.activations.close()
     finally:

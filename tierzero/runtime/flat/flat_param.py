@@ -218,7 +218,7 @@ class FlatParam:
         ctx = self.ctx
         assert self.is_free and self.trainable, (self.name, self._state)
         if self.grad is not None:
-            self.grad.drop_capture()
+            self.grad.capture.drop()
             ctx.unregister(self.grad.handle)
         if self.master is not None and self.master is not self.param:
             ctx.unregister(self.master)

@@ -2,13 +2,12 @@
 
 This rank's shard of the flat gradient, in `config.grad_dtype`, lives in the placement manager
 on `config.grads` (at ZeRO stage 1 the whole flat gradient, of which readers see this rank's
-shard). Early capture, beside GradCapture, sums gradients into it as autograd sends them."""
+shard). Early capture (capture.py) sums gradients into it as autograd sends them."""
 
 from __future__ import annotations
 
 import contextlib
-import warnings
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -16,6 +15,7 @@ from torch import nn
 from tierzero.config import Tier
 from tierzero.layout import FlatLayout
 from tierzero.placement import CopyEvent, Kind, TensorHandle
+from tierzero.runtime.flat.capture import CaptureSum
 from tierzero.runtime.flat.collectives import all_reduce_flat, rank_errors, reduce_scatter_flat
 from tierzero.runtime.step.step_context import StepContext
 
@@ -57,16 +57,8 @@ class FlatGrad:
         """(norm type, norms_of() of the stored gradient), computed as it was written."""
         self._reached: set[int] = set()
         """Parameters (by index) that a gradient reached since the last zero_grad(set_to_none)."""
-        self._captured: set[int] = set()
-        """Early capture: parameters (by index) with contributions summed into `_held`."""
-        self._held: torch.Tensor | None = None
-        """Early capture ([Note: early gradient capture]): where this backward's shares are summed:
-        the stored gradient, acquired (overwrite) at the first share and pinned until accumulate folds in
-        the rest, or a view of `_scratch`."""
-        self._scratch: torch.Tensor | None = None
-        """Early capture on the device: the buffer `_held` views, given back at accumulate."""
-        self._refused = False
-        """Early capture found no room for its buffer in this backward: none until accumulate."""
+        self.capture = CaptureSum(self, self._reached.add)
+        """Where early capture sums this backward's shares ([Note: early gradient capture])."""
         self._partial: tuple[Any, set[int]] | None = None
         """A factor `scale_slot` gave some parameters, not yet every one with a gradient:
         (the factor, those parameters by index); see [Note: gradients seen through p.grad]."""
@@ -226,112 +218,13 @@ class FlatGrad:
             return frozenset()
         return frozenset(range(len(self.layout.slots))) - self.unreached()
 
-    @property
-    def _on_device(self) -> bool:
-        """Early capture sums into a device buffer, not the stored gradient
-        ([Note: early gradient capture]; in a layer-major step also where that buffer sums in a
-        wider dtype than the compute dtype, see [Note: layer-major sums in the gradient's dtype])."""
-        return (self.ctx.pm.copies.asynchronous or self.ctx.world_size > 1
-                or self._sum_dtype() != self.ctx.compute_dtype)
-
-    def can_capture(self, dtype: torch.dtype) -> bool:
-        """Early capture applies now to a contribution of `dtype` (see [Note: early gradient capture])."""
-        if self._on_device:
-            return not self._refused and dtype == self.ctx.compute_dtype
-        if self._held is not None:
-            return dtype == self._held.dtype
-        return dtype == self.handle.dtype and self.empty
-
-    def _sum_dtype(self) -> torch.dtype:
-        """The dtype of early capture's device buffer: the compute dtype, in which autograd would
-        sum; in a layer-major step of several micro-batches, the stored gradient's where it is
-        wider ([Note: layer-major sums in the gradient's dtype])."""
-        compute = self.ctx.compute_dtype
-        if self.ctx.schedule.sums_wide and self.handle.dtype.itemsize > compute.itemsize:
-            return self.handle.dtype
-        return compute
-
-    def capture(self, index: int, g: torch.Tensor) -> bool:
-        """Sum one contribution to parameter `index`'s gradient into this backward's sum, as
-        autograd's input buffer would (the first one copied, later ones added, in arrival
-        order); False when early capture does not apply (the caller passes `g` on)."""
-        if not self.can_capture(g.dtype) or (self._held is None and not self._start_capture()):
-            return False
-        assert self._held is not None
-        slot = self.layout.slots[index]
-        view = self._held[slot.offset:slot.offset + slot.numel]
-        self._reached.add(index)
-        share = g.reshape(-1)
-        if index in self._captured:
-            view.add_(share.to(view.device))  # a no-op where the share is there already
-        else:
-            view.copy_(share)
-            self._captured.add(index)
-        return True
-
-    def _start_capture(self) -> bool:
-        """The first share of a backward: take where the shares are summed
-        ([Note: early gradient capture])."""
-        ctx, h = self.ctx, self.handle
-        with torch.profiler.record_function(f"tierzero::capture_grad {h.owner}"):
-            if not self._on_device:
-                return self._hold_stored()
-            dtype = self._sum_dtype()
-            nbytes = self.layout.padded_numel * dtype.itemsize
-            scratch = None
-            if ctx.account.take_capture(nbytes):
-                scratch = ctx.pm.scratch.reserve(nbytes, Tier.DEVICE, what=f"{h.name} (captured)", wait=False)
-                if scratch is None:
-                    ctx.account.capture_done(nbytes)
-            if scratch is None:
-                return self._capture_refused(dtype)
-            self._scratch, self._held = scratch, scratch[:nbytes].view(dtype)
-            return True
-
-    def _hold_stored(self) -> bool:
-        """Sum this backward's shares in the stored gradient itself, pinned from now until
-        accumulate (overwritten: not zeroed, accumulate zeroes what no share reached)."""
-        self._held = self.ctx.pm.acquire(self.handle, self.handle.staging, overwrite=True)
-        return True
-
-    def _capture_refused(self, dtype: torch.dtype) -> bool:
-        """No device room for early capture's buffer: the shares go on to autograd (False). In a
-        layer-major step that sums in a wider dtype, autograd would sum the micro-batches in the
-        compute dtype ([Note: layer-major sums in the gradient's dtype]): on one rank, into a
-        gradient nothing was stored in yet, the shares are summed in the stored gradient itself
-        (each copied to its tier), the same bits; otherwise a warning says what differs."""
-        ctx, h = self.ctx, self.handle
-        if dtype == ctx.compute_dtype:
-            self._refused = True
-            return False
-        if ctx.world_size == 1 and self.empty:
-            return self._hold_stored()
-        self._refused = True
-        warnings.warn(f"tz.accumulate: no device room for {self.layout.padded_numel * dtype.itemsize} bytes to sum "
-                      f"{h.owner}'s gradient over the micro-batches in {dtype}; autograd sums them in "
-                      f"{ctx.compute_dtype} instead, not as the plain loop does (raise device_budget, or run "
-                      "the plain loop)", RuntimeWarning, stacklevel=2)
-        return False
-
-    def drop_capture(self) -> None:
-        """Forget contributions captured by a backward that never reached accumulate (it
-        raised): the stored gradient is left as it was."""
-        if self._scratch is not None:
-            assert self._held is not None  # set together: the view of the room capture took
-            self.ctx.pm.scratch.free(self._scratch, Tier.DEVICE)
-            self.ctx.account.capture_done(self._held.nbytes)
-        elif self._held is not None:
-            self.ctx.pm.release(self.handle, self.handle.staging)
-        self._held = self._scratch = None
-        self._captured.clear()
-        self._refused = False
-
     def accumulate(self, params: list[nn.Parameter]) -> None:
         """Move the parameters' .grad (and what early capture summed) into the shard;
         idempotent (no .grad, nothing captured: no-op)."""
         with torch._C.DisableTorchFunctionSubclass():  # autograd's .grad, never a GradView
             grads = [p.grad for p in params]
-        if all(g is None for g in grads) and self._held is None:
+        capture = self.capture
+        if all(g is None for g in grads) and capture.held is None:
             return
         self._settle_partial()
         self._settle_forgotten()
@@ -340,40 +233,20 @@ class FlatGrad:
                 p.grad = None  # frees the device copy as soon as it is accumulated
         self._reached.update(i for i, g in enumerate(grads) if g is not None)
         with torch.profiler.record_function(f"tierzero::accumulate_grad {self.handle.owner}"):
-            if self._held is not None and self._scratch is None:
+            if capture.held is not None and capture.scratch is None:
                 self._accumulate_held(grads)
             else:
                 try:
                     self._accumulate_reduced(grads)
                 finally:
-                    self.drop_capture()
-        self._refused = False
+                    capture.drop()
         self.empty = False
-
-    def _fold(self, buf: torch.Tensor, grads: list[torch.Tensor | None]) -> None:
-        """Early capture's sum in `buf` completed: what autograd still held added, the slots no
-        share reached and the padding zeroed."""
-        for i, (slot, g) in enumerate(zip(self.layout.slots, grads)):
-            view = buf[slot.offset:slot.offset + slot.numel]
-            if i in self._captured:
-                if g is not None:
-                    view.add_(g.reshape(-1).to(view.device))
-            elif g is not None:
-                view.copy_(g.reshape(-1))
-            else:
-                view.zero_()
-        for lo, hi in self.layout.gaps():
-            buf[lo:hi].zero_()
 
     def _accumulate_held(self, grads: list[torch.Tensor | None]) -> None:
         """Early capture into the stored gradient: fold in the rest, release it (once)."""
-        buf, self._held = self._held, None
-        assert buf is not None
         try:
-            self._fold(buf, grads)
-            self._written(buf)
+            self._written(self.capture.fold_held(grads))
         finally:
-            self._captured.clear()
             self.ctx.pm.release(self.handle, self.handle.staging, dirty=True, lazy=True)
 
     def _accumulate_reduced(self, grads: list[torch.Tensor | None]) -> None:
@@ -385,12 +258,13 @@ class FlatGrad:
         buf = ctx.pm.acquire(h, h.staging, overwrite=self.empty)
         written = None
         try:
-            if self._held is None and self.empty and self.layout.world_size == 1:
+            held = self.capture.held
+            if held is None and self.empty and self.layout.world_size == 1:
                 written = self._write_straight(buf, grads)
                 return
-            if self._held is not None:
-                self._fold(self._held, grads)
-                full = self._held if self._held.dtype == buf.dtype else streams.to_device(self._held, buf.dtype)
+            if held is not None:
+                self.capture.fold(held, grads)
+                full = held if held.dtype == buf.dtype else streams.to_device(held, buf.dtype)
             else:
                 full = self.layout.flatten(grads, dtype=buf.dtype, out=streams.empty(self.layout.padded_numel,
                                                                                      buf.dtype))
@@ -466,7 +340,7 @@ class FlatGrad:
     def clear(self, *, set_to_none: bool = True) -> None:
         """Forget the gradient (set_to_none) or make it zeros (a parameter without a gradient
         keeps none, as torch's zero_grad(set_to_none=False) leaves its .grad None)."""
-        self.drop_capture()
+        self.capture.drop()
         if set_to_none:
             self._reached.clear()
         self.scale = None
@@ -498,103 +372,3 @@ class FlatGrad:
 
     def __repr__(self) -> str:
         return f"FlatGrad({self.handle.name!r}, empty={self.empty}, scaled={self.scale is not None})"
-
-
-# [Note: early gradient capture]
-# Early capture (`GradCapture`): each share of a parameter's gradient is summed into the stored
-# gradient as autograd sends it (a post hook on the node that sends it), in the order autograd
-# would sum it, so the bits are the same, and None goes on in its place: autograd neither buffers
-# it nor sets `.grad`. Without it the root block (embedding, LM head, final norm), fetched before
-# the first block and done after the last, has its gradients held by autograd from the LM head's
-# backward to the end of backward (a tied embedding / LM head's share waits in autograd's input
-# buffer for the embedding's: vocab x width x 4 bytes, 0.5 GB at 50k x 2560), and every block's
-# `.grad` exist whole beside its stored gradient before the flattening: all outside the budgets.
-# Where the shares are summed:
-#
-#     the stored gradient   synchronous CPU copies, one rank, gradients stored in the parameters'
-#                           dtype, the first backward since zero_grad() (a second one adds to the
-#                           stored sum, which autograd's order would not): acquired (overwrite) at
-#                           the first share and held until the block's accumulate
-#     a device buffer       wherever copies are asynchronous (CUDA, the stream stand-in) or there
-#                           are several ranks: the whole flat gradient of this backward, in the
-#                           parameters' dtype, reserved (device budget) at the first share when
-#                           there is room now; at accumulate it is what the reduce-scatter (or
-#                           all-reduce) reads and what the device-to-host copy takes to the
-#                           stored gradient, exactly as the flattened `.grad` would be
-#
-# A share that arrives otherwise (a recompute in backward, no room for the buffer) is added at
-# accumulate; on one rank with nothing captured, each parameter's `.grad` goes straight into its
-# slice of the stored gradient, with no flat temporary on the device (`_write_straight`). The
-# device-to-host copy of a gradient runs on the copy stream: backward goes on at once, and the
-# stored gradient's readers wait for the copy's event (PlacementManager.release's `written`); its
-# norms are taken on the device before it leaves.
-class GradCapture:
-    """Early capture for a wrapped model's trainable parameters ([Note: early gradient capture]):
-    after each forward with autograd, a walk of the graph from the outputs finds every edge into one of
-    those parameters' AccumulateGrad nodes and puts a post hook on the node that sends it; the
-    hook gives the share to the parameter's FlatGrad (`capture`) and passes None on in its
-    place."""
-
-    def __init__(self, params: Sequence[tuple[nn.Parameter, FlatGrad, int]]) -> None:
-        self._where = {id(p): (p, grad, i) for p, grad, i in params}
-        """id(parameter) -> (the parameter, its FlatGrad, its index there)."""
-
-    def install(self, outputs: Sequence[torch.Tensor]) -> None:
-        """Hook the nodes that send gradients to the parameters, in the graph behind `outputs`."""
-        if not self._where or not any(g.can_capture(p.dtype) for p, g, _ in self._where.values()):
-            return
-        seen: set[Any] = set()
-        todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
-        while todo:
-            node = todo.pop()
-            if node in seen:
-                continue
-            seen.add(node)
-            edges = []
-            for j, (child, _) in enumerate(node.next_functions):
-                if child is None:
-                    continue
-                variable = getattr(child, "variable", None)
-                if variable is not None and id(variable) in self._where:
-                    _, grad, i = self._where[id(variable)]
-                    edges.append(_Edge(j, child, grad, i))
-                elif child not in seen:
-                    todo.append(child)
-            if edges:
-                node.register_hook(_capture_hook(edges))
-
-
-def _accumulates(accumulate: Any) -> bool:
-    """This backward runs the AccumulateGrad node `accumulate`: a .backward() that reaches it
-    (the engine's answer, which torch's multi-grad hooks also ask); never torch.autograd.grad,
-    which returns gradients instead (the engine refuses the question there)."""
-    try:
-        return torch._C._will_engine_execute_node(accumulate)
-    except RuntimeError:  # "... currently running autograd.grad()"
-        return False
-
-
-class _Edge(NamedTuple):
-    """Where a node sends a parameter's gradient: its output `position`, to `accumulate` (the
-    parameter's AccumulateGrad node); the parameter is `index` in `grad`."""
-
-    position: int
-    accumulate: Any
-    grad: FlatGrad
-    index: int
-
-
-def _capture_hook(edges: list[_Edge]) -> Any:
-    """A node post hook: the gradients the node sends along `edges` go to the FlatGrads; None
-    goes on in their place; only when this backward accumulates into the parameter (not for
-    torch.autograd.grad, nor a backward(inputs=...) without it)."""
-    def hook(grad_inputs: tuple[torch.Tensor | None, ...], grad_outputs: Any) -> tuple[Any, ...] | None:
-        out = list(grad_inputs)
-        taken = False
-        for e in edges:
-            g = out[e.position]
-            if g is not None and _accumulates(e.accumulate) and e.grad.capture(e.index, g):
-                out[e.position] = None
-                taken = True
-        return tuple(out) if taken else None
-    return hook
