@@ -291,7 +291,7 @@ class FlatParam:
             return
         if self.ctx.updating((self.param,)):
             self.ctx.drain_updates()
-        self.grad.forget_slot(index)
+        self.grad.slots.forget(index)
 
     def requires_grad_set(self, index: int, requires_grad: bool) -> None:
         """Parameter `index` was set to require a gradient or not while FREE: one of a frozen flat
@@ -300,7 +300,7 @@ class FlatParam:
             self.ctx.unfrozen = True
 
     def clear_grad(self, *, set_to_none: bool = True) -> None:
-        with torch._C.DisableTorchFunctionSubclass():  # autograd's .grad (not forget_slot's p.grad = None)
+        with torch._C.DisableTorchFunctionSubclass():  # autograd's .grad (not SlotEdits.forget's p.grad = None)
             for p in self.params:
                 p.grad = None
         if self.grad is not None:

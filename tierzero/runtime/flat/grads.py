@@ -7,7 +7,7 @@ shard). Early capture (capture.py) sums gradients into it as autograd sends them
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -59,19 +59,15 @@ class FlatGrad:
         """Parameters (by index) that a gradient reached since the last zero_grad(set_to_none)."""
         self.capture = CaptureSum(self, self._reached.add)
         """Where early capture sums this backward's shares ([Note: early gradient capture])."""
-        self._partial: tuple[Any, set[int]] | None = None
-        """A factor `scale_slot` gave some parameters, not yet every one with a gradient:
-        (the factor, those parameters by index); see [Note: gradients seen through p.grad]."""
-        self._forgotten: set[int] = set()
-        """Parameters whose `p.grad` was set to None (model.zero_grad()), not yet every one with a
-        gradient: zeroed in the stored bytes before the gradient is next read or added to."""
+        self.slots = SlotEdits(self)
+        """Edits of single parameters' parts made through `p.grad` ([Note: gradients seen
+        through p.grad])."""
 
     @contextlib.contextmanager
     def acquire(self, *, writable: bool = False, tier: Tier | None = None) -> Iterator[torch.Tensor]:
         """This rank's shard as stored (its dtype, without the pending factor) on `tier` (None:
         the tier the CPU works on it in; an update elsewhere takes a copy there)."""
-        self._settle_partial()
-        self._settle_forgotten()
+        self.slots.settle()
         with self._stored(writable=writable, tier=tier) as buf:
             yield self._mine(buf)
 
@@ -111,7 +107,7 @@ class FlatGrad:
         return [self.scaled(g[lo:hi]) for lo, hi in bounds]
 
     def scale_by(self, factor: torch.Tensor) -> None:
-        self._settle_partial()
+        self.slots.settle_partial()
         if not self.empty:
             self.scale = factor if self.scale is None else self.scale * factor
             self._norms = None  # of the unscaled bytes: clipping twice reads again
@@ -138,65 +134,6 @@ class FlatGrad:
             self._norms = (norm_type, self.norms_of(g, norm_type))
         return self._norms[1]
 
-    # Through p.grad: a parameter's part of the gradient ([Note: gradients seen through p.grad]).
-
-    def scale_slot(self, index: int, factor: torch.Tensor | float) -> None:
-        """Parameter `index`'s gradient times `factor` (a CPU scalar tensor, or a number): torch's
-        clipping multiplies each `p.grad` by one factor. Once every parameter with a gradient has
-        had the same factor, it is the pending factor of the whole flat gradient, as
-        tz.clip_grad_norm_ sets it; a factor given to some parameters only is multiplied into
-        their stored bytes before the gradient is next read."""
-        if self._partial is not None:
-            given, indices = self._partial
-            same = given is factor or (not isinstance(given, torch.Tensor) and given == factor)
-            if not same or index in indices:
-                self._settle_partial()
-        if self._partial is None:
-            self._partial = (factor, set())
-        self._partial[1].add(index)
-        if self._partial[1] >= self.reached():
-            self._partial = None
-            self.scale_by(torch.as_tensor(factor, dtype=torch.float32))
-
-    def _settle_partial(self) -> None:
-        """A factor that reached only some parameters: multiplied into their stored bytes."""
-        if self._partial is None:
-            return
-        factor, indices = self._partial
-        self._partial = None
-        with self._stored(writable=True) as buf:
-            mine = self._fold_scale(buf)
-            for i in sorted(indices):
-                self._slot_of(mine, i).mul_(factor)
-
-    def forget_slot(self, index: int) -> None:
-        """`p.grad = None` for parameter `index` (model.zero_grad()): its gradient forgotten, as
-        torch forgets it; once every parameter with a gradient is, the whole gradient is cleared
-        (`clear`), else their parts are zeroed before the gradient is next read."""
-        if index not in self.reached():
-            return
-        self._forgotten.add(index)
-        if not self.reached():
-            self.clear(set_to_none=True)
-
-    def _settle_forgotten(self) -> None:
-        if not self._forgotten:
-            return
-        forgotten, self._forgotten = sorted(self._forgotten), set()
-        self._settle_partial()
-        with self._stored(writable=True) as buf:
-            mine = self._fold_scale(buf)
-            for i in forgotten:
-                self._slot_of(mine, i).zero_()
-        self._reached.difference_update(forgotten)
-
-    def clamp_slot(self, index: int, lo: float | None, hi: float | None) -> None:
-        """Parameter `index`'s gradient clamped elementwise to [lo, hi] (clip_grad_value_), in
-        the stored bytes (the pending factor folded in first)."""
-        self._settle_partial()
-        with self._stored(writable=True) as buf:
-            self._slot_of(self._fold_scale(buf), index).clamp_(min=lo, max=hi)
-
     def _fold_scale(self, buf: torch.Tensor) -> torch.Tensor:
         """The pending factor multiplied into the stored gradient `buf`, the norms forgotten;
         returns this rank's shard of it."""
@@ -204,13 +141,6 @@ class FlatGrad:
         self.scale = None
         self._norms = None
         return self._mine(buf)
-
-    def _slot_of(self, mine: torch.Tensor, index: int) -> torch.Tensor:
-        """Parameter `index`'s part of this rank's shard `mine` (empty where the shard has none)."""
-        start, stop = self.layout.shard_range(self.ctx.rank)
-        slot = self.layout.slots[index]
-        lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, stop)
-        return mine[lo - start:max(lo, hi) - start]
 
     def reached(self) -> frozenset[int]:
         """Parameters (by index) that have a gradient, as torch's `p.grad is not None`."""
@@ -226,8 +156,7 @@ class FlatGrad:
         capture = self.capture
         if all(g is None for g in grads) and capture.held is None:
             return
-        self._settle_partial()
-        self._settle_forgotten()
+        self.slots.settle()
         with torch._C.DisableTorchFunctionSubclass():  # autograd's .grad: not model.zero_grad()'s
             for p in params:
                 p.grad = None  # frees the device copy as soon as it is accumulated
@@ -332,10 +261,10 @@ class FlatGrad:
         """Parameters (by index) without a gradient, which torch's optimizers and clipping skip
         (`p.grad is None`): on one rank those no gradient reached since zero_grad(set_to_none);
         with several ranks none (their stored zeros are the gradient, as DDP makes them); and
-        those whose `p.grad` was set to None since (forget_slot)."""
+        those whose `p.grad` was set to None since (SlotEdits.forget)."""
         if self.layout.world_size > 1:
-            return frozenset(self._forgotten)
-        return frozenset(range(len(self.layout.slots))) - self._reached | self._forgotten
+            return frozenset(self.slots.forgotten)
+        return frozenset(range(len(self.layout.slots))) - self._reached | self.slots.forgotten
 
     def clear(self, *, set_to_none: bool = True) -> None:
         """Forget the gradient (set_to_none) or make it zeros (a parameter without a gradient
@@ -344,8 +273,7 @@ class FlatGrad:
         if set_to_none:
             self._reached.clear()
         self.scale = None
-        self._partial = None
-        self._forgotten.clear()
+        self.slots.clear()
         self._norms = None
         self.empty = set_to_none
         if set_to_none:
@@ -362,13 +290,96 @@ class FlatGrad:
             return
         if self.empty:
             return
-        self._settle_partial()
-        with self._stored(writable=True) as buf:
-            mine = self._fold_scale(buf)
-            for i in indices:
-                self._slot_of(mine, i).zero_()
+        self.slots.settle_partial()
+        self.slots.zero(indices)
         if set_to_none:
             self._reached.difference_update(indices)
 
     def __repr__(self) -> str:
         return f"FlatGrad({self.handle.name!r}, empty={self.empty}, scaled={self.scale is not None})"
+
+
+class SlotEdits:
+    """Edits of single parameters' parts of a flat gradient, as torch's code makes them through
+    `p.grad` ([Note: gradients seen through p.grad] in grad_views.py): a factor some of its
+    parameters have had but not yet every one, and gradients forgotten (`p.grad = None`) but
+    not yet every one, both made in the stored bytes before the gradient is next read or added to."""
+
+    def __init__(self, grad: FlatGrad) -> None:
+        self._grad = grad
+        self.partial: tuple[Any, set[int]] | None = None
+        """A factor `scale` gave some parameters, not yet every one with a gradient: (the factor,
+        those parameters by index)."""
+        self.forgotten: set[int] = set()
+        """Parameters whose `p.grad` was set to None (model.zero_grad()), not yet every one with a
+        gradient: zeroed in the stored bytes before the gradient is next read or added to."""
+
+    def scale(self, index: int, factor: torch.Tensor | float) -> None:
+        """Parameter `index`'s gradient times `factor` (a CPU scalar tensor, or a number): torch's
+        clipping multiplies each `p.grad` by one factor. Once every parameter with a gradient has
+        had the same factor, it is the pending factor of the whole flat gradient, as
+        tz.clip_grad_norm_ sets it; a factor given to some parameters only is multiplied into
+        their stored bytes before the gradient is next read."""
+        if self.partial is not None:
+            given, indices = self.partial
+            same = given is factor or (not isinstance(given, torch.Tensor) and given == factor)
+            if not same or index in indices:
+                self.settle_partial()
+        if self.partial is None:
+            self.partial = (factor, set())
+        self.partial[1].add(index)
+        if self.partial[1] >= self._grad.reached():
+            self.partial = None
+            self._grad.scale_by(torch.as_tensor(factor, dtype=torch.float32))
+
+    def forget(self, index: int) -> None:
+        """`p.grad = None` for parameter `index` (model.zero_grad()): its gradient forgotten, as
+        torch forgets it; once every parameter with a gradient is, the whole gradient is cleared
+        (FlatGrad.clear), else their parts are zeroed before the gradient is next read."""
+        if index not in self._grad.reached():
+            return
+        self.forgotten.add(index)
+        if not self._grad.reached():
+            self._grad.clear(set_to_none=True)
+
+    def clamp(self, index: int, lo: float | None, hi: float | None) -> None:
+        """Parameter `index`'s gradient clamped elementwise to [lo, hi] (clip_grad_value_), in
+        the stored bytes (the pending factor folded in first)."""
+        self.settle_partial()
+        self._edit([index], lambda part: part.clamp_(min=lo, max=hi))
+
+    def zero(self, indices: Sequence[int]) -> None:
+        """Parameters `indices`' parts of the stored gradient zeroed (the pending factor folded in)."""
+        self._edit(indices, torch.Tensor.zero_)
+
+    def settle_partial(self) -> None:
+        """A factor that reached only some parameters: multiplied into their stored bytes."""
+        if self.partial is None:
+            return
+        factor, indices = self.partial
+        self.partial = None
+        self._edit(sorted(indices), lambda part: part.mul_(factor))
+
+    def settle(self) -> None:
+        """Every edit pending made in the stored bytes: the factor, then the forgotten parts."""
+        self.settle_partial()
+        if not self.forgotten:
+            return
+        forgotten, self.forgotten = sorted(self.forgotten), set()
+        self.zero(forgotten)
+        self._grad._reached.difference_update(forgotten)
+
+    def clear(self) -> None:
+        self.partial = None
+        self.forgotten.clear()
+
+    def _edit(self, indices: Sequence[int], edit: Callable[[torch.Tensor], object]) -> None:
+        """`edit` each of parameters `indices`' parts of this rank's shard, in the stored bytes."""
+        grad = self._grad
+        start, stop = grad.layout.shard_range(grad.ctx.rank)
+        with grad._stored(writable=True) as buf:
+            mine = grad._fold_scale(buf)
+            for i in indices:
+                slot = grad.layout.slots[i]
+                lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, stop)
+                edit(mine[lo - start:max(lo, hi) - start])
