@@ -204,13 +204,13 @@ class TieredState:
                  if n in state_dict}
         for flat in flats:
             if any(id(p) in given for p in flat.params):
-                flat.install_scratch(flat.read_full())
+                flat.views.install_scratch(flat.read_full())
 
     def _load_post_hook(self, flats: list[FlatParam]) -> None:
         for flat in flats:
             if not flat.is_free:
                 flat.write_full([p.data for p in flat.params])
-                flat.uninstall()
+                flat.views.uninstall()
 
     def __repr__(self) -> str:
         return (f"TieredState({type(self.model).__name__}, {len(self.blocks)} blocks, "
@@ -336,7 +336,7 @@ def gathered_params(model: nn.Module, modules: nn.Module | list[nn.Module] | Non
         yield
         while writable and fetched:  # block by block: one block's values in CPU memory at a time
             block = fetched.pop(0)
-            values = [flat.held_values() for flat in block.flats]
+            values = [flat.views.held() for flat in block.flats]
             _release(block, discard=False)
             for flat, shard in zip(block.flats, values):
                 flat.write_values(shard)
