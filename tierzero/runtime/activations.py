@@ -141,12 +141,12 @@ class Activations:
         (only counted, on the device, when nothing of it is placed)."""
         assert pack.state is PackState.OPEN, pack
         self._raise_failed_writes()
-        pack.finish()
+        nbytes = pack.finish()
         if pack.placed and pack.entries:
             self.place(pack, self._home(pack))
         else:
             pack.drop_storages()
-            self.pm.recorder.record_activations(Tier.DEVICE, pack.nbytes)
+            self.pm.recorder.record_activations(Tier.DEVICE, nbytes)
         pack.state = PackState.SEALED
 
     def _home(self, pack: ActivationPack) -> Tier:
