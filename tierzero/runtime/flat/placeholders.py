@@ -20,12 +20,12 @@ _HINTS: dict[int, str] = {}
 _CLASSES: dict[type, type] = {}
 """A parameter class -> its Unfetched subclass."""
 _SOURCE_OF: dict[int, tuple["weakref.ref[ParamSource]", int]] = {}
-"""id(parameter) -> (the flat tensor it views, its index there), while the parameter lives."""
+"""id(parameter) -> (what it consults, its index there), while the parameter lives."""
 
 
 class ParamSource(Protocol):
-    """What an unfetched parameter belongs to (a FlatParam): where `p.grad` reads its gradient,
-    and what hears that the parameter was set to require a gradient or not."""
+    """What an unfetched parameter consults (its FlatParam's FlatSource): where `p.grad` reads its
+    gradient, and what hears that the parameter was set to require a gradient or not."""
 
     def grad_view(self, index: int) -> torch.Tensor | None: ...
 
@@ -126,8 +126,8 @@ class UnfetchedTensor(_Unfetched, torch.Tensor):
 
 def guard(params: Sequence[nn.Parameter], names: Sequence[str], source: ParamSource | None = None) -> None:
     """The parameters now hold placeholders: reads are refused from here on; `names`: theirs in
-    the wrapped model; `source`: the flat tensor they view (each at its index in `params`),
-    which answers `p.grad` and hears of `requires_grad` set."""
+    the wrapped model; `source`: what they consult (each at its index in `params`), which
+    answers `p.grad` and hears of `requires_grad` set."""
     for index, (p, name) in enumerate(zip(params, names, strict=True)):
         if id(p) not in _NAMES:
             weakref.finalize(p, _forget, id(p))
