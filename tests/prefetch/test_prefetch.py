@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import pytest
 import torch
@@ -56,15 +56,18 @@ class FakePM:
         self.host_free = host_free
         self.records: dict[str, FakeRecord] = {}
 
-    def prefetch(self, h: FakeHandle, tier: Tier, *, speculative: bool = False) -> bool:
-        self.calls.append((h.name, tier))
-        if speculative:
-            self.speculative.append((h.name, tier))
-        if tier is not h.home:
-            self.record(h).residency[tier] = Residency.FETCHING
+    def prefetch(self, handles: FakeHandle | Sequence[FakeHandle], tier: Tier, *, speculative: bool = False) -> bool:
+        for h in (handles,) if isinstance(handles, FakeHandle) else handles:
+            self.calls.append((h.name, tier))
+            if speculative:
+                self.speculative.append((h.name, tier))
+            if tier is not h.home:
+                self.record(h).residency[tier] = Residency.FETCHING
         return True
 
-    def record(self, h: FakeHandle) -> FakeRecord:
+    def record(self, h: FakeHandle | Sequence[FakeHandle]) -> FakeRecord | tuple[FakeRecord, ...]:
+        if not isinstance(h, FakeHandle):
+            return tuple(self.records.setdefault(x.name, FakeRecord()) for x in h)
         return self.records.setdefault(h.name, FakeRecord())
 
     def budget(self, tier: Tier) -> int:
@@ -76,7 +79,7 @@ class FakePM:
 
 def make(policy: Any = Lookahead(2, nvme_depth=0), room: int = 10_000, host_free: int = 10_000):
     pm = FakePM(host_free)
-    return prefetch.Prefetcher(pm, UNITS, policy, device_room=lambda: room), pm
+    return prefetch.Prefetcher(pm, UNITS, policy, device_free=lambda: room), pm
 
 
 def run(p: prefetch.Prefetcher, order: list[str], key: object = "train") -> None:

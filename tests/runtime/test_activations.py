@@ -23,7 +23,7 @@ import tierzero as tz
 from tierzero import runtime
 from tierzero.config import Tier
 from tierzero.planning import least_budgets
-from tierzero.placement import Kind, Residency
+from tierzero.placement import Kind, Residency, TensorHandle
 import builders
 import hf_models
 from gloo import run_ranks
@@ -339,10 +339,11 @@ def test_backward_reads_no_pack_into_host_memory_that_is_on_its_way_to_the_devic
         pm = runtime.placement_manager(model)
         asked, prefetch = [], pm.prefetch
 
-        def spy(h: Any, tier: Any = Tier.DEVICE, **kw: Any) -> bool:
-            if h.name.count("@") and Tier(tier) is Tier.HOST:
-                asked.append((h.name, pm.record(h).residency[Tier.DEVICE]))
-            return prefetch(h, tier, **kw)
+        def spy(handles: Any, tier: Any = Tier.DEVICE, **kw: Any) -> bool:
+            for h in (handles,) if isinstance(handles, TensorHandle) else handles:
+                if h.name.count("@") and Tier(tier) is Tier.HOST:
+                    asked.append((h.name, pm.record(h).residency[Tier.DEVICE]))
+            return prefetch(handles, tier, **kw)
 
         pm.prefetch = spy
         opt = tz.AdamW(model, lr=1e-3)

@@ -57,7 +57,7 @@ def train(model: Any, cfg: tz.Config, rank: int, world_size: int, *, clip: bool)
             losses.append(loss.item())
         state = model.state_dict()
         return {"losses": losses, "state": state, "threads": sorted(set(threads)),
-                "captures": runtime.state_of(model).ctx.room.captures}
+                "captures": runtime.state_of(model).ctx.account.captures}
     finally:
         optim.TieredOptimizer._step_flat = step_flat
         runtime.close(model)

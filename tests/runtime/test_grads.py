@@ -1,4 +1,4 @@
-"""FlatGrad's early capture (tierzero/grads.py): every share of a gradient, the tied embedding /
+"""FlatGrad's early capture (tierzero/runtime/flat/capture.py): every share of a gradient, the tied embedding /
 LM head's two among them, goes into the stored gradient as autograd sends it, with the bits of
 plain PyTorch's summed `.grad`; a backward that raises leaves nothing held."""
 
@@ -16,6 +16,7 @@ from tierzero import runtime
 import builders
 from builders import tier_config
 from tierzero.runtime.blocks import Block
+from tierzero.runtime.flat.capture import CaptureSum
 from tierzero.runtime.flat.grads import FlatGrad
 from tierzero.layout.grouping import ROOT
 from tierzero.models import GPT, GPTConfig
@@ -81,18 +82,18 @@ def test_gradients_are_taken_as_autograd_sends_them(tmp_path: Any, monkeypatch: 
     ref = gpt(tie)
     model = wrapped(tmp_path, ref)
     events: list[str] = []
-    capture, post_backward = FlatGrad.capture, Block.post_backward
+    add, post_backward = CaptureSum.add, Block.post_backward
 
-    def spy_capture(self: FlatGrad, index: int, g: torch.Tensor) -> bool:
-        taken = capture(self, index, g)
-        events.append(f"capture {self.layout.slots[index].fqn} {taken}")
+    def spy_capture(self: CaptureSum, index: int, g: torch.Tensor) -> bool:
+        taken = add(self, index, g)
+        events.append(f"capture {self._grad.layout.slots[index].fqn} {taken}")
         return taken
 
     def spy_post_backward(self: Block, call: Any = None) -> None:
         events.append(f"post_backward {self.name}")
         post_backward(self, call)
 
-    monkeypatch.setattr(FlatGrad, "capture", spy_capture)
+    monkeypatch.setattr(CaptureSum, "add", spy_capture)
     monkeypatch.setattr(Block, "post_backward", spy_post_backward)
     opt = tz.AdamW(model)
     try:
@@ -137,7 +138,7 @@ def test_accumulation_and_bf16_gradients_fall_back_with_the_same_values(tmp_path
             for m in (model, half):
                 loss_of(m, tokens(seed)).backward()
             loss_of(ref, tokens(seed)).backward()
-            assert root_grad(model)._held is None and root_grad(half)._held is None
+            assert root_grad(model).capture.held is None and root_grad(half).capture.held is None
         got, got_half = stored_grads(model), stored_grads(half)
         for name, p in ref.named_parameters():
             assert torch.equal(got[name], plain_grad(p)), name
@@ -165,7 +166,7 @@ def test_a_backward_that_raises_leaves_nothing_held(tmp_path: Any) -> None:
         handle.remove()
         with pytest.raises(RuntimeError, match="boom"):
             loss.backward()
-        assert root_grad(model)._held is not None  # the LM head's share was taken before the raise
+        assert root_grad(model).capture.held is not None  # the LM head's share was taken before the raise
         opt.zero_grad()
         pm = runtime.placement_manager(model)
         assert pm.record(root_grad(model).handle).pins(Tier.HOST) == 0
@@ -191,7 +192,7 @@ def test_autograd_grad_gets_the_tied_weights_gradient_untouched(tmp_path: Any) -
         (g,) = torch.autograd.grad(loss_of(model, x), [model.wte.weight])
         (rg,) = torch.autograd.grad(loss_of(ref, x), [ref.wte.weight])
         assert torch.equal(g, rg)
-        assert root_grad(model).empty and root_grad(model)._held is None
+        assert root_grad(model).empty and root_grad(model).capture.held is None
     finally:
         runtime.close(model)
 
@@ -292,7 +293,7 @@ def test_a_refused_capture_sends_each_gradient_to_the_host_with_no_device_tempor
     model = wrapped(tmp_path, ref, grads="host", grad_dtype=grad_dtype, streams="async",
                     stand_in=tz.StandInConfig(poison=True, delay_seed=3, max_delay_s=0.003))
     ctx = runtime.state_of(model).ctx
-    monkeypatch.setattr(ctx.room, "take_capture", lambda nbytes: False)
+    monkeypatch.setattr(ctx.account, "take_capture", lambda nbytes: False)
     streams = runtime.placement_manager(model).streams
     made: list[str] = []
 
@@ -309,7 +310,7 @@ def test_a_refused_capture_sends_each_gradient_to_the_host_with_no_device_tempor
             loss_of(model, tokens(seed)).backward()
             ref.zero_grad(set_to_none=True)
             loss_of(ref, tokens(seed)).backward()
-            assert made == [] and ctx.room.captures == 0
+            assert made == [] and ctx.account.captures == 0
             stored = {n: torch.zeros_like(p) if p.grad is None else p.grad.to(dtype)
                       for n, p in ref.named_parameters()}
             norms = [torch.linalg.vector_norm(p.grad.to(dtype).float()) for p in ref.parameters() if p.grad is not None]

@@ -51,7 +51,7 @@ def test_default_blocks_are_the_repeated_layers_plus_root(wrapped) -> None:
     model(x, y).loss.backward()
     with torch._C.DisableTorchFunctionSubclass():  # autograd's .grad: p.grad reads the flat gradient
         assert all(p.grad is None for p in model.parameters())
-    assert not state.ctx.room.held
+    assert not state.ctx.account.held
 
 
 def test_block_classes_and_min_block_bytes(wrapped) -> None:
@@ -160,7 +160,7 @@ def test_inference_eval_and_no_grad_match_plain_torch(wrapped) -> None:
             torch.testing.assert_close(model(x).logits, ref(x).logits, rtol=0, atol=0)
     state = runtime.state_of(model)
     assert state.ctx.prefetcher.trace((False, False)) is not None
-    assert not state.ctx.room.held
+    assert not state.ctx.account.held
     model.train()
     ref.train()
     model(x, y).loss.backward()
@@ -301,7 +301,7 @@ def test_block_kwargs_tuple_outputs_and_parallel_calls(wrapped) -> None:
         step_and_zero((opt, ropt))
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-6, atol=0)
-    assert not runtime.state_of(model).ctx.room.held
+    assert not runtime.state_of(model).ctx.account.held
 
 
 def test_saved_views_of_parameters_are_rebuilt_and_outer_hooks_still_apply(wrapped) -> None:
@@ -364,7 +364,7 @@ def test_a_failed_fetch_leaves_nothing_held_or_reserved(wrapped, monkeypatch) ->
     monkeypatch.setattr(fetch_group, "start_gather", real)
     # blocks.1 is not held and pins nothing (the root's hold of the interrupted forward ends
     # at the next forward's start, as for any forward that raised)
-    assert "blocks.1" not in runtime.state_of(model).ctx.room.held
+    assert "blocks.1" not in runtime.state_of(model).ctx.account.held
     for h in pm.handles:
         if h.owner == "blocks.1":
             assert pm.record(h).pins(Tier.DEVICE) == 0 and pm.record(h).pins(Tier.HOST) == 0, h

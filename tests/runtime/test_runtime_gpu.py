@@ -104,7 +104,7 @@ def beside_plain_torch(config: tz.Config, steps: int, *, autocast: bool = False,
             loss.backward()
             rloss.backward()
             step_and_zero((opt, ropt))
-        return opt, runtime.state_of(model).ctx.room.captures
+        return opt, runtime.state_of(model).ctx.account.captures
     finally:
         runtime.close(model)
 

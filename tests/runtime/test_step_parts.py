@@ -19,37 +19,37 @@ from tierzero.runtime.step.step_context import Phase
 def test_the_device_account_is_the_room_of_fetches_and_the_prefetcher(wrapped) -> None:
     model = wrapped(builders.gpt(layers=2))
     ctx = runtime.state_of(model).ctx
-    room, budget = ctx.room, ctx.pm.budget(Tier.DEVICE)
-    assert room.room() == budget - room.homes and room.prefetch_room() == room.room()
+    account, budget = ctx.account, ctx.pm.budget(Tier.DEVICE)
+    assert account.free_bytes() == budget - account.homes and account.free_for_prefetch() == account.free_bytes()
     seen = []
 
     def during(module, args):  # the block's own pre-hook ran first: it is held now
-        seen.append((dict(room.held), room.room(), ctx.step.phase, ctx.step.owner))
+        seen.append((dict(account.held), account.free_bytes(), ctx.step.phase, ctx.step.owner))
 
     handle = model.blocks[1].register_forward_pre_hook(during)
     x = torch.randint(0, 257, (2, 24))
     model(x).logits.float().square().mean().backward()
     handle.remove()
     (held, left, phase, owner), = seen
-    assert "blocks.1" in held and left == budget - room.homes - sum(b.nbytes for b in held.values())
+    assert "blocks.1" in held and left == budget - account.homes - sum(b.nbytes for b in held.values())
     assert phase is Phase.FORWARD and owner is threading.current_thread()
-    assert not room.held and room.room() == budget - room.homes  # every block released, capture given back
+    assert not account.held and account.free_bytes() == budget - account.homes  # every block released, capture given back
     assert ctx.step.phase is Phase.IDLE and ctx.step.owner is None
     assert ctx.step.backward_died() is False
-    # the prefetcher plans in the account's room, not in one of its own
-    assert ctx.prefetcher is not None and ctx.prefetcher.device_room == room.prefetch_room
+    # the prefetcher plans in the account's free bytes, not in a sum of its own
+    assert ctx.prefetcher is not None and ctx.prefetcher.device_free == account.free_for_prefetch
 
 
 def test_early_capture_takes_room_only_beside_the_largest_block(wrapped) -> None:
     model = wrapped(builders.gpt(layers=2))
-    room = runtime.state_of(model).ctx.room
-    before, captures = room.room(), room.captures
-    largest, room.largest_block = room.largest_block, before  # no byte would leave it room
-    assert not room.take_capture(1) and room.room() == before and room.captures == captures
-    room.largest_block = largest
-    assert room.take_capture(64) and room.room() == before - 64 and room.beside() == 64
-    room.capture_done(64)
-    assert room.room() == before and room.beside() == 0 and room.captures == captures + 1
+    account = runtime.state_of(model).ctx.account
+    before, captures = account.free_bytes(), account.captures
+    largest, account.largest_block = account.largest_block, before  # no byte would leave it room
+    assert not account.take_capture(1) and account.free_bytes() == before and account.captures == captures
+    account.largest_block = largest
+    assert account.take_capture(64) and account.free_bytes() == before - 64 and account.beside() == 64
+    account.capture_done(64)
+    assert account.free_bytes() == before and account.beside() == 0 and account.captures == captures + 1
 
 
 def test_the_schedule_is_layer_major_only_within_accumulate(wrapped) -> None:

@@ -66,15 +66,16 @@ def test_an_update_whose_third_acquire_fails_releases_the_two_it_took(wrapped: A
     model(x, x).loss.backward()
     pm = runtime.placement_manager(model)
     states = opt.saved_state().blocks[opt.flat_params[0]]
-    real, calls = pm.acquire, []
+    table = pm._table  # below PlacementManager.hold, which takes the states in one call
+    real, calls = table._acquire_home, []
 
-    def acquire(handle: Any, tier: Any, **kw: Any) -> torch.Tensor:  # the gradient's, then the states'
-        calls.append(handle)
+    def acquire_home(rec: Any) -> torch.Tensor:  # the gradient's, then the master weights', then exp_avg's
+        calls.append(rec.handle)
         if len(calls) == 3:
             raise OSError("planted at the third acquire")
-        return real(handle, tier, **kw)
+        return real(rec)
 
-    monkeypatch.setattr(pm, "acquire", acquire)
+    monkeypatch.setattr(table, "_acquire_home", acquire_home)
     with pytest.raises(OSError, match="planted at the third"):
         with states.update():
             pass

@@ -386,39 +386,39 @@ class TieredOptimizer(torch.optim.Optimizer):
         (BlockState.update). Returns the update's collectives (FlatParam.master_updated) for the
         caller to run on the thread that drives the model's."""
         states = self._live_states(flat)
-        with states.update(ahead=[self._live_states(f) for f in ahead], grads_ahead=grads_ahead) as room:
+        with states.update(ahead=[self._live_states(f) for f in ahead], grads_ahead=grads_ahead) as block:
             steps = self._steps[flat]
             for j, g in enumerate(self._group_of[flat]):
-                if g is not None and j not in room.skip:
+                if g is not None and j not in block.skip:
                     steps[j] += 1
-            batches = self._batches_of(flat, room.skip, groups, windowed=room.windowed)
-            update = self._update_windows if room.windowed else self._update_pieces
-            update(groups, steps, room, batches)
-        return room.collectives
+            batches = self._batches_of(flat, block.skip, groups, windowed=block.windowed)
+            run = self._update_windows if block.windowed else self._update_pieces
+            run(groups, steps, block, batches)
+        return block.collectives
 
-    def _update_pieces(self, groups: list[dict[str, Any]], steps: list[int], room: runtime.UpdateRoom,
+    def _update_pieces(self, groups: list[dict[str, Any]], steps: list[int], block: runtime.BlockUpdate,
                        batches: list[tuple[int, list[Piece]]], *, windowed: bool = False) -> None:
         for c, pieces in batches:
-            grads, tensors = room.pieces(pieces)
+            grads, tensors = block.pieces(pieces)
             if windowed:  # the fused window kernel's arithmetic, in torch ops
                 window_kernel.eager_update_(self.kernel, grads, *tensors, rows=[self._row(groups[c], steps[j]) for _, _, j in pieces])
             else:
                 self._update(groups[c], [steps[j] for _, _, j in pieces], grads, *tensors)
 
-    def _update_windows(self, groups: list[dict[str, Any]], steps: list[int], room: runtime.UpdateRoom,
+    def _update_windows(self, groups: list[dict[str, Any]], steps: list[int], block: runtime.BlockUpdate,
                         batches: list[tuple[int, list[Piece]]]) -> None:
         """States kept in fewer bits ([Note: state windows]): one pass of the fused kernel a window,
         else decoded, updated in torch ops, encoded: the same bits ([Note: fused state windows])."""
         step = max(steps)
-        held = room.held()
+        held = block.held()
         lib = window_kernel.for_held(self.kernel, held)
         if lib is None:
             for w, lo, hi in _windows(batches):
-                with room.window(lo, hi, step):
-                    self._update_pieces(groups, steps, room, w, windowed=True)
+                with block.window(lo, hi, step):
+                    self._update_pieces(groups, steps, block, w, windowed=True)
             return
         window_kernel.update_windows(lib, held, list(_windows(batches)), steps, lambda c, s: self._row(groups[c], s),
-                                     *room.rounding(step))
+                                     *block.rounding(step))
 
     def _batches_of(self, flat: FlatParam, skip: frozenset[int], groups: list[dict[str, Any]], *,
                     windowed: bool = False) -> list[tuple[int, list[Piece]]]:

@@ -294,7 +294,7 @@ def fits(tensors: Sequence[torch.Tensor], grad: torch.Tensor) -> bool:
 
 
 def for_held(optimizer: str, held: Held) -> ctypes.CDLL | None:
-    """The kernel for an update holding `held` (UpdateRoom.held), or None: the eager path (no
+    """The kernel for an update holding `held` (BlockUpdate.held), or None: the eager path (no
     compiler, or tensors outside the CPU's memory)."""
     if not fits(held.tensors, held.grad):
         return None

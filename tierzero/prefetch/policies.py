@@ -210,18 +210,6 @@ class PrefetchPolicy(Protocol):
         return next_use_order(view, candidates)
 
 
-def fitting(units: Sequence[Unit], room: int) -> list[Unit]:
-    """The units in order while their bytes together fit `room`: how a plan is clipped to a
-    tier's room (the prefetcher, and the tier model replaying it)."""
-    out = []
-    for unit in units:
-        if unit.nbytes > room:
-            break
-        out.append(unit)
-        room -= unit.nbytes
-    return out
-
-
 def next_use_order(view: PrefetchView, candidates: Sequence[str]) -> list[str]:
     """Farthest next use in the trace first, units the trace does not use before them."""
     n = len(view.trace)

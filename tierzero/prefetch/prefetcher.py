@@ -20,9 +20,10 @@ from typing import Any, Callable, Hashable, Iterable, NamedTuple, Sequence
 from tierzero.config import Tier
 from tierzero.placement import PlacementManager, Residency, TensorHandle
 from tierzero.prefetch.policies import (BlockTimes, FetchPhase, PrefetchPolicy, PrefetchView, TraceEvent,
-                                        Unit, describe, fitting, next_use_order, policy_from_config)
+                                        Unit, describe, next_use_order, policy_from_config)
 
-__all__ = ["FetchPhase", "Prefetcher", "TraceEvent", "Unit", "policy_from_config", "prefetch_unit", "prefetch_units"]
+__all__ = ["FetchPhase", "Prefetcher", "TraceEvent", "Unit", "fitting", "policy_from_config", "prefetch_unit",
+           "prefetch_units"]
 
 _clock = time.perf_counter
 """The prefetcher's clock (tests replace it)."""
@@ -35,7 +36,19 @@ def prefetch_unit(pm: PlacementManager, unit: Unit, tier: Tier, *, speculative: 
     """Start copies of a unit's tensors toward `tier` (module level so tests can patch it);
     `speculative`: only into room that pushes out no copy still to be used and waits for no
     write-back (PlacementManager.prefetch)."""
-    return all([pm.prefetch(handle, tier, speculative=speculative) for handle in unit.tensors])
+    return pm.prefetch(unit.tensors, tier, speculative=speculative)
+
+
+def fitting(units: Sequence[Unit], room: int) -> list[Unit]:
+    """The units in order while their bytes together fit `room`: how a plan is clipped to a
+    tier's room (the prefetcher, and the tier model replaying it)."""
+    out = []
+    for unit in units:
+        if unit.nbytes > room:
+            break
+        out.append(unit)
+        room -= unit.nbytes
+    return out
 
 
 _bringing = threading.local()
@@ -82,7 +95,7 @@ class _Mark(NamedTuple):
     sources0: dict[str, float]
     sources1: dict[str, float] | None = None
     host_room: int = 0
-    """Host bytes for unit copies when it was asked for (see Prefetcher._room)."""
+    """Host bytes for unit copies when it was asked for (see Prefetcher._free_bytes)."""
     device_beside: int = 0
     """Device bytes taken beside homes, held units and acquired packs then (Prefetcher.device_beside)."""
     begun: Any = None
@@ -140,13 +153,13 @@ class Prefetcher:
     """Records traces and times, asks the policy what to fetch, and orders eviction victims."""
 
     def __init__(self, pm: PlacementManager, units: Sequence[Unit], policy: PrefetchPolicy, *,
-                 device_room: Callable[[], int], fetch_ahead: Callable[[list[Unit]], object] | None = None,
-                 device_wraps: bool = True, busy: Callable[[Unit], bool] | None = None,
+                 device_free: Callable[[], int], fetch_ahead: Callable[[list[Unit]], object] | None = None,
+                 device_wraps: bool = True, busy: Callable[[tuple[TensorHandle, ...]], bool] | None = None,
                  device_beside: Callable[[], int] | None = None) -> None:
         self.pm = pm
         self.units = {u.name: u for u in units}
         self.policy = policy
-        self.device_room = device_room
+        self.device_free = device_free
         """Bytes of the device budget not taken by homes and held units."""
         self.fetch_ahead = fetch_ahead or (lambda units: prefetch_units(pm, units, Tier.DEVICE))
         """Starts bringing the units the policy chose to the device (the runtime's block
@@ -154,9 +167,9 @@ class Prefetcher:
         self.device_wraps = device_wraps
         """Device prefetches look past the end of an iteration into the next one (False where
         what they bring cannot outlive the optimizer step: blocks all-gathered across ranks)."""
-        self.busy = busy or (lambda unit: False)
-        """Whether a unit's values are still being written (the overlapped step's update,
-        tierzero/runtime/step/step_queue.py): it is not prefetched until they are done."""
+        self.busy = busy or (lambda handles: False)
+        """Whether a unit's tensors (its handles) are still being written (the overlapped step's
+        update, tierzero/runtime/step/step_queue.py): it is not prefetched until they are done."""
         self.device_beside = device_beside or (lambda: 0)
         """Device bytes taken beside the homes, held units and backward's acquired activations
         (early capture's buffers, activations homed on the device): recorded at each fetch for
@@ -166,6 +179,10 @@ class Prefetcher:
         end (the overlapped step's thread, `reissue`)."""
         self._unit_of = {t: u.name for u in units for t in u.tensors}
         self._unit_of_name = {t.name: u.name for u in units for t in u.tensors}
+        self._nvme_tensors = tuple(t for u in units if u.nvme for t in u.tensors)
+        """The tensors of NVMe-homed units: those whose host copies `_room` counts as room."""
+        self._host_budget = pm.budget(Tier.HOST)
+        """The host budget (a manager's budgets are fixed when it is made)."""
         self._traces: dict[Hashable, tuple[TraceEvent, ...]] = {}
         self._uses: dict[Hashable, dict[str, list[int]]] = {}
         self._times: dict[Hashable, BlockTimes] = {}
@@ -181,7 +198,7 @@ class Prefetcher:
         pm.telemetry.info.update(
             units={u.name: {"bytes": u.nbytes, "nvme": u.nvme, "tensors": [t.name for t in u.tensors]} for u in units},
             policy=describe(policy),
-            device_room=device_room(), device_wraps=device_wraps, workers=max(2, cfg.prefetch.nvme_depth),
+            device_room=device_free(), device_wraps=device_wraps, workers=max(2, cfg.prefetch.nvme_depth),
             io_threads=cfg.io.threads, io_block_size=cfg.io.block_size, nvme_depth=cfg.prefetch.nvme_depth)
 
     # --------------------------------------------------------------------- iteration lifecycle
@@ -201,7 +218,7 @@ class Prefetcher:
             self._learn_last(it.key, now, stall)
             it.gap_stall = stall - self._ended[1] if self._ended is not None else 0.0
         it.marks.append(_Mark(event, now, stall, None, tuple(sorted(held - {event.unit})),
-                              self.pm.telemetry.stall_by_source(), host_room=self._room(Tier.HOST),
+                              self.pm.telemetry.stall_by_source(), host_room=self._free_bytes(Tier.HOST),
                               device_beside=self.device_beside(), begun=self._stamp()))
         it.recording.append(event)
         if it.trace is None or it.deviated:
@@ -344,7 +361,7 @@ class Prefetcher:
         held = frozenset(it.marks[-1].held) | {it.marks[-1].event.unit} if it.marks else frozenset()
         times = self._times.get(it.key) or BlockTimes()
         return PrefetchView(it.trace, it.pos - 1, self.units, held, self.device_wraps, times,
-                            self._room, self._where, self._uses.get(it.key, {}))
+                            self._free_bytes, self._where, self._uses.get(it.key, {}))
 
     def _issue(self, it: _Iteration, held: set[str], fetch_ahead: Callable[[list[Unit]], object]) -> None:
         view = self._view(it)
@@ -353,14 +370,14 @@ class Prefetcher:
         for f in self.policy.plan(view):
             unit, tier = self._check(f)
             chosen = device if tier is Tier.DEVICE else host
-            if unit.name not in held and unit not in chosen and not self.busy(unit):
+            if unit.name not in held and unit not in chosen and not self.busy(unit.tensors):
                 chosen.append(unit)
-        device = fitting(device, self.device_room())
+        device = fitting(device, self.device_free())
         fetch_ahead(device)
         # A read of a unit the device copy above reads itself would read it twice.
         host = [u for u in host if u.nvme and (u not in device or Tier.HOST in self._where(u.name))]
         if host:  # the first for sure only when the next fetch needs it: see the note
-            prefetch_units(self.pm, fitting(host, self._room(Tier.HOST)), Tier.HOST,
+            prefetch_units(self.pm, fitting(host, self._free_bytes(Tier.HOST)), Tier.HOST,
                            first_sure=view.next_use(host[0].name) == 1)
 
     def _check(self, f: Any) -> tuple[Unit, Tier]:
@@ -376,22 +393,22 @@ class Prefetcher:
                              "and tier Tier.DEVICE or Tier.HOST")
         return unit, tier
 
-    def _room(self, tier: Tier) -> int:
+    def _free_bytes(self, tier: Tier) -> int:
         if tier is Tier.DEVICE:
-            return self.device_room()
+            return self.device_free()
         if tier is Tier.HOST:
-            cached = sum(h.nbytes for u in self.units.values() if u.nvme for h in u.tensors
-                         if self.pm.record(h).residency[Tier.HOST] is Residency.RESIDENT)
-            return self.pm.budget(Tier.HOST) - self.pm.bytes_used(Tier.HOST) + cached
+            records = self.pm.record(self._nvme_tensors)
+            cached = sum(h.nbytes for h, rec in zip(self._nvme_tensors, records)
+                         if rec.residency[Tier.HOST] is Residency.RESIDENT)
+            return self._host_budget - self.pm.bytes_used(Tier.HOST) + cached
         return 0
 
     def _where(self, name: str) -> frozenset[Tier]:
-        tiers = set()
-        for tier in (Tier.DEVICE, Tier.HOST):
-            if all(h.home is not tier and self.pm.record(h).residency[tier] is not Residency.ABSENT
-                   for h in self.units[name].tensors):
-                tiers.add(tier)
-        return frozenset(tiers)
+        handles = self.units[name].tensors
+        records = self.pm.record(handles)
+        return frozenset(tier for tier in (Tier.DEVICE, Tier.HOST)
+                         if all(h.home is not tier and rec.residency[tier] is not Residency.ABSENT
+                                for h, rec in zip(handles, records)))
 
     # ----------------------------------------------------------------------------- eviction
 

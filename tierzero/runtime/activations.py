@@ -94,7 +94,7 @@ class Activations:
         self.saved = SavedTensors(self, ctx.copies, ctx.compute_dtype)
         """The saved-tensor hooks of the root's forward and the scopes of its block calls."""
         if self.placed:
-            ctx.room.ahead = self.bytes_ahead
+            ctx.account.ahead = self.bytes_ahead
 
     @property
     def placed(self) -> bool:
@@ -141,19 +141,19 @@ class Activations:
         (only counted, on the device, when nothing of it is placed)."""
         assert pack.state is PackState.OPEN, pack
         self._raise_failed_writes()
-        pack.finish()
+        nbytes = pack.finish()
         if pack.placed and pack.entries:
             self.place(pack, self._home(pack))
         else:
             pack.drop_storages()
-            self.pm.recorder.record_activations(Tier.DEVICE, pack.nbytes)
+            self.pm.recorder.record_activations(Tier.DEVICE, nbytes)
         pack.state = PackState.SEALED
 
     def _home(self, pack: ActivationPack) -> Tier:
         nbytes = pack.nbytes
-        self._check_device_room(pack)
+        self._check_device_fits(pack)
         # room for the blocks coming next and for one pack coming back in backward
-        fits = nbytes <= self.ctx.room.room() - 2 * self.largest_block - nbytes
+        fits = nbytes <= self.ctx.account.free_bytes() - 2 * self.largest_block - nbytes
         prefetcher = self.ctx.prefetcher
         upcoming = [u for u in prefetcher.next_units(2) if u != ROOT][:1] if prefetcher is not None else []
         if fits and upcoming == [pack.block]:
@@ -171,17 +171,17 @@ class Activations:
         """auto: the first pack (in seal order) of the longest run at the end that `_home` will
         keep on the device when it comes (beside the root, the block held and two coming, and
         one pack coming back), planned before a forward: the packs backward needs first stay."""
-        room = self.ctx.room.room() - self.root_bytes - 3 * self.largest_block - max(sizes)
+        room = self.ctx.account.free_bytes() - self.root_bytes - 3 * self.largest_block - max(sizes)
         keep = len(sizes)
         while keep > 0 and sizes[keep - 1] <= room:
             keep -= 1
             room -= sizes[keep]
         return keep
 
-    def _check_device_room(self, pack: ActivationPack) -> None:
+    def _check_device_fits(self, pack: ActivationPack) -> None:
         """ValueError when the pack can never be on the device beside the root block and its
         own block, as its backward needs."""
-        room = self.pm.budget(Tier.DEVICE) - self.ctx.room.homes
+        room = self.pm.budget(Tier.DEVICE) - self.ctx.account.homes
         need = pack.nbytes + self.root_bytes + self.largest_block
         if need > room:
             raise ValueError(
@@ -209,7 +209,7 @@ class Activations:
                              "batch x sequence less)") from e
         pack.handle = handle
         if home is Tier.DEVICE:
-            self.ctx.room.add_activations(pack.nbytes, home=True)
+            self.ctx.account.add_activations(pack.nbytes, home=True)
         self._sizes.append(pack.nbytes)
         self._pending.append(pack)
         self.pm.recorder.record_activations(home, pack.nbytes)
@@ -268,7 +268,7 @@ class Activations:
         copy = self.pm.acquire(pack.handle, Tier.DEVICE)
         pack.acquired = True
         if pack.handle.home is not Tier.DEVICE:
-            self.ctx.room.add_activations(pack.nbytes)
+            self.ctx.account.add_activations(pack.nbytes)
         waited = time.perf_counter() - t0
         self.pm.recorder.record_activation_stall(waited)
         self.pm.recorder.record_span(TRACK, f"fetch {pack.block}", t0, t0 + waited,
@@ -298,7 +298,7 @@ class Activations:
         and host room from the blocks, and pushed out, they were read again (built-in 350m,
         nvme_depth 8: 2.9x the packs' bytes read back, the updates 2-3x slower)."""
         names = {u.name for u in units}
-        room = self.ctx.room.prefetch_room() - sum(u.nbytes for u in units if u.name not in self.ctx.room.held)
+        room = self.ctx.account.free_for_prefetch() - sum(u.nbytes for u in units if u.name not in self.ctx.account.held)
         ahead = []
         for pack in reversed(self._pending):
             if pack.acquired:
@@ -311,8 +311,8 @@ class Activations:
             elif (self._backward and pack.handle.home is Tier.NVME and _written(pack) and len(ahead) < self.nvme_depth
                   and not self._coming(pack)):
                 ahead.append(pack.handle)  # (one on its way to the device was read once: not again)
-        for handle in ahead:
-            self.pm.prefetch(handle, Tier.HOST, speculative=True)
+        if ahead:
+            self.pm.prefetch(ahead, Tier.HOST, speculative=True)
 
     def bytes_ahead(self) -> int:
         """Bytes of the packs brought (or coming) to the device ahead of backward and not used
@@ -367,12 +367,12 @@ class Activations:
             self.pm.release(h, Tier.DEVICE)
             pack.acquired = False
             if h.home is not Tier.DEVICE:
-                self.ctx.room.add_activations(-pack.nbytes)
+                self.ctx.account.add_activations(-pack.nbytes)
         if self.pm.record(h).in_flight and not wait:
             return False
         self.pm.unregister(h)
         if h.home is Tier.DEVICE:
-            self.ctx.room.add_activations(-pack.nbytes, home=True)
+            self.ctx.account.add_activations(-pack.nbytes, home=True)
         pack.handle = None
         self._pending.remove(pack)
         return True

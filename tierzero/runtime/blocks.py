@@ -84,6 +84,8 @@ class Block:
         self.group = FetchGroup(name, flats, ctx)
         self.unit = Unit(name, tuple(f.param for f in flats), sum(f.nbytes for f in flats),
                          any(f.home is Tier.NVME for f in flats))
+        self.nbytes = self.unit.nbytes
+        """Device bytes while fetched (the unit's: a block's flat tensors never change)."""
         self._holds = 0
         self._calls: list[_Call] = []
         """Forward calls whose backward may still come (swept by the final callback)."""
@@ -99,10 +101,6 @@ class Block:
                 hint(p, text)
         self.successor = self
         """The block that took its place when the root state was built again (wrapping.refresh)."""
-
-    @property
-    def nbytes(self) -> int:
-        return self.unit.nbytes
 
     def register_hooks(self) -> None:
         for module in self.modules:  # outside compiled graphs: [Note: compiled blocks]
@@ -125,7 +123,7 @@ class Block:
         ctx.hold(self)
         with torch.profiler.record_function(f"tierzero::fetch {self.name}"):
             if ctx.prefetcher is not None:
-                ctx.prefetcher.on_fetch(TraceEvent(phase, self.name), ctx.room.held.keys())
+                ctx.prefetcher.on_fetch(TraceEvent(phase, self.name), ctx.account.held.keys())
             try:
                 ctx.wait_updates(self.flats)  # the overlapped step's update of this block
                 self.group.fetch()
@@ -155,7 +153,7 @@ class Block:
             self.unhold()
         for flat in self.flats:
             if flat.grad is not None:
-                flat.grad.drop_capture()  # of a backward that raised before its accumulate
+                flat.grad.capture.drop()  # of a backward that raised before its accumulate
         self._running.clear()
         # A call still holding for backward belongs to a backward that raised (its holds were
         # just released); a call whose backward never started is added back by its pre-backward.

@@ -22,7 +22,7 @@ from tierzero.runtime.activation_pack import opaque
 from tierzero.runtime.blocks import Block
 from tierzero.runtime.flat.fetch_group import discard_gathers
 from tierzero.runtime.flat.flat_param import FlatParam
-from tierzero.runtime.flat.grads import GradCapture
+from tierzero.runtime.flat.capture import GradCapture
 from tierzero.runtime.step.schedule import output_tensors
 from tierzero.runtime.step.step_context import Phase, StepContext
 
@@ -103,7 +103,7 @@ class TieredState:
     def renewed(self) -> TieredState:
         """This state, or the one that replaces it once parameters frozen at wrap were unfrozen
         (wrapping.refresh, between steps)."""
-        if not self.ctx.unfrozen or self._renew is None or self.ctx.step.phase is not Phase.IDLE or self.ctx.room.held:
+        if not self.ctx.unfrozen or self._renew is None or self.ctx.step.phase is not Phase.IDLE or self.ctx.account.held:
             return self
         return self._renew()
 
@@ -204,13 +204,13 @@ class TieredState:
                  if n in state_dict}
         for flat in flats:
             if any(id(p) in given for p in flat.params):
-                flat.install_scratch(flat.read_full())
+                flat.views.install_scratch(flat.read_full())
 
     def _load_post_hook(self, flats: list[FlatParam]) -> None:
         for flat in flats:
             if not flat.is_free:
                 flat.write_full([p.data for p in flat.params])
-                flat.uninstall()
+                flat.views.uninstall()
 
     def __repr__(self) -> str:
         return (f"TieredState({type(self.model).__name__}, {len(self.blocks)} blocks, "
@@ -310,13 +310,13 @@ def gathered_params(model: nn.Module, modules: nn.Module | list[nn.Module] | Non
     Between steps only; with several ranks every rank enters it with the same modules."""
     state = state_of(model)
     ctx = state.ctx
-    if ctx.step.phase is not Phase.IDLE or ctx.room.held or state in _GATHERED:
+    if ctx.step.phase is not Phase.IDLE or ctx.account.held or state in _GATHERED:
         raise RuntimeError("tz.gathered_params: the model is in a step or already gathered; use it between "
                            "training steps (after opt.step()), not inside a forward, a backward or another "
                            "gathered_params")
     ctx.drain_updates()
     blocks = _blocks_of(state, modules)
-    need, room = sum(b.nbytes for b in blocks), ctx.room.room()
+    need, room = sum(b.nbytes for b in blocks), ctx.account.free_bytes()
     if need > room:
         raise ValueError(f"tz.gathered_params: the {len(blocks)} block(s) asked for need {format_size(need)} "
                          f"({need} bytes) on the device tier at once, and its budget leaves {format_size(room)} "
@@ -336,7 +336,7 @@ def gathered_params(model: nn.Module, modules: nn.Module | list[nn.Module] | Non
         yield
         while writable and fetched:  # block by block: one block's values in CPU memory at a time
             block = fetched.pop(0)
-            values = [flat.held_values() for flat in block.flats]
+            values = [flat.views.held() for flat in block.flats]
             _release(block, discard=False)
             for flat, shard in zip(block.flats, values):
                 flat.write_values(shard)
@@ -388,7 +388,7 @@ def close(model: nn.Module) -> None:
         state.ctx.updates.close()  # the step's last updates land before the files go
     for flat in state.flat_params(trainable=True):
         if flat.grad is not None:
-            flat.grad.drop_capture()  # of a backward that raised: its device buffer goes back
+            flat.grad.capture.drop()  # of a backward that raised: its device buffer goes back
     try:
         state.activations.close()
     finally:

@@ -1,9 +1,9 @@
-"""A block's optimizer state on its tiers and the room one update of it holds: the way into the
+"""A block's optimizer state on its tiers and what one update of it holds: the way into the
 runtime for tierzero.optim (which never calls the placement manager itself).
 
 BlockState holds one trainable flat tensor's fp32 master weights (the FlatParam's) and the
 optimizer's flat states (moments) by name; `update()` pins the gradient, master weights and
-moments on the tier the update runs on, hands them over as an UpdateRoom, and on the way out
+moments on the tier the update runs on, hands them over as a BlockUpdate, and on the way out
 stores the new parameters and releases the state dirty. `check_update_rooms` refuses at
 construction an update that could never fit; `update_queue` and `beside_compute` tie the
 overlapped step's queue and update threads to the trace; `global_norm` is clipping's collective.
@@ -48,7 +48,7 @@ class Held(NamedTuple):
     numel: int
 
 
-class UpdateRoom:
+class BlockUpdate:
     """What one update of a block holds pinned: its gradient (as stored, without the pending
     factor) and its master weights and states, each this rank's whole shard, in their formats.
     Tensors not kept as fp32 are worked on a window at a time, widened to fp32 ([Note: state
@@ -69,22 +69,19 @@ class UpdateRoom:
         self.collectives: Callable[[], None] | None = None
         """After the update: what takes collectives (FlatParam.master_updated), for the thread
         that drives the model's."""
-
-    @property
-    def windowed(self) -> bool:
+        self.windowed = bool(block.coded)
         """Whether some held tensor is not fp32, so updates go a window at a time (`window`)."""
-        return not all(c.exact for c in self._block.codecs)
 
     @contextlib.contextmanager
     def window(self, lo: int, hi: int, step: int) -> Iterator[None]:
         """Within: `pieces` in [lo, hi) (lo a multiple of QUANT_BLOCK) slice fp32 values decoded
         from the tensors that are not fp32; on a clean exit they are encoded back, bf16 master
         weights rounded stochastically with random bits from (block, `step`, element)."""
-        numel, room = self._block.flat.layout.shard_numel, window_room(lo, hi)
-        coded = [i for i, c in enumerate(self._block.codecs) if not c.exact]
-        if self._scratch is None or self._scratch.shape[1] < room:
-            self._scratch = torch.empty(len(coded), room, dtype=torch.float32, device=self._tensors[0].device)
-        scratch = self._scratch[:, :room]
+        numel, width = self._block.flat.layout.shard_numel, window_room(lo, hi)
+        coded = self._block.coded
+        if self._scratch is None or self._scratch.shape[1] < width:
+            self._scratch = torch.empty(len(coded), width, dtype=torch.float32, device=self._tensors[0].device)
+        scratch = self._scratch[:, :width]
         for row, i in zip(scratch, coded):
             self._views[i] = self._block.codecs[i].decode(self._tensors[i], numel, lo, hi, row)
             self._bases[i] = lo
@@ -114,7 +111,7 @@ class UpdateRoom:
     def pieces(self, pieces: Sequence[Piece]) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
         """The fp32 gradient of each piece (the pending factor applied) and, per held tensor
         (master weights first, then the states in order), its fp32 slice for each piece."""
-        grads = [self._gradient.scaled(self._grad[lo:hi]) for lo, hi, _ in pieces]
+        grads = self._gradient.scaled_pieces(self._grad, [(lo, hi) for lo, hi, _ in pieces])
         return grads, [[t[lo - b:hi - b] for lo, hi, _ in pieces] for t, b in zip(self._views, self._bases)]
 
 
@@ -138,11 +135,20 @@ class BlockState:
         self.state_dtype = state_dtype
         """The states' format (Config.optimizer_state_dtype)."""
         self._handles: dict[str, TensorHandle] = {Kind.MASTER.value: flat.ensure_master()}
-        self._staging: list[Tier] = [self._handles[Kind.MASTER.value].staging]
+        self._staging: list[Tier] = []
         """Each handle's staging tier, in order: a handle's home never changes."""
         self._codecs: dict[str, StateCodec] = {
             Kind.MASTER.value: StateCodec("float32" if flat.master_dtype == torch.float32 else "bfloat16")}
         """Each kind's format, in the handles' order."""
+        self.coded: tuple[int, ...] = ()
+        """The kinds (by index in `kinds`) not kept as fp32, which updates widen a window at a
+        time ([Note: state windows])."""
+        self._kinds_changed()
+
+    def _kinds_changed(self) -> None:
+        """Kinds were added or removed: the staging tiers and the coded kinds follow the handles."""
+        self._staging = [h.staging for h in self._handles.values()]
+        self.coded = tuple(i for i, c in enumerate(self._codecs.values()) if not c.exact)
 
     @property
     def codecs(self) -> list[StateCodec]:
@@ -171,13 +177,13 @@ class BlockState:
                               ctx.master_tier(self.flat.name), kind=Kind(kind))
         self._handles[kind] = handle
         self._codecs[kind] = codec
-        self._staging.append(handle.staging)
+        self._kinds_changed()
 
     def remove(self, kind: str) -> None:
         """Unregister the state `kind` (given back: a newer optimizer took over, or a failed add)."""
         handle = self._handles.pop(kind)
         del self._codecs[kind]
-        self._staging = [h.staging for h in self._handles.values()]
+        self._kinds_changed()
         self.flat.ctx.pm.unregister(handle)
 
     def read(self, kind: str) -> torch.Tensor:
@@ -200,38 +206,36 @@ class BlockState:
         return {k: (h, self._codecs[k]) for k, h in list(self._handles.items())[1:]}
 
     def prefetch(self, *, speculative: bool, grad: bool = True) -> None:
-        """Start reading the state (and the gradient, `grad`) toward the tiers the update uses."""
-        pm = self.flat.ctx.pm
-        if grad:
-            self.gradient.prefetch(speculative=speculative, tier=self._staging[0])
-        for handle, tier in zip(self._handles.values(), self._staging):
-            pm.prefetch(handle, tier, speculative=speculative)
+        """Start reading the state (and the gradient, `grad`) toward the tiers the update uses:
+        in order, the gradient first, each run of handles bound for one tier in one call."""
+        gradient = self.gradient
+        pairs = list(zip(self._handles.values(), self._staging))
+        if grad and not gradient.empty:  # an empty gradient holds nothing to read
+            pairs.insert(0, (gradient.handle, self._staging[0]))
+        pm, start = self.flat.ctx.pm, 0
+        for end in range(1, len(pairs) + 1):
+            if end == len(pairs) or pairs[end][1] is not pairs[start][1]:
+                pm.prefetch([h for h, _ in pairs[start:end]], pairs[start][1], speculative=speculative)
+                start = end
 
     @contextlib.contextmanager
-    def update(self, *, ahead: Sequence[BlockState] = (), grads_ahead: bool = True) -> Iterator[UpdateRoom]:
+    def update(self, *, ahead: Sequence[BlockState] = (), grads_ahead: bool = True) -> Iterator[BlockUpdate]:
         """The gradient (copied to the master weights' tier if it lives apart), master weights
         and states pinned; then the blocks `ahead` start reading their state (and gradients,
         `grads_ahead`): the first for sure, the others speculatively, so the read-ahead can
         never evict what this update is about to use. On a clean exit the master weights' new
-        values reach the parameters (the room's `collectives` say what is left for the caller);
+        values reach the parameters (the BlockUpdate's `collectives` say what is left for the caller);
         the state is released dirty either way."""
         flat, pm = self.flat, self.flat.ctx.pm
-        handles, where = list(self._handles.values()), self._staging[0]
         with torch.profiler.record_function(f"tierzero::optimizer_step {flat.name}"), pm.copies.context(), \
-                self.gradient.acquire(tier=where) as grad:
-            tensors: list[torch.Tensor] = []
-            try:
-                for h, t in zip(handles, self._staging):  # on a failed acquire, release what was taken
-                    tensors.append(pm.acquire(h, t))
-                for k, block in enumerate(ahead):
-                    block.prefetch(speculative=k > 0, grad=grads_ahead)
-                room = UpdateRoom(self, grad, tensors)
-                room.skip = self.gradient.unreached()
-                yield room
-                room.collectives = flat.master_updated(tensors[0])
-            finally:
-                for h, t, _ in zip(handles, self._staging, tensors):
-                    pm.release(h, t, dirty=True)
+                self.gradient.acquire(tier=self._staging[0]) as grad, \
+                pm.hold(list(zip(self._handles.values(), self._staging)), dirty=True) as tensors:
+            for k, block in enumerate(ahead):
+                block.prefetch(speculative=k > 0, grad=grads_ahead)
+            update = BlockUpdate(self, grad, tensors)
+            update.skip = self.gradient.unreached()
+            yield update
+            update.collectives = flat.master_updated(tensors[0])
 
 
 def check_update_rooms(state: TieredState, blocks: Sequence[BlockState], who: str) -> None:

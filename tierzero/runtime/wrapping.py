@@ -187,10 +187,10 @@ def _start(model: nn.Module, config: Config, ctx: StepContext, blocks: list[Bloc
 
     fetch_ahead = fetch_units if activations.placed else gather_units if ctx.zero.gathers else None
     prefetcher = Prefetcher(pm, [b.unit for b in blocks if b.flats], policy_from_config(config),
-                            device_room=ctx.room.prefetch_room,
+                            device_free=ctx.account.free_for_prefetch,
                             fetch_ahead=fetch_ahead,
-                            device_wraps=not ctx.zero.gathers, busy=lambda unit: ctx.updating(unit.tensors),
-                            device_beside=ctx.room.beside)
+                            device_wraps=not ctx.zero.gathers, busy=ctx.updating,
+                            device_beside=ctx.account.beside)
     ctx.attach(prefetcher, state.end_backward, max((b.nbytes for b in blocks if b.flats), default=0))
     pm.room.policy = prefetcher
     state.register_hooks()
@@ -219,7 +219,7 @@ def refresh(model: nn.Module) -> TieredState:
     if not new and not changed:
         return state
     ctx, config = state.ctx, state.config
-    if ctx.step.phase is not Phase.IDLE or ctx.room.held:
+    if ctx.step.phase is not Phase.IDLE or ctx.account.held:
         raise RuntimeError(f"{type(state.model).__name__}: parameters were added, frozen or unfrozen since tz.wrap, "
                            "which tierzero takes in between steps, not inside a forward or a backward")
     ctx.drain_updates()

@@ -69,7 +69,7 @@ class FetchGroup:
             for flat, p in zip(self.flats, pending):
                 finish_gather(ctx, flat, p)
                 finished += 1
-                flat.install(p.full)
+                flat.views.install(p.full)
         except BaseException:
             self._abandon(pending, finished)
             raise
@@ -78,7 +78,7 @@ class FetchGroup:
     def _abandon(self, pending: list[PendingGather], finished: int) -> None:
         """Undo a failed fetch: the first `finished` gathers were waited for (and installed)."""
         for i, (flat, p) in enumerate(zip(self.flats, pending)):
-            flat.uninstall()
+            flat.views.uninstall()
             try:
                 if i >= finished:
                     with contextlib.suppress(Exception):  # the first error is the one raised
@@ -91,7 +91,7 @@ class FetchGroup:
         wait in the context for the next fetch instead of being freed."""
         assert self._fetched is not None, self.name
         for flat, p in zip(self.flats, self._fetched):
-            flat.uninstall()
+            flat.views.uninstall()
             if keep_gathered:
                 assert p.scratch is not None, flat.name
                 self.ctx.gathers.put(flat, p._replace(work=None))  # done; its shard is released
@@ -120,8 +120,8 @@ def gather_ahead(ctx: StepContext, groups: list[FetchGroup], every: Sequence[Fet
     every rank starts the same all-gathers in the same order ([Note: gathers ahead agreed across
     ranks] in collectives.py)."""
     chosen = {g.name for g in groups}
-    keep = chosen | set(ctx.room.held)
-    room = ctx.room.room() - sum(f.nbytes for g in groups for f in g.flats)
+    keep = chosen | set(ctx.account.held)
+    room = ctx.account.free_bytes() - sum(f.nbytes for g in groups for f in g.flats)
     kept = set()
     for flat in ctx.gathers.flats():
         if flat.name in keep:

@@ -36,7 +36,7 @@ from tierzero.runtime.step.step_context import StepContext
 # to a view into the device copy while HELD, and to a one-element zero-stride placeholder of the
 # same shape, dtype and device otherwise, which refuses to be read (placeholders.py). Autograd
 # saves parameters (leaves) by reference, so a backward sees whatever `.data` holds then: the
-# copy the pre-backward hook fetched. Only `install`, `install_scratch` and `uninstall` change
+# copy the pre-backward hook fetched. Only ParamViews' `install`, `install_scratch` and `uninstall` change
 # the state, as their last line.
 class ParamState(Enum):
     """What a FlatParam's nn.Parameters hold.
@@ -83,16 +83,15 @@ class FlatParam:
         self.home = home
         self.trainable = params[0].requires_grad
         assert all(p.requires_grad == self.trainable for p in params), name
-        self._placeholders = [torch.zeros((), dtype=ctx.compute_dtype, device=ctx.device).expand(s.shape)
-                              for s in layout.slots]
         self._param: TensorHandle | None = None
         self.master: TensorHandle | None = None
         """fp32 master weights (the parameters' own handle when they double as them)."""
         self.grad: FlatGrad | None = None
         """The gradient shard of a trainable flat tensor."""
-        self._device: torch.Tensor | None = None
-        """The device copy the parameters view while HELD."""
-        self._state = ParamState.FREE
+        self.source = FlatSource(self)
+        """What the parameters consult while they hold placeholders (`p.grad`, requires_grad set)."""
+        self.views = ParamViews(self)
+        """What the parameters hold (ParamState), and its transitions."""
 
     @property
     def param(self) -> TensorHandle:
@@ -118,7 +117,7 @@ class FlatParam:
 
     @property
     def is_free(self) -> bool:
-        return self._state is ParamState.FREE
+        return self.views.state is ParamState.FREE
 
     # ----------------------------------------------------------------------------- setup
 
@@ -166,7 +165,7 @@ class FlatParam:
             if not self._params_hold(shard.dtype):
                 self.master = ctx.register(self.name, shard.float(), ctx.master_tier(self.name), kind=Kind.MASTER,
                                            lazy=lazy)
-        self.uninstall()
+        self.views.uninstall()
 
     @property
     def load_dtype(self) -> torch.dtype:
@@ -216,9 +215,9 @@ class FlatParam:
         tier), its gradient and separate master weights given back (a frozen flat tensor holds
         its values in the compute dtype, as one frozen at wrap does)."""
         ctx = self.ctx
-        assert self.is_free and self.trainable, (self.name, self._state)
+        assert self.is_free and self.trainable, (self.name, self.views.state)
         if self.grad is not None:
-            self.grad.drop_capture()
+            self.grad.capture.drop()
             ctx.unregister(self.grad.handle)
         if self.master is not None and self.master is not self.param:
             ctx.unregister(self.master)
@@ -232,7 +231,7 @@ class FlatParam:
 
     def close(self) -> None:
         """Give every handle back (its parameters are taken over by another flat tensor)."""
-        assert self.is_free, (self.name, self._state)
+        assert self.is_free, (self.name, self.views.state)
         ctx = self.ctx
         if self.grad is not None:
             ctx.unregister(self.grad.handle)
@@ -240,67 +239,8 @@ class FlatParam:
             ctx.unregister(self.master)
         ctx.unregister(self.param)
 
-    # ------------------------------------------------------------------------- transitions
-
-    def install(self, flat: torch.Tensor) -> None:
-        """FREE -> HELD: the parameters view the device copy `flat`."""
-        assert self._state is ParamState.FREE, (self.name, self._state)
-        for p, view in zip(self.params, self.layout.views(flat)):
-            unguard(p)
-            p.data = view
-        self._device = flat
-        self.ctx.copies.track(self, flat)
-        self._state = ParamState.HELD
-
-    def install_scratch(self, values: list[torch.Tensor]) -> None:
-        """FREE -> SCRATCH: the parameters hold `values` (full CPU tensors) for a state-dict load."""
-        if self._state is not ParamState.FREE:
-            raise RuntimeError(f"{self.name}: load_state_dict while the block is in use "
-                               f"({self._state.value}); load between training steps")
-        for p, v in zip(self.params, values):
-            unguard(p)
-            p.data = v
-        self._state = ParamState.SCRATCH
-
-    def uninstall(self) -> None:
-        """HELD / SCRATCH -> FREE: the parameters become placeholders again, refusing reads
-        ([Note: unfetched parameters] in placeholders.py)."""
-        for i, (p, ph, slot) in enumerate(zip(self.params, self._placeholders, self.layout.slots)):
-            p.data = ph
-            guard(p, slot.fqn, self, i)
-        if self._device is not None:
-            self.ctx.copies.untrack(self._device)
-            self._device = None
-        self._state = ParamState.FREE
-
-    def grad_view(self, index: int) -> torch.Tensor | None:
-        """`p.grad` of parameter `index` while FREE: its gradient as torch's clipping sees it
-        ([Note: gradients seen through p.grad] in grad_views.py), None where torch's is None."""
-        ctx = self.ctx
-        if self.grad is None:
-            return None
-        if ctx.updates is not None and ctx.updates.clears(self.param):
-            ctx.drain_updates()  # a zero_grad waits behind the overlapped step's update: answer after it
-        return view_of(self.grad, index, self.layout.slots[index].fqn, self._placeholders[index],
-                       refused=ctx.grads_final is not None)
-
-    def grad_set_none(self, index: int) -> None:
-        """`p.grad = None` of parameter `index` while FREE (model.zero_grad()): its gradient is
-        forgotten, as torch forgets it (after the overlapped step's update of the block)."""
-        if self.grad is None:
-            return
-        if self.ctx.updating((self.param,)):
-            self.ctx.drain_updates()
-        self.grad.forget_slot(index)
-
-    def requires_grad_set(self, index: int, requires_grad: bool) -> None:
-        """Parameter `index` was set to require a gradient or not while FREE: one of a frozen flat
-        tensor unfrozen is taken in before the next forward (wrapping.refresh)."""
-        if requires_grad and not self.trainable:
-            self.ctx.unfrozen = True
-
     def clear_grad(self, *, set_to_none: bool = True) -> None:
-        with torch._C.DisableTorchFunctionSubclass():  # autograd's .grad (not forget_slot's p.grad = None)
+        with torch._C.DisableTorchFunctionSubclass():  # autograd's .grad (not SlotEdits.forget's p.grad = None)
             for p in self.params:
                 p.grad = None
         if self.grad is not None:
@@ -320,11 +260,6 @@ class FlatParam:
                 flat = all_gather_flat(ctx.pm.copies.to_device(flat), self.layout, ctx.group, ctx.comm,
                                        ctx.pm.copies).cpu()
         return [v.to(dt, copy=True) for v, dt in zip(self.layout.views(flat), self.orig_dtypes)]
-
-    def held_values(self) -> torch.Tensor:
-        """HELD: this rank's shard of the device copy, as the caller may have changed it, on the CPU."""
-        assert self._state is ParamState.HELD and self._device is not None, (self.name, self._state)
-        return self._device[self.shard].to("cpu", copy=True)
 
     def write_values(self, shard: torch.Tensor) -> None:
         """New values of this rank's shard in the compute dtype: with fp32 master weights apart,
@@ -399,7 +334,97 @@ class FlatParam:
 
     def __repr__(self) -> str:
         kind = "param" if self.trainable else "frozen"
-        return f"FlatParam({self.name!r}, {kind}, {self.layout}, {self._state.value})"
+        return f"FlatParam({self.name!r}, {kind}, {self.layout}, {self.views.state.value})"
+
+
+class ParamViews:
+    """What one FlatParam's nn.Parameters hold (ParamState) and the transitions between: the
+    only writers of their `.data`."""
+
+    def __init__(self, flat: FlatParam) -> None:
+        self._flat = flat
+        ctx = flat.ctx
+        self.placeholders = [torch.zeros((), dtype=ctx.compute_dtype, device=ctx.device).expand(s.shape)
+                             for s in flat.layout.slots]
+        """Per parameter, the one-element zero-stride tensor it holds while FREE."""
+        self.device: torch.Tensor | None = None
+        """The device copy the parameters view while HELD."""
+        self.state = ParamState.FREE
+
+    def install(self, flat: torch.Tensor) -> None:
+        """FREE -> HELD: the parameters view the device copy `flat`."""
+        owner = self._flat
+        assert self.state is ParamState.FREE, (owner.name, self.state)
+        unguard(owner.params)
+        for p, view in zip(owner.params, owner.layout.views(flat)):
+            p.data = view
+        self.device = flat
+        owner.ctx.copies.track(owner, flat)
+        self.state = ParamState.HELD
+
+    def install_scratch(self, values: list[torch.Tensor]) -> None:
+        """FREE -> SCRATCH: the parameters hold `values` (full CPU tensors) for a state-dict load."""
+        owner = self._flat
+        if self.state is not ParamState.FREE:
+            raise RuntimeError(f"{owner.name}: load_state_dict while the block is in use "
+                               f"({self.state.value}); load between training steps")
+        unguard(owner.params)
+        for p, v in zip(owner.params, values):
+            p.data = v
+        self.state = ParamState.SCRATCH
+
+    def uninstall(self) -> None:
+        """HELD / SCRATCH -> FREE: the parameters become placeholders again, refusing reads
+        ([Note: unfetched parameters] in placeholders.py)."""
+        owner = self._flat
+        for p, ph in zip(owner.params, self.placeholders):
+            p.data = ph
+        guard(owner.params, [slot.fqn for slot in owner.layout.slots], owner.source)
+        if self.device is not None:
+            owner.ctx.copies.untrack(self.device)
+            self.device = None
+        self.state = ParamState.FREE
+
+    def held(self) -> torch.Tensor:
+        """HELD: this rank's shard of the device copy, as the caller may have changed it, on the CPU."""
+        assert self.state is ParamState.HELD and self.device is not None, (self._flat.name, self.state)
+        return self.device[self._flat.shard].to("cpu", copy=True)
+
+
+class FlatSource:
+    """What a FlatParam's parameters consult while they hold placeholders (placeholders.ParamSource):
+    `p.grad` answered from the flat gradient, `p.grad = None` and `requires_grad` set heard."""
+
+    def __init__(self, flat: FlatParam) -> None:
+        self._flat = flat
+
+    def grad_view(self, index: int) -> torch.Tensor | None:
+        """`p.grad` of parameter `index` while FREE: its gradient as torch's clipping sees it
+        ([Note: gradients seen through p.grad] in grad_views.py), None where torch's is None."""
+        flat = self._flat
+        ctx = flat.ctx
+        if flat.grad is None:
+            return None
+        if ctx.updates is not None and ctx.updates.clears(flat.param):
+            ctx.drain_updates()  # a zero_grad waits behind the overlapped step's update: answer after it
+        return view_of(flat.grad, index, flat.layout.slots[index].fqn, flat.views.placeholders[index],
+                       refused=ctx.grads_final is not None)
+
+    def grad_set_none(self, index: int) -> None:
+        """`p.grad = None` of parameter `index` while FREE (model.zero_grad()): its gradient is
+        forgotten, as torch forgets it (after the overlapped step's update of the block)."""
+        flat = self._flat
+        if flat.grad is None:
+            return
+        if flat.ctx.updating((flat.param,)):
+            flat.ctx.drain_updates()
+        flat.grad.slots.forget(index)
+
+    def requires_grad_set(self, index: int, requires_grad: bool) -> None:
+        """Parameter `index` was set to require a gradient or not while FREE: one of a frozen flat
+        tensor unfrozen is taken in before the next forward (wrapping.refresh)."""
+        if requires_grad and not self._flat.trainable:
+            self._flat.ctx.unfrozen = True
 
 
 def load_dtype(orig_dtypes: list[torch.dtype], compute_dtype: torch.dtype) -> torch.dtype:

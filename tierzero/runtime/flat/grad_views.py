@@ -31,12 +31,12 @@ while the view lives."""
 #                                        as it wrote the gradient (FlatGrad.norms, fp32): the
 #                                        total torch builds from them, in the model's parameter
 #                                        order, is tz.clip_grad_norm_'s, bit for bit
-#     mul_, _foreach_mul_                FlatGrad.scale_slot: once every parameter of the flat
+#     mul_, _foreach_mul_                FlatGrad.slots.scale: once every parameter of the flat
 #                                        gradient has the same factor, its pending factor, as
 #                                        tz.clip_grad_norm_ sets it (a subset: multiplied in)
-#     clamp_, _foreach_clamp_min_/max_   FlatGrad.clamp_slot, in the stored bytes (clip_grad_value_)
+#     clamp_, _foreach_clamp_min_/max_   FlatGrad.slots.clamp, in the stored bytes (clip_grad_value_)
 #
-# and `p.grad = None` (model.zero_grad()) forgets the parameter's gradient (FlatGrad.forget_slot),
+# and `p.grad = None` (model.zero_grad()) forgets the parameter's gradient (FlatGrad.slots.forget),
 # which model.zero_grad() would otherwise leave to be summed into by the next backward.
 #
 # With several ranks each holds a shard of every gradient: a parameter's norm would take a
@@ -139,7 +139,7 @@ def _mul_(x: torch.Tensor, factor: Any) -> torch.Tensor:
             with torch._C.DisableTorchFunctionSubclass():
                 _LAST_FACTOR[:] = [factor, factor.detach().to("cpu", torch.float32).reshape(())]
         factor = _LAST_FACTOR[1]
-    grad.scale_slot(index, factor if isinstance(factor, torch.Tensor) else float(factor))
+    grad.slots.scale(index, factor if isinstance(factor, torch.Tensor) else float(factor))
     return x
 
 
@@ -147,7 +147,7 @@ def _clamp_(x: torch.Tensor, min: Any = None, max: Any = None) -> torch.Tensor:
     if isinstance(min, torch.Tensor) or isinstance(max, torch.Tensor):
         raise _refusal(x, "clamp_ to tensor bounds")
     grad, index, _ = _source(x)
-    grad.clamp_slot(index, min, max)
+    grad.slots.clamp(index, min, max)
     return x
 
 

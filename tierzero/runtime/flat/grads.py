@@ -2,13 +2,12 @@
 
 This rank's shard of the flat gradient, in `config.grad_dtype`, lives in the placement manager
 on `config.grads` (at ZeRO stage 1 the whole flat gradient, of which readers see this rank's
-shard). Early capture, beside GradCapture, sums gradients into it as autograd sends them."""
+shard). Early capture (capture.py) sums gradients into it as autograd sends them."""
 
 from __future__ import annotations
 
 import contextlib
-import warnings
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -16,6 +15,7 @@ from torch import nn
 from tierzero.config import Tier
 from tierzero.layout import FlatLayout
 from tierzero.placement import CopyEvent, Kind, TensorHandle
+from tierzero.runtime.flat.capture import CaptureSum
 from tierzero.runtime.flat.collectives import all_reduce_flat, rank_errors, reduce_scatter_flat
 from tierzero.runtime.step.step_context import StepContext
 
@@ -57,29 +57,17 @@ class FlatGrad:
         """(norm type, norms_of() of the stored gradient), computed as it was written."""
         self._reached: set[int] = set()
         """Parameters (by index) that a gradient reached since the last zero_grad(set_to_none)."""
-        self._captured: set[int] = set()
-        """Early capture: parameters (by index) with contributions summed into `_held`."""
-        self._held: torch.Tensor | None = None
-        """Early capture ([Note: early gradient capture]): where this backward's shares are summed:
-        the stored gradient, acquired (overwrite) at the first share and pinned until accumulate folds in
-        the rest, or a view of `_scratch`."""
-        self._scratch: torch.Tensor | None = None
-        """Early capture on the device: the buffer `_held` views, given back at accumulate."""
-        self._refused = False
-        """Early capture found no room for its buffer in this backward: none until accumulate."""
-        self._partial: tuple[Any, set[int]] | None = None
-        """A factor `scale_slot` gave some parameters, not yet every one with a gradient:
-        (the factor, those parameters by index); see [Note: gradients seen through p.grad]."""
-        self._forgotten: set[int] = set()
-        """Parameters whose `p.grad` was set to None (model.zero_grad()), not yet every one with a
-        gradient: zeroed in the stored bytes before the gradient is next read or added to."""
+        self.capture = CaptureSum(self, self._reached.add)
+        """Where early capture sums this backward's shares ([Note: early gradient capture])."""
+        self.slots = SlotEdits(self)
+        """Edits of single parameters' parts made through `p.grad` ([Note: gradients seen
+        through p.grad])."""
 
     @contextlib.contextmanager
     def acquire(self, *, writable: bool = False, tier: Tier | None = None) -> Iterator[torch.Tensor]:
         """This rank's shard as stored (its dtype, without the pending factor) on `tier` (None:
         the tier the CPU works on it in; an update elsewhere takes a copy there)."""
-        self._settle_partial()
-        self._settle_forgotten()
+        self.slots.settle()
         with self._stored(writable=writable, tier=tier) as buf:
             yield self._mine(buf)
 
@@ -101,10 +89,6 @@ class FlatGrad:
             # there, never written to an NVMe home (written only when its room is needed)
             pm.release(self.handle, tier, dirty=writable or overwrite, lazy=True)
 
-    def prefetch(self, *, speculative: bool = False, tier: Tier | None = None) -> None:
-        if not self.empty:
-            self.ctx.pm.prefetch(self.handle, tier or self.handle.staging, speculative=speculative)
-
     def scaled(self, g: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
         """`g` (the stored gradient or a slice of it) times the pending factor: the one place
         the factor is applied. In fp32 (a copy of a bfloat16 gradient), unless `inplace`."""
@@ -114,8 +98,16 @@ class FlatGrad:
             return g
         return g.mul_(self.scale) if inplace else g * self.scale
 
+    def prefetch(self, *, speculative: bool = False, tier: Tier | None = None) -> None:
+        if not self.empty:
+            self.ctx.pm.prefetch(self.handle, tier or self.handle.staging, speculative=speculative)
+
+    def scaled_pieces(self, g: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+        """`scaled` of each slice [lo, hi) of `g` in `bounds` (an update's pieces), in fp32."""
+        return [self.scaled(g[lo:hi]) for lo, hi in bounds]
+
     def scale_by(self, factor: torch.Tensor) -> None:
-        self._settle_partial()
+        self.slots.settle_partial()
         if not self.empty:
             self.scale = factor if self.scale is None else self.scale * factor
             self._norms = None  # of the unscaled bytes: clipping twice reads again
@@ -142,65 +134,6 @@ class FlatGrad:
             self._norms = (norm_type, self.norms_of(g, norm_type))
         return self._norms[1]
 
-    # Through p.grad: a parameter's part of the gradient ([Note: gradients seen through p.grad]).
-
-    def scale_slot(self, index: int, factor: torch.Tensor | float) -> None:
-        """Parameter `index`'s gradient times `factor` (a CPU scalar tensor, or a number): torch's
-        clipping multiplies each `p.grad` by one factor. Once every parameter with a gradient has
-        had the same factor, it is the pending factor of the whole flat gradient, as
-        tz.clip_grad_norm_ sets it; a factor given to some parameters only is multiplied into
-        their stored bytes before the gradient is next read."""
-        if self._partial is not None:
-            given, indices = self._partial
-            same = given is factor or (not isinstance(given, torch.Tensor) and given == factor)
-            if not same or index in indices:
-                self._settle_partial()
-        if self._partial is None:
-            self._partial = (factor, set())
-        self._partial[1].add(index)
-        if self._partial[1] >= self.reached():
-            self._partial = None
-            self.scale_by(torch.as_tensor(factor, dtype=torch.float32))
-
-    def _settle_partial(self) -> None:
-        """A factor that reached only some parameters: multiplied into their stored bytes."""
-        if self._partial is None:
-            return
-        factor, indices = self._partial
-        self._partial = None
-        with self._stored(writable=True) as buf:
-            mine = self._fold_scale(buf)
-            for i in sorted(indices):
-                self._slot_of(mine, i).mul_(factor)
-
-    def forget_slot(self, index: int) -> None:
-        """`p.grad = None` for parameter `index` (model.zero_grad()): its gradient forgotten, as
-        torch forgets it; once every parameter with a gradient is, the whole gradient is cleared
-        (`clear`), else their parts are zeroed before the gradient is next read."""
-        if index not in self.reached():
-            return
-        self._forgotten.add(index)
-        if not self.reached():
-            self.clear(set_to_none=True)
-
-    def _settle_forgotten(self) -> None:
-        if not self._forgotten:
-            return
-        forgotten, self._forgotten = sorted(self._forgotten), set()
-        self._settle_partial()
-        with self._stored(writable=True) as buf:
-            mine = self._fold_scale(buf)
-            for i in forgotten:
-                self._slot_of(mine, i).zero_()
-        self._reached.difference_update(forgotten)
-
-    def clamp_slot(self, index: int, lo: float | None, hi: float | None) -> None:
-        """Parameter `index`'s gradient clamped elementwise to [lo, hi] (clip_grad_value_), in
-        the stored bytes (the pending factor folded in first)."""
-        self._settle_partial()
-        with self._stored(writable=True) as buf:
-            self._slot_of(self._fold_scale(buf), index).clamp_(min=lo, max=hi)
-
     def _fold_scale(self, buf: torch.Tensor) -> torch.Tensor:
         """The pending factor multiplied into the stored gradient `buf`, the norms forgotten;
         returns this rank's shard of it."""
@@ -209,167 +142,40 @@ class FlatGrad:
         self._norms = None
         return self._mine(buf)
 
-    def _slot_of(self, mine: torch.Tensor, index: int) -> torch.Tensor:
-        """Parameter `index`'s part of this rank's shard `mine` (empty where the shard has none)."""
-        start, stop = self.layout.shard_range(self.ctx.rank)
-        slot = self.layout.slots[index]
-        lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, stop)
-        return mine[lo - start:max(lo, hi) - start]
-
     def reached(self) -> frozenset[int]:
         """Parameters (by index) that have a gradient, as torch's `p.grad is not None`."""
         if self.empty:
             return frozenset()
         return frozenset(range(len(self.layout.slots))) - self.unreached()
 
-    @property
-    def _on_device(self) -> bool:
-        """Early capture sums into a device buffer, not the stored gradient
-        ([Note: early gradient capture]; in a layer-major step also where that buffer sums in a
-        wider dtype than the compute dtype, see [Note: layer-major sums in the gradient's dtype])."""
-        return (self.ctx.pm.copies.asynchronous or self.ctx.world_size > 1
-                or self._sum_dtype() != self.ctx.compute_dtype)
-
-    def can_capture(self, dtype: torch.dtype) -> bool:
-        """Early capture applies now to a contribution of `dtype` (see [Note: early gradient capture])."""
-        if self._on_device:
-            return not self._refused and dtype == self.ctx.compute_dtype
-        if self._held is not None:
-            return dtype == self._held.dtype
-        return dtype == self.handle.dtype and self.empty
-
-    def _sum_dtype(self) -> torch.dtype:
-        """The dtype of early capture's device buffer: the compute dtype, in which autograd would
-        sum; in a layer-major step of several micro-batches, the stored gradient's where it is
-        wider ([Note: layer-major sums in the gradient's dtype])."""
-        compute = self.ctx.compute_dtype
-        if self.ctx.schedule.sums_wide and self.handle.dtype.itemsize > compute.itemsize:
-            return self.handle.dtype
-        return compute
-
-    def capture(self, index: int, g: torch.Tensor) -> bool:
-        """Sum one contribution to parameter `index`'s gradient into this backward's sum, as
-        autograd's input buffer would (the first one copied, later ones added, in arrival
-        order); False when early capture does not apply (the caller passes `g` on)."""
-        if not self.can_capture(g.dtype) or (self._held is None and not self._start_capture()):
-            return False
-        assert self._held is not None
-        slot = self.layout.slots[index]
-        view = self._held[slot.offset:slot.offset + slot.numel]
-        self._reached.add(index)
-        share = g.reshape(-1)
-        if index in self._captured:
-            view.add_(share.to(view.device))  # a no-op where the share is there already
-        else:
-            view.copy_(share)
-            self._captured.add(index)
-        return True
-
-    def _start_capture(self) -> bool:
-        """The first share of a backward: take where the shares are summed
-        ([Note: early gradient capture])."""
-        ctx, h = self.ctx, self.handle
-        with torch.profiler.record_function(f"tierzero::capture_grad {h.owner}"):
-            if not self._on_device:
-                return self._hold_stored()
-            dtype = self._sum_dtype()
-            nbytes = self.layout.padded_numel * dtype.itemsize
-            scratch = None
-            if ctx.room.take_capture(nbytes):
-                scratch = ctx.pm.scratch.reserve(nbytes, Tier.DEVICE, what=f"{h.name} (captured)", wait=False)
-                if scratch is None:
-                    ctx.room.capture_done(nbytes)
-            if scratch is None:
-                return self._capture_refused(dtype)
-            self._scratch, self._held = scratch, scratch[:nbytes].view(dtype)
-            return True
-
-    def _hold_stored(self) -> bool:
-        """Sum this backward's shares in the stored gradient itself, pinned from now until
-        accumulate (overwritten: not zeroed, accumulate zeroes what no share reached)."""
-        self._held = self.ctx.pm.acquire(self.handle, self.handle.staging, overwrite=True)
-        return True
-
-    def _capture_refused(self, dtype: torch.dtype) -> bool:
-        """No device room for early capture's buffer: the shares go on to autograd (False). In a
-        layer-major step that sums in a wider dtype, autograd would sum the micro-batches in the
-        compute dtype ([Note: layer-major sums in the gradient's dtype]): on one rank, into a
-        gradient nothing was stored in yet, the shares are summed in the stored gradient itself
-        (each copied to its tier), the same bits; otherwise a warning says what differs."""
-        ctx, h = self.ctx, self.handle
-        if dtype == ctx.compute_dtype:
-            self._refused = True
-            return False
-        if ctx.world_size == 1 and self.empty:
-            return self._hold_stored()
-        self._refused = True
-        warnings.warn(f"tz.accumulate: no device room for {self.layout.padded_numel * dtype.itemsize} bytes to sum "
-                      f"{h.owner}'s gradient over the micro-batches in {dtype}; autograd sums them in "
-                      f"{ctx.compute_dtype} instead, not as the plain loop does (raise device_budget, or run "
-                      "the plain loop)", RuntimeWarning, stacklevel=2)
-        return False
-
-    def drop_capture(self) -> None:
-        """Forget contributions captured by a backward that never reached accumulate (it
-        raised): the stored gradient is left as it was."""
-        if self._scratch is not None:
-            assert self._held is not None  # set together: the view of the room capture took
-            self.ctx.pm.scratch.free(self._scratch, Tier.DEVICE)
-            self.ctx.room.capture_done(self._held.nbytes)
-        elif self._held is not None:
-            self.ctx.pm.release(self.handle, self.handle.staging)
-        self._held = self._scratch = None
-        self._captured.clear()
-        self._refused = False
-
     def accumulate(self, params: list[nn.Parameter]) -> None:
         """Move the parameters' .grad (and what early capture summed) into the shard;
         idempotent (no .grad, nothing captured: no-op)."""
         with torch._C.DisableTorchFunctionSubclass():  # autograd's .grad, never a GradView
             grads = [p.grad for p in params]
-        if all(g is None for g in grads) and self._held is None:
+        capture = self.capture
+        if all(g is None for g in grads) and capture.held is None:
             return
-        self._settle_partial()
-        self._settle_forgotten()
+        self.slots.settle()
         with torch._C.DisableTorchFunctionSubclass():  # autograd's .grad: not model.zero_grad()'s
             for p in params:
                 p.grad = None  # frees the device copy as soon as it is accumulated
         self._reached.update(i for i, g in enumerate(grads) if g is not None)
         with torch.profiler.record_function(f"tierzero::accumulate_grad {self.handle.owner}"):
-            if self._held is not None and self._scratch is None:
+            if capture.held is not None and capture.scratch is None:
                 self._accumulate_held(grads)
             else:
                 try:
                     self._accumulate_reduced(grads)
                 finally:
-                    self.drop_capture()
-        self._refused = False
+                    capture.drop()
         self.empty = False
-
-    def _fold(self, buf: torch.Tensor, grads: list[torch.Tensor | None]) -> None:
-        """Early capture's sum in `buf` completed: what autograd still held added, the slots no
-        share reached and the padding zeroed."""
-        for i, (slot, g) in enumerate(zip(self.layout.slots, grads)):
-            view = buf[slot.offset:slot.offset + slot.numel]
-            if i in self._captured:
-                if g is not None:
-                    view.add_(g.reshape(-1).to(view.device))
-            elif g is not None:
-                view.copy_(g.reshape(-1))
-            else:
-                view.zero_()
-        for lo, hi in self.layout.gaps():
-            buf[lo:hi].zero_()
 
     def _accumulate_held(self, grads: list[torch.Tensor | None]) -> None:
         """Early capture into the stored gradient: fold in the rest, release it (once)."""
-        buf, self._held = self._held, None
-        assert buf is not None
         try:
-            self._fold(buf, grads)
-            self._written(buf)
+            self._written(self.capture.fold_held(grads))
         finally:
-            self._captured.clear()
             self.ctx.pm.release(self.handle, self.handle.staging, dirty=True, lazy=True)
 
     def _accumulate_reduced(self, grads: list[torch.Tensor | None]) -> None:
@@ -381,12 +187,13 @@ class FlatGrad:
         buf = ctx.pm.acquire(h, h.staging, overwrite=self.empty)
         written = None
         try:
-            if self._held is None and self.empty and self.layout.world_size == 1:
+            held = self.capture.held
+            if held is None and self.empty and self.layout.world_size == 1:
                 written = self._write_straight(buf, grads)
                 return
-            if self._held is not None:
-                self._fold(self._held, grads)
-                full = self._held if self._held.dtype == buf.dtype else streams.to_device(self._held, buf.dtype)
+            if held is not None:
+                self.capture.fold(held, grads)
+                full = held if held.dtype == buf.dtype else streams.to_device(held, buf.dtype)
             else:
                 full = self.layout.flatten(grads, dtype=buf.dtype, out=streams.empty(self.layout.padded_numel,
                                                                                      buf.dtype))
@@ -454,20 +261,19 @@ class FlatGrad:
         """Parameters (by index) without a gradient, which torch's optimizers and clipping skip
         (`p.grad is None`): on one rank those no gradient reached since zero_grad(set_to_none);
         with several ranks none (their stored zeros are the gradient, as DDP makes them); and
-        those whose `p.grad` was set to None since (forget_slot)."""
+        those whose `p.grad` was set to None since (SlotEdits.forget)."""
         if self.layout.world_size > 1:
-            return frozenset(self._forgotten)
-        return frozenset(range(len(self.layout.slots))) - self._reached | self._forgotten
+            return frozenset(self.slots.forgotten)
+        return frozenset(range(len(self.layout.slots))) - self._reached | self.slots.forgotten
 
     def clear(self, *, set_to_none: bool = True) -> None:
         """Forget the gradient (set_to_none) or make it zeros (a parameter without a gradient
         keeps none, as torch's zero_grad(set_to_none=False) leaves its .grad None)."""
-        self.drop_capture()
+        self.capture.drop()
         if set_to_none:
             self._reached.clear()
         self.scale = None
-        self._partial = None
-        self._forgotten.clear()
+        self.slots.clear()
         self._norms = None
         self.empty = set_to_none
         if set_to_none:
@@ -484,11 +290,8 @@ class FlatGrad:
             return
         if self.empty:
             return
-        self._settle_partial()
-        with self._stored(writable=True) as buf:
-            mine = self._fold_scale(buf)
-            for i in indices:
-                self._slot_of(mine, i).zero_()
+        self.slots.settle_partial()
+        self.slots.zero(indices)
         if set_to_none:
             self._reached.difference_update(indices)
 
@@ -496,101 +299,87 @@ class FlatGrad:
         return f"FlatGrad({self.handle.name!r}, empty={self.empty}, scaled={self.scale is not None})"
 
 
-# [Note: early gradient capture]
-# Early capture (`GradCapture`): each share of a parameter's gradient is summed into the stored
-# gradient as autograd sends it (a post hook on the node that sends it), in the order autograd
-# would sum it, so the bits are the same, and None goes on in its place: autograd neither buffers
-# it nor sets `.grad`. Without it the root block (embedding, LM head, final norm), fetched before
-# the first block and done after the last, has its gradients held by autograd from the LM head's
-# backward to the end of backward (a tied embedding / LM head's share waits in autograd's input
-# buffer for the embedding's: vocab x width x 4 bytes, 0.5 GB at 50k x 2560), and every block's
-# `.grad` exist whole beside its stored gradient before the flattening: all outside the budgets.
-# Where the shares are summed:
-#
-#     the stored gradient   synchronous CPU copies, one rank, gradients stored in the parameters'
-#                           dtype, the first backward since zero_grad() (a second one adds to the
-#                           stored sum, which autograd's order would not): acquired (overwrite) at
-#                           the first share and held until the block's accumulate
-#     a device buffer       wherever copies are asynchronous (CUDA, the stream stand-in) or there
-#                           are several ranks: the whole flat gradient of this backward, in the
-#                           parameters' dtype, reserved (device budget) at the first share when
-#                           there is room now; at accumulate it is what the reduce-scatter (or
-#                           all-reduce) reads and what the device-to-host copy takes to the
-#                           stored gradient, exactly as the flattened `.grad` would be
-#
-# A share that arrives otherwise (a recompute in backward, no room for the buffer) is added at
-# accumulate; on one rank with nothing captured, each parameter's `.grad` goes straight into its
-# slice of the stored gradient, with no flat temporary on the device (`_write_straight`). The
-# device-to-host copy of a gradient runs on the copy stream: backward goes on at once, and the
-# stored gradient's readers wait for the copy's event (PlacementManager.release's `written`); its
-# norms are taken on the device before it leaves.
-class GradCapture:
-    """Early capture for a wrapped model's trainable parameters ([Note: early gradient capture]):
-    after each forward with autograd, a walk of the graph from the outputs finds every edge into one of
-    those parameters' AccumulateGrad nodes and puts a post hook on the node that sends it; the
-    hook gives the share to the parameter's FlatGrad (`capture`) and passes None on in its
-    place."""
+class SlotEdits:
+    """Edits of single parameters' parts of a flat gradient, as torch's code makes them through
+    `p.grad` ([Note: gradients seen through p.grad] in grad_views.py): a factor some of its
+    parameters have had but not yet every one, and gradients forgotten (`p.grad = None`) but
+    not yet every one, both made in the stored bytes before the gradient is next read or added to."""
 
-    def __init__(self, params: Sequence[tuple[nn.Parameter, FlatGrad, int]]) -> None:
-        self._where = {id(p): (p, grad, i) for p, grad, i in params}
-        """id(parameter) -> (the parameter, its FlatGrad, its index there)."""
+    def __init__(self, grad: FlatGrad) -> None:
+        self._grad = grad
+        self.partial: tuple[Any, set[int]] | None = None
+        """A factor `scale` gave some parameters, not yet every one with a gradient: (the factor,
+        those parameters by index)."""
+        self.forgotten: set[int] = set()
+        """Parameters whose `p.grad` was set to None (model.zero_grad()), not yet every one with a
+        gradient: zeroed in the stored bytes before the gradient is next read or added to."""
 
-    def install(self, outputs: Sequence[torch.Tensor]) -> None:
-        """Hook the nodes that send gradients to the parameters, in the graph behind `outputs`."""
-        if not self._where or not any(g.can_capture(p.dtype) for p, g, _ in self._where.values()):
+    def scale(self, index: int, factor: torch.Tensor | float) -> None:
+        """Parameter `index`'s gradient times `factor` (a CPU scalar tensor, or a number): torch's
+        clipping multiplies each `p.grad` by one factor. Once every parameter with a gradient has
+        had the same factor, it is the pending factor of the whole flat gradient, as
+        tz.clip_grad_norm_ sets it; a factor given to some parameters only is multiplied into
+        their stored bytes before the gradient is next read."""
+        if self.partial is not None:
+            given, indices = self.partial
+            same = given is factor or (not isinstance(given, torch.Tensor) and given == factor)
+            if not same or index in indices:
+                self.settle_partial()
+        if self.partial is None:
+            self.partial = (factor, set())
+        self.partial[1].add(index)
+        if self.partial[1] >= self._grad.reached():
+            self.partial = None
+            self._grad.scale_by(torch.as_tensor(factor, dtype=torch.float32))
+
+    def forget(self, index: int) -> None:
+        """`p.grad = None` for parameter `index` (model.zero_grad()): its gradient forgotten, as
+        torch forgets it; once every parameter with a gradient is, the whole gradient is cleared
+        (FlatGrad.clear), else their parts are zeroed before the gradient is next read."""
+        if index not in self._grad.reached():
             return
-        seen: set[Any] = set()
-        todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
-        while todo:
-            node = todo.pop()
-            if node in seen:
-                continue
-            seen.add(node)
-            edges = []
-            for j, (child, _) in enumerate(node.next_functions):
-                if child is None:
-                    continue
-                variable = getattr(child, "variable", None)
-                if variable is not None and id(variable) in self._where:
-                    _, grad, i = self._where[id(variable)]
-                    edges.append(_Edge(j, child, grad, i))
-                elif child not in seen:
-                    todo.append(child)
-            if edges:
-                node.register_hook(_capture_hook(edges))
+        self.forgotten.add(index)
+        if not self._grad.reached():
+            self._grad.clear(set_to_none=True)
 
+    def clamp(self, index: int, lo: float | None, hi: float | None) -> None:
+        """Parameter `index`'s gradient clamped elementwise to [lo, hi] (clip_grad_value_), in
+        the stored bytes (the pending factor folded in first)."""
+        self.settle_partial()
+        self._edit([index], lambda part: part.clamp_(min=lo, max=hi))
 
-def _accumulates(accumulate: Any) -> bool:
-    """This backward runs the AccumulateGrad node `accumulate`: a .backward() that reaches it
-    (the engine's answer, which torch's multi-grad hooks also ask); never torch.autograd.grad,
-    which returns gradients instead (the engine refuses the question there)."""
-    try:
-        return torch._C._will_engine_execute_node(accumulate)
-    except RuntimeError:  # "... currently running autograd.grad()"
-        return False
+    def zero(self, indices: Sequence[int]) -> None:
+        """Parameters `indices`' parts of the stored gradient zeroed (the pending factor folded in)."""
+        self._edit(indices, torch.Tensor.zero_)
 
+    def settle_partial(self) -> None:
+        """A factor that reached only some parameters: multiplied into their stored bytes."""
+        if self.partial is None:
+            return
+        factor, indices = self.partial
+        self.partial = None
+        self._edit(sorted(indices), lambda part: part.mul_(factor))
 
-class _Edge(NamedTuple):
-    """Where a node sends a parameter's gradient: its output `position`, to `accumulate` (the
-    parameter's AccumulateGrad node); the parameter is `index` in `grad`."""
+    def settle(self) -> None:
+        """Every edit pending made in the stored bytes: the factor, then the forgotten parts."""
+        self.settle_partial()
+        if not self.forgotten:
+            return
+        forgotten, self.forgotten = sorted(self.forgotten), set()
+        self.zero(forgotten)
+        self._grad._reached.difference_update(forgotten)
 
-    position: int
-    accumulate: Any
-    grad: FlatGrad
-    index: int
+    def clear(self) -> None:
+        self.partial = None
+        self.forgotten.clear()
 
-
-def _capture_hook(edges: list[_Edge]) -> Any:
-    """A node post hook: the gradients the node sends along `edges` go to the FlatGrads; None
-    goes on in their place; only when this backward accumulates into the parameter (not for
-    torch.autograd.grad, nor a backward(inputs=...) without it)."""
-    def hook(grad_inputs: tuple[torch.Tensor | None, ...], grad_outputs: Any) -> tuple[Any, ...] | None:
-        out = list(grad_inputs)
-        taken = False
-        for e in edges:
-            g = out[e.position]
-            if g is not None and _accumulates(e.accumulate) and e.grad.capture(e.index, g):
-                out[e.position] = None
-                taken = True
-        return tuple(out) if taken else None
-    return hook
+    def _edit(self, indices: Sequence[int], edit: Callable[[torch.Tensor], object]) -> None:
+        """`edit` each of parameters `indices`' parts of this rank's shard, in the stored bytes."""
+        grad = self._grad
+        start, stop = grad.layout.shard_range(grad.ctx.rank)
+        with grad._stored(writable=True) as buf:
+            mine = grad._fold_scale(buf)
+            for i in indices:
+                slot = grad.layout.slots[i]
+                lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, stop)
+                edit(mine[lo - start:max(lo, hi) - start])

@@ -7,7 +7,7 @@ zero-stride tensor of the right shape and dtype (flat_param.py), which refuses t
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -20,12 +20,12 @@ _HINTS: dict[int, str] = {}
 _CLASSES: dict[type, type] = {}
 """A parameter class -> its Unfetched subclass."""
 _SOURCE_OF: dict[int, tuple["weakref.ref[ParamSource]", int]] = {}
-"""id(parameter) -> (the flat tensor it views, its index there), while the parameter lives."""
+"""id(parameter) -> (what it consults, its index there), while the parameter lives."""
 
 
 class ParamSource(Protocol):
-    """What an unfetched parameter belongs to (a FlatParam): where `p.grad` reads its gradient,
-    and what hears that the parameter was set to require a gradient or not."""
+    """What an unfetched parameter consults (its FlatParam's FlatSource): where `p.grad` reads its
+    gradient, and what hears that the parameter was set to require a gradient or not."""
 
     def grad_view(self, index: int) -> torch.Tensor | None: ...
 
@@ -124,17 +124,18 @@ class UnfetchedTensor(_Unfetched, torch.Tensor):
     _plain = torch.Tensor
 
 
-def guard(p: nn.Parameter, name: str, source: ParamSource | None = None, index: int = 0) -> None:
-    """The parameter now holds a placeholder: reads are refused from here on; `source` (and the
-    parameter's `index` there): the flat tensor it views, which answers `p.grad` and hears of
-    `requires_grad` set."""
-    if id(p) not in _NAMES:
-        weakref.finalize(p, _forget, id(p))
-    _NAMES[id(p)] = name
-    if source is not None:
-        _SOURCE_OF[id(p)] = (weakref.ref(source), index)
-    if not isinstance(p, _Unfetched):
-        p.__class__ = _unfetched_class(type(p))
+def guard(params: Sequence[nn.Parameter], names: Sequence[str], source: ParamSource | None = None) -> None:
+    """The parameters now hold placeholders: reads are refused from here on; `names`: theirs in
+    the wrapped model; `source`: what they consult (each at its index in `params`), which
+    answers `p.grad` and hears of `requires_grad` set."""
+    for index, (p, name) in enumerate(zip(params, names, strict=True)):
+        if id(p) not in _NAMES:
+            weakref.finalize(p, _forget, id(p))
+        _NAMES[id(p)] = name
+        if source is not None:
+            _SOURCE_OF[id(p)] = (weakref.ref(source), index)
+        if not isinstance(p, _Unfetched):
+            p.__class__ = _unfetched_class(type(p))
 
 
 def hint(p: nn.Parameter, text: str) -> None:
@@ -149,10 +150,11 @@ def _source_of(p: torch.Tensor) -> tuple[ParamSource | None, int]:
     return (ref() if ref is not None else None), index
 
 
-def unguard(p: nn.Parameter) -> None:
-    """The parameter holds real data (fetched, or values being loaded): its own class again."""
-    if isinstance(p, _Unfetched):
-        p.__class__ = type(p)._plain
+def unguard(params: Iterable[nn.Parameter]) -> None:
+    """The parameters hold real data (fetched, or values being loaded): their own classes again."""
+    for p in params:
+        if isinstance(p, _Unfetched):
+            p.__class__ = type(p)._plain
 
 
 def _forget(key: int) -> None:

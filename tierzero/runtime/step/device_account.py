@@ -19,9 +19,7 @@ class HeldBlock(Protocol):
     """What the account uses of a block (tierzero.runtime.blocks.Block, above)."""
 
     name: str
-
-    @property
-    def nbytes(self) -> int: ...
+    nbytes: int
 
 
 # [Note: the device account]
@@ -34,8 +32,8 @@ class HeldBlock(Protocol):
 #     capture      early capture's device buffers (grads.py), taken only while the largest block
 #                  still fits beside them (`take_capture`), so a fetch never lacks room for them
 #
-# is `room()`: what a fetch, an all-gather started ahead, tz.gathered_params and the placed
-# activations' choice of tier see. The prefetcher plans within `prefetch_room()`, which also
+# is `free_bytes()`: what a fetch, an all-gather started ahead, tz.gathered_params and the placed
+# activations' choice of tier see. The prefetcher plans within `free_for_prefetch()`, which also
 # leaves out the packs brought (or on their way) to the device ahead of backward and not used yet:
 # counted as free, each fetch brought more packs, which the blocks' fetches pushed out again
 # before backward reached them. `beside()` is what the tier model replays at each fetch
@@ -46,6 +44,8 @@ class DeviceAccount:
 
     def __init__(self, pm: PlacementManager) -> None:
         self.pm = pm
+        self.budget = pm.budget(Tier.DEVICE)
+        """The device budget (a manager's budgets are fixed when it is made)."""
         self.captures = 0
         """Flat gradients whose shares early capture summed on the device (grads.py), since wrap."""
         self.largest_block = 0
@@ -56,6 +56,9 @@ class DeviceAccount:
         self._held: dict[str, HeldBlock] = {}
         self.held: Mapping[str, HeldBlock] = MappingProxyType(self._held)
         """Blocks fetched now, by name (read-only)."""
+        self._held_bytes: dict[str, int] = {}
+        """Each held block's device bytes, as it was held (what its release gives back)."""
+        self._held_sum = 0
         self._homes = 0
         self._activations = 0
         self._activation_homes = 0
@@ -64,16 +67,15 @@ class DeviceAccount:
 
     # ------------------------------------------------------------------------- the room
 
-    def room(self) -> int:
+    def free_bytes(self) -> int:
         """Bytes of the device budget not taken by device-homed tensors, held blocks, the placed
         activations kept on the device and early capture's buffers."""
-        held = sum(b.nbytes for b in self._held.values())
-        return self.pm.budget(Tier.DEVICE) - self._homes - held - self._activations - self._capture
+        return self.budget - self._homes - self._held_sum - self._activations - self._capture
 
-    def prefetch_room(self) -> int:
-        """`room()` less the placed activations brought ahead of backward and not used yet: the
+    def free_for_prefetch(self) -> int:
+        """`free_bytes()` less the placed activations brought ahead of backward and not used yet: the
         room the prefetcher plans in."""
-        return self.room() - self.ahead()
+        return self.free_bytes() - self.ahead()
 
     def beside(self) -> int:
         """Device bytes neither held blocks nor packs acquired for backward take out of the room
@@ -94,9 +96,13 @@ class DeviceAccount:
 
     def hold(self, block: HeldBlock) -> None:
         self._held[block.name] = block
+        nbytes = block.nbytes
+        self._held_sum += nbytes - self._held_bytes.get(block.name, 0)
+        self._held_bytes[block.name] = nbytes
 
     def release(self, block: HeldBlock) -> None:
         del self._held[block.name]
+        self._held_sum -= self._held_bytes.pop(block.name)
 
     def add_activations(self, nbytes: int, *, home: bool = False) -> None:
         """Placed activations took (or, negative, gave back) device bytes; `home`: packs homed
@@ -108,7 +114,7 @@ class DeviceAccount:
     def take_capture(self, nbytes: int) -> bool:
         """Take `nbytes` for early capture if the largest block still fits beside them; give them
         back with `capture_done`."""
-        if self.room() - nbytes < self.largest_block:
+        if self.free_bytes() - nbytes < self.largest_block:
             return False
         self._capture += nbytes
         self.captures += 1
@@ -118,5 +124,5 @@ class DeviceAccount:
         self._capture -= nbytes
 
     def __repr__(self) -> str:
-        return (f"DeviceAccount(room={self.room()}, held={list(self._held)}, homes={self._homes}, "
+        return (f"DeviceAccount(free={self.free_bytes()}, held={list(self._held)}, homes={self._homes}, "
                 f"activations={self._activations}, capture={self._capture})")

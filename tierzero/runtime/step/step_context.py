@@ -169,7 +169,7 @@ class StepPhase:
 #                       thread its owner (`step.check_thread` refuses another's until the step
 #                       ends); all-gathers started ahead for the previous iteration are dropped by
 #                       the caller
-#     hold / release    a block is fetched / released (held in `room`, the device account; a
+#     hold / release    a block is fetched / released (held in `account`, the device account; a
 #                       forward's first fetches give `forward_order` when its backward ends)
 #     begin_backward    the first pre-backward hook: phase BACKWARD, the final callback queued once
 #                       (after the last step's overlapped updates, which it waits for)
@@ -180,7 +180,7 @@ class StepPhase:
 @dataclass(eq=False)
 class StepContext:
     """State shared by every block of one wrapped model (see the comment above), and its parts:
-    the device account (`room`), the all-gathers started ahead (`gathers`), the held copies the
+    the device account (`account`), the all-gathers started ahead (`gathers`), the held copies the
     saved-tensor hooks recognise (`copies`) and the schedule the blocks follow (`schedule`)."""
 
     pm: PlacementManager
@@ -229,16 +229,16 @@ class StepContext:
     copies: HeldCopies = field(init=False)
     """The held flat tensors' device copies, by storage pointer (the saved-tensor hooks tell views
     of parameters by them: activation_pack.py)."""
-    room: DeviceAccount = field(init=False)
+    account: DeviceAccount = field(init=False)
     """The device room of the step ([Note: the device account] in device_account.py)."""
 
     def __post_init__(self) -> None:
         self.copies = HeldCopies(self.pm.device)
-        self.room = DeviceAccount(self.pm)
+        self.account = DeviceAccount(self.pm)
 
     def __repr__(self) -> str:
         return (f"StepContext(rank={self.rank}/{self.world_size}, phase={self.step.phase.value}, "
-                f"held={list(self.room.held)}, gathers={len(self.gathers)})")
+                f"held={list(self.account.held)}, gathers={len(self.gathers)})")
 
     @property
     def device(self) -> torch.device:
@@ -268,13 +268,13 @@ class StepContext:
                  borrowed: CheckpointHome | None = None) -> TensorHandle:
         """Register a tensor in the placement manager (the one place the runtime does)."""
         handle = self.pm.register(owner, data, home, kind=kind, dtype=dtype, lazy=lazy, borrowed=borrowed)
-        self.room.registered(handle, added=True)
+        self.account.registered(handle, added=True)
         return handle
 
     def unregister(self, handle: TensorHandle) -> None:
         """Give a tensor registered with `register` back to the placement manager."""
         self.pm.unregister(handle)
-        self.room.registered(handle, added=False)
+        self.account.registered(handle, added=False)
 
     def attach(self, prefetcher: Prefetcher, end_backward: Callable[[], None], largest_block: int) -> None:
         """The root state's prefetcher and final callback of a backward pass, and the device
@@ -282,7 +282,7 @@ class StepContext:
         wrapping.refresh)."""
         self.prefetcher = prefetcher
         self._end_backward = end_backward
-        self.room.largest_block = largest_block
+        self.account.largest_block = largest_block
 
     def on_grads_final(self, callback: Callable[[FlatRef], None] | None) -> None:
         """Call `callback` once per backward with each trainable flat tensor whose gradient is
@@ -357,8 +357,8 @@ class StepContext:
 
     def hold(self, block: HeldBlock) -> None:
         """`block` is fetched: held in the device account (a forward's first holds give its order)."""
-        self.room.hold(block)
+        self.account.hold(block)
         self.step.saw(block.name)
 
     def release(self, block: HeldBlock) -> None:
-        self.room.release(block)
+        self.account.release(block)
