@@ -70,11 +70,9 @@ class FakePM:
             return tuple(self.records.setdefault(x.name, FakeRecord()) for x in h)
         return self.records.setdefault(h.name, FakeRecord())
 
-    def budget(self, tier: Tier) -> int:
-        return self.host_free
-
-    def bytes_used(self, tier: Tier) -> int:
-        return 0
+    def free_bytes(self, tier: Tier, counting: Sequence[FakeHandle] = ()) -> int:
+        cached = sum(h.nbytes for h in counting if self.record(h).residency[tier] is Residency.RESIDENT)
+        return self.host_free + cached
 
 
 def make(policy: Any = Lookahead(2, nvme_depth=0), room: int = 10_000, host_free: int = 10_000):

@@ -123,7 +123,7 @@ def test_mutation_check_a_wait_removed_fails_under_the_stand_in_and_passes_under
     host) removed by patching it out. Parity holds under the stand-in with the wait and under
     sync without it; under the stand-in without it, it fails: a green run means the waits are there."""
     assert parity(tmp_path / "whole", "async")
-    monkeypatch.setattr(ResidencyTable, "_compute_after", lambda self, event, tensor: None)
+    monkeypatch.setattr(ResidencyTable, "_compute_after", lambda self, waits: None)
     assert parity(tmp_path / "sync", "sync")
     assert not parity(tmp_path / "stand-in", "async")
 

@@ -85,14 +85,14 @@ class Homes:
             table.states.index[new] = rec
             return new
 
-    def store(self, rec: TensorRecord, data: torch.Tensor) -> None:
+    def store(self, h: TensorHandle, data: torch.Tensor) -> None:
         """Overwrite the home (an NVMe home asynchronously, from a host staging buffer) and the
         cached copies: an unpinned device copy is dropped (the next fetch brings the new values
         on the copy stream); a device home or pinned device copy is written from `data` on the
         device, else through the staging buffer on the copy stream."""
-        h, table = rec.handle, self.table
+        table = self.table
         with table.cond:
-            table.check(rec)
+            rec = table.record_of(h, "store")
             take = lambda: None if rec.in_flight else table.room.take(  # noqa: E731
                 [(Tier.HOST, h.nbytes)] if self._store_staged(rec, data) else [], h)
             bufs = take()
@@ -146,12 +146,12 @@ class Homes:
         on_device = rec.home is Tier.DEVICE or rec.pins(Tier.DEVICE) > 0
         return streams.asynchronous and not streams.is_device(data) and on_device
 
-    def read(self, rec: TensorRecord, out: torch.Tensor | None) -> torch.Tensor:
+    def read(self, h: TensorHandle, out: torch.Tensor | None) -> torch.Tensor:
         """The home's contents on the CPU (after its write-backs): fresh, or in `out` (flat
         uint8, page-aligned)."""
-        h, table = rec.handle, self.table
+        table = self.table
         with table.cond:
-            table.check(rec)
+            rec = table.record_of(h, "read")
             if home_written(rec) is None:
                 table.until(lambda: home_written(rec), rec, f"read({h.name!r}) waiting for its write-backs")
             dirty = next((c for c in rec._copies.values() if c.content is Content.DIRTY), None)

@@ -58,7 +58,7 @@ __all__ = ["PlacementManager", "Residency", "TensorRecord", "EvictionPolicy", "L
 # take it to commit; every commit notifies waiters.
 
 
-class PlacementManager:
+class PlacementManager(contextlib.AbstractContextManager):
     """Places registered tensors on the device, host and NVMe tiers within their budgets.
 
     See the module docstring for the data flow. Thread-safe. `wait_timeout_s` bounds how long a
@@ -169,15 +169,17 @@ class PlacementManager:
         written home first). RuntimeError while it is pinned or moving; ValueError on a name clash."""
         return self._homes.relabel(self._table.record_of(h, "relabel"), kind)
 
-    def prefetch(self, h: TensorHandle | Sequence[TensorHandle], tier: Tier | str = Tier.DEVICE, *,
-                 speculative: bool = False) -> bool:
+    def prefetch(self, h: TensorHandle | Sequence[TensorHandle | tuple[TensorHandle, Tier]],
+                 tier: Tier | str = Tier.DEVICE, *, speculative: bool = False) -> bool:
         """Start a copy toward `tier` without waiting (of each of `h`, given a sequence of
-        handles: every one is tried). True if it is there, on its way, or was started (all of
+        handles, or of (handle, tier) pairs each toward its own tier: every one is tried). True if it is there, on its way, or was started (all of
         them); False if there is no room without evicting a pinned copy (or, speculative,
         without writing back a dirty one or evicting a prefetched copy not used yet: a read
         further ahead never pushes out data that is still to be used)."""
-        handles = (h,) if isinstance(h, TensorHandle) else h
-        return self._table.prefetch(handles, _tier(tier, "prefetch", h), speculative=speculative)
+        items = (h,) if isinstance(h, TensorHandle) else h
+        at = _tier(tier, "prefetch", h)
+        pairs = [(x, at) if isinstance(x, TensorHandle) else (x[0], _tier(x[1], "prefetch", x[0])) for x in items]
+        return self._table.prefetch(pairs, speculative=speculative)
 
     def acquire(self, h: TensorHandle, tier: Tier | str = Tier.DEVICE, *, overwrite: bool = False) -> torch.Tensor:
         """The tensor on `tier` (registered shape and dtype), pinned until release().
@@ -200,10 +202,11 @@ class PlacementManager:
         self._table.release([(h, _tier(tier, "release", h))], dirty=dirty, lazy=lazy, written=written)
 
     @contextlib.contextmanager
-    def hold(self, pairs: Sequence[tuple[TensorHandle, Tier | str]], *, dirty: bool = False) -> Iterator[list[torch.Tensor]]:
+    def hold(self, pairs: Sequence[tuple[TensorHandle, Tier | str]], *,
+             dirty: bool | Sequence[bool] = False) -> Iterator[list[torch.Tensor]]:
         """acquire() each (handle, tier) in turn, then release() every one on leaving (`dirty`
-        as release takes it, on an error too); if an acquire fails, those taken are released
-        clean and the error raised."""
+        as release takes it, for all or one for each pair, on an error too); if an acquire
+        fails, those taken are released clean and the error raised."""
         parsed = [(h, _tier(tier, "hold", h)) for h, tier in pairs]
         tensors = self._table.acquire(parsed)
         try:
@@ -231,19 +234,17 @@ class PlacementManager:
         """Overwrite the tensor's contents: its home and every cached copy. An NVMe home is
         written asynchronously from a host staging copy of `data` (later reads wait for it;
         `flush()` raises its error), so the caller may reuse `data` at once."""
-        rec = self._table.record_of(h, "store")
-        if tuple(data.shape) != tuple(h.shape):
+        if isinstance(h, TensorHandle) and tuple(data.shape) != tuple(h.shape):
             raise ValueError(f"store({h.name!r}): expected shape {tuple(h.shape)}, got {tuple(data.shape)}")
-        self._homes.store(rec, data)
+        self._homes.store(h, data)
 
     def read(self, h: TensorHandle, out: np.ndarray | None = None) -> torch.Tensor:
         """A CPU copy of the tensor's current contents (its home, after write-backs): fresh, or in
         `out` (a page-aligned uint8 numpy buffer of at least `h.io_bytes`; reused buffers save
         the page faults of fresh ones when a caller streams many tensors)."""
-        rec = self._table.record_of(h, "read")
-        if out is not None and out.nbytes < h.io_bytes:
+        if out is not None and isinstance(h, TensorHandle) and out.nbytes < h.io_bytes:
             raise ValueError(f"read({h.name!r}): out holds {out.nbytes} bytes, expected at least {h.io_bytes}")
-        return self._homes.read(rec, None if out is None else torch.from_numpy(out))
+        return self._homes.read(h, None if out is None else torch.from_numpy(out))
 
     def record(self, h: TensorHandle | Sequence[TensorHandle]) -> TensorRecord | tuple[TensorRecord, ...]:
         """The read-only view of where the tensor is: residency per tier, pins(tier), in_flight
@@ -298,6 +299,15 @@ class PlacementManager:
     def budget(self, tier: Tier | str) -> int:
         return self.budgets[tier if isinstance(tier, Tier) else Tier.parse(tier)].limit
 
+    def free_bytes(self, tier: Tier | str, counting: Sequence[TensorHandle] = ()) -> int:
+        """Bytes of `tier`'s budget not reserved now, plus those of the resident cached copies
+        of `counting` there (what evicting them would give back): a prefetcher's room."""
+        tier = _tier(tier, "free_bytes", counting)
+        budget = self.budgets[tier]
+        index = self._table.index  # (the records' read-only views, as record() hands them out)
+        return budget.limit - budget.used + sum(h.nbytes for h in counting
+                                                if index[h].residency[tier] is Residency.RESIDENT)
+
     def host_room(self) -> int:
         """Bytes a host copy could take now: the budget's free bytes and the pool's cached ones.
         (The runtime reaches the streams, telemetry, pool and swap only through this, `copies`,
@@ -333,9 +343,6 @@ class PlacementManager:
         self.streams.close()
         if error is not None:
             raise error
-
-    def __enter__(self) -> "PlacementManager":
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -282,28 +282,27 @@ class ResidencyTable:
         """Waits.until, each attempt after `check(subject)`."""
         return self.waits.until(lambda: self.check(subject, what) or attempt(), subject, what)
 
-    def prefetch(self, handles: Sequence[TensorHandle], tier: Tier, *, speculative: bool = False) -> bool:
-        """PlacementManager.prefetch: each copy there or on its way is touched; else one is
-        started if there is room now; whether all of them are there, on their way or started."""
-        every, there = True, []
+    def prefetch(self, pairs: Sequence[tuple[TensorHandle, Tier]], *, speculative: bool = False) -> bool:
+        """PlacementManager.prefetch of each (handle, tier): a copy there or on its way is
+        touched; else one is started if there is room now; whether all of them are there, on
+        their way or started."""
+        every = True
         with self.cond:
-            for h in handles:
+            for h, tier in pairs:
                 rec = self.record_of(h, "prefetch", tier)
                 if tier is rec.home or rec._residency[tier] is not Residency.ABSENT:
-                    there.append(h)
+                    self.states.touch(h, tier)
                     continue
                 started = self.states.start_fetch(rec, tier, speculative)
                 if isinstance(started, Shortfall):
                     self.room.check_fits(rec.name, rec.nbytes, tier)  # (ValueError: it never can)
                     every = False
-            for h in there:
-                self.states.touch(h, tier)
         return every
 
     def acquire(self, pairs: Sequence[tuple[TensorHandle, Tier]], *, overwrite: bool = False) -> list[torch.Tensor]:
         """PlacementManager.acquire of each (handle, tier) in turn, pinned; on a failure the
         ones taken are released and the error raised."""
-        taken: list[torch.Tensor] = []
+        taken: list[tuple[CopyEvent | None, torch.Tensor]] = []
         try:
             for h, tier in pairs:
                 rec = self.record_of(h, "acquire", tier)
@@ -311,11 +310,12 @@ class ResidencyTable:
         except BaseException:
             self.release(pairs[:len(taken)], dirty=False)
             raise
-        return taken
+        self._compute_after(taken)
+        return [tensor for _, tensor in taken]
 
-    def _acquire(self, rec: TensorRecord, tier: Tier, overwrite: bool) -> torch.Tensor:
+    def _acquire(self, rec: TensorRecord, tier: Tier, overwrite: bool) -> tuple[CopyEvent, torch.Tensor]:
         """A cached copy: there, on its way or started now (with `overwrite` an uninitialised
-        one: nothing read), pinned; compute ordered after the copy that fills it."""
+        one: nothing read), pinned; and the copy that fills it, which compute is to wait for."""
         h = rec.handle
         with torch.profiler.record_function(f"tierzero::acquire {h.name}"):
             asked = time.perf_counter()
@@ -346,12 +346,11 @@ class ResidencyTable:
             self.telemetry.record_acquire(hit, tier, room_s + (t1 - t0), sources)
             if error is not None:
                 raise error  # the fetch failed; its copy is gone
-            self._compute_after(event, copy.tensor)
-            return copy.tensor
+            return event, copy.tensor
 
-    def _compute_after(self, event: CopyEvent, tensor: torch.Tensor) -> None:
-        """Order compute after the copy that filled an acquired tensor (on the host, no wait)."""
-        self.streams.compute_wait(event, tensor)
+    def _compute_after(self, waits: Sequence[tuple[CopyEvent | None, torch.Tensor]]) -> None:
+        """Order compute after the copies that filled the acquired tensors (on the host, no wait)."""
+        self.streams.compute_after(waits)
 
     def _begin_copy(self, rec: TensorRecord, tier: Tier, overwrite: bool) -> Literal[True] | Shortfall:
         """A copy on `tier` started (a blank one with `overwrite`), or there already (another
@@ -366,7 +365,7 @@ class ResidencyTable:
         self.states.install_blank(rec, tier, bufs[0])
         return True
 
-    def _acquire_home(self, rec: TensorRecord) -> torch.Tensor:
+    def _acquire_home(self, rec: TensorRecord) -> tuple[CopyEvent, torch.Tensor]:
         h = rec.handle
         if h.home is Tier.NVME:
             raise ValueError(f"acquire({h.name!r}, 'nvme'): NVMe holds bytes, not tensors; "
@@ -378,17 +377,17 @@ class ResidencyTable:
                 if rec._home_error is not None:
                     check_home(rec)
                 copy = self.states.pin(rec, h.home)
-            self.streams.compute_wait(copy.event, copy.tensor)
-            return copy.tensor
+            return copy.event, copy.tensor
 
-    def release(self, pairs: Sequence[tuple[TensorHandle, Tier]], *, dirty: bool, lazy: bool = False,
-                written: CopyEvent | None = None) -> None:
-        """PlacementManager.release of each (handle, tier); every one is released even when an
-        earlier one fails (the first error is raised)."""
+    def release(self, pairs: Sequence[tuple[TensorHandle, Tier]], *, dirty: bool | Sequence[bool],
+                lazy: bool = False, written: CopyEvent | None = None) -> None:
+        """PlacementManager.release of each (handle, tier) (`dirty` for all, or one for each);
+        every one is released even when an earlier one fails (the first error is raised)."""
         error: BaseException | None = None
-        for h, tier in pairs:
+        dirties = [dirty] * len(pairs) if isinstance(dirty, bool) else dirty
+        for (h, tier), d in zip(pairs, dirties):
             try:
-                self._release(self.record_of(h, "release", tier), tier, dirty, lazy, written)
+                self._release(self.record_of(h, "release", tier), tier, d, lazy, written)
             except BaseException as e:
                 error = error or e
         if error is not None:

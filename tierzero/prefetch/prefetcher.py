@@ -180,9 +180,7 @@ class Prefetcher:
         self._unit_of = {t: u.name for u in units for t in u.tensors}
         self._unit_of_name = {t.name: u.name for u in units for t in u.tensors}
         self._nvme_tensors = tuple(t for u in units if u.nvme for t in u.tensors)
-        """The tensors of NVMe-homed units: those whose host copies `_room` counts as room."""
-        self._host_budget = pm.budget(Tier.HOST)
-        """The host budget (a manager's budgets are fixed when it is made)."""
+        """The tensors of NVMe-homed units: those whose host copies `_free_bytes` counts as room."""
         self._traces: dict[Hashable, tuple[TraceEvent, ...]] = {}
         self._uses: dict[Hashable, dict[str, list[int]]] = {}
         self._times: dict[Hashable, BlockTimes] = {}
@@ -396,11 +394,8 @@ class Prefetcher:
     def _free_bytes(self, tier: Tier) -> int:
         if tier is Tier.DEVICE:
             return self.device_free()
-        if tier is Tier.HOST:
-            records = self.pm.record(self._nvme_tensors)
-            cached = sum(h.nbytes for h, rec in zip(self._nvme_tensors, records)
-                         if rec.residency[Tier.HOST] is Residency.RESIDENT)
-            return self._host_budget - self.pm.bytes_used(Tier.HOST) + cached
+        if tier is Tier.HOST:  # the NVMe units' host copies count: the prefetcher evicts them first
+            return self.pm.free_bytes(Tier.HOST, self._nvme_tensors)
         return 0
 
     def _where(self, name: str) -> frozenset[Tier]:

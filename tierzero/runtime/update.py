@@ -207,16 +207,12 @@ class BlockState:
 
     def prefetch(self, *, speculative: bool, grad: bool = True) -> None:
         """Start reading the state (and the gradient, `grad`) toward the tiers the update uses:
-        in order, the gradient first, each run of handles bound for one tier in one call."""
+        in one call, the gradient first."""
         gradient = self.gradient
         pairs = list(zip(self._handles.values(), self._staging))
         if grad and not gradient.empty:  # an empty gradient holds nothing to read
             pairs.insert(0, (gradient.handle, self._staging[0]))
-        pm, start = self.flat.ctx.pm, 0
-        for end in range(1, len(pairs) + 1):
-            if end == len(pairs) or pairs[end][1] is not pairs[start][1]:
-                pm.prefetch([h for h, _ in pairs[start:end]], pairs[start][1], speculative=speculative)
-                start = end
+        self.flat.ctx.pm.prefetch(pairs, speculative=speculative)
 
     @contextlib.contextmanager
     def update(self, *, ahead: Sequence[BlockState] = (), grads_ahead: bool = True) -> Iterator[BlockUpdate]:
@@ -227,12 +223,12 @@ class BlockState:
         values reach the parameters (the BlockUpdate's `collectives` say what is left for the caller);
         the state is released dirty either way."""
         flat, pm = self.flat, self.flat.ctx.pm
+        pairs = [self.gradient.to_hold(self._staging[0]), *zip(self._handles.values(), self._staging)]
         with torch.profiler.record_function(f"tierzero::optimizer_step {flat.name}"), pm.copies.context(), \
-                self.gradient.acquire(tier=self._staging[0]) as grad, \
-                pm.hold(list(zip(self._handles.values(), self._staging)), dirty=True) as tensors:
+                pm.hold(pairs, dirty=[False] + [True] * (len(pairs) - 1)) as (stored, *tensors):
             for k, block in enumerate(ahead):
                 block.prefetch(speculative=k > 0, grad=grads_ahead)
-            update = BlockUpdate(self, grad, tensors)
+            update = BlockUpdate(self, self.gradient.mine(stored), tensors)
             update.skip = self.gradient.unreached()
             yield update
             update.collectives = flat.master_updated(tensors[0])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from typing import Any, ContextManager, Literal, Protocol
+from typing import Any, ContextManager, Literal, Protocol, Sequence
 
 import torch
 
@@ -180,6 +180,11 @@ class CopyStreams:
             event.record(stream)
         return event
 
+    def compute_after(self, waits: Sequence[tuple[CopyEvent | None, torch.Tensor]]) -> None:
+        """`compute_wait` of each (event, tensor): tensors acquired together."""
+        for event, tensor in waits:
+            self.compute_wait(event, tensor)
+
     def compute_wait(self, event: CopyEvent | None, tensor: torch.Tensor) -> None:
         """Order the calling thread's compute after `event`, and record that compute uses
         `tensor`: a device buffer is not reused before compute is done with it. For host memory
@@ -251,14 +256,14 @@ class CopyStreams:
             "collectives run on the process group's device (NCCL refuses host tensors): move it there "
             "first (CopyStreams.to_device)")
 
-    def freeing(self, buf: torch.Tensor) -> list[Any]:
+    def freeing(self, buf: torch.Tensor) -> tuple[list[Any], str | None]:
         """A device tier buffer is about to be given back: the events after which its memory is
-        really free, none if it is free now. The caller keeps the buffer (and its budget) until
-        they completed, then calls `freed`; nobody waits at the free, as the caching allocator
-        holds a block back from reuse without blocking the host. CUDA: one event per stream
-        other than h2d that used it. The stand-in: the copies still queued on it (a
-        device-to-host copy out of a gradient buffer freed right after it was queued); whether
-        compute recorded a lent buffer's use is asked of `unrecorded`."""
+        really free, none if it is free now, and (the stand-in's check) what a lent buffer freed
+        without compute's record of its use was, else None. The caller keeps the buffer (and its
+        budget) until the events completed, then calls `freed`; nobody waits at the free, as the
+        caching allocator holds a block back from reuse without blocking the host. CUDA: one
+        event per stream other than h2d that used it. The stand-in: the copies still queued on
+        it (a device-to-host copy out of a gradient buffer freed right after it was queued)."""
         if self.cuda:
             streams = self._uses.pop(buf.untyped_storage().data_ptr(), set())
             events = []
@@ -266,20 +271,16 @@ class CopyStreams:
                 event = torch.cuda.Event(blocking=True)
                 event.record(stream)
                 events.append(event)
-            return events
+            return events, None
         if self.ledger is not None:
-            return self.ledger.in_flight(buf)
-        return []
+            return self.ledger.in_flight(buf), self.ledger.unrecorded(buf) if self._checks else None
+        return [], None
 
     def freed(self, buf: torch.Tensor) -> None:
         """(After `freeing`'s events) the buffer's memory goes back for reuse: the stand-in
         poisons it, so a read after the free gives wrong values."""
         if self._poison:
             poison(buf)
-
-    def unrecorded(self, buf: torch.Tensor) -> str | None:
-        """(Stand-in, after `freeing`) what a lent buffer freed without compute's record was."""
-        return self.ledger.unrecorded(buf) if self.ledger is not None and self._checks else None
 
     def host_freeing(self, buf: torch.Tensor) -> None:
         """A pinned pool buffer is about to be given back: no copy may still read or write it."""

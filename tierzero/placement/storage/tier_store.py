@@ -160,8 +160,7 @@ class PoolTier:
         if self.streams is None:
             self.pool.free(buf)
             return
-        events = self.streams.freeing(buf)
-        unrecorded = self.streams.unrecorded(buf)
+        events, unrecorded = self.streams.freeing(buf)
         if events:
             self._held.hold(buf, events)
         else:
@@ -230,7 +229,7 @@ class CudaTier:
 
     def free(self, buffer: Buffer) -> None:
         buf = as_memory(buffer)
-        events = self.streams.freeing(buf)
+        events, _ = self.streams.freeing(buf)
         if events:
             self._held.hold(buf.numel(), events)
         else:

@@ -69,9 +69,16 @@ class FlatGrad:
         the tier the CPU works on it in; an update elsewhere takes a copy there)."""
         self.slots.settle()
         with self._stored(writable=writable, tier=tier) as buf:
-            yield self._mine(buf)
+            yield self.mine(buf)
 
-    def _mine(self, buf: torch.Tensor) -> torch.Tensor:
+    def to_hold(self, tier: Tier | None = None) -> tuple[TensorHandle, Tier]:
+        """(handle, tier) for a caller that holds the stored gradient beside other tensors in
+        one PlacementManager.hold, released clean (as `acquire` alone does); `mine` of what it
+        holds is this rank's shard."""
+        self.slots.settle()
+        return self.handle, tier or self.handle.staging
+
+    def mine(self, buf: torch.Tensor) -> torch.Tensor:
         """This rank's shard of the stored gradient `buf` (all of it, but at stage 1)."""
         return buf[slice(*self.layout.shard_range(self.ctx.rank))] if self.whole else buf
 
@@ -140,7 +147,7 @@ class FlatGrad:
         self.scaled(buf, inplace=True)
         self.scale = None
         self._norms = None
-        return self._mine(buf)
+        return self.mine(buf)
 
     def reached(self) -> frozenset[int]:
         """Parameters (by index) that have a gradient, as torch's `p.grad is not None`."""
@@ -253,7 +260,7 @@ class FlatGrad:
         if norm_type is None:
             self._norms = None
         elif parts is None:
-            self._norms = (norm_type, self.norms_of(self._mine(buf), norm_type))
+            self._norms = (norm_type, self.norms_of(self.mine(buf), norm_type))
         else:
             self._norms = (norm_type, [self._norm(p.to(buf.dtype), norm_type) for p in parts])
 
