@@ -78,3 +78,16 @@ def test_the_update_path_is_one_window_a_block(crossings, tmp_path) -> None:
         assert f["calls"] > f["switches"] > 0 and f["modules"] > 1, f
         # the waits ask the table, not a lambda of the manager's: 4-5 callbacks a block before (14e38f1)
         assert f["backs"] <= 1, f
+
+
+def test_a_fetch_and_an_update_halve_their_switches_and_cross_no_pair_more_than_four_times(crossings,
+                                                                                             tmp_path) -> None:
+    """Issue 52's bound, kept: against 14e38f1 (a fetch 103 switches, worst pair 14; an update
+    138-198, worst pair 40-46, by this same tool), at most half the switches, and no pair of
+    modules crossed more than 4 times on one fetch or one block's update."""
+    (fetch,) = crossings.path_fetch(str(tmp_path / "fetch"))
+    f = crossings.figures(fetch)
+    assert f["switches"] <= 103 // 2 and f["worst_n"] <= 4, f
+    for window in crossings.path_update(str(tmp_path / "update")):
+        u = crossings.figures(window)
+        assert u["switches"] <= 138 // 2 and u["worst_n"] <= 4, u
