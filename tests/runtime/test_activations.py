@@ -340,8 +340,9 @@ def test_backward_reads_no_pack_into_host_memory_that_is_on_its_way_to_the_devic
         asked, prefetch = [], pm.prefetch
 
         def spy(handles: Any, tier: Any = Tier.DEVICE, **kw: Any) -> bool:
-            for h in (handles,) if isinstance(handles, TensorHandle) else handles:
-                if h.name.count("@") and Tier(tier) is Tier.HOST:
+            for x in (handles,) if isinstance(handles, TensorHandle) else handles:
+                h, at = (x, tier) if isinstance(x, TensorHandle) else x  # a handle, or (handle, tier)
+                if h.name.count("@") and Tier(at) is Tier.HOST:
                     asked.append((h.name, pm.record(h).residency[Tier.DEVICE]))
             return prefetch(handles, tier, **kw)
 
