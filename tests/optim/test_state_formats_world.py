@@ -17,7 +17,7 @@ import tierzero as tz
 from tierzero import runtime
 from tierzero.checkpoint.reshard import block_reshard_plan
 from tierzero.config import QUANT_BLOCK
-from tierzero.layout import FlatLayout, StateCodec, window_room
+from tierzero.layout import FlatLayout, StateCodec, window_numel
 from tierzero.optim.base import TieredOptimizer
 from dp_model import device_budget, global_batches, make_model
 from gloo import run_ranks
@@ -127,7 +127,7 @@ def test_block_reshard_plan() -> None:
             shard = torch.zeros(b - a)
             shard[:max(0, min(b, flat.numel()) - a)] = flat[a:b]
             out = codec.zeros(b - a)
-            codec.encode(torch.cat([shard, torch.zeros(window_room(0, b - a) - (b - a))]), out, b - a, 0, b - a)
+            codec.encode(torch.cat([shard, torch.zeros(window_numel(0, b - a) - (b - a))]), out, b - a, 0, b - a)
             stored[w].append(out)
     for saved in (1, 2, 3):
         for new in (1, 2, 3):

@@ -168,7 +168,7 @@ STUCK = """
 import torch, tierzero as tz
 from tierzero.models import build
 # wrap's placement plan and the check at construction refuse this budget now (tests/optim/
-# test_update_room.py); both taken out here to reach the stuck wait they guard against
+# test_update_fits.py); both taken out here to reach the stuck wait they guard against
 import tierzero.runtime.wrapping as wrapping
 from tierzero.layout import PlacementPlan, PlanInputs
 wrapping.checked_plan = lambda config, layouts, world_size, *, cuda: PlacementPlan.build(

@@ -34,7 +34,7 @@ from tierzero.checkpoint.format import (CHUNK_BYTES, EXTRA_FILES, MANIFEST, PREF
 from tierzero.checkpoint.reshard import ReadOp, block_reshard_plan, on_blocks, reshard_plan
 from tierzero.config import state_nbytes
 from tierzero.formats import fsync_dir, persistent_buffers, write_config_files
-from tierzero.layout import StateCodec, window_room
+from tierzero.layout import StateCodec, window_numel
 from tierzero.optim import SavedState, TieredOptimizer
 from tierzero.runtime import (FlatParam, RankShard, all_gather_objects, broadcast_object, model_dtype, rank_shards,
                               world)
@@ -373,11 +373,11 @@ def _converted(saved: torch.Tensor, saved_format: str, job: _Job) -> torch.Tenso
         return saved
     numel = job.flat.layout.shard_numel
     source = StateCodec(saved_format, unsigned=codec.unsigned)
-    wide = source.decode(saved, numel, 0, numel, torch.zeros(window_room(0, numel)))
+    wide = source.decode(saved, numel, 0, numel, torch.zeros(window_numel(0, numel)))
     if codec.exact:
         return wide.clone()
     out = codec.zeros(numel)
-    codec.encode(torch.cat([wide, torch.zeros(window_room(0, numel) - numel)]), out, numel, 0, numel)
+    codec.encode(torch.cat([wide, torch.zeros(window_numel(0, numel) - numel)]), out, numel, 0, numel)
     return out
 
 

@@ -22,7 +22,7 @@ from tierzero.layout.split import BlockTiers, split_blocks
 from tierzero.layout.state_bytes import (Blocks, FlatTensor, KindSizes, kind_sizes, placement_order, state_tensors,
                                          tier_need)
 from tierzero.layout.plan import NVME_MOVES, PlacementPlan, PlanInputs
-from tierzero.layout.state_codec import StateCodec, round_stochastic_, sqrt_, window_room
+from tierzero.layout.state_codec import StateCodec, round_stochastic_, sqrt_, window_numel
 from tierzero.layout.sizes import block_fetch_bytes, fetched_bytes, flat_groups
 from tierzero.layout.zero import CommBytes, ZeroStage
 
@@ -31,4 +31,4 @@ __all__ = ["FlatLayout", "ParamSlot", "ALIGN_BYTES", "ROOT", "BlockSpec", "assig
            "flat_groups", "CommBytes", "ZeroStage", "PackLayout", "SavedGeometry", "SavedSpan", "Segment", "SEGMENT_ALIGN",
            "saved_span", "BlockTiers", "KindSizes", "split_blocks", "Blocks", "FlatTensor", "kind_sizes",
            "placement_order", "state_tensors", "tier_need", "NVME_MOVES", "PlacementPlan", "PlanInputs",
-           "StateCodec", "round_stochastic_", "sqrt_", "window_room"]
+           "StateCodec", "round_stochastic_", "sqrt_", "window_numel"]

@@ -112,7 +112,7 @@ def sqrt_(x: torch.Tensor) -> torch.Tensor:
     return x.copy_(x.double().sqrt_())
 
 
-def window_room(lo: int, hi: int) -> int:
+def window_numel(lo: int, hi: int) -> int:
     """fp32 elements `decode` needs to hold the window [lo, hi) (whole blocks)."""
     return (quant_blocks(hi) - lo // QUANT_BLOCK) * QUANT_BLOCK
 

@@ -221,7 +221,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                     if kind not in self._states[flat].states:
                         self._states[flat].add(kind)
                         registered.append((flat, kind))
-            runtime.check_update_rooms(state, [self._states[f] for f in flats], type(self).__name__)
+            runtime.check_update_fits(state, [self._states[f] for f in flats], type(self).__name__)
         except BaseException:  # nothing half-registered stays behind: a retry starts clean
             for flat, kind in registered:
                 self._states[flat].remove(kind)

@@ -19,7 +19,7 @@ from tierzero.runtime.flat.shards import RankShard, rank_shards
 from tierzero.runtime.step.step_context import StepContext
 from tierzero.runtime.step.step_queue import StepFailed, StepQueue
 from tierzero.runtime.split import tier_bytes
-from tierzero.runtime.update import (MASTER, BlockState, Held, Piece, BlockUpdate, beside_compute, check_update_rooms,
+from tierzero.runtime.update import (MASTER, BlockState, Held, Piece, BlockUpdate, beside_compute, check_update_fits,
                                      global_norm, update_queue)
 from tierzero.runtime.wrapping import refresh, wrap
 
@@ -28,4 +28,4 @@ __all__ = ["wrap", "accumulate", "LayerMajorRefusal", "compile", "tier_bytes", "
            "close", "model_dtype", "TieredState", "FlatParam", "FlatGrad", "StepContext", "StepQueue", "StepFailed",
            "RankRuntimeError", "rank_errors", "world", "all_reduce_", "broadcast_object", "all_gather_objects",
            "TIERED_OPTIMIZER", "MASTER", "BlockState", "Held", "BlockUpdate", "Piece",
-           "check_update_rooms", "update_queue", "global_norm", "beside_compute", "RankShard", "rank_shards"]
+           "check_update_fits", "update_queue", "global_norm", "beside_compute", "RankShard", "rank_shards"]

@@ -4,7 +4,7 @@ runtime for tierzero.optim (which never calls the placement manager itself).
 BlockState holds one trainable flat tensor's fp32 master weights (the FlatParam's) and the
 optimizer's flat states (moments) by name; `update()` pins the gradient, master weights and
 moments on the tier the update runs on, hands them over as a BlockUpdate, and on the way out
-stores the new parameters and releases the state dirty. `check_update_rooms` refuses at
+stores the new parameters and releases the state dirty. `check_update_fits` refuses at
 construction an update that could never fit; `update_queue` and `beside_compute` tie the
 overlapped step's queue and update threads to the trace; `global_norm` is clipping's collective.
 """
@@ -20,7 +20,7 @@ from typing import Callable, Iterator, NamedTuple, Sequence, TypeVar
 import torch
 
 from tierzero.config import Tier
-from tierzero.layout import ROOT, StateCodec, round_stochastic_, window_room
+from tierzero.layout import ROOT, StateCodec, round_stochastic_, window_numel
 from tierzero.placement import UPDATES_TRACK, Kind, TensorHandle
 from tierzero.runtime.flat.collectives import all_reduce_, rank_errors
 from tierzero.runtime.flat.flat_param import FlatParam
@@ -77,7 +77,7 @@ class BlockUpdate:
         """Within: `pieces` in [lo, hi) (lo a multiple of QUANT_BLOCK) slice fp32 values decoded
         from the tensors that are not fp32; on a clean exit they are encoded back, bf16 master
         weights rounded stochastically with random bits from (block, `step`, element)."""
-        numel, width = self._block.flat.layout.shard_numel, window_room(lo, hi)
+        numel, width = self._block.flat.layout.shard_numel, window_numel(lo, hi)
         coded = self._block.coded
         if self._scratch is None or self._scratch.shape[1] < width:
             self._scratch = torch.empty(len(coded), width, dtype=torch.float32, device=self._tensors[0].device)
@@ -234,16 +234,16 @@ class BlockState:
             update.collectives = flat.master_updated(tensors[0])
 
 
-def check_update_rooms(state: TieredState, blocks: Sequence[BlockState], who: str) -> None:
+def check_update_fits(state: TieredState, blocks: Sequence[BlockState], who: str) -> None:
     """After registering states: their NVMe writes landed (a disk error fails here), the
     host-homed ones leave room to stage the NVMe ones, and each block's update fits its tier."""
     state.pm.settle()
     state.pm.room.check_staging()
     for block in blocks:
-        _check_update_room(state, block, who)
+        _check_update_fits(state, block, who)
 
 
-def _check_update_room(state: TieredState, block: BlockState, who: str) -> None:
+def _check_update_fits(state: TieredState, block: BlockState, who: str) -> None:
     """A block's update holds its gradient, master weights and moments at once on the tier the
     CPU works on them in (and a staging buffer for the new parameters when they are stored to
     an NVMe home apart from the master weights): refused now if that can never fit, not at the
