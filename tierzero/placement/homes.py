@@ -216,7 +216,8 @@ class Homes:
         if borrowed is not None:
             table.states.io.nvme().adopt(region(buf), borrowed, h.name)
         if staging is not None and lazy:
-            rec._copies[Tier.HOST] = Copy(staging, table.states.stores[Tier.HOST].view(staging, h), Content.DIRTY, used=True)
+            host = table.states.stores[Tier.HOST]
+            rec._copies[Tier.HOST] = Copy(staging, host.view(staging, h), Content.DIRTY, used=True)
             table.states.recency[(h, Tier.HOST)] = None
             rec._residency[Tier.HOST] = Residency.RESIDENT
         elif staging is not None:  # the NVMe write runs on a worker, as a store's does

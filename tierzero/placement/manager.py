@@ -138,8 +138,8 @@ class PlacementManager(contextlib.AbstractContextManager):
         first backward).
 
         borrowed: checkpoint bytes equal to `data`'s, read by `SwapSpace.borrow`, that serve as
-        the NVMe home until its first write (see [Note: copy-on-write home] in tierzero/placement/storage/cow_home.py): the home's swap extent is
-        reserved all the same, so that write can never lack room, but nothing is written now,
+        the NVMe home until its first write (see [Note: copy-on-write home] in
+        tierzero/placement/storage/cow_home.py): the home's swap extent is reserved all the same, so that write can never lack room, but nothing is written now,
         nor copied anywhere: `data` may be meta (its shape and dtype). Closed if the register
         fails."""
         try:
@@ -172,10 +172,11 @@ class PlacementManager(contextlib.AbstractContextManager):
     def prefetch(self, h: TensorHandle | Sequence[TensorHandle | tuple[TensorHandle, Tier]],
                  tier: Tier | str = Tier.DEVICE, *, speculative: bool = False) -> bool:
         """Start a copy toward `tier` without waiting (of each of `h`, given a sequence of
-        handles, or of (handle, tier) pairs each toward its own tier: every one is tried). True if it is there, on its way, or was started (all of
-        them); False if there is no room without evicting a pinned copy (or, speculative,
-        without writing back a dirty one or evicting a prefetched copy not used yet: a read
-        further ahead never pushes out data that is still to be used)."""
+        handles, or of (handle, tier) pairs each toward its own tier: every one is tried). True
+        if it is there, on its way, or was started (all of them); False if there is no room
+        without evicting a pinned copy (or, speculative, without writing back a dirty one or
+        evicting a prefetched copy not used yet: a read further ahead never pushes out data that
+        is still to be used)."""
         items = (h,) if isinstance(h, TensorHandle) else h
         at = _tier(tier, "prefetch", h)
         pairs = [(x, at) if isinstance(x, TensorHandle) else (x[0], _tier(x[1], "prefetch", x[0])) for x in items]

@@ -373,7 +373,8 @@ class ResidencyTable:
         with torch.profiler.record_function(f"tierzero::acquire {h.name}"):
             with self.cond:
                 if home_written(rec) is None:
-                    self.until(lambda: home_written(rec), rec, f"acquire({h.name!r}) waiting for write-backs to its home")
+                    self.until(lambda: home_written(rec), rec,
+                               f"acquire({h.name!r}) waiting for write-backs to its home")
                 if rec._home_error is not None:
                     check_home(rec)
                 copy = self.states.pin(rec, h.home)

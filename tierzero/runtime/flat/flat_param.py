@@ -36,8 +36,8 @@ from tierzero.runtime.step.step_context import StepContext
 # to a view into the device copy while HELD, and to a one-element zero-stride placeholder of the
 # same shape, dtype and device otherwise, which refuses to be read (placeholders.py). Autograd
 # saves parameters (leaves) by reference, so a backward sees whatever `.data` holds then: the
-# copy the pre-backward hook fetched. Only ParamViews' `install`, `install_scratch` and `uninstall` change
-# the state, as their last line.
+# copy the pre-backward hook fetched. Only ParamViews' `install`, `install_scratch` and
+# `uninstall` change the state, as their last line.
 class ParamState(Enum):
     """What a FlatParam's nn.Parameters hold.
 
