@@ -109,8 +109,7 @@ class Homes:
                     table.states.pool.free(staging)
                 raise
             if home.tensor is None:
-                home.move = table.states.executor.submit(StorePlan(h, home, staging), Tier.HOST, Tier.NVME, run_store,
-                                                  self._finish_store, key=Tier.NVME)
+                self._write_home(h, home, staging)
             else:
                 rec._home_error = None
                 if staging is not None:
@@ -221,8 +220,7 @@ class Homes:
             table.states.recency[(h, Tier.HOST)] = None
             rec._residency[Tier.HOST] = Residency.RESIDENT
         elif staging is not None:  # the NVMe write runs on a worker, as a store's does
-            home.move = table.states.executor.submit(StorePlan(h, home, staging), Tier.HOST, Tier.NVME, run_store,
-                                              self._finish_store, key=Tier.NVME)
+            self._write_home(h, home, staging)
         rec._residency[h.home] = Residency.HOME
         return rec
 
@@ -238,6 +236,11 @@ class Homes:
         table.room.remove_home(h)
         del table.states.index[h], table.states.names[h.name]
         rec._residency[h.home] = Residency.ABSENT
+
+    def _write_home(self, h: TensorHandle, home: Copy, staging: torch.Tensor) -> None:
+        """Submit the write of the host `staging` bytes to the NVMe `home` (a worker runs it)."""
+        home.move = self.table.states.executor.submit(StorePlan(h, home, staging), Tier.HOST, Tier.NVME,
+                                                      run_store, self._finish_store, key=Tier.NVME)
 
     def _finish_store(self, plan: StorePlan, outcome: object) -> None:
         table = self.table

@@ -270,7 +270,7 @@ class PlacementManager(contextlib.AbstractContextManager):
         """Write every dirty cached copy home, wait for every move in flight; raise the first
         write-back error since the last flush."""
         with self._table.cond:
-            self._table.states.write_back(None)
+            self._table.states.write_back_dirty()
         self.settle()
 
     def settle(self) -> None:

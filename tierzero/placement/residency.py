@@ -39,8 +39,9 @@ T = TypeVar("T")
 class CopyStates:
     """The records of the placed tensors and the state machine of their copies.
 
-    Its transition methods are the only writers of residency and copies (with Homes' two, for
-    the homes); each writes the residency it moves to as its last line. Moves run on the
+    Its transition methods are the only writers of residency and copies (with Homes' for the
+    homes: to_home, forget, and store's overwrite of every copy); each writes the residency it
+    moves to as its last line. Moves run on the
     executor's workers (plans.py) and commit here under `cond`, which guards everything here
     and in `room`; every commit notifies waiters.
 
@@ -49,6 +50,7 @@ class CopyStates:
         _finish_fetch      FETCHING -> RESIDENT         committed (-> ABSENT: failed or stale)
         start_writeback    RESIDENT -> WRITING_BACK     a dirty release, submitted
         _finish_writeback  WRITING_BACK -> RESIDENT     committed (-> ABSENT: stale, unpinned)
+        release            RESIDENT -> WRITING_BACK     a dirty release (lazy: content DIRTY)
         free               RESIDENT -> ABSENT           evicted, dropped, or stale and unpinned
     and in Homes: to_home (unregistered -> HOME), forget (every tier -> ABSENT). A copy's
     content (records.Content), pins and move change only here too.
@@ -91,11 +93,10 @@ class CopyStates:
         source_fetch = source.move
         if source_fetch is not None and source_fetch.dst is not src:
             source_fetch = None  # the source's own write-back: it reads what this fetch reads
-        in_flight = [c.move for c in rec._copies.values() if c.move is not None]
         plan = FetchPlan(h, src, tier, source, Copy(bufs[0], self.stores[tier].view(bufs[0], h)),
                          as_memory(bufs[1]) if len(bufs) > 1 else None,
                          self.streams.compute_ready() if src is Tier.DEVICE else source.event,
-                         tuple(m.future for m in in_flight if m.dst is src),  # not the home's write
+                         tuple(m.future for m in rec.in_flight if m.dst is src),  # not the home's write
                          source_fetch.future if source_fetch is not None else None, cf.Future())
         source.pins += 1  # keeps the source from being evicted while the move reads it
         source.used = True  # a prefetched copy that a move reads has served its read
@@ -166,15 +167,9 @@ class CopyStates:
         self.stores[tier].free(copy.buffer)
         rec._residency[tier] = Residency.ABSENT
 
-    def write_back(self, h: TensorHandle, tier: Tier | None = None) -> bool:
+    def write_back(self, h: TensorHandle, tier: Tier) -> bool:
         """Start writing the copy on `tier` home if it is dirty, unpinned and resident; whether
-        it started (lazy releases leave dirty copies: room, drop() and flush() take them home).
-        tier None: every cached copy of every tensor (flush()), h ignored."""
-        if tier is None:
-            for rec in self.index.values():
-                for t in [t for t in rec._copies if t is not rec.home]:
-                    self.write_back(rec.handle, t)
-            return True
+        it started (lazy releases leave dirty copies: room, drop() and flush() take them home)."""
         rec = self.index[h]
         copy = rec._copies.get(tier)
         if (copy is None or copy.content is not Content.DIRTY or copy.pins
@@ -182,6 +177,12 @@ class CopyStates:
             return False
         self.start_writeback(rec, tier, None)
         return True
+
+    def write_back_dirty(self) -> None:
+        """`write_back` every cached copy of every tensor (flush())."""
+        for rec in self.index.values():
+            for tier in [t for t in rec._copies if t is not rec.home]:
+                self.write_back(rec.handle, tier)
 
     def commit_home(self, h: TensorHandle, outcome: Outcome) -> None:
         """A write to the home finished: its legs go to telemetry, its error to the next flush()
@@ -193,6 +194,30 @@ class CopyStates:
         else:
             self.errors.append(outcome.error)
             rec._home_error = outcome.error
+
+    def release(self, rec: TensorRecord, tier: Tier, *, dirty: bool, lazy: bool, staging: torch.Tensor | None,
+                written: CopyEvent | None) -> None:
+        """An acquire's pin given back, the copy now the most recently used; a dirty cached copy
+        RESIDENT -> WRITING_BACK (through `staging` for device -> NVMe), or with `lazy` only
+        DIRTY; a dirty home invalidates the cached copies. `written`: the copy's last write,
+        still in flight, which its readers and its free wait for."""
+        copy = rec._copies[tier]
+        me = threading.get_ident()
+        copy.holders.remove(me if me in copy.holders else copy.holders[0])  # released by another thread
+        self.touch(rec.handle, tier)
+        if written is not None:
+            copy.event = written
+        if dirty and tier is not rec.home:
+            copy.pins -= 1
+            if lazy:
+                copy.content = Content.DIRTY
+                self.invalidate(rec, keep=tier)
+            else:
+                self.start_writeback(rec, tier, staging)
+        else:
+            self.unpin(rec, tier, copy)
+            if dirty:
+                self.invalidate(rec, keep=tier)
 
     def pin(self, rec: TensorRecord, tier: Tier) -> Copy:
         copy = rec._copies[tier]
@@ -395,11 +420,9 @@ class ResidencyTable:
             raise error
 
     def _release(self, rec: TensorRecord, tier: Tier, dirty: bool, lazy: bool, written: CopyEvent | None) -> None:
-        """Unpin an acquire's pin, the copy now the most recently used; a dirty cached copy is
-        written back (through a staging buffer for device -> NVMe), or with `lazy` only marked
-        dirty (written back when its room is needed, or never if discarded first); a dirty home
-        invalidates the cached copies. `written`: the copy's last write, still in flight, which
-        its readers and its free wait for."""
+        """Checked, and once the copy's move and a staging buffer allow it, CopyStates.release:
+        a dirty cached copy is written back, or with `lazy` only marked dirty (written back when
+        its room is needed, or never if discarded first)."""
         h = rec.handle
         lazy = lazy and dirty and tier is not h.home and not staging_needs(tier, h.home, h.nbytes)
         with self.cond:
@@ -420,22 +443,7 @@ class ResidencyTable:
                 if bufs is None or isinstance(bufs, Shortfall):
                     bufs = self.until(take, rec, f"release({h.name!r}, {tier.value!r}, dirty=True)")
                 staging = as_memory(bufs[0]) if bufs else None
-            me = threading.get_ident()
-            copy.holders.remove(me if me in copy.holders else copy.holders[0])  # released by another thread
-            self.states.touch(h, tier)
-            if written is not None:
-                copy.event = written
-            if dirty and tier is not h.home:
-                copy.pins -= 1
-                if lazy:
-                    copy.content = Content.DIRTY
-                    self.states.invalidate(rec, keep=tier)
-                else:
-                    self.states.start_writeback(rec, tier, staging)
-            else:
-                self.states.unpin(rec, tier, copy)
-                if dirty:
-                    self.states.invalidate(rec, keep=tier)
+            self.states.release(rec, tier, dirty=dirty, lazy=lazy, staging=staging, written=written)
             self.cond.notify_all()
 
     def discard(self, rec: TensorRecord) -> None:
@@ -444,11 +452,7 @@ class ResidencyTable:
         home keeps whatever it held last."""
         with self.cond:
             self.check(rec)
-            for tier in [t for t in rec._copies if t is not rec.home]:
-                if rec._residency[tier] is Residency.RESIDENT and rec._copies[tier].pins == 0:
-                    self.states.free(rec.handle, tier)
-                else:
-                    rec._copies[tier].content = Content.STALE
+            self.states.invalidate(rec, keep=rec.home)  # (the home's contents stay)
             self.cond.notify_all()
 
     def drop(self, rec: TensorRecord, tier: Tier) -> None:
@@ -472,12 +476,8 @@ class ResidencyTable:
         return None if rec._residency[tier] in MOVING or (copy is not None and copy.content is Content.DIRTY) else True
 
     def close(self) -> None:
-        """Join the workers, then take every tensor to ABSENT (pinned copies too)."""
+        """Join the workers: every move committed (Homes.close then forgets every record)."""
         self.states.executor.close()
-        with self.cond:
-            for rec in tuple(self.index.values()):
-                for tier in [t for t in rec._copies if t is not rec.home]:
-                    self.states.free(rec.handle, tier)
 
     def in_flight(self) -> int:
         """Moves in flight, of every tensor."""
