@@ -157,8 +157,7 @@ class Homes:
             if dirty is not None:  # newer than the home
                 dirty.event.synchronize()
                 return dirty.tensor.detach().to("cpu", copy=True) if out is None else typed(out, h).copy_(dirty.tensor)
-            if rec._home_error is not None:
-                check_home(rec)
+            check_home(rec)
             home = rec._copies[rec.home]
             home.event.synchronize()
             if home.tensor is not None:

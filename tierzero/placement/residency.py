@@ -84,7 +84,7 @@ class CopyStates:
         host = rec._copies.get(Tier.HOST)
         if tier is Tier.DEVICE and h.home is Tier.NVME and host is not None and host.content is not Content.STALE:
             src = Tier.HOST  # a cached host copy saves the NVMe read and the staging buffer
-        if src is rec.home and rec._home_error is not None:
+        if src is rec.home:
             check_home(rec)
         bufs = self.room.take([(tier, h.nbytes)] + staging_needs(src, tier, h.nbytes), h, speculative=speculative)
         if isinstance(bufs, Shortfall):
@@ -400,8 +400,7 @@ class ResidencyTable:
                 if home_written(rec) is None:
                     self.until(lambda: home_written(rec), rec,
                                f"acquire({h.name!r}) waiting for write-backs to its home")
-                if rec._home_error is not None:
-                    check_home(rec)
+                check_home(rec)
                 copy = self.states.pin(rec, h.home)
             return copy.event, copy.tensor
 
