@@ -64,30 +64,29 @@ class FlatGrad:
         through p.grad])."""
 
     @contextlib.contextmanager
-    def acquire(self, *, writable: bool = False, tier: Tier | None = None) -> Iterator[torch.Tensor]:
-        """This rank's shard as stored (its dtype, without the pending factor) on `tier` (None:
-        the tier the CPU works on it in; an update elsewhere takes a copy there)."""
+    def acquire(self, *, writable: bool = False) -> Iterator[torch.Tensor]:
+        """This rank's shard as stored (its dtype, without the pending factor) on the tier the
+        CPU works on it in (an update elsewhere holds it with `to_hold`)."""
         self.slots.settle()
-        with self._stored(writable=writable, tier=tier) as buf:
+        with self._stored(writable=writable) as buf:
             yield self.mine(buf)
 
-    def to_hold(self, tier: Tier | None = None) -> tuple[TensorHandle, Tier]:
-        """(handle, tier) for a caller that holds the stored gradient beside other tensors in
-        one PlacementManager.hold, released clean (as `acquire` alone does); `mine` of what it
-        holds is this rank's shard."""
+    def to_hold(self, tier: Tier) -> tuple[TensorHandle, Tier]:
+        """(handle, tier) for a caller that holds the stored gradient on `tier` beside other
+        tensors in one PlacementManager.hold, released clean (as `acquire` alone does); `mine`
+        of what it holds is this rank's shard."""
         self.slots.settle()
-        return self.handle, tier or self.handle.staging
+        return self.handle, tier
 
     def mine(self, buf: torch.Tensor) -> torch.Tensor:
         """This rank's shard of the stored gradient `buf` (all of it, but at stage 1)."""
         return buf[slice(*self.layout.shard_range(self.ctx.rank))] if self.whole else buf
 
     @contextlib.contextmanager
-    def _stored(self, *, writable: bool = False, overwrite: bool = False,
-                tier: Tier | None = None) -> Iterator[torch.Tensor]:
+    def _stored(self, *, writable: bool = False, overwrite: bool = False) -> Iterator[torch.Tensor]:
         """The stored gradient (the whole one at stage 1); overwrite=True: the caller writes all
         of it, so the stored bytes are not read."""
-        pm, tier = self.ctx.pm, tier or self.handle.staging
+        pm, tier = self.ctx.pm, self.handle.staging
         buf = pm.acquire(self.handle, tier, overwrite=overwrite)
         try:
             yield buf
@@ -105,9 +104,10 @@ class FlatGrad:
             return g
         return g.mul_(self.scale) if inplace else g * self.scale
 
-    def prefetch(self, *, speculative: bool = False, tier: Tier | None = None) -> None:
+    def prefetch(self) -> None:
+        """Start reading the stored gradient toward the tier the CPU works on it in."""
         if not self.empty:
-            self.ctx.pm.prefetch(self.handle, tier or self.handle.staging, speculative=speculative)
+            self.ctx.pm.prefetch(self.handle, self.handle.staging)
 
     def scaled_pieces(self, g: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
         """`scaled` of each slice [lo, hi) of `g` in `bounds` (an update's pieces), in fp32."""
