@@ -56,9 +56,6 @@ class DeviceAccount:
         self._held: dict[str, HeldBlock] = {}
         self.held: Mapping[str, HeldBlock] = MappingProxyType(self._held)
         """Blocks fetched now, by name (read-only)."""
-        self._held_bytes: dict[str, int] = {}
-        """Each held block's device bytes, as it was held (what its release gives back)."""
-        self._held_sum = 0
         self._homes = 0
         self._activations = 0
         self._activation_homes = 0
@@ -70,7 +67,8 @@ class DeviceAccount:
     def free_bytes(self) -> int:
         """Bytes of the device budget not taken by device-homed tensors, held blocks, the placed
         activations kept on the device and early capture's buffers."""
-        return self.budget - self._homes - self._held_sum - self._activations - self._capture
+        held = sum(block.nbytes for block in self._held.values())
+        return self.budget - self._homes - held - self._activations - self._capture
 
     def free_for_prefetch(self) -> int:
         """`free_bytes()` less the placed activations brought ahead of backward and not used yet: the
@@ -96,13 +94,9 @@ class DeviceAccount:
 
     def hold(self, block: HeldBlock) -> None:
         self._held[block.name] = block
-        nbytes = block.nbytes
-        self._held_sum += nbytes - self._held_bytes.get(block.name, 0)
-        self._held_bytes[block.name] = nbytes
 
     def release(self, block: HeldBlock) -> None:
         del self._held[block.name]
-        self._held_sum -= self._held_bytes.pop(block.name)
 
     def add_activations(self, nbytes: int, *, home: bool = False) -> None:
         """Placed activations took (or, negative, gave back) device bytes; `home`: packs homed
