@@ -71,7 +71,7 @@ def region_offsets(sizes: Sequence[int]) -> list[int]:
     the file's size: each region starts on a page and is padded to a whole page."""
     offsets = [0]
     for n in sizes:
-        offsets.append(offsets[-1] - (-n // PAGE) * PAGE)
+        offsets.append(offsets[-1] + round_up(n))
     return offsets
 
 
