@@ -292,10 +292,10 @@ class PlacementManager(contextlib.AbstractContextManager):
             raise errors[0]
 
     def bytes_used(self, tier: Tier | str) -> int:
-        return self.budgets[tier if isinstance(tier, Tier) else Tier.parse(tier)].used
+        return self.budgets[Tier.parse(tier)].used
 
     def peak_bytes(self, tier: Tier | str) -> int:
-        return self.budgets[tier if isinstance(tier, Tier) else Tier.parse(tier)].peak
+        return self.budgets[Tier.parse(tier)].peak
 
     def budget(self, tier: Tier | str) -> int:
         return self.budgets[tier if isinstance(tier, Tier) else Tier.parse(tier)].limit
